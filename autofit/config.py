@@ -1,0 +1,111 @@
+"""The training configuration autofit searches over: a frozen, validated dataclass."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+
+from autofit.errors import ConfigError
+
+
+class Precision(str, enum.Enum):
+    """How a training step uses floating point.
+
+    ``amp-*`` is ``torch.autocast`` over fp32 weights, gradients and optimizer state
+    (plus a ``GradScaler`` for fp16); ``bf16`` keeps all of them in bfloat16.
+    """
+
+    FP32 = "fp32"
+    AMP_FP16 = "amp-fp16"
+    AMP_BF16 = "amp-bf16"
+    BF16 = "bf16"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def is_amp(self) -> bool:
+        return self in (Precision.AMP_FP16, Precision.AMP_BF16)
+
+
+FIELDS = ("precision", "micro_batch", "grad_accum", "checkpoint_every", "device_split")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One point of the search space. Field names are a public contract (also in JSON).
+
+    - ``precision``: a :class:`Precision` (strings such as ``"amp-bf16"`` are accepted).
+    - ``micro_batch`` >= 1: samples per forward/backward.
+    - ``grad_accum`` >= 1: micro-batches per optimizer step.
+    - ``checkpoint_every`` >= 0: 0 is off; k makes each run of k consecutive layers one
+      checkpointed segment (``torch.utils.checkpoint``, non-reentrant).
+    - ``device_split`` >= 1: the layers cut into that many contiguous pipeline stages.
+
+    Raises ConfigError on a bad value.
+    """
+
+    precision: Precision = Precision.FP32
+    micro_batch: int = 1
+    grad_accum: int = 1
+    checkpoint_every: int = 0
+    device_split: int = 1
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "precision", Precision(str(self.precision).lower()))
+        except ValueError:
+            raise ConfigError(
+                f"invalid precision {str(self.precision)!r}: expected one of "
+                + ", ".join(p.value for p in Precision)
+            ) from None
+        for name, minimum in (("micro_batch", 1), ("grad_accum", 1), ("checkpoint_every", 0), ("device_split", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ConfigError(f"invalid {name} {value!r}: expected an integer >= {minimum}")
+
+    @property
+    def samples_per_step(self) -> int:
+        """Samples per optimizer step (the global batch on one data-parallel replica)."""
+        return self.micro_batch * self.grad_accum
+
+    def to_dict(self) -> dict:
+        """The five public fields, JSON-ready."""
+        return {"precision": self.precision.value, **{f: getattr(self, f) for f in FIELDS[1:]}}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TrainConfig":
+        """Build from a mapping of the public field names; unknown keys raise ConfigError."""
+        unknown = set(data) - set(FIELDS)
+        if unknown:
+            raise ConfigError(f"unknown config key(s) {sorted(unknown)}: expected {', '.join(FIELDS)}")
+        return cls(**data)
+
+    @classmethod
+    def parse(cls, text: str, base: "TrainConfig | None" = None) -> "TrainConfig":
+        """Parse ``"precision=amp-bf16,micro_batch=8"`` over ``base`` (default: the defaults).
+
+        Raises ConfigError naming the bad part.
+        """
+        values: dict = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, sep, value = part.partition("=")
+            key = key.strip().replace("-", "_")
+            if not sep or not value.strip():
+                raise ConfigError(f"invalid config item {part!r}: expected key=value, e.g. micro_batch=8")
+            if key not in FIELDS:
+                raise ConfigError(f"unknown config key {key!r}: expected one of {', '.join(FIELDS)}")
+            value = value.strip()
+            if key != "precision":
+                try:
+                    value = int(value)
+                except ValueError:
+                    raise ConfigError(f"invalid {key} {value!r}: expected an integer") from None
+            values[key] = value
+        return dataclasses.replace(base or cls(), **values)
+
+    def short(self) -> str:
+        """Compact one-line form, e.g. ``amp-bf16 mb=8 ga=4 ckpt=2 split=1``."""
+        return (f"{self.precision.value} mb={self.micro_batch} ga={self.grad_accum} "
+                f"ckpt={self.checkpoint_every} split={self.device_split}")

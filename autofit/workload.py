@@ -1,0 +1,130 @@
+"""The workload contract: the one place user code enters autofit."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from autofit.errors import WorkloadError
+
+
+def largest_module_list(model: nn.Module) -> nn.ModuleList:
+    """The ``nn.ModuleList`` with the most parameters: the default repeated-block list.
+
+    Raises WorkloadError when the model has no ModuleList.
+    """
+    best, best_count = None, -1
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            count = sum(p.numel() for p in module.parameters())
+            if count > best_count:
+                best, best_count = module, count
+    if best is None:
+        raise WorkloadError(
+            f"{type(model).__name__} has no nn.ModuleList of layers; pass layers=lambda m: m.<your blocks>"
+        )
+    return best
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What autofit needs to train a model.
+
+    - ``name``: a short identifier used in tables and cache keys.
+    - ``model()``: a fresh ``nn.Module`` in fp32, on the CPU (autofit moves it).
+    - ``batch(n)``: ``(inputs, targets)`` for ``n`` samples, on the CPU.
+    - ``loss(outputs, targets)``: a scalar tensor.
+    - ``optimizer(params)``: a ``torch.optim.Optimizer`` over ``params``.
+    - ``layers(model)``: the ``nn.ModuleList`` of repeated blocks that checkpointing and
+      device split act on (default: the largest ModuleList). The model must call them in
+      order, each taking the previous one's output as its first argument.
+    - ``tokens_per_sample``: optional, to report tokens/s.
+
+    Example::
+
+        Workload(name="mlp", model=lambda: Net(), batch=make_batch, loss=F.cross_entropy,
+                 optimizer=lambda ps: torch.optim.AdamW(ps), layers=lambda m: m.blocks)
+    """
+
+    name: str
+    model: Callable[[], nn.Module]
+    batch: Callable[[int], tuple[Any, Any]]
+    loss: Callable[[Any, Any], torch.Tensor]
+    optimizer: Callable[[Any], torch.optim.Optimizer] = field(default=lambda params: torch.optim.AdamW(params))
+    layers: Callable[[nn.Module], nn.ModuleList] = largest_module_list
+    tokens_per_sample: int | None = None
+    description: str = ""
+    # Extra facts for reports and cache keys (e.g. preset hyper-parameters); never read by the estimator.
+    meta: dict = field(default_factory=dict)
+    # How to rebuild this workload in another process (the --model spec); set by load_workload.
+    source: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise WorkloadError("Workload.name must be a non-empty string")
+        for attr in ("model", "batch", "loss", "optimizer", "layers"):
+            if not callable(getattr(self, attr)):
+                raise WorkloadError(f"Workload.{attr} must be callable, got {type(getattr(self, attr)).__name__}")
+        if self.tokens_per_sample is not None and (not isinstance(self.tokens_per_sample, int) or self.tokens_per_sample < 1):
+            raise WorkloadError(f"Workload.tokens_per_sample must be a positive integer, got {self.tokens_per_sample!r}")
+
+
+def load_workload(spec: str | Workload) -> Workload:
+    """Resolve ``--model``: a built-in name, ``path/to/file.py:function`` or ``package.module:function``.
+
+    The function is called with no arguments and must return a Workload.
+    Raises WorkloadError with a one-line reason otherwise.
+    """
+    if isinstance(spec, Workload):
+        return spec
+    from autofit.workloads import BUILTINS
+
+    if spec in BUILTINS:
+        return dataclasses.replace(BUILTINS[spec](), source=spec)
+    if ":" not in spec:
+        raise WorkloadError(
+            f"unknown model {spec!r}: expected a built-in ({', '.join(BUILTINS)}), "
+            "path/to/file.py:function or package.module:function"
+        )
+    target, _, func_name = spec.rpartition(":")
+    module = _import_target(target, spec)
+    func = getattr(module, func_name, None)
+    if func is None or not callable(func):
+        raise WorkloadError(f"{spec!r}: {target} has no function {func_name!r}")
+    try:
+        workload = func()
+    except Exception as exc:  # user code: report, don't crash
+        raise WorkloadError(f"{spec!r}: {func_name}() raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(workload, Workload):
+        raise WorkloadError(f"{spec!r}: {func_name}() returned {type(workload).__name__}, expected autofit.Workload")
+    return dataclasses.replace(workload, source=spec)
+
+
+def _import_target(target: str, spec: str):
+    if target.endswith(".py") or "/" in target or "\\" in target:
+        path = Path(target)
+        if not path.is_file():
+            raise WorkloadError(f"{spec!r}: no such file {target}")
+        module_name = f"autofit_user_{abs(hash(str(path.resolve())))}"
+        loader_spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[module_name] = module  # dataclasses and pickling look modules up here
+        try:
+            loader_spec.loader.exec_module(module)
+        except Exception as exc:
+            raise WorkloadError(f"{spec!r}: importing {target} raised {type(exc).__name__}: {exc}") from exc
+        return module
+    try:
+        return importlib.import_module(target)
+    except ImportError as exc:
+        raise WorkloadError(f"{spec!r}: cannot import module {target!r} ({exc})") from exc
+    except Exception as exc:
+        raise WorkloadError(f"{spec!r}: importing {target} raised {type(exc).__name__}: {exc}") from exc
