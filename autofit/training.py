@@ -65,9 +65,9 @@ def checkpoint_layers(layers: nn.ModuleList, every: int) -> None:
         state: dict = {}
 
         def run_segment(x, *args, _segment=segment, **kwargs):
-            out = x
-            for forward in _segment:
-                out = forward(_first_tensor(out) if out is not x else x, *args, **kwargs)
+            out = _segment[0](x, *args, **kwargs)
+            for forward in _segment[1:]:
+                out = forward(_first_tensor(out), *args, **kwargs)
             return out
 
         def head_forward(x, *args, _run=run_segment, _state=state, **kwargs):
@@ -120,7 +120,8 @@ def make_micro_batches(workload: Workload, config: TrainConfig, device: torch.de
     return [to_device(workload.batch(config.micro_batch), device, float_dtype) for _ in range(config.grad_accum)]
 
 
-def forward_backward(trainee: Trainee, inputs: Any, targets: Any) -> torch.Tensor:
+def forward_backward(trainee: Trainee, inputs: Any, targets: Any,
+                     before_backward: Callable[[], None] | None = None) -> torch.Tensor:
     """One micro-step: forward under the config's precision, loss divided by ``grad_accum``, backward.
 
     Dividing the loss (not the gradients) makes the accumulated gradient equal one step over
@@ -132,6 +133,8 @@ def forward_backward(trainee: Trainee, inputs: Any, targets: Any) -> torch.Tenso
     scaled = loss / trainee.config.grad_accum
     if trainee.scaler is not None:
         scaled = trainee.scaler.scale(scaled)
+    if before_backward is not None:  # the profiler marks the forward/backward boundary here
+        before_backward()
     scaled.backward()
     return loss.detach()
 

@@ -1,0 +1,129 @@
+"""Search spaces: TOML files listing the values of each TrainConfig dimension."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from autofit.config import Precision, TrainConfig
+from autofit.errors import AutofitError, SpaceError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+SPACES_DIR = Path(__file__).resolve().parent.parent / "search_spaces"
+_DIMENSIONS = ("precision", "micro_batch", "grad_accum", "checkpoint_every", "device_split")
+_KEYS = set(_DIMENSIONS) | {"global_batch", "description"}
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """The values of each dimension. With ``global_batch`` set, ``grad_accum`` is derived as
+    ``global_batch / micro_batch`` and only micro-batches that divide it are kept."""
+
+    precision: tuple[Precision, ...]
+    micro_batch: tuple[int, ...]
+    grad_accum: tuple[int, ...] = (1,)
+    checkpoint_every: tuple[int, ...] = (0,)
+    device_split: tuple[int, ...] = (1,)
+    global_batch: int | None = None
+    source: str = "<inline>"
+
+    def configs(self) -> list[TrainConfig]:
+        """Every config in the space, in a stable order."""
+        out = []
+        for prec, mb, ga, ck, ds in itertools.product(
+            self.precision, self.micro_batch, self.grad_accum, self.checkpoint_every, self.device_split
+        ):
+            if self.global_batch is not None:
+                ga = self.global_batch // mb
+            out.append(TrainConfig(prec, mb, ga, ck, ds))
+        return list(dict.fromkeys(out))  # a fixed global batch collapses the grad_accum axis
+
+    def with_global_batch(self, global_batch: int) -> "SearchSpace":
+        """This space with a fixed global batch (validated as if it were in the file)."""
+        data = {d: [v.value if isinstance(v, Precision) else v for v in getattr(self, d)] for d in _DIMENSIONS}
+        data["global_batch"] = global_batch
+        return space_from_dict(data, self.source)
+
+    def __len__(self) -> int:
+        return len(self.configs())
+
+
+def _values(data: dict, key: str, source: str, kind) -> tuple:
+    values = data[key] if isinstance(data[key], list) else [data[key]]
+    if not values:
+        raise SpaceError(f"{source}: key {key!r} is an empty list; give at least one value")
+    try:
+        if kind is Precision:
+            return tuple(Precision(str(v).lower()) for v in values)
+        parsed = tuple(v for v in values if isinstance(v, int) and not isinstance(v, bool))
+        if len(parsed) != len(values):
+            raise ValueError
+    except ValueError:
+        expected = ", ".join(p.value for p in Precision) if kind is Precision else "integers"
+        raise SpaceError(f"{source}: key {key!r} has invalid values {values!r}; expected {expected}") from None
+    return tuple(dict.fromkeys(parsed))
+
+
+def space_from_dict(data: dict, source: str = "<inline>") -> SearchSpace:
+    """Validate a parsed TOML mapping. Raises SpaceError naming ``source`` and the key."""
+    unknown = sorted(set(data) - _KEYS)
+    if unknown:
+        raise SpaceError(f"{source}: unknown key {unknown[0]!r}; expected {', '.join(sorted(_KEYS))}")
+    for key in ("precision", "micro_batch"):
+        if key not in data:
+            raise SpaceError(f"{source}: missing key {key!r}")
+    values = {d: _values(data, d, source, Precision if d == "precision" else int) for d in _DIMENSIONS if d in data}
+    global_batch = data.get("global_batch")
+    if global_batch is not None:
+        if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+            raise SpaceError(f"{source}: key 'global_batch' must be a positive integer, got {global_batch!r}")
+        divisors = tuple(mb for mb in values["micro_batch"] if global_batch % mb == 0)
+        if not divisors:
+            raise SpaceError(
+                f"{source}: key 'global_batch' = {global_batch} is divided by no micro_batch in {list(values['micro_batch'])}"
+            )
+        values["micro_batch"] = divisors
+        values["grad_accum"] = (1,)  # derived per micro-batch in configs()
+    space = SearchSpace(**values, global_batch=global_batch, source=source)
+    try:
+        space.configs()
+    except AutofitError as exc:
+        raise SpaceError(f"{source}: {exc}") from None
+    return space
+
+
+def load_space(path: str | Path | None = None) -> SearchSpace:
+    """Load a search space: a path to a TOML file, or a name in ``search_spaces/`` (default: ``default``).
+
+    Raises SpaceError for a missing file, bad TOML, unknown keys, empty lists or a global
+    batch no micro-batch divides.
+    """
+    path = Path(path) if path is not None else SPACES_DIR / "default.toml"
+    if not path.exists() and not path.suffix and (SPACES_DIR / f"{path}.toml").exists():
+        path = SPACES_DIR / f"{path}.toml"
+    if not path.is_file():
+        raise SpaceError(f"{path}: no such search-space file")
+    try:
+        data = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise SpaceError(f"{path}: not valid TOML ({exc})") from None
+    return space_from_dict(data, str(path))
+
+
+def configs_as_arrays(configs: list[TrainConfig]) -> dict[str, np.ndarray]:
+    """Column arrays of the five fields (precision as its string value), for vectorized scoring."""
+    return {
+        "precision": np.array([c.precision.value for c in configs]),
+        "micro_batch": np.array([c.micro_batch for c in configs], dtype=np.int64),
+        "grad_accum": np.array([c.grad_accum for c in configs], dtype=np.int64),
+        "checkpoint_every": np.array([c.checkpoint_every for c in configs], dtype=np.int64),
+        "device_split": np.array([c.device_split for c in configs], dtype=np.int64),
+    }
