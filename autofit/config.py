@@ -109,3 +109,19 @@ class TrainConfig:
         """Compact one-line form, e.g. ``amp-bf16 mb=8 ga=4 ckpt=2 split=1``."""
         return (f"{self.precision.value} mb={self.micro_batch} ga={self.grad_accum} "
                 f"ckpt={self.checkpoint_every} split={self.device_split}")
+
+
+def stage_bounds(n_layers: int, device_split: int) -> list[tuple[int, int]]:
+    """Contiguous ``[start, end)`` layer ranges, one per stage; earlier stages take the extra layers.
+
+    Raises ConfigError when there are more stages than layers.
+    """
+    if device_split > n_layers:
+        raise ConfigError(f"device_split {device_split} exceeds the {n_layers} layers to split")
+    base, extra = divmod(n_layers, device_split)
+    bounds, start = [], 0
+    for s in range(device_split):
+        end = start + base + (1 if s < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds

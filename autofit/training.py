@@ -96,20 +96,39 @@ class Trainee:
     device: torch.device
 
 
+def build_model(workload: Workload, precision: Precision, device: torch.device, fake: bool = False) -> nn.Module:
+    """A fresh model in the precision's parameter dtype on ``device``.
+
+    On fake tensors ``Module.to`` cannot swap parameters, so the model is built directly
+    in place (default device and dtype set), which gives the same tensors.
+    """
+    dtype = param_dtype(precision)
+    if not fake:
+        return workload.model().to(device=device, dtype=dtype)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return workload.model()
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def build_trainee(workload: Workload, config: TrainConfig, device: str | torch.device = "cpu",
-                  use_scaler: bool = True) -> Trainee:
+                  fake: bool = False) -> Trainee:
     """Build a fresh model and optimizer for ``config`` on ``device`` (single stage).
 
-    ``use_scaler=False`` leaves out the GradScaler (the profiler's fake tensors cannot
-    answer its ``found_inf.item()``); its state is a few scalars.
+    ``fake=True`` is the profiler's mode (under ``FakeTensorMode``): the model is built in
+    place and the GradScaler is left out (fake tensors cannot answer its
+    ``found_inf.item()``; its state is a few scalars).
     """
     device = torch.device(device)
-    model = workload.model().to(device=device, dtype=param_dtype(config.precision))
+    model = build_model(workload, config.precision, device, fake)
     model.train()
     checkpoint_layers(workload.layers(model), config.checkpoint_every)
     optimizer = workload.optimizer(model.parameters())
     scaler = None
-    if config.precision is Precision.AMP_FP16 and use_scaler:
+    if config.precision is Precision.AMP_FP16 and not fake:
         scaler = torch.amp.GradScaler(device.type)
     return Trainee(workload, config, model, optimizer, scaler, device)
 

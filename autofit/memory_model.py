@@ -1,0 +1,373 @@
+"""The analytic memory model: a profile and configs in, per-device peak bytes out.
+
+The profile (:mod:`autofit.profile`) cut one real micro-step into regions. Here those regions
+are laid end to end again for any config, as PyTorch would run it:
+
+- gradients: set to None before the first micro-step and grown during its backward; later
+  accumulation micro-steps start with all of them (``*_nongrad`` regions + all gradients);
+- checkpointing (non-reentrant, segments of k layers): the forward keeps only each segment's
+  output; the backward of a segment first recomputes its forward, then runs its backward;
+- device split: stage s holds its layers (plus the embedding on the first stage and the head
+  on the last), and under 1F1B up to ``min(grad_accum, p - s)`` micro-batches in flight
+  (GPipe: all ``grad_accum``);
+- the optimizer step: weights + gradients + state + the step's own temporaries;
+- on CUDA: the context and allocator reserve that ``max_memory_allocated`` does not see.
+
+Every quantity is a line ``c0 + c1·b`` in the micro-batch b, so for one structure (precision,
+checkpoint interval, split) the peak is the upper envelope of a few dozen lines, evaluated for
+all micro-batches and accumulation counts at once with numpy.
+
+Known limitations: the forward peak inside a checkpointed segment is bounded by the
+un-checkpointed layer's peak (a slight over-estimate); pipeline runtime buffers are modelled
+as one received activation and one received gradient per micro-batch; the CUDA overhead is a
+documented constant until a search calibrates it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import numpy as np
+import pandas as pd
+
+from autofit.config import FIELDS, Precision, TrainConfig, stage_bounds
+from autofit.errors import ConfigError
+from autofit.profile import Line, PrecisionProfile, Profile, Region
+
+# The CUDA context lives outside the caching allocator: about 300-500 MB with lazy module
+# loading (pytorch #107667, FACTS.md); cuBLAS workspaces add a few MiB.
+CUDA_CONTEXT_BYTES = 450 * 2**20
+# Reserved exceeds allocated by fragmentation: 5-30% in the field (FACTS.md); 10% until calibrated.
+CUDA_FRAGMENTATION = 0.10
+
+SCHEDULES = ("1F1B", "GPipe")
+BREAKDOWN = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "temporary_bytes", "overhead_bytes")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """The predicted peak of one config, with the breakdown at the peak of the largest device."""
+
+    workload: str
+    device_type: str
+    config: TrainConfig
+    param_count: int
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int
+    temporary_bytes: int
+    overhead_bytes: int
+    model_state_bytes: int          # weights + gradients + optimizer state of the whole model
+    peak_bytes: int                 # the largest device's peak
+    per_device_peak_bytes: tuple[int, ...]
+    peak_phase: str                 # forward/backward of the first or a later micro-step, or optimizer
+    budget_bytes: int | None = None
+    fits: bool | None = None
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def to_dict(self) -> dict:
+        """JSON-ready; the field names are a public contract."""
+        out = {
+            "workload": self.workload, "device_type": self.device_type, "budget_bytes": self.budget_bytes,
+            "config": self.config.to_dict(), "param_count": self.param_count,
+        }
+        out.update({name: getattr(self, name) for name in BREAKDOWN})
+        out.update({
+            "model_state_bytes": self.model_state_bytes, "peak_bytes": self.peak_bytes,
+            "per_device_peak_bytes": list(self.per_device_peak_bytes), "peak_phase": self.peak_phase,
+            "fits": self.fits, "notes": list(self.notes),
+        })
+        return out
+
+
+# --------------------------------------------------------------------------------------
+# One stage's micro-step as lines.
+
+
+def _add(a: Line, b: Line, scale: float = 1.0) -> Line:
+    return (a[0] + scale * b[0], a[1] + scale * b[1])
+
+
+@dataclass(frozen=True)
+class _StageLines:
+    """Peaks of one stage's micro-step, relative to the stage's weights + optimizer state.
+
+    ``first``: lines for the first micro-step (no gradients at its start), with the
+    gradients alive at each peak and the activations held at its start;
+    ``later``: lines for later micro-steps, relative to weights + state + all gradients.
+    """
+
+    first: np.ndarray          # (E, 2) c0, c1
+    first_grads: np.ndarray    # (E,) gradient bytes alive at each line's peak (upper bound)
+    first_acts: np.ndarray     # (E, 2) activations held at the start of each region
+    first_phase: tuple
+    later: np.ndarray
+    later_acts: np.ndarray
+    later_phase: tuple
+    held: Line                 # one micro-batch's activations at the end of its forward
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    optimizer_peak_bytes: int
+
+
+class _Walk:
+    """Accumulates region lines along a stage's timeline."""
+
+    def __init__(self) -> None:
+        self.live: Line = (0.0, 0.0)       # above weights + state (+ all grads for later steps)
+        self.grads: float = 0.0
+        self.peaks: list[Line] = []
+        self.grads_at: list[float] = []
+        self.acts_at: list[Line] = []
+        self.phases: list[str] = []
+
+    def region(self, peak: Line, delta: Line, phase: str, grads: float = 0.0) -> None:
+        self.peaks.append(_add(self.live, peak))
+        self.grads_at.append(self.grads + grads)
+        self.acts_at.append(self.live)
+        self.phases.append(phase)
+        self.live = _add(self.live, delta)
+        self.grads += grads
+
+    def point(self, delta: Line, phase: str) -> None:
+        self.live = _add(self.live, delta)
+        self.peaks.append(self.live)
+        self.grads_at.append(self.grads)
+        self.acts_at.append(self.live)
+        self.phases.append(phase)
+
+
+def _walk_stage(pp: PrecisionProfile, start: int, end: int, first_stage: bool, last_stage: bool,
+                every: int, later: bool) -> tuple[_Walk, Line]:
+    """Lay one micro-step of a stage end to end; returns the walk and the activations held after forward."""
+    w = _Walk()
+    layers = pp.layers
+
+    def fwd(r: Region):
+        return r.peak, r.delta
+
+    def bwd(r: Region):
+        return (r.peak_nongrad, r.delta_nongrad) if later else (r.peak, r.delta)
+
+    # forward
+    if first_stage:
+        w.region(*fwd(pp.pre_forward), "forward")
+    else:  # the received activation, kept for this micro-batch's backward
+        w.point(layers[start - 1].output, "forward")
+    segments = [(s, min(s + every, end)) for s in range(start, end, every)] if every else []
+    # Under autocast, the half-precision weight copies are cached until the autocast region
+    # ends, even in checkpointed segments that keep nothing else: the batch-independent part
+    # of a layer's forward (its weight casts) stays until the end of the forward.
+    amp = Precision(pp.precision).is_amp
+    cache = [max(0.0, layers[i].forward.delta[0]) if amp and every else 0.0 for i in range(len(layers))]
+    if every:
+        for s, e in segments:
+            for i in range(s, e):
+                held_in_segment = layers[i - 1].output if i > s else (0.0, 0.0)
+                w.peaks.append(_add(_add(w.live, held_in_segment), layers[i].forward.peak))
+                w.grads_at.append(w.grads)
+                w.acts_at.append(w.live)
+                w.phases.append("forward")
+                w.live = _add(w.live, (cache[i], 0.0))
+            w.live = _add(w.live, layers[e - 1].output)  # only the segment's output survives
+    else:
+        for i in range(start, end):
+            w.region(*fwd(layers[i].forward), "forward")
+    if last_stage:
+        w.region(*fwd(pp.post_forward), "forward")
+    w.live = _add(w.live, (-sum(cache[start:end]), 0.0))  # autocast exits: its cache is freed
+    held = w.live
+    # backward
+    if last_stage:
+        w.region(*bwd(pp.post_backward), "backward", 0.0 if later else pp.post_grad_bytes)
+    else:  # the received gradient of this stage's output
+        w.point(layers[end - 1].output, "backward")
+    grad_of = (lambda i: 0.0) if later else (lambda i: layers[i].grad_bytes)
+    if every:
+        for s, e in reversed(segments):
+            for i in range(s, e):  # recompute the segment's forward, saving its activations
+                w.region(layers[i].forward.peak, layers[i].forward.delta, "backward")
+            w.live = _add(w.live, layers[e - 1].output, -1.0)  # its last output is not kept again
+            for i in reversed(range(s, e)):
+                w.region(*bwd(layers[i].backward), "backward", grad_of(i))
+    else:
+        for i in reversed(range(start, end)):
+            w.region(*bwd(layers[i].backward), "backward", grad_of(i))
+    if first_stage:
+        w.region(*bwd(pp.pre_backward), "backward", 0.0 if later else pp.pre_grad_bytes)
+    return w, held
+
+
+@lru_cache(maxsize=4096)
+def _stage_lines(pp: PrecisionProfile, start: int, end: int, first_stage: bool, last_stage: bool,
+                 every: int) -> _StageLines:
+    w1, held = _walk_stage(pp, start, end, first_stage, last_stage, every, later=False)
+    wn, _ = _walk_stage(pp, start, end, first_stage, last_stage, every, later=True)
+    params = sum(l.param_bytes for l in pp.layers[start:end])
+    grads = sum(l.grad_bytes for l in pp.layers[start:end])
+    whole = first_stage and last_stage
+    if whole:
+        params, grads = pp.static_param_bytes, pp.grad_bytes
+    else:
+        if first_stage:
+            params, grads = params + pp.pre_param_bytes, grads + pp.pre_grad_bytes
+        if last_stage:
+            params, grads = params + pp.post_param_bytes, grads + pp.post_grad_bytes
+    # Optimizer state and the step's temporaries scale with the gradients the stage owns.
+    share = grads / pp.grad_bytes if pp.grad_bytes else 1.0
+    return _StageLines(
+        first=np.array(w1.peaks, dtype=np.float64), first_grads=np.array(w1.grads_at, dtype=np.float64),
+        first_acts=np.array(w1.acts_at, dtype=np.float64), first_phase=tuple(f"first {p}" for p in w1.phases),
+        later=np.array(wn.peaks, dtype=np.float64), later_acts=np.array(wn.acts_at, dtype=np.float64),
+        later_phase=tuple(f"later {p}" for p in wn.phases),
+        held=held, params_bytes=int(params), grads_bytes=int(grads),
+        optimizer_bytes=int(round(pp.optimizer_bytes * share)),
+        optimizer_peak_bytes=int(round(pp.optimizer_peak_bytes * share)),
+    )
+
+
+def in_flight(stage: int, device_split: int, grad_accum: np.ndarray, schedule: str = "1F1B") -> np.ndarray:
+    """Micro-batches whose activations stage ``stage`` holds at once (Narayanan et al. SC'21)."""
+    if device_split == 1:
+        return np.ones_like(grad_accum)
+    if schedule == "GPipe":
+        return grad_accum
+    return np.minimum(grad_accum, device_split - stage)
+
+
+# --------------------------------------------------------------------------------------
+# Vectorized scoring.
+
+
+def estimate_table(profile: Profile, configs: list[TrainConfig], budget_bytes: int | None = None,
+                   schedule: str = "1F1B") -> pd.DataFrame:
+    """Score many configs at once. One row per config, in the given order.
+
+    Columns: the five config fields, the six breakdown categories (at the largest device's
+    peak), ``model_state_bytes``, ``peak_bytes``, ``per_device_peak_bytes`` (a tuple),
+    ``peak_phase``, ``fits`` (None without a budget) and ``valid`` / ``reason`` (False with a
+    reason when the config cannot run at all, e.g. more stages than layers; its peak is NaN).
+    Raises KeyError if the profile lacks a precision in ``configs``.
+    """
+    n = len(configs)
+    cols = {f: np.array([getattr(c, f) if f != "precision" else c.precision.value for c in configs]) for f in FIELDS}
+    out = {k: np.zeros(n, dtype=np.float64) for k in BREAKDOWN + ("peak_bytes",)}
+    per_device = np.empty(n, dtype=object)
+    phase = np.empty(n, dtype=object)
+    valid = np.ones(n, dtype=bool)
+    reason = np.full(n, "", dtype=object)
+    keys = np.array([f"{c.precision.value}|{c.checkpoint_every}|{c.device_split}" for c in configs])
+    for key in np.unique(keys):
+        idx = np.nonzero(keys == key)[0]
+        precision, every, split = key.split("|")
+        every, split = int(every), int(split)
+        if split > profile.n_layers:
+            valid[idx] = False
+            reason[idx] = f"device_split {split} > {profile.n_layers} layers"
+            out["peak_bytes"][idx] = np.nan
+            per_device[idx] = [()] * len(idx)
+            continue
+        pp = profile.for_precision(precision)
+        _score_group(profile, pp, min(every, profile.n_layers), split,
+                     cols["micro_batch"][idx].astype(np.float64), cols["grad_accum"][idx].astype(np.int64),
+                     schedule, idx, out, per_device, phase)
+    table = pd.DataFrame({f: cols[f] for f in FIELDS})
+    for k in BREAKDOWN + ("peak_bytes",):
+        table[k] = out[k]
+    table["model_state_bytes"] = [_model_state(profile, p) for p in cols["precision"]] if n else []
+    table["per_device_peak_bytes"] = per_device
+    table["peak_phase"] = phase
+    table["valid"] = valid
+    table["reason"] = reason
+    table["fits"] = (table["peak_bytes"] <= budget_bytes) & valid if budget_bytes is not None else None
+    return table
+
+
+def _model_state(profile: Profile, precision: str) -> int:
+    pp = profile.for_precision(precision)
+    return pp.static_param_bytes + pp.grad_bytes + pp.optimizer_bytes
+
+
+def _score_group(profile: Profile, pp: PrecisionProfile, every: int, split: int, b: np.ndarray,
+                 k: np.ndarray, schedule: str, idx: np.ndarray, out: dict, per_device, phase) -> None:
+    cuda = profile.device_type == "cuda"
+    n = len(idx)
+    best = np.full(n, -np.inf)
+    best_parts = {name: np.zeros(n) for name in BREAKDOWN}
+    best_phase = np.empty(n, dtype=object)
+    stage_peaks = []
+    for s, (start, end) in enumerate(stage_bounds(profile.n_layers, split)):
+        st = _stage_lines(pp, start, end, s == 0, s == split - 1, every)
+        m = in_flight(s, split, k, schedule).astype(np.float64)
+        held = (st.held[0] + st.held[1] * b) * (m - 1)               # other micro-batches in flight
+        base = st.params_bytes + st.optimizer_bytes
+        v1 = st.first[:, 0][None, :] + st.first[:, 1][None, :] * b[:, None]        # (n, E)
+        a1 = np.argmax(v1, axis=1)
+        peak1 = base + v1[np.arange(n), a1] + held
+        vn = st.later[:, 0][None, :] + st.later[:, 1][None, :] * b[:, None]
+        an = np.argmax(vn, axis=1)
+        # A stage in a pipeline runs later micro-steps while gradients exist from the first backward on.
+        has_later = (k > 1)
+        peakn = np.where(has_later, base + st.grads_bytes + vn[np.arange(n), an] + held, -np.inf)
+        peak_opt = np.full(n, float(base + st.grads_bytes + st.optimizer_peak_bytes))
+        stage_peak = np.maximum(np.maximum(peak1, peakn), peak_opt)
+        input_bytes = (pp.input_bytes[0] + pp.input_bytes[1] * b) if (cuda and s == 0) else 0.0
+        overhead = (CUDA_CONTEXT_BYTES + CUDA_FRAGMENTATION * (stage_peak + input_bytes)) if cuda else np.zeros(n)
+        stage_total = stage_peak + input_bytes + overhead
+        stage_peaks.append(stage_total)
+        # Breakdown at this stage's peak.
+        acts1 = st.first_acts[a1, 0] + st.first_acts[a1, 1] * b + held
+        actsn = st.later_acts[an, 0] + st.later_acts[an, 1] * b + held
+        is1 = peak1 >= np.maximum(peakn, peak_opt)
+        isn = ~is1 & (peakn >= peak_opt)
+        grads = np.where(is1, st.first_grads[a1], st.grads_bytes)
+        acts = np.where(is1, acts1, np.where(isn, actsn, 0.0)) + (input_bytes if cuda else 0.0)
+        parts = {
+            "params_bytes": np.full(n, float(st.params_bytes)),
+            "grads_bytes": grads,
+            "optimizer_bytes": np.full(n, float(st.optimizer_bytes)),
+            "activations_bytes": np.maximum(acts, 0.0),
+            "overhead_bytes": overhead if cuda else np.zeros(n),
+        }
+        parts["temporary_bytes"] = np.maximum(stage_total - sum(parts.values()), 0.0)
+        ph = np.where(is1, np.array(st.first_phase, dtype=object)[a1],
+                      np.where(isn, np.array(st.later_phase, dtype=object)[an], "optimizer"))
+        better = stage_total > best
+        best = np.where(better, stage_total, best)
+        for name in BREAKDOWN:
+            best_parts[name] = np.where(better, parts[name], best_parts[name])
+        best_phase = np.where(better, ph, best_phase)
+    out["peak_bytes"][idx] = best
+    for name in BREAKDOWN:
+        out[name][idx] = best_parts[name]
+    stacked = np.stack(stage_peaks, axis=1).round().astype(np.int64)
+    per_device[idx] = [tuple(int(x) for x in row) for row in stacked]
+    phase[idx] = best_phase
+
+
+def estimate(profile: Profile, config: TrainConfig, budget_bytes: int | None = None,
+             schedule: str = "1F1B") -> MemoryEstimate:
+    """The predicted memory of one config.
+
+    >>> est = estimate(profile, TrainConfig(precision="amp-bf16", micro_batch=8))  # doctest: +SKIP
+    >>> est.peak_bytes, est.fits                                                   # doctest: +SKIP
+
+    Raises ConfigError when the config cannot run (e.g. more stages than layers).
+    """
+    row = estimate_table(profile, [config], budget_bytes, schedule).iloc[0]
+    if not row["valid"]:
+        raise ConfigError(f"{config.short()}: {row['reason']}")
+    notes = []
+    if config.checkpoint_every > profile.n_layers:
+        notes.append(f"checkpoint_every {config.checkpoint_every} > {profile.n_layers} layers: one segment of all layers")
+    return MemoryEstimate(
+        workload=profile.workload, device_type=profile.device_type, config=config,
+        param_count=profile.param_count,
+        **{name: int(round(row[name])) for name in BREAKDOWN},
+        model_state_bytes=int(row["model_state_bytes"]), peak_bytes=int(round(row["peak_bytes"])),
+        per_device_peak_bytes=tuple(row["per_device_peak_bytes"]), peak_phase=str(row["peak_phase"]),
+        budget_bytes=budget_bytes, fits=None if budget_bytes is None else bool(row["fits"]), notes=tuple(notes),
+    )

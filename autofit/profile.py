@@ -1,0 +1,548 @@
+"""Profile a workload on fake tensors: the facts the memory and time models need.
+
+One optimizer step is run under ``FakeTensorMode`` (no real memory, so a 7B model profiles
+on a laptop) through the same code as a real trial (:mod:`autofit.training`), at two
+micro-batch sizes per precision. A dispatch-mode timeline counts live tensor bytes after
+every op; hooks on the layers cut the timeline into regions (the part before the layers,
+each layer, the part after them, forward and backward, then the optimizer step). For each
+region we keep where live bytes end and how high they peak, as lines ``c0 + c1·b`` in the
+micro-batch ``b``. The memory model recombines these regions for any checkpoint interval,
+device split and accumulation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import time
+import weakref
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+from autofit.config import Precision, TrainConfig
+from autofit.errors import WorkloadError
+from autofit.training import build_trainee, forward_backward, param_dtype, to_device
+from autofit.workload import Workload
+
+PROFILE_VERSION = 3
+# Micro-batch sizes profiled; every per-sample quantity is fitted as a line through them.
+PROFILE_BATCHES = (2, 4)
+# The CUDA caching allocator rounds every block up to 512 bytes (FACTS.md).
+CUDA_BLOCK_BYTES = 512
+
+Line = tuple[float, float]  # (bytes at b=0, bytes per sample): value(b) = c0 + c1 * b
+
+
+@dataclass(frozen=True)
+class Region:
+    """A stretch of the timeline between two hooks. All values are lines in the micro-batch.
+
+    ``delta_*`` is the change of live bytes from start to end, ``peak_*`` the highest point
+    above the start. ``*_nongrad`` is the same for live bytes minus parameter gradients,
+    which is what a later accumulation micro-step sees (its gradients already exist).
+    """
+
+    delta: Line
+    peak: Line
+    delta_nongrad: Line
+    peak_nongrad: Line
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """One repeated block: its parameters, the tensor it hands on, its forward and backward."""
+
+    param_bytes: int          # weights + buffers in the precision's parameter dtype
+    grad_bytes: int           # gradients of its trainable parameters
+    output: Line              # bytes of the output handed to the next layer (a stage boundary)
+    forward: Region
+    backward: Region
+    forward_flops: Line = (0.0, 0.0)
+
+
+@dataclass(frozen=True)
+class PrecisionProfile:
+    """Everything measured for one precision."""
+
+    precision: str
+    static_param_bytes: int       # all weights + buffers
+    grad_bytes: int               # all gradients (params requiring grad, param dtype)
+    optimizer_bytes: int          # optimizer state after a step (steady state)
+    optimizer_peak_bytes: int     # transient above params + grads + state during optimizer.step()
+    pre_param_bytes: int          # weights used before the first layer (embeddings, stem)
+    post_param_bytes: int         # weights used after the last layer (final norm, head)
+    pre_grad_bytes: int
+    post_grad_bytes: int
+    pre_forward: Region           # step start -> first layer
+    post_forward: Region          # last layer -> loss ready
+    post_backward: Region         # loss -> into the last layer's backward
+    pre_backward: Region          # out of the first layer's backward -> micro-step end
+    input_bytes: Line             # the micro-batch itself (data loader's; counted only on CUDA)
+    layers: tuple[LayerProfile, ...]
+    forward_flops: Line = (0.0, 0.0)   # whole model, one micro-batch
+    backward_flops: Line = (0.0, 0.0)
+    optimizer_flops: float = 0.0
+
+
+@dataclass(frozen=True)
+class Profile:
+    """The profile of one workload on one device type. Plain data; JSON round-trips."""
+
+    workload: str
+    device_type: str
+    param_count: int
+    n_layers: int
+    tokens_per_sample: int | None
+    optimizer: str
+    key: str
+    profile_s: float
+    precisions: dict[str, PrecisionProfile] = field(default_factory=dict)
+
+    def for_precision(self, precision: Precision | str) -> PrecisionProfile:
+        return self.precisions[Precision(precision).value]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Profile":
+        data = json.loads(text)
+        precisions = {}
+        for name, pp in data.pop("precisions").items():
+            layers = tuple(LayerProfile(**{**lp, "forward": _region(lp["forward"]), "backward": _region(lp["backward"]),
+                                           "output": tuple(lp["output"]), "forward_flops": tuple(lp["forward_flops"])})
+                           for lp in pp.pop("layers"))
+            regions = {k: _region(pp[k]) for k in ("pre_forward", "post_forward", "post_backward", "pre_backward")}
+            lines = {k: tuple(pp[k]) for k in ("input_bytes", "forward_flops", "backward_flops")}
+            precisions[name] = PrecisionProfile(**{**pp, **regions, **lines, "layers": layers})
+        return cls(**data, precisions=precisions)
+
+
+def _region(d: dict) -> Region:
+    return Region(**{k: tuple(v) for k, v in d.items()})
+
+
+# --------------------------------------------------------------------------------------
+# The timeline: live tensor bytes after every op.
+# MemTracker (torch.distributed._tools.mem_tracker) keeps only per-module peaks; the memory
+# model needs the whole timeline cut at our own hooks, and the live bytes *without* gradients,
+# so this small mode does the counting. It counts the same thing as MemTracker: the bytes of
+# every distinct storage alive (rounded to the CUDA block size on a CUDA device).
+
+
+class _Timeline(TorchDispatchMode):
+    def __init__(self, round_bytes: int) -> None:
+        super().__init__()
+        self.round_bytes = round_bytes
+        self.live = 0
+        self.grad_live = 0
+        self.peak = 0
+        self.peak_nongrad = 0
+        self._storages: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._grad_ids: dict[int, int] = {}  # id(storage) -> bytes, for gradients alive now
+
+    def _nbytes(self, storage) -> int:
+        n = storage.nbytes()
+        return -(-n // self.round_bytes) * self.round_bytes if n else 0
+
+    def register(self, tensors: Iterable[torch.Tensor], counted: bool = True) -> None:
+        """Known storages (weights, optimizer state, input batches): count them or not, but never as new."""
+        for t in tensors:
+            self._add(t.untyped_storage(), counted)
+
+    def _add(self, storage, counted: bool = True) -> None:
+        if storage in self._storages:
+            return
+        nbytes = self._nbytes(storage) if counted else 0
+        self._storages[storage] = nbytes
+        self.live += nbytes
+        weakref.finalize(storage, self._free, nbytes, id(storage))
+
+    def _free(self, nbytes: int, storage_id: int) -> None:
+        self.live -= nbytes
+        self.grad_live -= self._grad_ids.pop(storage_id, 0)
+
+    def mark_grad(self, grad: torch.Tensor) -> None:
+        storage = grad.untyped_storage()
+        self._add(storage)
+        if id(storage) not in self._grad_ids:
+            self._grad_ids[id(storage)] = self._storages[storage]
+            self.grad_live += self._grad_ids[id(storage)]
+        self._observe()
+
+    def reset_peaks(self) -> None:
+        self.peak = self.live
+        self.peak_nongrad = self.live - self.grad_live
+
+    def _observe(self) -> None:
+        self.peak = max(self.peak, self.live)
+        self.peak_nongrad = max(self.peak_nongrad, self.live - self.grad_live)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                try:
+                    self._add(t.untyped_storage())
+                except (NotImplementedError, RuntimeError):  # tensors without storage (e.g. sparse)
+                    pass
+        self._observe()
+        return out
+
+
+class _Recorder:
+    """Cuts the timeline at named marks and turns each stretch into (delta, peak) pairs."""
+
+    def __init__(self, timeline: _Timeline) -> None:
+        self.t = timeline
+        self.marks: list[tuple[str, int, int, int, int]] = []  # name, live, nongrad, peak, peak_nongrad
+
+    def mark(self, name: str) -> None:
+        t = self.t
+        t._observe()
+        self.marks.append((name, t.live, t.live - t.grad_live, t.peak, t.peak_nongrad))
+        t.reset_peaks()
+
+    def region(self, start: str, end: str) -> tuple[int, int, int, int]:
+        """(delta, peak above start, delta without grads, peak without grads above start)."""
+        names = [m[0] for m in self.marks]
+        i, j = names.index(start), names.index(end)
+        live0, ng0 = self.marks[i][1], self.marks[i][2]
+        peak = max(m[3] for m in self.marks[i + 1:j + 1])
+        peak_ng = max(m[4] for m in self.marks[i + 1:j + 1])
+        return self.marks[j][1] - live0, peak - live0, self.marks[j][2] - ng0, peak_ng - ng0
+
+
+# --------------------------------------------------------------------------------------
+
+
+def _first_tensor(x: Any) -> torch.Tensor | None:
+    for leaf in tree_leaves(x):
+        if isinstance(leaf, torch.Tensor):
+            return leaf
+    return None
+
+
+def _round(n: int, round_bytes: int) -> int:
+    return -(-n // round_bytes) * round_bytes if n else 0
+
+
+def _tensor_bytes(tensors: Iterable[torch.Tensor], round_bytes: int) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        st = t.untyped_storage()
+        if id(st) not in seen:  # tied weights share a storage
+            seen.add(id(st))
+            total += _round(st.nbytes(), round_bytes)
+    return total
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def _init_optimizer_state(trainee) -> None:
+    """Run one optimizer step on zero gradients so its state exists (steady state), cheaply."""
+    for p in trainee.model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    trainee.optimizer.step()
+    trainee.optimizer.zero_grad(set_to_none=True)
+
+
+def _run_once(workload: Workload, precision: Precision, micro_batch: int, device_type: str,
+              fake_mode, real_batch) -> dict:
+    """One profiled micro-step plus optimizer step at ``micro_batch`` samples; raw integers."""
+    round_bytes = CUDA_BLOCK_BYTES if device_type == "cuda" else 1
+    config = TrainConfig(precision=precision, micro_batch=micro_batch)
+    with fake_mode:
+        trainee = build_trainee(workload, config, device=device_type, fake=True)
+        _init_optimizer_state(trainee)
+        float_dtype = torch.bfloat16 if precision is Precision.BF16 else None
+        inputs, targets = to_device(
+            tuple(fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in real_batch),
+            trainee.device, float_dtype)
+    model, layers = trainee.model, workload.layers(trainee.model)
+    n = len(layers)
+    params = [p for p in model.parameters()]
+    buffers = list(model.buffers())
+    state = _state_tensors(trainee.optimizer)
+
+    timeline = _Timeline(round_bytes)
+    rec = _Recorder(timeline)
+    handles = []
+    layer_out: list[int] = [0] * n
+    phase = {"value": "pre"}
+    module_phase: dict[int, str] = {}
+
+    def fwd_pre(i):
+        def hook(module, args):
+            rec.mark(f"f{i}")
+            if i == 0:
+                phase["value"] = "layers"
+        return hook
+
+    def fwd_post(i):
+        def hook(module, args, output):
+            out = _first_tensor(output)
+            layer_out[i] = _round(out.untyped_storage().nbytes(), round_bytes) if out is not None else 0
+            rec.mark(f"F{i}")
+            if i == n - 1:
+                phase["value"] = "post"
+            if out is not None and out.requires_grad:
+                out.register_hook(lambda g: rec.mark(f"b{i}"))
+            inp = _first_tensor(args)
+            if inp is not None and inp.requires_grad:
+                inp.register_hook(lambda g: rec.mark(f"B{i}"))
+        return hook
+
+    layer_ids = {id(m) for layer in layers for m in layer.modules()}
+
+    def outer_hook(module, args):
+        module_phase.setdefault(id(module), phase["value"])
+
+    for i, layer in enumerate(layers):
+        handles.append(layer.register_forward_pre_hook(fwd_pre(i)))
+        handles.append(layer.register_forward_hook(fwd_post(i)))
+    for module in model.modules():
+        if id(module) not in layer_ids and module is not model:
+            handles.append(module.register_forward_pre_hook(outer_hook))
+    for p in params:
+        if p.requires_grad:
+            handles.append(p.register_post_accumulate_grad_hook(lambda p: timeline.mark_grad(p.grad)))
+
+    # FLOPs for the time model: one counter over the forward, another over the backward.
+    fwd_counter, bwd_counter = FlopCounterMode(display=False), FlopCounterMode(display=False)
+
+    def between_forward_and_backward():
+        fwd_counter.__exit__(None, None, None)
+        rec.mark("loss")
+        bwd_counter.__enter__()
+
+    with fake_mode:
+        timeline.register(params + buffers + state)
+        timeline.register([t for t in (inputs, targets) if isinstance(t, torch.Tensor)], counted=False)
+        timeline.reset_peaks()
+        trainee.optimizer.zero_grad(set_to_none=True)
+        with timeline:
+            rec.mark("start")
+            fwd_counter.__enter__()
+            forward_backward(trainee, inputs, targets, before_backward=between_forward_and_backward)
+            bwd_counter.__exit__(None, None, None)
+            rec.mark("end")
+            trainee.optimizer.step()
+            rec.mark("opt")
+    for h in handles:
+        h.remove()
+
+    per_module = fwd_counter.get_flop_counts()
+    fqn = {id(m): name for name, m in model.named_modules()}
+    root = type(model).__name__
+    layer_flops = [float(sum(per_module.get(f"{root}.{fqn.get(id(layer), '')}", {}).values())) for layer in layers]
+    names = [m[0] for m in rec.marks]
+    missing = [f"b{i}" for i in range(n) if f"b{i}" not in names] + [f"B{i}" for i in range(n) if f"B{i}" not in names]
+    if missing:
+        raise WorkloadError(
+            f"{workload.name}: could not follow the backward pass through layers ({missing[0]} missing); "
+            "each layer must take the previous layer's output as its first input"
+        )
+
+    def reg(a, b):
+        return rec.region(a, b)
+
+    grads = {id(p): p for p in params if p.requires_grad}
+    layer_params = [list(layer.parameters()) for layer in layers]
+    in_layers = {id(p) for ps in layer_params for p in ps}
+    owner_phase: dict[int, set] = {}
+    for module in model.modules():
+        ph = module_phase.get(id(module))
+        if ph is None:
+            continue
+        for p in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+            owner_phase.setdefault(id(p), set()).add(ph)
+    outside = [t for t in params + buffers if id(t) not in in_layers]
+    pre_t = [t for t in outside if "pre" in owner_phase.get(id(t), {"pre"})]
+    post_t = [t for t in outside if "post" in owner_phase.get(id(t), set()) or "layers" in owner_phase.get(id(t), set())]
+    layer_buffers = [list(layer.buffers()) for layer in layers]
+
+    return {
+        "static_param_bytes": _tensor_bytes(params + buffers, round_bytes),
+        "grad_bytes": _tensor_bytes(grads.values(), round_bytes),
+        "optimizer_bytes": _tensor_bytes(state, round_bytes),
+        "opt_region": reg("end", "opt"),
+        "pre_param_bytes": _tensor_bytes(pre_t, round_bytes),
+        "post_param_bytes": _tensor_bytes(post_t, round_bytes),
+        "pre_grad_bytes": _tensor_bytes([t for t in pre_t if id(t) in grads], round_bytes),
+        "post_grad_bytes": _tensor_bytes([t for t in post_t if id(t) in grads], round_bytes),
+        "pre_forward": reg("start", "f0"),
+        "post_forward": reg(f"F{n - 1}", "loss"),
+        "post_backward": reg("loss", f"b{n - 1}"),
+        "pre_backward": reg("B0", "end"),
+        "forward_flops": float(fwd_counter.get_total_flops()),
+        "backward_flops": float(bwd_counter.get_total_flops()),
+        "input_bytes": _tensor_bytes([t for t in (inputs, targets) if isinstance(t, torch.Tensor)], round_bytes),
+        "layers": [
+            {
+                "param_bytes": _tensor_bytes(layer_params[i] + layer_buffers[i], round_bytes),
+                "grad_bytes": _tensor_bytes([p for p in layer_params[i] if p.requires_grad], round_bytes),
+                "output": layer_out[i],
+                "forward": reg(f"f{i}", f"F{i}"),
+                "backward": reg(f"b{i}", f"B{i}"),
+                "forward_flops": layer_flops[i],
+            }
+            for i in range(n)
+        ],
+    }
+
+
+def _line(v1: float, v2: float) -> Line:
+    b1, b2 = PROFILE_BATCHES
+    slope = (v2 - v1) / (b2 - b1)
+    return (float(v1 - slope * b1), float(slope))
+
+
+def _region_lines(r1: tuple, r2: tuple) -> Region:
+    return Region(*(_line(a, b) for a, b in zip(r1, r2)))
+
+
+def profile_precision(workload: Workload, precision: Precision, device_type: str = "cpu") -> PrecisionProfile:
+    """Profile one precision on fake tensors. Raises WorkloadError if the model can't be traced."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    runs = {}
+    real_batches = {b: workload.batch(b) for b in PROFILE_BATCHES}
+    for b in PROFILE_BATCHES:
+        try:
+            runs[b] = _run_once(workload, precision, b, device_type, FakeTensorMode(), real_batches[b])
+        except WorkloadError:
+            raise
+        except Exception as exc:
+            raise WorkloadError(
+                f"{workload.name}: profiling on fake tensors failed ({type(exc).__name__}: {exc}); "
+                "the model must build and train under torch FakeTensorMode"
+            ) from exc
+    r1, r2 = runs[PROFILE_BATCHES[0]], runs[PROFILE_BATCHES[1]]
+    layers = []
+    for i, (l1, l2) in enumerate(zip(r1["layers"], r2["layers"])):
+        layers.append(LayerProfile(
+            param_bytes=l1["param_bytes"], grad_bytes=l1["grad_bytes"],
+            output=_line(l1["output"], l2["output"]),
+            forward=_region_lines(l1["forward"], l2["forward"]),
+            backward=_region_lines(l1["backward"], l2["backward"]),
+            forward_flops=_line(l1["forward_flops"], l2["forward_flops"]),
+        ))
+    opt_delta, opt_peak = r2["opt_region"][0], r2["opt_region"][1]
+    return PrecisionProfile(
+        precision=precision.value,
+        static_param_bytes=r1["static_param_bytes"], grad_bytes=r1["grad_bytes"],
+        optimizer_bytes=r1["optimizer_bytes"], optimizer_peak_bytes=max(0, opt_peak),
+        pre_param_bytes=r1["pre_param_bytes"], post_param_bytes=r1["post_param_bytes"],
+        pre_grad_bytes=r1["pre_grad_bytes"], post_grad_bytes=r1["post_grad_bytes"],
+        pre_forward=_region_lines(r1["pre_forward"], r2["pre_forward"]),
+        post_forward=_region_lines(r1["post_forward"], r2["post_forward"]),
+        post_backward=_region_lines(r1["post_backward"], r2["post_backward"]),
+        pre_backward=_region_lines(r1["pre_backward"], r2["pre_backward"]),
+        input_bytes=_line(r1["input_bytes"], r2["input_bytes"]),
+        layers=tuple(layers),
+        forward_flops=_line(r1["forward_flops"], r2["forward_flops"]),
+        backward_flops=_line(r1["backward_flops"], r2["backward_flops"]),
+        optimizer_flops=0.0,
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Cache: profiles are keyed by everything that can change them, so an edited model,
+# optimizer, batch or loss is never served a stale profile.
+
+
+def cache_dir() -> Path:
+    """``$AUTOFIT_CACHE_DIR``, else ``~/.cache/autofit/profiles``."""
+    root = os.environ.get("AUTOFIT_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "autofit" / "profiles"
+
+
+def _source_of(obj: Any) -> str:
+    try:
+        return inspect.getsource(obj)
+    except (TypeError, OSError):
+        return f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', repr(obj))}"
+
+
+def profile_key(workload: Workload, device_type: str) -> tuple[str, int, int]:
+    """(cache key, parameter count, layer count), from a fake build of the model."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        model = workload.model()
+        layers = workload.layers(model)
+        optimizer = workload.optimizer(model.parameters())
+    params = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()]
+    buffers = [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()]
+    classes = sorted({type(m) for m in model.modules()}, key=lambda c: c.__qualname__)
+    batch = workload.batch(PROFILE_BATCHES[0])
+    batch_shapes = [(tuple(t.shape), str(t.dtype)) for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    parts = [
+        PROFILE_VERSION, torch.__version__, device_type, workload.name, repr(model), params, buffers,
+        [_source_of(c) for c in classes], repr(optimizer), type(optimizer).__qualname__,
+        [_source_of(f) for f in (workload.model, workload.batch, workload.loss, workload.optimizer, workload.layers)],
+        batch_shapes, len(layers),
+    ]
+    digest = hashlib.sha256(repr(parts).encode()).hexdigest()[:20]
+    param_count = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    return digest, param_count, len(layers)
+
+
+def profile_workload(workload: Workload, precisions: Iterable[Precision | str] = tuple(Precision),
+                     device_type: str = "cpu", use_cache: bool = True) -> Profile:
+    """Profile ``workload`` for each precision on fake tensors, using the on-disk cache.
+
+    Returns a :class:`Profile`. Raises WorkloadError when the model cannot be built or
+    followed on fake tensors. Profiles are cached per precision under :func:`cache_dir`.
+    """
+    started = time.perf_counter()
+    try:
+        key, param_count, n_layers = profile_key(workload, device_type)
+    except WorkloadError:
+        raise
+    except Exception as exc:
+        raise WorkloadError(f"{workload.name}: cannot build the model on fake tensors ({type(exc).__name__}: {exc})") from exc
+    if n_layers == 0:
+        raise WorkloadError(f"{workload.name}: layers(model) is empty; it must list the repeated blocks")
+    precisions = [Precision(p) for p in precisions]
+    found: dict[str, PrecisionProfile] = {}
+    path = cache_dir() / f"{workload.name}-{device_type}-{key}.json"
+    if use_cache and path.is_file():
+        try:
+            found = dict(Profile.from_json(path.read_text()).precisions)
+        except (ValueError, TypeError, KeyError):
+            found = {}  # an unreadable cache entry is rebuilt, never trusted
+    for precision in precisions:
+        if precision.value not in found:
+            found[precision.value] = profile_precision(workload, precision, device_type)
+    with torch.device("meta"):
+        optimizer_name = type(workload.optimizer([nn.Parameter(torch.empty(1))])).__name__
+    profile = Profile(
+        workload=workload.name, device_type=device_type, param_count=param_count, n_layers=n_layers,
+        tokens_per_sample=workload.tokens_per_sample, optimizer=optimizer_name, key=key,
+        profile_s=time.perf_counter() - started, precisions=found,
+    )
+    if use_cache:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(profile.to_json())
+            tmp.replace(path)  # atomic: a concurrent reader never sees half a file
+        except OSError:
+            pass  # a read-only cache only costs time
+    return profile
