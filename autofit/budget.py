@@ -35,11 +35,10 @@ def parse_budget(text: str | int) -> int:
     match = _BUDGET_RE.match(str(text))
     if not match or match.group(2).lower() not in _UNIT_BYTES:
         raise BudgetError(f"invalid budget {text!r}: expected {ACCEPTED_FORMS}")
-    value = float(match.group(1))
-    budget_bytes = int(value * _UNIT_BYTES[match.group(2).lower()])
-    if not math.isfinite(value) or budget_bytes <= 0:
-        raise BudgetError(f"invalid budget {text!r}: must be positive; expected {ACCEPTED_FORMS}")
-    return budget_bytes
+    value = float(match.group(1)) * _UNIT_BYTES[match.group(2).lower()]
+    if not math.isfinite(value) or int(value) <= 0:
+        raise BudgetError(f"invalid budget {text!r}: must be positive and finite; expected {ACCEPTED_FORMS}")
+    return int(value)
 
 
 def format_bytes(n_bytes: float) -> str:

@@ -12,6 +12,7 @@ device split and accumulation.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import json
@@ -262,7 +263,7 @@ def _init_optimizer_state(trainee) -> None:
 
 
 def _run_once(workload: Workload, precision: Precision, micro_batch: int, device_type: str,
-              fake_mode, real_batch) -> dict:
+              fake_mode, real_batch, count_flops: bool = True) -> dict:
     """One profiled micro-step plus optimizer step at ``micro_batch`` samples; raw integers."""
     round_bytes = CUDA_BLOCK_BYTES if device_type == "cuda" else 1
     config = TrainConfig(precision=precision, micro_batch=micro_batch)
@@ -324,6 +325,8 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
 
     # FLOPs for the time model: one counter over the forward, another over the backward.
     fwd_counter, bwd_counter = FlopCounterMode(display=False), FlopCounterMode(display=False)
+    if not count_flops:  # counting costs time; FLOPs are counted at one batch size only
+        fwd_counter = bwd_counter = contextlib.nullcontext()
 
     def between_forward_and_backward():
         fwd_counter.__exit__(None, None, None)
@@ -346,10 +349,13 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
     for h in handles:
         h.remove()
 
-    per_module = fwd_counter.get_flop_counts()
-    fqn = {id(m): name for name, m in model.named_modules()}
-    root = type(model).__name__
-    layer_flops = [float(sum(per_module.get(f"{root}.{fqn.get(id(layer), '')}", {}).values())) for layer in layers]
+    layer_flops, fwd_flops, bwd_flops = [0.0] * n, 0.0, 0.0
+    if count_flops:
+        per_module = fwd_counter.get_flop_counts()
+        fqn = {id(m): name for name, m in model.named_modules()}
+        root = type(model).__name__
+        layer_flops = [float(sum(per_module.get(f"{root}.{fqn.get(id(layer), '')}", {}).values())) for layer in layers]
+        fwd_flops, bwd_flops = float(fwd_counter.get_total_flops()), float(bwd_counter.get_total_flops())
     names = [m[0] for m in rec.marks]
     missing = [f"b{i}" for i in range(n) if f"b{i}" not in names] + [f"B{i}" for i in range(n) if f"B{i}" not in names]
     if missing:
@@ -389,8 +395,8 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
         "post_forward": reg(f"F{n - 1}", "loss"),
         "post_backward": reg("loss", f"b{n - 1}"),
         "pre_backward": reg("B0", "end"),
-        "forward_flops": float(fwd_counter.get_total_flops()),
-        "backward_flops": float(bwd_counter.get_total_flops()),
+        "forward_flops": fwd_flops,
+        "backward_flops": bwd_flops,
         "input_bytes": _tensor_bytes([t for t in (inputs, targets) if isinstance(t, torch.Tensor)], round_bytes),
         "layers": [
             {
@@ -412,6 +418,11 @@ def _line(v1: float, v2: float) -> Line:
     return (float(v1 - slope * b1), float(slope))
 
 
+def _flops_line(flops: float) -> Line:
+    """FLOPs grow in proportion to the micro-batch (every op's work is per sample)."""
+    return (0.0, flops / PROFILE_BATCHES[-1])
+
+
 def _region_lines(r1: tuple, r2: tuple) -> Region:
     return Region(*(_line(a, b) for a, b in zip(r1, r2)))
 
@@ -424,7 +435,8 @@ def profile_precision(workload: Workload, precision: Precision, device_type: str
     real_batches = {b: workload.batch(b) for b in PROFILE_BATCHES}
     for b in PROFILE_BATCHES:
         try:
-            runs[b] = _run_once(workload, precision, b, device_type, FakeTensorMode(), real_batches[b])
+            runs[b] = _run_once(workload, precision, b, device_type, FakeTensorMode(), real_batches[b],
+                                count_flops=b == PROFILE_BATCHES[-1])
         except WorkloadError:
             raise
         except Exception as exc:
@@ -440,7 +452,7 @@ def profile_precision(workload: Workload, precision: Precision, device_type: str
             output=_line(l1["output"], l2["output"]),
             forward=_region_lines(l1["forward"], l2["forward"]),
             backward=_region_lines(l1["backward"], l2["backward"]),
-            forward_flops=_line(l1["forward_flops"], l2["forward_flops"]),
+            forward_flops=_flops_line(l2["forward_flops"]),
         ))
     opt_delta, opt_peak = r2["opt_region"][0], r2["opt_region"][1]
     return PrecisionProfile(
@@ -455,8 +467,8 @@ def profile_precision(workload: Workload, precision: Precision, device_type: str
         pre_backward=_region_lines(r1["pre_backward"], r2["pre_backward"]),
         input_bytes=_line(r1["input_bytes"], r2["input_bytes"]),
         layers=tuple(layers),
-        forward_flops=_line(r1["forward_flops"], r2["forward_flops"]),
-        backward_flops=_line(r1["backward_flops"], r2["backward_flops"]),
+        forward_flops=_flops_line(r2["forward_flops"]),
+        backward_flops=_flops_line(r2["backward_flops"]),
         optimizer_flops=0.0,
     )
 
@@ -490,17 +502,46 @@ def profile_key(workload: Workload, device_type: str) -> tuple[str, int, int]:
     params = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()]
     buffers = [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()]
     classes = sorted({type(m) for m in model.modules()}, key=lambda c: c.__qualname__)
+    # Plain attributes (flags, rates, config dataclasses) change behaviour without changing shapes.
+    settings = [sorted((k, repr(v)) for k, v in vars(m).items()
+                       if not k.startswith("_") and (isinstance(v, (bool, int, float, str, tuple))
+                                                     or hasattr(v, "__dataclass_fields__")))
+                for m in model.modules()]
     batch = workload.batch(PROFILE_BATCHES[0])
     batch_shapes = [(tuple(t.shape), str(t.dtype)) for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
     parts = [
         PROFILE_VERSION, torch.__version__, device_type, workload.name, repr(model), params, buffers,
-        [_source_of(c) for c in classes], repr(optimizer), type(optimizer).__qualname__,
+        [_source_of(c) for c in classes], settings, repr(optimizer), type(optimizer).__qualname__,
         [_source_of(f) for f in (workload.model, workload.batch, workload.loss, workload.optimizer, workload.layers)],
         batch_shapes, len(layers),
     ]
     digest = hashlib.sha256(repr(parts).encode()).hexdigest()[:20]
     param_count = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     return digest, param_count, len(layers)
+
+
+def _profile_by_source(source: str, precision: str, device_type: str) -> PrecisionProfile:
+    from autofit.workload import load_workload
+
+    return profile_precision(load_workload(source), Precision(precision), device_type)
+
+
+def _profile_many(workload: Workload, precisions: list[Precision], device_type: str) -> dict[str, PrecisionProfile]:
+    """Profile several precisions, in parallel processes when there are spare cores.
+
+    Fake-tensor dispatch is pure Python and single-threaded, so one process per precision
+    is the only way to use a second core. Workloads without a ``source`` (built in
+    Python, not loadable by name) are profiled in this process.
+    """
+    workers = min(len(precisions), os.cpu_count() or 1)
+    if workers <= 1 or not workload.source or os.environ.get("AUTOFIT_PROFILE_WORKERS") == "1":
+        return {p.value: profile_precision(workload, p, device_type) for p in precisions}
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {p.value: pool.submit(_profile_by_source, workload.source, p.value, device_type) for p in precisions}
+        return {name: future.result() for name, future in futures.items()}
 
 
 def profile_workload(workload: Workload, precisions: Iterable[Precision | str] = tuple(Precision),
@@ -527,9 +568,8 @@ def profile_workload(workload: Workload, precisions: Iterable[Precision | str] =
             found = dict(Profile.from_json(path.read_text()).precisions)
         except (ValueError, TypeError, KeyError):
             found = {}  # an unreadable cache entry is rebuilt, never trusted
-    for precision in precisions:
-        if precision.value not in found:
-            found[precision.value] = profile_precision(workload, precision, device_type)
+    missing = [p for p in precisions if p.value not in found]
+    found.update(_profile_many(workload, missing, device_type))
     with torch.device("meta"):
         optimizer_name = type(workload.optimizer([nn.Parameter(torch.empty(1))])).__name__
     profile = Profile(

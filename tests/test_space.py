@@ -1,0 +1,65 @@
+import pytest
+
+from autofit.config import Precision, TrainConfig
+from autofit.errors import SpaceError
+from autofit.space import SPACES_DIR, load_space
+
+
+def write(tmp_path, text):
+    path = tmp_path / "space.toml"
+    path.write_text(text)
+    return path
+
+
+def test_default_space_loads_and_derives_accumulation():
+    space = load_space()
+    configs = space.configs()
+    assert space.global_batch == 64
+    assert all(c.micro_batch * c.grad_accum == 64 for c in configs)
+    assert {c.precision for c in configs} == set(Precision)
+
+
+def test_every_shipped_space_loads():
+    for path in SPACES_DIR.glob("*.toml"):
+        assert len(load_space(path)) > 0
+
+
+def test_space_by_name(tmp_path):
+    assert load_space("default").source.endswith("default.toml")
+
+
+def test_global_batch_keeps_only_divisors(tmp_path):
+    space = load_space(write(tmp_path, 'precision = ["fp32"]\nmicro_batch = [2, 3, 4]\nglobal_batch = 8\n'))
+    assert [c.micro_batch for c in space.configs()] == [2, 4]
+    assert [c.grad_accum for c in space.configs()] == [4, 2]
+
+
+def test_without_global_batch_takes_the_product(tmp_path):
+    space = load_space(write(tmp_path, 'precision = "bf16"\nmicro_batch = [1, 2]\ngrad_accum = [1, 4]\n'))
+    assert len(space.configs()) == 4
+    assert TrainConfig("bf16", 2, 4) in space.configs()
+
+
+@pytest.mark.parametrize("text, key", [
+    ('precision = ["fp32"]\nmicro_batch = [1]\nbatch = 3\n', "batch"),
+    ('precision = []\nmicro_batch = [1]\n', "precision"),
+    ('precision = ["fp32"]\nmicro_batch = []\n', "micro_batch"),
+    ('precision = ["fp32"]\nmicro_batch = [3, 5]\nglobal_batch = 8\n', "global_batch"),
+    ('precision = ["fp8"]\nmicro_batch = [1]\n', "precision"),
+    ('precision = ["fp32"]\nmicro_batch = [0]\n', "micro_batch"),
+    ('precision = ["fp32"]\nmicro_batch = ["a"]\n', "micro_batch"),
+    ('micro_batch = [1]\n', "precision"),
+])
+def test_bad_spaces_name_file_and_key(tmp_path, text, key):
+    path = write(tmp_path, text)
+    with pytest.raises(SpaceError) as err:
+        load_space(path)
+    message = str(err.value)
+    assert str(path) in message and key in message and "\n" not in message
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(SpaceError, match="no such"):
+        load_space(tmp_path / "nope.toml")
+    with pytest.raises(SpaceError, match="not valid TOML"):
+        load_space(write(tmp_path, "precision = [\n"))
