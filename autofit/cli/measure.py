@@ -1,0 +1,117 @@
+"""``autofit measure``: run one config for real, in a child process, and report memory and speed."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+
+from autofit.budget import format_budget, format_bytes, parse_budget
+from autofit.config import TrainConfig
+from autofit.errors import AutofitError
+from autofit.tracker import CATEGORIES
+from autofit.trial import TrialResult, run_trial
+from autofit.workload import load_workload
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected a positive number") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"invalid value {text!r}: must be positive")
+        return value
+    return parse
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "measure", help="run one config for real: peak memory and throughput",
+        description="Train a few real steps of one config in an isolated child process: warm-up steps, then "
+                    "peak memory over steady-state steps (CPU: live tensors counted by a tracker; CUDA: the "
+                    "caching allocator) and throughput on untracked steps. Over --budget is status oom.",
+        epilog="Exit status: 0 when the trial's status is ok; 1 when it is oom, error or timeout; "
+               "2 for a usage error.",
+    )
+    p.add_argument("--model", required=True,
+                   help="a built-in name (see `autofit models`), path/to/file.py:function or package.module:function")
+    p.add_argument("--config", default="", help="k=v,... over the defaults, e.g. precision=amp-bf16,micro_batch=8")
+    p.add_argument("--budget", help="memory per device, e.g. 8GB, 7.5GiB, 512MiB (default: none)")
+    p.add_argument("--steps", type=_positive(int), default=3, help="measured steps after the warm-up (default 3)")
+    p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if available, else cpu")
+    p.add_argument("--timeout", type=_positive(float), default=300.0,
+                   help="wall-clock limit in seconds for the whole trial, process start included (default 300)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
+    p.set_defaults(run=run)
+
+
+def _device(requested: str | None) -> str:
+    import torch  # is_available() creates no CUDA context: the trial runs in a child
+
+    available = torch.cuda.is_available()
+    if requested == "cuda" and not available:
+        raise AutofitError("--device cuda: no CUDA GPU is available to this PyTorch "
+                           f"({torch.__version__}); use --device cpu")
+    return requested or ("cuda" if available else "cpu")
+
+
+def run(args: argparse.Namespace) -> int:
+    config = TrainConfig.parse(args.config)
+    budget_bytes = parse_budget(args.budget) if args.budget is not None else None
+    # User errors surface here, as one line, before any child starts. A workload file that
+    # prints must not spoil --json's stdout: its output goes to stderr.
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        workload = load_workload(args.model)
+    device = _device(args.device)
+    result = run_trial(workload, config, device=device, budget_bytes=budget_bytes, measure_steps=args.steps,
+                       timeout_s=args.timeout)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        _summary(result)
+    return 0 if result.ok else 1
+
+
+def _decimal(n_bytes: int) -> str:
+    """Bytes in powers of 1000 (format_bytes gives powers of 1024), e.g. ``80.2 kB``."""
+    value = float(n_bytes)
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if value < 1000 or unit == "TB":
+            break
+        value /= 1000
+    return f"{value:.0f} B" if unit == "B" else f"{value:.2f} {unit}"
+
+
+def _summary(result: TrialResult) -> None:
+    print(f"workload   {result.workload}")
+    print(f"config     {result.config.short()}")
+    print(f"device     {result.device}")
+    print(f"status     {result.status.value}" + (f": {result.error}" if result.error else ""))
+    if result.budget_bytes is not None:
+        print(f"budget     {format_budget(result.budget_bytes)} per device")
+    if result.ok:
+        print()
+        for name in CATEGORIES:
+            print(f"  {name.removesuffix('_bytes'):<12} {format_bytes(result.breakdown[name]):>12}")
+        peak = f"  {'peak':<12} {format_bytes(result.peak_bytes):>12}   = {_decimal(result.peak_bytes)}"
+        if result.budget_bytes is not None:
+            peak += f", {100 * result.peak_bytes / result.budget_bytes:.1f}% of the budget"
+        print(peak)
+        if len(result.per_device_peak_bytes) > 1:
+            print("  per device   " + ", ".join(format_bytes(b) for b in result.per_device_peak_bytes))
+        if result.peak_reserved_bytes is not None:
+            print(f"  {'reserved':<12} {format_bytes(result.peak_reserved_bytes):>12}   (CUDA caching allocator)")
+        print()
+        rate = f"{result.samples_per_s:,.1f} samples/s"
+        if result.tokens_per_s is not None:
+            rate += f", {result.tokens_per_s:,.0f} tokens/s"
+        print(f"throughput {rate}")
+        step = f"step time  {result.step_time_s * 1e3:,.1f} ms"
+        if result.micro_step_time_s is not None:
+            step += (f" ({result.config.grad_accum} x {result.micro_step_time_s * 1e3:,.1f} ms micro-step"
+                     f" + {result.optimizer_step_time_s * 1e3:,.1f} ms optimizer step)")
+        print(step)
+    print(f"trial      {result.wall_s:.1f} s wall, process start included")

@@ -1,0 +1,231 @@
+"""Measure one trial in the current process: peak memory and throughput of a config, for real.
+
+The trial runner (:mod:`autofit.trial`) calls :func:`measure_trial` in a child process; call
+it directly only when you accept that an out-of-memory error, a crash or a hang of the
+workload takes your process with it.
+
+What is measured, in order, on a fresh model and optimizer built by
+:func:`autofit.training.build_trainee`:
+
+1. warm-up steps (at least 2, so the optimizer state exists);
+2. peak memory over the steady-state steps that follow (the third optimizer step onward):
+   on the CPU, live tensor bytes counted by :class:`autofit.tracker.MemoryTracker` (which
+   also watches the warm-up, to stop a config that cannot fit as early as a device would);
+   on CUDA, the caching allocator's ``max_memory_allocated`` / ``max_memory_reserved``;
+3. throughput, on steps run without any tracker: micro-steps and the optimizer step are timed
+   separately and composed as ``step_time_s = grad_accum * t_micro + t_optimizer``
+   (FACTS.md, "Compute and time"), so a config with ``grad_accum=64`` runs only a few
+   micro-steps per timed step.
+
+Each measured step runs ``min(grad_accum, 3)`` micro-batches: after the second micro-step
+the gradients are accumulated in place, so further micro-steps repeat the same memory
+pattern and the same work, and the composition above accounts for them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+from autofit.config import TrainConfig
+from autofit.tracker import CATEGORIES as BREAKDOWN_KEYS
+from autofit.tracker import MemoryTracker, optimizer_state_bytes, storage_bytes
+from autofit.training import build_trainee, forward_backward, make_micro_batches, optimizer_step, train_step
+from autofit.workload import Workload
+
+# Micro-batches run per measured step: 1 (the first, which allocates gradients) and 2 that
+# accumulate into them -- enough to see the steady pattern and to time the common case.
+MICRO_STEPS_PER_STEP = 3
+MIN_WARMUP_STEPS = 2
+# Timed steps are at least this many, whatever measure_steps is: a median needs a few samples.
+MIN_TIMED_STEPS = 3
+
+
+def measure_trial(workload: Workload, config: TrainConfig, *, device: str = "cpu", budget_bytes: int | None = None,
+                  warmup_steps: int = 2, measure_steps: int = 3) -> dict:
+    """Run ``config`` on ``workload`` in this process and measure it.
+
+    Returns a JSON-ready dict with ``status`` (``"ok"``, ``"oom"``, or ``"error"`` when the
+    device split engine is unavailable or fails), ``peak_bytes``, ``per_device_peak_bytes``,
+    ``peak_reserved_bytes`` (CUDA only), ``breakdown`` (:data:`BREAKDOWN_KEYS`),
+    ``samples_per_s``, ``tokens_per_s``, ``step_time_s``, ``micro_step_time_s``,
+    ``optimizer_step_time_s`` and ``error`` (None unless the status is not ok).
+
+    Exceeding ``budget_bytes`` is ``status: "oom"``: on the CPU live tensor bytes are checked
+    after every operator; on CUDA the caching allocator is capped at the budget with
+    ``torch.cuda.set_per_process_memory_fraction`` (which does not cover the CUDA context,
+    a few hundred MB outside any budget -- FACTS.md) and ``torch.OutOfMemoryError`` is caught.
+
+    Raises whatever the workload raises (the trial runner reports it as ``error``).
+    """
+    if measure_steps < 1:
+        raise ValueError(f"measure_steps must be >= 1, got {measure_steps}")
+    warmup_steps = max(MIN_WARMUP_STEPS, warmup_steps)
+    device_type = torch.device(device).type
+    if config.device_split > 1:
+        return _measure_split(workload, config, device_type=device_type, budget_bytes=budget_bytes,
+                              warmup_steps=warmup_steps, measure_steps=measure_steps)
+    try:
+        if device_type == "cuda":
+            return _measure_cuda(workload, config, device, budget_bytes, warmup_steps, measure_steps)
+        if device_type == "cpu":
+            return _measure_cpu(workload, config, budget_bytes, warmup_steps, measure_steps)
+    except torch.OutOfMemoryError as exc:  # a real allocator failure, on either device
+        return _failed("oom", _first_line(exc))
+    raise ValueError(f"unsupported device {device!r}: expected cpu or cuda")
+
+
+def _measure_cpu(workload: Workload, config: TrainConfig, budget_bytes: int | None, warmup_steps: int,
+                 measure_steps: int) -> dict:
+    trainee = build_trainee(workload, config, "cpu")
+    batches = _micro_batches(workload, config, trainee.device)
+    tracker = MemoryTracker(trainee.model, trainee.optimizer, inputs=batches, budget_bytes=budget_bytes)
+    boundary = lambda _index: tracker.step_boundary()  # noqa: E731
+    try:
+        with tracker:
+            for _ in range(warmup_steps):
+                train_step(trainee, batches, on_micro_step=boundary)
+            tracker.reset_peak()
+            for _ in range(measure_steps):
+                train_step(trainee, batches, on_micro_step=boundary)
+    except Exception:
+        # Checked by state, not by exception type: the workload may have wrapped the exception.
+        if tracker.exceeded_bytes is not None:
+            return _failed("oom", f"live tensor bytes reached {tracker.exceeded_bytes} "
+                                  f"(over the budget of {budget_bytes} bytes)")
+        raise
+    peak_bytes = tracker.peak_bytes
+    breakdown = tracker.peak_breakdown()
+    t_micro, t_optimizer = time_micro_and_optimizer_steps(trainee, batches, max(MIN_TIMED_STEPS, measure_steps))
+    return _result(workload, config, peak_bytes, None, breakdown, t_micro, t_optimizer)
+
+
+def _measure_cuda(workload: Workload, config: TrainConfig, device: str, budget_bytes: int | None,
+                  warmup_steps: int, measure_steps: int) -> dict:
+    dev = torch.device(device)
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.set_device(dev)
+    if budget_bytes is not None:
+        # Caps the caching allocator's reserved bytes; the CUDA context (~300-500 MB) and
+        # other libraries' memory are outside it (FACTS.md). A budget above the card is the card.
+        total = torch.cuda.get_device_properties(dev).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), dev)
+    trainee = build_trainee(workload, config, dev)
+    batches = _micro_batches(workload, config, dev)
+    for _ in range(warmup_steps):
+        train_step(trainee, batches)
+    torch.cuda.synchronize(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    # On CUDA nothing slows the steps down, so the timed steps are also the measured ones.
+    t_micro, t_optimizer = time_micro_and_optimizer_steps(trainee, batches, max(MIN_TIMED_STEPS, measure_steps),
+                                                          sync=lambda: torch.cuda.synchronize(dev))
+    peak_bytes = torch.cuda.max_memory_allocated(dev)
+    reserved_bytes = torch.cuda.max_memory_reserved(dev)
+    model = trainee.model
+    params = storage_bytes(list(model.parameters()) + list(model.buffers()))
+    grads = storage_bytes([p.grad for p in model.parameters() if p.grad is not None])
+    state = optimizer_state_bytes(trainee.optimizer)
+    inputs = storage_bytes(batches)  # the data loader's batches occupy the device too
+    breakdown = {
+        "params_bytes": params, "grads_bytes": grads, "optimizer_bytes": state,
+        # Allocator statistics have no categories: activations are the rest of the peak.
+        "activations_bytes": max(0, peak_bytes - params - grads - state - inputs),
+        "temporary_bytes": 0, "overhead_bytes": inputs,
+    }
+    return _result(workload, config, peak_bytes, reserved_bytes, breakdown, t_micro, t_optimizer)
+
+
+def time_micro_and_optimizer_steps(trainee, micro_batches: list, repeats: int,
+                                   sync: Callable[[], None] = lambda: None,
+                                   clock: Callable[[], float] = time.perf_counter) -> tuple[float, float]:
+    """Median seconds of one micro-step (``forward_backward``) and of one optimizer step.
+
+    Runs ``repeats`` steps of ``len(micro_batches)`` micro-steps each, exactly as
+    :func:`autofit.training.train_step` does, timing each part; ``sync`` waits for the device
+    (``torch.cuda.synchronize`` on CUDA) before reading ``clock`` (wall time by default).
+    """
+    micro_s: list[float] = []
+    optimizer_s: list[float] = []
+    for _ in range(repeats):
+        trainee.optimizer.zero_grad(set_to_none=True)
+        for inputs, targets in micro_batches:
+            sync()
+            start = clock()
+            forward_backward(trainee, inputs, targets)
+            sync()
+            micro_s.append(clock() - start)
+        start = clock()
+        optimizer_step(trainee)
+        sync()
+        optimizer_s.append(clock() - start)
+    return statistics.median(micro_s), statistics.median(optimizer_s)
+
+
+def compose_step_time(config: TrainConfig, micro_step_time_s: float, optimizer_step_time_s: float) -> float:
+    """Seconds per optimizer step: ``grad_accum`` micro-steps and one optimizer step."""
+    return config.grad_accum * micro_step_time_s + optimizer_step_time_s
+
+
+def _micro_batches(workload: Workload, config: TrainConfig, device: torch.device) -> list:
+    count = min(config.grad_accum, MICRO_STEPS_PER_STEP)
+    return make_micro_batches(workload, dataclasses.replace(config, grad_accum=count), device)
+
+
+def _result(workload: Workload, config: TrainConfig, peak_bytes: int, reserved_bytes: int | None,
+            breakdown: dict, t_micro: float, t_optimizer: float) -> dict:
+    step_time_s = compose_step_time(config, t_micro, t_optimizer)
+    samples_per_s = config.samples_per_step / step_time_s
+    return {
+        "status": "ok", "error": None,
+        "peak_bytes": int(peak_bytes), "per_device_peak_bytes": [int(peak_bytes)],
+        "peak_reserved_bytes": None if reserved_bytes is None else int(reserved_bytes),
+        "breakdown": {k: int(breakdown[k]) for k in BREAKDOWN_KEYS},
+        "samples_per_s": samples_per_s,
+        "tokens_per_s": samples_per_s * workload.tokens_per_sample if workload.tokens_per_sample else None,
+        "step_time_s": step_time_s, "micro_step_time_s": t_micro, "optimizer_step_time_s": t_optimizer,
+    }
+
+
+def _failed(status: str, error: str) -> dict:
+    return {"status": status, "error": error, "peak_bytes": None, "per_device_peak_bytes": [],
+            "peak_reserved_bytes": None, "breakdown": dict.fromkeys(BREAKDOWN_KEYS),
+            "samples_per_s": None, "tokens_per_s": None, "step_time_s": None,
+            "micro_step_time_s": None, "optimizer_step_time_s": None}
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
+def _measure_split(workload: Workload, config: TrainConfig, *, device_type: str, budget_bytes: int | None,
+                   warmup_steps: int, measure_steps: int) -> dict:
+    """Device split > 1: PyTorch's pipeline engine, run by :func:`autofit.pipeline.measure_split`."""
+    try:
+        from autofit.pipeline import measure_split
+    except ImportError as exc:
+        return _failed("error", f"device_split={config.device_split} needs autofit.pipeline.measure_split, "
+                                f"which is not available ({exc})")
+    out: dict[str, Any] = measure_split(workload, config, device_type=device_type, warmup_steps=warmup_steps,
+                                        measure_steps=measure_steps, budget_bytes=budget_bytes)
+    status = str(getattr(out.get("status"), "value", out.get("status") or "ok"))
+    if status != "ok":
+        return _failed(status, out.get("error") or f"pipeline trial ended with status {status}")
+    per_device = [int(b) for b in out.get("per_device_peak_bytes") or []]
+    step_time_s = float(out["step_time_s"])
+    breakdown = out.get("breakdown") or {}
+    samples_per_s = config.samples_per_step / step_time_s
+    return {
+        "status": "ok", "error": None,
+        "peak_bytes": max(per_device) if per_device else None, "per_device_peak_bytes": per_device,
+        "peak_reserved_bytes": None,
+        "breakdown": {k: None if breakdown.get(k) is None else int(breakdown[k]) for k in BREAKDOWN_KEYS},
+        "samples_per_s": samples_per_s,
+        "tokens_per_s": samples_per_s * workload.tokens_per_sample if workload.tokens_per_sample else None,
+        "step_time_s": step_time_s, "micro_step_time_s": None, "optimizer_step_time_s": None,
+    }

@@ -1,0 +1,35 @@
+"""Shared test fixtures and the ``cuda`` marker's skip. Keep it small."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config, items):
+    # torch.cuda.is_available() does not create a CUDA context, so trial parents stay clean.
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def trial_workload_spec():
+    """``spec("tiny")`` -> an absolute ``tests/trial_workloads.py:tiny`` source string."""
+    return lambda function: f"{TESTS_DIR / 'trial_workloads.py'}:{function}"
+
+
+@pytest.fixture
+def one_thread():
+    """Run with one intra-op thread: timings on a shared 2-core machine are far steadier."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

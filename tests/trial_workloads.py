@@ -1,0 +1,116 @@
+"""Tiny workloads for the trial tests, loaded by ``tests/trial_workloads.py:function`` source strings.
+
+Some misbehave on purpose (raise, segfault, hang). A workload that sees ``AUTOFIT_TEST_PIDFILE``
+in its environment appends its process id there (and the hang one its grandchild's), so a
+test can check that the process is gone afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autofit.workload import Workload
+
+DIM, CLASSES = 32, 8
+
+
+class Block(nn.Module):
+    """x + GELU(Linear(x)): the residual inside the block, so blocks chain (checkpointing needs it)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, dim) -> (B, dim)
+        return x + F.gelu(self.fc(x))
+
+
+class MLP(nn.Module):
+    """Deterministic (no dropout) residual MLP: ``blocks`` is the layer list."""
+
+    def __init__(self, dim: int = DIM, depth: int = 4, classes: int = CLASSES) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(depth))
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, dim)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)  # (B, classes)
+
+
+def _record_pid(*pids: int) -> None:
+    path = os.environ.get("AUTOFIT_TEST_PIDFILE")
+    if path:
+        with open(path, "a") as f:
+            f.write("".join(f"{pid}\n" for pid in pids))
+
+
+def mlp_workload(name: str = "tiny-mlp", dim: int = DIM, depth: int = 4, batch=None, loss=None) -> Workload:
+    """A tiny MLP classifier; ``batch``/``loss`` override the defaults (to misbehave)."""
+
+    def make_batch(n: int):
+        generator = torch.Generator().manual_seed(n)
+        return torch.randn(n, dim, generator=generator), torch.randint(0, CLASSES, (n,), generator=generator)
+
+    def make_model() -> nn.Module:
+        torch.manual_seed(0)
+        return MLP(dim, depth)
+
+    return Workload(name=name, model=make_model, batch=batch or make_batch, loss=loss or F.cross_entropy,
+                    tokens_per_sample=1)
+
+
+def tiny() -> Workload:
+    _record_pid(os.getpid())
+    return mlp_workload()
+
+
+def wide() -> Workload:
+    """About 1 MiB of weights: a small budget is exceeded for sure."""
+    _record_pid(os.getpid())
+    return mlp_workload(name="wide-mlp", dim=256)
+
+
+def raising() -> Workload:
+    _record_pid(os.getpid())
+
+    def bad_loss(outputs, targets):
+        raise ValueError("loss exploded\nshape mismatch (8, 8) vs (8,)")
+
+    return mlp_workload(name="raising", loss=bad_loss)
+
+
+def segfault() -> Workload:
+    _record_pid(os.getpid())
+
+    def crashing_batch(n: int):
+        os.kill(os.getpid(), signal.SIGSEGV)
+        time.sleep(60)
+
+    return mlp_workload(name="segfault", batch=crashing_batch)
+
+
+def hang() -> Workload:
+    """Starts a grandchild (as a pipeline stage would), then hangs in batch()."""
+
+    def hanging_batch(n: int):
+        helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        _record_pid(os.getpid(), helper.pid)
+        time.sleep(600)
+
+    return mlp_workload(name="hang", batch=hanging_batch)
+
+
+def noisy() -> Workload:
+    """Prints to stdout: must not reach the parent's stdout (the --json contract)."""
+    print("hello from the workload")
+    return mlp_workload(name="noisy")
