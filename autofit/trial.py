@@ -19,7 +19,8 @@ How the workload reaches the child:
   runs on one intra-op thread and its throughput is not that of a real run. Prefer a ``source``.
 
 The child writes one small JSON object to a pipe that the parent drains while it waits, so
-a large result cannot block the child and nothing unpicklable ever crosses.
+a large result cannot block the child and nothing unpicklable ever crosses. A watchdog thread
+in the child kills its process group if the parent dies first.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -142,7 +144,7 @@ def run_trial(workload: Workload | str, config: TrainConfig, *, device: str = "c
     source = workload if isinstance(workload, str) else workload.source
     name = workload if isinstance(workload, str) else workload.name
     request = {"source": source, "config": config.to_dict(), "device": device, "budget_bytes": budget_bytes,
-               "warmup_steps": warmup_steps, "measure_steps": measure_steps}
+               "warmup_steps": warmup_steps, "measure_steps": measure_steps, "parent_pid": os.getpid()}
     start = time.monotonic()
     try:
         if source is not None:
@@ -210,9 +212,20 @@ def _write_result(fd: int, outcome: dict) -> None:
     os.close(fd)
 
 
+def _die_with_parent(parent_pid: int) -> None:
+    """In the child: if the parent dies (killed, say), kill this trial's whole process group -- no orphans."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, name="autofit-parent-watch", daemon=True).start()
+
+
 def _child_main() -> None:
     """Entry point of a spawned child: ``python -c '...; _child_main()' RESULT_FD REQUEST_JSON``."""
     fd, request = int(sys.argv[1]), json.loads(sys.argv[2])
+    _die_with_parent(request["parent_pid"])
     status = 0
     try:
         _write_result(fd, _run_request(request))
@@ -266,11 +279,17 @@ def _fork(workload: Workload, request: dict) -> tuple[int, int, None]:
     read_fd, write_fd = os.pipe()
     sys.stdout.flush()  # or the child would write our buffered output a second time
     sys.stderr.flush()
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except BaseException:
+        os.close(read_fd)
+        os.close(write_fd)
+        raise
     if pid == 0:  # the child: never returns
         status = 1
         try:
             os.setsid()
+            _die_with_parent(request["parent_pid"])
             os.close(read_fd)
             if _stdout_target() == 2:
                 os.dup2(2, 1)
