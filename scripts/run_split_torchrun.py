@@ -1,0 +1,105 @@
+"""Run one device-split trial under torchrun: one process per pipeline stage, on one or more machines.
+
+The stage code is autofit.pipeline.run_stage, the same that ``autofit.pipeline.measure_split``
+runs in its own child processes. torchrun provides RANK, WORLD_SIZE, LOCAL_RANK and the
+rendezvous; stage ``RANK`` runs on ``cuda:LOCAL_RANK`` (NCCL) or on the CPU (gloo).
+
+    # two GPUs on one machine
+    torchrun --nproc-per-node 2 scripts/run_split_torchrun.py --model gpt-tiny \\
+        --config precision=amp-bf16,micro_batch=8,grad_accum=4 --device cuda --json
+
+    # two machines, one GPU each (run on both, --node-rank 0 and 1)
+    torchrun --nnodes 2 --nproc-per-node 1 --node-rank 0 --rdzv-backend c10d \\
+        --rdzv-endpoint HOST0:29500 scripts/run_split_torchrun.py --model gpt-tiny --config micro_batch=8,grad_accum=4
+
+``device_split`` defaults to WORLD_SIZE and must equal it. Rank 0 prints the combined
+result (the same fields as measure_split); a failing stage prints its own result and exits 1,
+and torchrun stops the others. Exit status: 0 ok, 1 the trial failed (oom/error), 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from autofit.budget import parse_budget  # noqa: E402
+from autofit.config import TrainConfig  # noqa: E402
+from autofit.errors import AutofitError  # noqa: E402
+from autofit.pipeline import Schedule, combine_stage_results, run_stage  # noqa: E402
+from autofit.workload import load_workload  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="built-in name, path/to/file.py:function or module:function")
+    parser.add_argument("--config", default="", help="k=v,... e.g. precision=amp-bf16,micro_batch=8,grad_accum=4")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--schedule", choices=[s.value for s in Schedule], default=Schedule.ONE_F_ONE_B.value)
+    parser.add_argument("--budget", default=None, help="per-device memory budget, e.g. 40GB")
+    parser.add_argument("--warmup", type=int, default=2, help="warm-up optimizer steps (at least 2)")
+    parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=600.0, help="process-group timeout in seconds")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (rank 0)")
+    args = parser.parse_args(argv)
+
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    try:
+        workload = load_workload(args.model)
+        config = TrainConfig.parse(args.config, base=TrainConfig(device_split=world_size))
+        budget_bytes = parse_budget(args.budget) if args.budget else None
+    except AutofitError as exc:
+        print(f"autofit: {exc}", file=sys.stderr)
+        return 2
+    if config.device_split != world_size:
+        print(f"autofit: device_split={config.device_split} but torchrun started {world_size} processes; "
+              "they must be equal (one process per stage)", file=sys.stderr)
+        return 2
+
+    if args.device == "cuda":
+        device = torch.device(f"cuda:{local_rank}")
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
+    try:
+        result = run_stage(workload, config, rank=rank, world_size=world_size, device=device,
+                           warmup_steps=args.warmup, measure_steps=args.steps, budget_bytes=budget_bytes,
+                           schedule=args.schedule, seed=args.seed)
+        if result["status"] != "ok":
+            # The other stages are (or will be) blocked on this one: report and leave; torchrun
+            # tears the group down when a worker exits non-zero.
+            result.pop("traceback", None)
+            print(json.dumps(result), file=sys.stderr, flush=True)
+            return 1
+        gathered = [None] * world_size if rank == 0 else None
+        dist.gather_object(result, gathered, dst=0)
+        if rank == 0:
+            combined = combine_stage_results(gathered, world_size)
+            combined = {"workload": workload.name, "config": config.to_dict(), "device": args.device,
+                        "world_size": world_size, **combined}
+            if args.json:
+                print(json.dumps(combined))
+            else:
+                for key, value in combined.items():
+                    print(f"{key}: {value}")
+        return 0 if result["status"] == "ok" else 1
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
