@@ -17,6 +17,8 @@ import hashlib
 import inspect
 import json
 import os
+import subprocess
+import sys
 import time
 import weakref
 from dataclasses import asdict, dataclass, field
@@ -119,14 +121,7 @@ class Profile:
     @classmethod
     def from_json(cls, text: str) -> "Profile":
         data = json.loads(text)
-        precisions = {}
-        for name, pp in data.pop("precisions").items():
-            layers = tuple(LayerProfile(**{**lp, "forward": _region(lp["forward"]), "backward": _region(lp["backward"]),
-                                           "output": tuple(lp["output"]), "forward_flops": tuple(lp["forward_flops"])})
-                           for lp in pp.pop("layers"))
-            regions = {k: _region(pp[k]) for k in ("pre_forward", "post_forward", "post_backward", "pre_backward")}
-            lines = {k: tuple(pp[k]) for k in ("input_bytes", "forward_flops", "backward_flops")}
-            precisions[name] = PrecisionProfile(**{**pp, **regions, **lines, "layers": layers})
+        precisions = {name: _precision_from_dict(pp) for name, pp in data.pop("precisions").items()}
         return cls(**data, precisions=precisions)
 
 
@@ -520,28 +515,42 @@ def profile_key(workload: Workload, device_type: str) -> tuple[str, int, int]:
     return digest, param_count, len(layers)
 
 
-def _profile_by_source(source: str, precision: str, device_type: str) -> PrecisionProfile:
-    from autofit.workload import load_workload
-
-    return profile_precision(load_workload(source), Precision(precision), device_type)
-
-
 def _profile_many(workload: Workload, precisions: list[Precision], device_type: str) -> dict[str, PrecisionProfile]:
     """Profile several precisions, in parallel processes when there are spare cores.
 
-    Fake-tensor dispatch is pure Python and single-threaded, so one process per precision
-    is the only way to use a second core. Workloads without a ``source`` (built in
-    Python, not loadable by name) are profiled in this process.
+    Fake-tensor dispatch is pure Python and single-threaded, so a process per precision is
+    the only way to use a second core. They are fresh interpreters running this module
+    (not multiprocessing, whose spawn would re-run a caller's unguarded ``__main__``).
+    Workloads without a ``source`` (built in Python, not loadable by name) are profiled here.
     """
     workers = min(len(precisions), os.cpu_count() or 1)
     if workers <= 1 or not workload.source or os.environ.get("AUTOFIT_PROFILE_WORKERS") == "1":
         return {p.value: profile_precision(workload, p, device_type) for p in precisions}
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+    env = {**os.environ, "AUTOFIT_PROFILE_WORKERS": "1", "OMP_NUM_THREADS": "1"}
+    found: dict[str, PrecisionProfile] = {}
+    pending = list(precisions)
+    while pending:
+        batch, pending = pending[:workers], pending[workers:]
+        procs = {p.value: subprocess.Popen(
+            [sys.executable, "-m", "autofit.profile", workload.source, p.value, device_type],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for p in batch}
+        for name, proc in procs.items():
+            out, err = proc.communicate()
+            if proc.returncode != 0:
+                last = (err.strip().splitlines() or ["no output"])[-1]
+                raise WorkloadError(last.removeprefix("autofit: error: "))
+            found[name] = _precision_from_dict(json.loads(out))
+    return found
 
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {p.value: pool.submit(_profile_by_source, workload.source, p.value, device_type) for p in precisions}
-        return {name: future.result() for name, future in futures.items()}
+
+def _precision_from_dict(pp: dict) -> PrecisionProfile:
+    pp = dict(pp)
+    layers = tuple(LayerProfile(**{**lp, "forward": _region(lp["forward"]), "backward": _region(lp["backward"]),
+                                   "output": tuple(lp["output"]), "forward_flops": tuple(lp["forward_flops"])})
+                   for lp in pp.pop("layers"))
+    regions = {k: _region(pp[k]) for k in ("pre_forward", "post_forward", "post_backward", "pre_backward")}
+    lines = {k: tuple(pp[k]) for k in ("input_bytes", "forward_flops", "backward_flops")}
+    return PrecisionProfile(**{**pp, **regions, **lines, "layers": layers})
 
 
 def profile_workload(workload: Workload, precisions: Iterable[Precision | str] = tuple(Precision),
@@ -586,3 +595,22 @@ def profile_workload(workload: Workload, precisions: Iterable[Precision | str] =
         except OSError:
             pass  # a read-only cache only costs time
     return profile
+
+
+def _main(argv: list[str]) -> int:
+    """``python -m autofit.profile SOURCE PRECISION DEVICE``: one precision's profile as JSON (a worker)."""
+    from autofit.errors import AutofitError
+    from autofit.workload import load_workload
+
+    source, precision, device_type = argv
+    try:
+        pp = profile_precision(load_workload(source), Precision(precision), device_type)
+    except AutofitError as exc:
+        print(f"autofit: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(asdict(pp)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main(sys.argv[1:]))

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from autofit.config import Precision, TrainConfig
+from autofit.errors import WorkloadError
 from autofit.workload import Workload
 
 AUTOCAST_DTYPE = {Precision.AMP_FP16: torch.float16, Precision.AMP_BF16: torch.bfloat16}
@@ -73,9 +74,17 @@ def checkpoint_layers(layers: nn.ModuleList, every: int) -> None:
         def head_forward(x, *args, _run=run_segment, _state=state, **kwargs):
             out = checkpoint(_run, x, *args, use_reentrant=False, **kwargs)
             _state["tail"] = tuple(out[1:]) if isinstance(out, tuple) else None
+            _state["out"] = _first_tensor(out)
             return out
 
         def pass_through(x, *args, _state=state, **kwargs):
+            # The segment already ran this layer; that is only right if the model hands the
+            # head's output straight on. Anything done between layers would be skipped.
+            if x is not _state.get("out"):
+                raise WorkloadError(
+                    "checkpoint_every > 1 needs layers that chain (x = layer(x)); this model changes "
+                    "the hidden state between layers, so use checkpoint_every 0 or 1"
+                )
             tail = _state.get("tail")
             return x if tail is None else (x, *tail)
 
@@ -125,7 +134,8 @@ def build_trainee(workload: Workload, config: TrainConfig, device: str | torch.d
     device = torch.device(device)
     model = build_model(workload, config.precision, device, fake)
     model.train()
-    checkpoint_layers(workload.layers(model), config.checkpoint_every)
+    if config.checkpoint_every:
+        checkpoint_layers(workload.layers(model), config.checkpoint_every)
     optimizer = workload.optimizer(model.parameters())
     scaler = None
     if config.precision is Precision.AMP_FP16 and not fake:

@@ -1,0 +1,120 @@
+"""Golden values for the profiler, hand-computed for small GPT presets."""
+
+import pytest
+
+from autofit.config import Precision
+from autofit.profile import Profile, profile_key, profile_precision, profile_workload
+from autofit.workloads.gpt import gpt_preset
+
+# gpt-tiny: vocab V, positions S, L layers of width h, tied head (see autofit/workloads/gpt.py)
+V, S, L, H, HEADS = 4096, 128, 4, 192, 4
+
+
+def gpt_param_count(V, S, L, h):
+    embeddings = V * h + S * h                     # token + learned positions (head tied to wte)
+    attention = (h * 3 * h + 3 * h) + (h * h + h)  # c_attn (qkv) + c_proj, with biases
+    mlp = (h * 4 * h + 4 * h) + (4 * h * h + h)    # c_fc + c_proj
+    norms = 2 * 2 * h                              # ln_1, ln_2: weight + bias
+    return embeddings + L * (attention + mlp + norms) + 2 * h  # + ln_f
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return gpt_preset("gpt-tiny")
+
+
+def test_exact_parameter_count(tiny):
+    _, param_count, n_layers = profile_key(tiny, "cpu")
+    assert param_count == gpt_param_count(V, S, L, H) == 2_590_848
+    assert n_layers == L
+
+
+@pytest.mark.parametrize("precision, bytes_per_param", [
+    (Precision.FP32, 16), (Precision.AMP_BF16, 16), (Precision.BF16, 8),
+])
+def test_adamw_model_states(tiny, precision, bytes_per_param):
+    """AdamW: weights + grads + exp_avg + exp_avg_sq = 4+4+8 (fp32 and autocast), 2+2+4 (bf16);
+    plus one fp32 `step` scalar per parameter tensor."""
+    pp = profile_precision(tiny, precision)
+    n = gpt_param_count(V, S, L, H)
+    n_tensors = 2 + L * 12 + 2  # wte, wpe; per block 12 weights/biases; ln_f weight + bias
+    model_state = pp.static_param_bytes + pp.grad_bytes + pp.optimizer_bytes
+    assert model_state == bytes_per_param * n + 4 * n_tensors
+
+
+def korthikanti_bytes(s, b, h, a):
+    """Per-layer activation bytes in 16-bit with dropout (Korthikanti et al. 2022, Eq. 1)."""
+    return s * b * h * (34 + 5 * a * s / h)
+
+
+@pytest.mark.parametrize("seq_len", [64, 128])
+def test_korthikanti_per_layer_activations_plain_attention(seq_len):
+    """Plain attention + dropout in bf16: a middle layer keeps sbh(34 + 5as/h) bytes.
+
+    The profile counts a layer's own new tensors; its input (2sbh, saved by ln_1) is the
+    previous layer's output, so one layer's delta equals the formula for the layer."""
+    wl = gpt_preset("gpt-tiny", attention="plain", dropout=0.1, seq_len=seq_len)
+    pp = profile_precision(wl, Precision.BF16)
+    per_sample = pp.layers[1].forward.delta[1]
+    expected = korthikanti_bytes(seq_len, 1, H, HEADS)
+    assert per_sample == pytest.approx(expected, rel=0.05)
+    assert pp.layers[1].forward.delta[0] == pytest.approx(0, abs=64)  # nothing batch-independent
+
+
+def test_fused_attention_has_no_quadratic_term():
+    """With scaled_dot_product_attention (no dropout: the fused CPU kernel has none) the layer's
+    activations grow linearly in s: doubling s doubles them, and they sit near 32sbh (34sbh
+    minus the two 1-byte dropout masks)."""
+    per_sbh = {}
+    for s in (64, 128, 256):
+        pp = profile_precision(gpt_preset("gpt-tiny", attention="sdpa", dropout=0.0, seq_len=s), Precision.BF16)
+        per_sbh[s] = pp.layers[1].forward.delta[1] / (s * H)
+    assert per_sbh[64] == pytest.approx(per_sbh[256], rel=0.01)
+    assert per_sbh[128] == pytest.approx(32, rel=0.05)
+    plain = profile_precision(gpt_preset("gpt-tiny", attention="plain", dropout=0.0, seq_len=256), Precision.BF16)
+    # without dropout, plain attention keeps only the softmax output per head: 2as^2b bytes
+    plain_per_sbh = plain.layers[1].forward.delta[1] / (256 * H)
+    assert plain_per_sbh == pytest.approx(per_sbh[256] + 2 * HEADS * 256 / H, rel=0.02)
+
+
+def test_autocast_keeps_fp32_states_and_saves_half_weight_copies(tiny):
+    fp32 = profile_precision(tiny, Precision.FP32)
+    amp = profile_precision(tiny, Precision.AMP_BF16)
+    assert amp.static_param_bytes == fp32.static_param_bytes
+    assert amp.optimizer_bytes == fp32.optimizer_bytes
+    # the batch-independent part of a layer's saved tensors: bf16 copies of its matmul weights
+    matmul_weights = (3 * H * H + H * H + 4 * H * H + 4 * H * H)
+    assert amp.layers[1].forward.delta[0] == pytest.approx(2 * matmul_weights, rel=0.02)
+
+
+def test_cache_round_trip_and_key_changes(tmp_path, monkeypatch, tiny):
+    monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path))
+    first = profile_workload(tiny, [Precision.FP32])
+    assert list(tmp_path.glob("*.json"))
+    again = profile_workload(tiny, [Precision.FP32])
+    assert again.precisions == first.precisions
+    assert Profile.from_json(first.to_json()).precisions == first.precisions
+    changed = gpt_preset("gpt-tiny", dropout=0.1)
+    assert profile_key(changed, "cpu")[0] != profile_key(tiny, "cpu")[0]
+    assert profile_key(tiny, "cuda")[0] != profile_key(tiny, "cpu")[0]
+
+
+def test_corrupt_cache_is_rebuilt(tmp_path, monkeypatch, tiny):
+    monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path))
+    profile_workload(tiny, [Precision.FP32])
+    for path in tmp_path.glob("*.json"):
+        path.write_text("{not json")
+    assert profile_workload(tiny, [Precision.FP32]).for_precision("fp32").grad_bytes > 0
+
+
+def test_profiling_allocates_no_real_weights():
+    """Two llama-1b layers with its 128k-token embedding (770 MB of bf16 weights, 3 GB with
+    gradients and AdamW state) profile within a small memory increase."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    pp = profile_precision(gpt_preset("llama-1b", n_layer=2), Precision.BF16)
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    model_state = pp.static_param_bytes + pp.grad_bytes + pp.optimizer_bytes
+    assert model_state > 3 * 10**9
+    assert grown_kib < 300_000  # a tenth of what the tensors would take
