@@ -190,7 +190,8 @@ def _walk_stage(pp: PrecisionProfile, start: int, end: int, first_stage: bool, l
         for s, e in reversed(segments):
             for i in range(s, e):  # recompute the segment's forward, saving its activations
                 w.region(layers[i].forward.peak, layers[i].forward.delta, "backward")
-            w.live = _add(w.live, layers[e - 1].output, -1.0)  # its last output is not kept again
+            if not layers[e - 1].output_saved:  # recomputation stops before an output nothing saves
+                w.live = _add(w.live, layers[e - 1].output, -1.0)
             for i in reversed(range(s, e)):
                 w.region(*bwd(layers[i].backward), "backward", grad_of(i))
     else:

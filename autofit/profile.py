@@ -38,7 +38,7 @@ from autofit.errors import WorkloadError
 from autofit.training import build_trainee, forward_backward, param_dtype, to_device
 from autofit.workload import Workload
 
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4
 # Micro-batch sizes profiled; every per-sample quantity is fitted as a line through them.
 PROFILE_BATCHES = (2, 4)
 # The CUDA caching allocator rounds every block up to 512 bytes (FACTS.md).
@@ -72,6 +72,7 @@ class LayerProfile:
     forward: Region
     backward: Region
     forward_flops: Line = (0.0, 0.0)
+    output_saved: bool = False  # the layer's own backward needs its output (e.g. it ends in ReLU)
 
 
 @dataclass(frozen=True)
@@ -279,6 +280,11 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
     rec = _Recorder(timeline)
     handles = []
     layer_out: list[int] = [0] * n
+    # Whether a layer saves its own output for backward (e.g. a final ReLU): then a
+    # checkpointed segment's recomputation re-creates and keeps it (no early stop before it).
+    output_saved: list[bool] = [False] * n
+    saved_ptrs: list[set] = [set() for _ in range(n)]
+    saving: list = [None]
     phase = {"value": "pre"}
     module_phase: dict[int, str] = {}
 
@@ -287,12 +293,20 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
             rec.mark(f"f{i}")
             if i == 0:
                 phase["value"] = "layers"
+
+            def pack(t):
+                saved_ptrs[i].add(t.untyped_storage()._cdata)
+                return t
+            saving[0] = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+            saving[0].__enter__()
         return hook
 
     def fwd_post(i):
         def hook(module, args, output):
+            saving[0].__exit__(None, None, None)
             out = _first_tensor(output)
             layer_out[i] = _round(out.untyped_storage().nbytes(), round_bytes) if out is not None else 0
+            output_saved[i] = out is not None and out.untyped_storage()._cdata in saved_ptrs[i]
             rec.mark(f"F{i}")
             if i == n - 1:
                 phase["value"] = "post"
@@ -398,6 +412,7 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
                 "param_bytes": _tensor_bytes(layer_params[i] + layer_buffers[i], round_bytes),
                 "grad_bytes": _tensor_bytes([p for p in layer_params[i] if p.requires_grad], round_bytes),
                 "output": layer_out[i],
+                "output_saved": output_saved[i],
                 "forward": reg(f"f{i}", f"F{i}"),
                 "backward": reg(f"b{i}", f"B{i}"),
                 "forward_flops": layer_flops[i],
@@ -444,7 +459,7 @@ def profile_precision(workload: Workload, precision: Precision, device_type: str
     for i, (l1, l2) in enumerate(zip(r1["layers"], r2["layers"])):
         layers.append(LayerProfile(
             param_bytes=l1["param_bytes"], grad_bytes=l1["grad_bytes"],
-            output=_line(l1["output"], l2["output"]),
+            output=_line(l1["output"], l2["output"]), output_saved=l1["output_saved"],
             forward=_region_lines(l1["forward"], l2["forward"]),
             backward=_region_lines(l1["backward"], l2["backward"]),
             forward_flops=_flops_line(l2["forward_flops"]),
