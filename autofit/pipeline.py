@@ -61,6 +61,7 @@ import subprocess
 import sys
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -69,6 +70,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from autofit.config import Precision, TrainConfig
 from autofit.errors import ConfigError
@@ -135,6 +137,26 @@ def stage_bounds(n_layers: int, device_split: int) -> list[tuple[int, int]]:
 # --------------------------------------------------------------------------- stage building
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous()
+
+
+def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
+    return _ContiguousGrad.apply(t) if t.requires_grad else t
+
+
 class _StageModule(nn.Module):
     """The traced stage, run under the config's autocast (forward only, as in forward_backward)."""
 
@@ -145,8 +167,13 @@ class _StageModule(nn.Module):
         self.device_type = device_type
 
     def forward(self, *args, **kwargs):
+        # Send/recv need contiguous tensors, and the runtime sizes its receive buffers from the
+        # first micro-batch's strides: make outputs and input gradients contiguous (an
+        # nn.LSTM's are strided). A no-op, no copy, for those already contiguous.
+        args = tree_map_only(torch.Tensor, _contiguous_grad, args)
         with autocast_context(self.precision, self.device_type):
-            return self.inner(*args, **kwargs)
+            out = self.inner(*args, **kwargs)
+        return tree_map_only(torch.Tensor, _contiguous, out)
 
 
 @dataclass
@@ -193,7 +220,11 @@ def _trace_stage(model: nn.Module, layers_fqn: str, bounds: list[tuple[int, int]
 
     split_spec = {f"{layers_fqn}.{start}": SplitPoint.BEGINNING for start, _ in bounds[1:]}
     try:
-        pipe = pipeline(model, mb_args=example_args, split_spec=split_spec)
+        with warnings.catch_warnings():
+            # Noise from export itself, e.g. nn.LSTM's _flat_weights "assigned during export".
+            warnings.filterwarnings("ignore", message=".*assigned during export.*")
+            warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
+            pipe = pipeline(model, mb_args=example_args, split_spec=split_spec)
     except Exception as exc:
         cause = _root_cause(exc)
         raise SplitError(
@@ -375,7 +406,7 @@ def _train_step(stage: _Stage) -> float | None:
     if stage.index != stage.num_stages - 1:
         return None
     # The first step also computes a loss for the schedule's shape inference: keep the last n.
-    losses = stage.raw_losses[-stage.schedule._n_microbatches:]
+    losses = stage.raw_losses[-len(stage.target_mbs):]
     return float(torch.stack(losses).float().mean())
 
 
@@ -430,7 +461,8 @@ def run_stage(workload: Workload, config: TrainConfig, *, rank: int, world_size:
     The per-process body of :func:`measure_split`, also used under ``torchrun``. As
     :func:`autofit.measure.measure_trial` does for one device:
 
-    1. ``max(warmup_steps, 2)`` warm-up optimizer steps;
+    1. ``max(warmup_steps, 2)`` warm-up optimizer steps (the first, which also runs the
+       schedule's shape inference, untracked);
     2. peak memory over the ``measure_steps`` steps that follow: on the CPU, live tensor bytes
        counted by :class:`autofit.tracker.MemoryTracker` (which also watches the warm-up and
        stops the stage as soon as it passes ``budget_bytes``); on CUDA,
@@ -621,6 +653,8 @@ def _stage_main(rank: int, world_size: int, port: int, workload: Workload | str,
         if isinstance(workload, str):
             workload = load_workload(workload)
         device = torch.device(f"cuda:{rank}") if device_type == "cuda" else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # before NCCL binds this process to a GPU
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=options.pop("pg_timeout_s")))
     except BaseException as exc:

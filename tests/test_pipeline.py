@@ -74,6 +74,27 @@ def tiny_gpt_untied() -> Workload:
     return tiny_gpt(tie=False)
 
 
+class TinyLSTM(nn.Module):
+    """Blocks that return tuples and strided outputs (nn.LSTM), as the lstm-lm built-in."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(nn.LSTM(WIDTH, WIDTH, batch_first=True) for _ in range(2))
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x, _ = block(x)
+        return self.head(x)
+
+
+def tiny_lstm() -> Workload:
+    return Workload(name="tiny-lstm", model=TinyLSTM, batch=_batch, loss=_lm_loss,
+                    optimizer=lambda params: torch.optim.SGD(params, lr=0.1), layers=lambda m: m.blocks)
+
+
 class DataDependent(nn.Module):
     def __init__(self):
         super().__init__()
@@ -208,6 +229,14 @@ def test_gpipe_same_result_more_activations():
     # 1F1B holds at most p - i micro-batches on stage i: 2 on the first, 1 on the last.
     assert last_1f1b < 0.5 * last_gpipe
     assert first_1f1b < first_gpipe
+
+
+def test_tuple_returning_layers():
+    config = TrainConfig(micro_batch=1, grad_accum=2, device_split=2)
+    result = measure_split(tiny_lstm(), config, device_type="cpu", budget_bytes=None, **STEPS)
+    assert result["status"] == "ok", result["error"]
+    ref_losses, _ = reference(tiny_lstm(), config, steps=len(result["losses"]))
+    assert result["losses"] == pytest.approx(ref_losses, rel=1e-5)
 
 
 def test_amp_fp16_grad_scaler_across_stages():
