@@ -33,3 +33,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def profile_cache(tmp_path_factory):
+    """One fresh profile cache per test session (child processes inherit it): tests never
+    read a developer's ~/.cache, and a workload is profiled once per session."""
+    import os
+
+    path = tmp_path_factory.mktemp("autofit-cache")
+    previous = os.environ.get("AUTOFIT_CACHE_DIR")
+    os.environ["AUTOFIT_CACHE_DIR"] = str(path)
+    yield path
+    if previous is None:
+        os.environ.pop("AUTOFIT_CACHE_DIR", None)
+    else:
+        os.environ["AUTOFIT_CACHE_DIR"] = previous

@@ -1,0 +1,92 @@
+"""`autofit estimate` and `autofit models` as a user runs them: JSON contracts and one-line errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from autofit.cli import main
+
+ESTIMATE_KEYS = {"workload", "budget_bytes", "config", "param_count", "params_bytes", "grads_bytes",
+                 "optimizer_bytes", "activations_bytes", "temporary_bytes", "overhead_bytes",
+                 "model_state_bytes", "peak_bytes", "per_device_peak_bytes", "fits"}
+
+
+def autofit(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "autofit", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_estimate_one_config_json():
+    proc = autofit("estimate", "--model", "gpt-tiny", "--budget", "1GB", "--device", "cpu",
+                   "--config", "precision=bf16,micro_batch=4,grad_accum=2,checkpoint_every=1,device_split=2", "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert ESTIMATE_KEYS <= set(data)
+    assert data["config"] == {"precision": "bf16", "micro_batch": 4, "grad_accum": 2, "checkpoint_every": 1, "device_split": 2}
+    assert data["budget_bytes"] == 10**9 and data["fits"] is True
+    assert len(data["per_device_peak_bytes"]) == 2 and data["peak_bytes"] == max(data["per_device_peak_bytes"])
+    assert data["model_state_bytes"] == 8 * data["param_count"] + 4 * 52  # bf16 AdamW + an fp32 step per tensor (52 tensors)
+
+
+def test_estimate_space_json_sorted(tmp_path):
+    space = tmp_path / "s.toml"
+    space.write_text('precision = ["fp32", "bf16"]\nmicro_batch = [1, 8]\nglobal_batch = 8\ncheckpoint_every = [0, 1]\n')
+    proc = autofit("estimate", "--model", "gpt-tiny", "--budget", "30MiB", "--device", "cpu", "--space", str(space), "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert set(data) >= {"workload", "budget_bytes", "configs"}
+    peaks = [c["peak_bytes"] for c in data["configs"]]
+    assert peaks == sorted(peaks) and len(peaks) == 8
+    assert {"precision", "micro_batch", "grad_accum", "checkpoint_every", "device_split", "peak_bytes", "fits"} <= set(data["configs"][0])
+    assert any(c["fits"] for c in data["configs"]) and not all(c["fits"] for c in data["configs"])
+
+
+def test_estimate_table_says_what_would_fit():
+    proc = autofit("estimate", "--model", "gpt-tiny", "--budget", "4MiB", "--device", "cpu", "--space", "default")
+    assert proc.returncode == 0, proc.stderr
+    assert "Nothing in the space fits" in proc.stdout
+    assert "4.19 MB (4.00 MiB)" not in proc.stdout  # budget printed in GB and GiB
+    assert "0.00 GB" in proc.stdout and "GiB" in proc.stdout
+
+
+def test_models_json():
+    proc = autofit("models", "--json")
+    assert proc.returncode == 0
+    models = {m["name"]: m for m in json.loads(proc.stdout)}
+    assert {"gpt-tiny", "llama-7b", "convnet-bn"} <= set(models)
+    assert models["llama-7b"]["param_count"] == 6_738_415_616
+    assert all(m["description"] for m in models.values())
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--model", "gpt-tiny", "--budget", "8"], "invalid budget"),
+    (["--model", "gpt-tiny", "--budget", "0GB"], "invalid budget"),
+    (["--model", "gpt-tiny", "--budget=-3GB"], "invalid budget"),
+    (["--model", "gpt-tiny", "--budget", "8GB", "--config", "micro_batch=0"], "micro_batch"),
+    (["--model", "gpt-tiny", "--budget", "8GB", "--config", "precision=fp8"], "precision"),
+    (["--model", "gpt-tiny", "--budget", "8GB", "--config", "batch=3"], "unknown config key"),
+    (["--model", "gpt-tiny", "--budget", "8GB", "--space", "/nonexistent.toml"], "no such search-space file"),
+    (["--model", "no-such-model", "--budget", "8GB"], "unknown model"),
+    (["--model", "/nonexistent/file.py:make", "--budget", "8GB"], "no such file"),
+    (["--model", "autofit.workloads:nothing_here", "--budget", "8GB"], "has no function"),
+    (["--model", "json:dumps", "--budget", "8GB"], "raised TypeError"),
+    (["--model", "os:getcwd", "--budget", "8GB"], "expected autofit.Workload"),
+    (["--model", "no_such_package_xyz:make", "--budget", "8GB"], "cannot import module"),
+    (["--model", "gpt-tiny"], "required"),
+])
+def test_bad_inputs_one_line_exit_2(args, needle, capsys):
+    try:
+        status = main(["estimate", *args])
+    except SystemExit as exc:  # argparse's own errors
+        status = exc.code
+    err = capsys.readouterr().err
+    assert status == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], err
+
+
+def test_bad_input_in_a_real_process_has_no_traceback():
+    proc = autofit("estimate", "--model", "nope.py:make", "--budget", "8 gigs")
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
