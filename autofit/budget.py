@@ -52,5 +52,8 @@ def format_bytes(n_bytes: float) -> str:
 
 
 def format_budget(budget_bytes: int) -> str:
-    """A budget in both unit systems, e.g. ``8.00 GB (7.45 GiB)``."""
-    return f"{budget_bytes / 1e9:.2f} GB ({budget_bytes / 2**30:.2f} GiB)"
+    """A budget in both unit systems, e.g. ``8.00 GB (7.45 GiB)`` or ``4.19 MB (4.00 MiB)``."""
+    for decimal, binary, unit in ((10**9, 2**30, "G"), (10**6, 2**20, "M"), (10**3, 2**10, "K")):
+        if budget_bytes >= decimal:
+            return f"{budget_bytes / decimal:.2f} {unit}B ({budget_bytes / binary:.2f} {unit}iB)"
+    return f"{budget_bytes} B"

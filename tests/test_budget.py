@@ -26,5 +26,6 @@ def test_lowercase_b_is_bytes_not_bits():
 
 def test_format_budget_shows_both_units():
     assert format_budget(8 * 10**9) == "8.00 GB (7.45 GiB)"
+    assert format_budget(4 * 2**20) == "4.19 MB (4.00 MiB)"
     assert format_bytes(1536 * 2**20) == "1.50 GiB"
     assert format_bytes(12) == "12 B"
