@@ -287,3 +287,15 @@ def test_more_stages_than_layers_is_an_error_status():
     result = measure_split(tiny_gpt(), TrainConfig(micro_batch=1, grad_accum=1, device_split=5), device_type="cpu",
                            warmup_steps=2, measure_steps=1, budget_bytes=None, timeout_s=120)
     assert result["status"] == "error" and "device_split=5" in result["error"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_split_on_two_gpus_matches_unsplit():
+    # NCCL, stage i on cuda:i; the spawned stages re-load the workload from this file.
+    workload = dataclasses.replace(tiny_gpt(), source=f"{__file__}:tiny_gpt")
+    result = measure_split(workload, CONFIG, device_type="cuda", budget_bytes=None, **STEPS)
+    assert result["status"] == "ok", result["error"]
+    assert len(result["per_device_peak_bytes"]) == 2 and min(result["per_device_peak_bytes"]) > 0
+    ref_losses, _ = reference(tiny_gpt(), CONFIG, steps=len(result["losses"]))
+    assert result["losses"] == pytest.approx(ref_losses, rel=1e-4)
