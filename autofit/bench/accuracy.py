@@ -1,0 +1,265 @@
+"""The accuracy suite: the estimator's predicted peak against the CPU tracker's measured peak.
+
+Also issue 3's acceptance table: >= 40 configs over two workloads of different kinds
+(``gpt-tiny``, a transformer; ``convnet-bn``, a CNN with BatchNorm) spanning the four
+precisions, checkpointing on and off, accumulation and device split 1 and 2, against the
+targets median |error| <= 3% and largest <= 8%. ``lstm-lm`` is a third, reported group: on the
+CPU its oneDNN LSTM saves a workspace for backward that fake tensors do not allocate, so the
+estimate is expected to be low there -- reported, not hidden.
+
+Measurement: a worker process per workload (:mod:`autofit.bench.worker`) runs each config on a
+fresh model with :func:`autofit.measure.measure_trial` -- the trial runner's own code, steady-
+state peak over the steps after two warm-up steps. amp-fp16 configs (no fp16 kernels on this
+CPU: ~1000x slow steps) run only the tracked steps, untimed; device splits run PyTorch's
+pipeline engine, a process per stage.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from autofit.bench.common import (ErrorStats, Report, markdown_table, mib, pct, relative_error, seconds,
+                                  signed_pct, write_csv)
+from autofit.config import Precision, TrainConfig
+
+MAIN_WORKLOADS = ("gpt-tiny", "convnet-bn")
+EXTRA_WORKLOADS = ("lstm-lm",)
+TARGET_MEDIAN = 0.03
+TARGET_MAX = 0.08
+ANCHORS = ("LLMem (IJCAI 2024): <= 1.6% on one GPU (3.0% multi-GPU); DNNMem (ESEC/FSE 2020): ~15% mean; "
+           "PyTorch MemTracker's own test tolerance: 10% against the CUDA allocator's peak.")
+JOB_TIMEOUT_S = 300.0
+
+
+def _c(precision: str, micro_batch: int, grad_accum: int = 1, checkpoint_every: int = 0,
+       device_split: int = 1) -> TrainConfig:
+    return TrainConfig(Precision(precision), micro_batch, grad_accum, checkpoint_every, device_split)
+
+
+# (precision, micro_batch, grad_accum, checkpoint_every, device_split)
+_CASES = {
+    "gpt-tiny": [
+        ("fp32", 1), ("fp32", 4), ("fp32", 8), ("fp32", 8, 1, 1), ("fp32", 8, 1, 2), ("fp32", 2, 4),
+        ("fp32", 4, 2, 1),
+        ("amp-bf16", 1), ("amp-bf16", 4), ("amp-bf16", 8), ("amp-bf16", 8, 1, 1), ("amp-bf16", 4, 3, 2),
+        ("bf16", 2), ("bf16", 8), ("bf16", 8, 1, 1), ("bf16", 4, 2),
+        ("amp-fp16", 1), ("amp-fp16", 1, 2), ("amp-fp16", 2, 1, 1),
+        ("fp32", 4, 2, 0, 2), ("amp-bf16", 4, 4, 1, 2), ("bf16", 2, 2, 0, 2), ("amp-fp16", 1, 2, 0, 2),
+    ],
+    "convnet-bn": [
+        ("fp32", 4), ("fp32", 16), ("fp32", 32), ("fp32", 32, 1, 1), ("fp32", 32, 1, 2), ("fp32", 8, 4),
+        ("fp32", 16, 2, 1),
+        ("amp-bf16", 4), ("amp-bf16", 16), ("amp-bf16", 32), ("amp-bf16", 32, 1, 1), ("amp-bf16", 16, 3, 2),
+        ("bf16", 8), ("bf16", 32), ("bf16", 32, 1, 1), ("bf16", 16, 2),
+        ("amp-fp16", 1), ("amp-fp16", 1, 2, 1),
+        ("fp32", 16, 2, 0, 2), ("amp-bf16", 16, 4, 1, 2), ("bf16", 8, 2, 0, 2),
+    ],
+    "lstm-lm": [
+        ("fp32", 4), ("fp32", 16), ("fp32", 16, 1, 1), ("fp32", 8, 2),
+        ("amp-bf16", 16), ("amp-bf16", 16, 1, 1), ("bf16", 16), ("bf16", 8, 2, 1),
+        ("amp-fp16", 2),
+        ("fp32", 8, 2, 0, 2), ("amp-bf16", 8, 2, 0, 2),
+    ],
+}
+_QUICK_CASES = {
+    "gpt-tiny": [("fp32", 4), ("fp32", 4, 1, 1), ("fp32", 2, 2), ("amp-bf16", 4), ("amp-bf16", 4, 2, 1),
+                 ("bf16", 4), ("amp-fp16", 1), ("fp32", 2, 2, 0, 2)],
+    "convnet-bn": [("fp32", 16), ("fp32", 16, 1, 1), ("amp-bf16", 16, 2), ("bf16", 16), ("amp-fp16", 1)],
+    "lstm-lm": [("fp32", 8), ("amp-bf16", 8, 1, 1)],
+}
+
+
+def cases(quick: bool = False, workloads: tuple[str, ...] | None = None) -> dict[str, list[TrainConfig]]:
+    """The configs measured per workload."""
+    table = _QUICK_CASES if quick else _CASES
+    return {w: [_c(*args) for args in table[w]] for w in (workloads or tuple(table))}
+
+
+@dataclass
+class AccuracyRow:
+    workload: str
+    config: TrainConfig
+    status: str
+    predicted_peak_bytes: float | None
+    measured_peak_bytes: int | None
+    predicted_per_device: tuple = ()
+    measured_per_device: tuple = ()
+    measured_step_time_s: float | None = None
+    predicted_step_time_s: float | None = None
+    timed: bool = True
+    job_s: float | None = None
+    error: str | None = None
+
+    @property
+    def error_rel(self) -> float:
+        return relative_error(self.predicted_peak_bytes, self.measured_peak_bytes) if self.status == "ok" else math.nan
+
+    def to_dict(self) -> dict:
+        return {"workload": self.workload, **self.config.to_dict(), "status": self.status,
+                "predicted_peak_bytes": self.predicted_peak_bytes, "measured_peak_bytes": self.measured_peak_bytes,
+                "relative_error": self.error_rel,
+                "predicted_per_device_bytes": list(self.predicted_per_device),
+                "measured_per_device_bytes": list(self.measured_per_device),
+                "predicted_step_time_s": self.predicted_step_time_s, "measured_step_time_s": self.measured_step_time_s,
+                "measurement": "measure_trial" if self.timed or self.config.device_split > 1 else "tracked steps only",
+                "job_s": self.job_s, "error": self.error or ""}
+
+
+@dataclass
+class AccuracyResults:
+    rows: list[AccuracyRow]
+    budgets: dict[str, tuple[int, ...]]
+    time_model: str | None
+    wall_s: float
+    files: list[Path] = field(default_factory=list)
+
+    def stats(self, workloads: tuple[str, ...]) -> ErrorStats:
+        return ErrorStats.of(r.error_rel for r in self.rows if r.workload in workloads)
+
+    def passes(self, workloads: tuple[str, ...] = MAIN_WORKLOADS) -> bool:
+        s = self.stats(workloads)
+        return s.n > 0 and s.median <= TARGET_MEDIAN and s.max <= TARGET_MAX
+
+
+def _predicted_step_times(profile, configs) -> tuple[list[float | None], str | None]:
+    """Step times from ``autofit.time_model`` when it exists in this checkout (else Nones and the reason)."""
+    try:
+        from autofit import time_model  # noqa: F401
+    except ImportError:
+        return [None] * len(configs), None
+    return [None] * len(configs), "autofit.time_model exists but the benchmark does not call it yet"
+
+
+def run_accuracy(out_dir: Path, env: dict, *, quick: bool = False, workloads: tuple[str, ...] | None = None,
+                 budgets: dict[str, tuple[int, ...]] | None = None,
+                 progress: Callable[[str], None] = lambda _m: None) -> AccuracyResults:
+    """Predict and measure every case, then write ``accuracy.md`` and ``accuracy.csv`` to ``out_dir``."""
+    from autofit.bench.search import search_budgets
+    from autofit.bench.worker import run_jobs
+    from autofit.memory_model import estimate_table
+    from autofit.profile import profile_workload
+    from autofit.workload import load_workload
+
+    started = time.perf_counter()
+    budgets = budgets if budgets is not None else search_budgets(quick)
+    rows: list[AccuracyRow] = []
+    time_model_note = None
+    for workload_name, configs in cases(quick, workloads).items():
+        workload = load_workload(workload_name)
+        precisions = list(dict.fromkeys(c.precision for c in configs))
+        profile = profile_workload(workload, precisions, device_type="cpu")
+        table = estimate_table(profile, configs)
+        step_times, time_model_note = _predicted_step_times(profile, configs)
+        jobs = [{"kind": "memory", "workload": workload_name, "config": c.to_dict(),
+                 "time": c.precision is not Precision.AMP_FP16} for c in configs]
+
+        def report(job, out, name=workload_name):
+            progress(f"accuracy {name} {TrainConfig.from_dict(job['config']).short()}: {out.get('status')} "
+                     f"{mib(out.get('peak_bytes'))} MiB ({seconds(out.get('job_s'))} s)")
+
+        results = run_jobs(jobs, job_timeout_s=JOB_TIMEOUT_S, on_result=report)
+        for config, job, out, (_, pred), t_pred in zip(configs, jobs, results, table.iterrows(), step_times):
+            rows.append(AccuracyRow(
+                workload=workload_name, config=config, status=out.get("status", "error"),
+                predicted_peak_bytes=float(pred["peak_bytes"]), measured_peak_bytes=out.get("peak_bytes"),
+                predicted_per_device=tuple(pred["per_device_peak_bytes"]),
+                measured_per_device=tuple(out.get("per_device_peak_bytes") or ()),
+                measured_step_time_s=out.get("step_time_s"), predicted_step_time_s=t_pred, timed=job["time"],
+                job_s=out.get("job_s"), error=out.get("error")))
+    res = AccuracyResults(rows, budgets, time_model_note, time.perf_counter() - started)
+    res.files = write_accuracy(out_dir, env, res)
+    return res
+
+
+def safety(rows: list[AccuracyRow], budget_bytes: int) -> tuple[list[AccuracyRow], list[AccuracyRow]]:
+    """(false fits, false prunes) at ``budget_bytes`` among measured rows."""
+    ok = [r for r in rows if r.status == "ok" and r.measured_peak_bytes is not None]
+    fits = [r for r in ok if r.predicted_peak_bytes <= budget_bytes < r.measured_peak_bytes]
+    prunes = [r for r in ok if r.measured_peak_bytes <= budget_bytes < r.predicted_peak_bytes]
+    return fits, prunes
+
+
+def write_accuracy(out_dir: Path, env: dict, res: AccuracyResults) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = [write_csv(out_dir / "accuracy.csv", [r.to_dict() for r in res.rows])]
+    rep = Report("Accuracy: predicted against measured peak memory", env)
+    groups = [(w,) for w in dict.fromkeys(r.workload for r in res.rows)]
+    main = tuple(w for w in MAIN_WORKLOADS if any(r.workload == w for r in res.rows))
+    main_stats = res.stats(main)
+    verdict = "PASS" if res.passes(main) else "FAIL"
+    n_main = sum(1 for r in res.rows if r.workload in main)
+    rep.add(f"Suite wall time: {res.wall_s / 60:.1f} min. Measured: live tensor bytes on the CPU "
+            "(`MemoryTracker`, steady state: the peak over the steps after two warm-up steps), the largest device's "
+            "peak for a device split. Predicted: `estimate_table` on a fake-tensor profile. Error = (predicted − "
+            "measured) / measured; negative is an under-estimate (a false fit waiting to happen).")
+    rep.add(f"**Issue 3 target** (median |error| ≤ {pct(TARGET_MEDIAN, 0)}, largest ≤ {pct(TARGET_MAX, 0)}, on "
+            f"{' and '.join(main)}, {n_main} configs): **{verdict}** — median {pct(main_stats.median, 2)}, largest "
+            f"{pct(main_stats.max, 2)}.\n\nAnchors: {ANCHORS}")
+    rows = []
+    for g in groups + ([main] if len(main) > 1 else []):
+        s = res.stats(g)
+        members = [r for r in res.rows if r.workload in g]
+        not_ok = sum(r.status != "ok" for r in members)
+        target = ("PASS" if s.n and s.median <= TARGET_MEDIAN and s.max <= TARGET_MAX else "FAIL") \
+            if set(g) <= set(MAIN_WORKLOADS) else "reported (not a target)"
+        rows.append([" + ".join(g), len(members), s.n, not_ok, pct(s.median, 2), pct(s.p95, 2), pct(s.max, 2),
+                     signed_pct(s.mean_signed), f"{s.under}/{s.n}", target])
+    rep.add("## Summary\n\n" + markdown_table(
+        ["workload", "configs", "measured", "did not run", "median abs. error", "p95", "max", "mean signed error",
+         "under-estimates", "median ≤ 3% and max ≤ 8%"], rows, "lrrrrrrrrl"))
+    # Safety at the search suite's budgets
+    srows = []
+    for w, budgets in res.budgets.items():
+        members = [r for r in res.rows if r.workload == w]
+        for b in budgets:
+            fits, prunes = safety(members, b)
+            fits_in = sum(1 for r in members if r.status == "ok" and r.measured_peak_bytes <= b)
+            srows.append([w, f"{b / 2**20:.0f} MiB", sum(r.status == "ok" for r in members), fits_in, len(fits),
+                          len(prunes), "; ".join(f"`{r.config.short()}`" for r in fits + prunes) or "-"])
+    if srows:
+        rep.add("## False fits and false prunes at the search suite's budgets\n\n"
+                "A false fit is predicted to fit but measured over the budget (a trial that will OOM); a false prune "
+                "is predicted over but measured under (a config the search never tries).\n\n"
+                + markdown_table(["workload", "budget", "configs measured", "fit (measured)", "false fits",
+                                  "false prunes", "which"], srows, "llrrrrl"))
+    if res.time_model is None:
+        rep.add("## Step time\n\nPredicted step time is left out: `autofit.time_model` does not exist in this "
+                "checkout. Measured step times (untracked steps, `grad_accum` micro-steps composed with the "
+                "optimizer step) are in `accuracy.csv`.")
+    else:
+        ts = ErrorStats.of(relative_error(r.predicted_step_time_s, r.measured_step_time_s) for r in res.rows
+                           if r.predicted_step_time_s and r.measured_step_time_s)
+        rep.add(f"## Step time\n\n{res.time_model}. " + (
+            f"Over {ts.n} timed configs: median |error| {pct(ts.median)}, p95 {pct(ts.p95)}, max {pct(ts.max)}."
+            if ts.n else "No timed config has a prediction."))
+    # lstm note
+    if any(r.workload == "lstm-lm" for r in res.rows):
+        rep.add("## lstm-lm\n\nOn the CPU, `nn.LSTM` runs oneDNN's RNN primitive, which saves a workspace for "
+                "backward that is allocated inside the kernel: fake-tensor profiling does not see it, so the estimate "
+                "is low here by the workspace's share. amp-fp16 does not run at all: oneDNN has no fp16 LSTM "
+                "primitive on this CPU (the trial reports the error). Both are reported as measured, not hidden; on "
+                "CUDA, cuDNN's reserve space plays the workspace's part.")
+    # Full table
+    full = []
+    for r in res.rows:
+        per_dev = ""
+        if r.config.device_split > 1:
+            per_dev = (" / ".join(mib(x) for x in r.predicted_per_device) + " vs "
+                       + " / ".join(mib(x) for x in r.measured_per_device))
+        full.append([r.workload, f"`{r.config.short()}`", r.status if r.status == "ok" else f"**{r.status}**: {r.error}",
+                     mib(r.predicted_peak_bytes), mib(r.measured_peak_bytes), signed_pct(r.error_rel),
+                     per_dev, seconds(r.measured_step_time_s, 3) if r.measured_step_time_s else
+                     ("untimed (fp16)" if not r.timed and r.config.device_split == 1 else "-")])
+    rep.add("## Every config\n\n" + markdown_table(
+        ["workload", "config", "status", "predicted MiB", "measured MiB", "error", "per device (pred vs meas)",
+         "measured step (s)"], full, "lllrrrll"))
+    files.append(rep.write(out_dir / "accuracy.md"))
+    return files
+
+
+__all__ = ["ANCHORS", "AccuracyResults", "AccuracyRow", "MAIN_WORKLOADS", "TARGET_MAX", "TARGET_MEDIAN", "cases",
+           "run_accuracy", "safety"]

@@ -1,0 +1,204 @@
+"""The cost suite: what autofit's machinery costs on this machine.
+
+- the estimator: configs scored per second by :func:`autofit.memory_model.estimate_table`
+  (100,000 configs of one profile);
+- the profiler: time to profile each built-in workload on fake tensors with a cold cache
+  (``use_cache=False``), the 7B preset included;
+- the trial runner: a trial's wall time split into process start and model build (a trial that
+  goes over its budget at the first operator) against the measured steps;
+- the memory tracker: the same training steps with and without it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from autofit.bench.common import Report, markdown_table, seconds, write_csv
+from autofit.config import Precision, TrainConfig
+
+N_SCORED = 100_000
+
+
+@dataclass
+class CostResults:
+    rows: list[dict]
+    wall_s: float
+    files: list[Path] = field(default_factory=list)
+
+    def value(self, kind: str, item: str, metric: str) -> float | None:
+        return next((r["value"] for r in self.rows if (r["kind"], r["item"], r["metric"]) == (kind, item, metric)), None)
+
+
+def scoring_configs(n: int = N_SCORED, n_layers: int = 4) -> list[TrainConfig]:
+    """``n`` distinct configs: 4 precisions x micro-batches x accumulation x checkpointing x splits."""
+    splits = [s for s in (1, 2, 3, 4) if s <= n_layers]
+    grid = itertools.product(Precision, range(1, 51), range(1, 26), range(0, 5), splits)
+    return [TrainConfig(p, mb, ga, ck, ds) for p, mb, ga, ck, ds in itertools.islice(grid, n)]
+
+
+def _estimator_rate(progress) -> list[dict]:
+    from autofit.memory_model import estimate_table
+    from autofit.profile import profile_workload
+    from autofit.workload import load_workload
+
+    profile = profile_workload(load_workload("gpt-tiny"), list(Precision), device_type="cpu")
+    configs = scoring_configs(N_SCORED, profile.n_layers)
+    times = []
+    for _ in range(3):  # the first run fills the per-(precision, checkpoint, split) cache; later ones reuse it
+        start = time.perf_counter()
+        table = estimate_table(profile, configs, budget_bytes=2**30)
+        times.append(time.perf_counter() - start)
+    best = min(times)
+    progress(f"cost: estimate_table scored {len(table):,} configs in {best:.2f} s")
+    return [{"kind": "estimator", "item": f"estimate_table, gpt-tiny profile, {len(configs):,} configs",
+             "metric": "configs_per_s", "value": len(configs) / best, "unit": "configs/s",
+             "note": f"best of 3 runs ({', '.join(f'{t:.2f}' for t in times)} s); 80 (precision, checkpoint, split) "
+                     "groups"},
+            {"kind": "estimator", "item": f"estimate_table, gpt-tiny profile, {len(configs):,} configs, first call",
+             "metric": "configs_per_s", "value": len(configs) / times[0], "unit": "configs/s",
+             "note": "per-stage lines not cached yet"}]
+
+
+def _profile_times(quick: bool, progress) -> list[dict]:
+    from autofit.profile import profile_workload
+    from autofit.workload import load_workload
+    from autofit.workloads import BUILTINS
+
+    plan: list[tuple[str, tuple[Precision, ...]]]
+    if quick:
+        plan = [("gpt-tiny", (Precision.FP32,)), ("llama-7b", (Precision.FP32,))]
+    else:
+        plan = [(name, (Precision.FP32,)) for name in BUILTINS]
+        plan += [("gpt-tiny", tuple(Precision)), ("llama-7b", tuple(Precision))]
+    rows = []
+    for name, precisions in plan:
+        workload = load_workload(name)
+        start = time.perf_counter()
+        profile = profile_workload(workload, precisions, device_type="cpu", use_cache=False)
+        wall = time.perf_counter() - start
+        label = "fp32" if len(precisions) == 1 else f"all {len(precisions)} precisions (parallel worker processes)"
+        progress(f"cost: profiled {name} ({label}) in {wall:.1f} s")
+        rows.append({"kind": "profile", "item": f"{name} ({profile.param_count / 1e6:,.1f}M params, "
+                                                f"{profile.n_layers} layers), {label}",
+                     "metric": "profile_s", "value": wall, "unit": "s", "note": "cold cache (use_cache=False)"})
+    return rows
+
+
+def _trial_overhead(quick: bool, progress) -> list[dict]:
+    from autofit.trial import run_trial
+
+    rows = []
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import autofit.trial, autofit.measure, autofit.workloads; "
+                    "from torch.distributed._tools import mem_tracker"], check=False)
+    imports = time.perf_counter() - start
+    rows.append({"kind": "trial", "item": "interpreter start + imports (torch, autofit, mem_tracker)",
+                 "metric": "wall_s", "value": imports, "unit": "s", "note": ""})
+    cases = [("gpt-tiny", TrainConfig(Precision.AMP_BF16, 4, 3))]
+    if not quick:
+        cases.append(("convnet-bn", TrainConfig(Precision.FP32, 8, 3)))
+    for name, config in cases:
+        floor = run_trial(name, config, budget_bytes=1, warmup_steps=2, measure_steps=1, timeout_s=240)
+        full = run_trial(name, config, warmup_steps=2, measure_steps=1, timeout_s=240)
+        timed = 3 * (full.step_time_s or 0.0)   # MIN_TIMED_STEPS untracked optimizer steps
+        progress(f"cost: trial {name} {config.short()}: {full.wall_s:.1f} s in all, {floor.wall_s:.1f} s to die at "
+                 f"the first operator, {timed:.2f} s of timed steps")
+        item = f"{name} `{config.short()}`"
+        rows += [
+            {"kind": "trial", "item": item, "metric": "trial_wall_s", "value": full.wall_s, "unit": "s",
+             "note": "run_trial: 2 warm-up + 1 tracked step, then 3 timed steps"},
+            {"kind": "trial", "item": item, "metric": "start_and_build_s", "value": floor.wall_s, "unit": "s",
+             "note": f"the same trial with a 1-byte budget (status {floor.status.value}): process start, imports, "
+                     "model and optimizer build, batches"},
+            {"kind": "trial", "item": item, "metric": "timed_steps_s", "value": timed, "unit": "s",
+             "note": f"3 x measured step time {full.step_time_s:.3f} s" if full.step_time_s else full.error or ""},
+            {"kind": "trial", "item": item, "metric": "overhead_fraction",
+             "value": floor.wall_s / full.wall_s if full.wall_s else None, "unit": "fraction",
+             "note": "start and build over the whole trial"},
+        ]
+    return rows
+
+
+def _tracker_slowdown(quick: bool, progress) -> list[dict]:
+    from autofit.bench.worker import run_jobs
+
+    cases = [("gpt-tiny", TrainConfig(Precision.FP32, 8))]
+    if not quick:
+        cases += [("gpt-tiny", TrainConfig(Precision.AMP_BF16, 8, 1, 1)), ("convnet-bn", TrainConfig(Precision.FP32, 32)),
+                  ("lstm-lm", TrainConfig(Precision.FP32, 16))]
+    jobs = [{"kind": "tracker_overhead", "workload": w, "config": c.to_dict(), "steps": 3 if quick else 5}
+            for w, c in cases]
+    rows = []
+    for (name, config), out in zip(cases, run_jobs(jobs, job_timeout_s=300)):
+        item = f"{name} `{config.short()}`"
+        if out.get("status") != "ok":
+            rows.append({"kind": "tracker", "item": item, "metric": "slowdown", "value": None, "unit": "x",
+                         "note": f"{out.get('status')}: {out.get('error')}"})
+            continue
+        slowdown = out["tracked_step_s"] / out["plain_step_s"]
+        progress(f"cost: tracker on {item}: {out['plain_step_s']:.3f} s -> {out['tracked_step_s']:.3f} s per step")
+        rows += [
+            {"kind": "tracker", "item": item, "metric": "plain_step_s", "value": out["plain_step_s"], "unit": "s",
+             "note": f"median of {out['steps']}"},
+            {"kind": "tracker", "item": item, "metric": "tracked_step_s", "value": out["tracked_step_s"], "unit": "s",
+             "note": f"median of {out['steps']}"},
+            {"kind": "tracker", "item": item, "metric": "slowdown", "value": slowdown, "unit": "x",
+             "note": "interleaved rounds, same model and batches"},
+        ]
+    return rows
+
+
+def run_cost(out_dir: Path, env: dict, *, quick: bool = False,
+             progress: Callable[[str], None] = lambda _m: None) -> CostResults:
+    """Run the four cost measurements and write ``cost.md`` and ``cost.csv``."""
+    started = time.perf_counter()
+    rows = _estimator_rate(progress)
+    rows += _profile_times(quick, progress)
+    rows += _trial_overhead(quick, progress)
+    rows += _tracker_slowdown(quick, progress)
+    res = CostResults(rows, time.perf_counter() - started)
+    res.files = write_cost(out_dir, env, res)
+    return res
+
+
+def _fmt(value, unit: str) -> str:
+    if value is None:
+        return "-"
+    if unit == "configs/s":
+        return f"{value:,.0f}"
+    if unit == "fraction":
+        return f"{100 * value:.0f}%"
+    if unit == "x":
+        return f"{value:.2f}x"
+    return seconds(value, 2)
+
+
+def write_cost(out_dir: Path, env: dict, res: CostResults) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = [write_csv(out_dir / "cost.csv", res.rows, ["kind", "item", "metric", "value", "unit", "note"])]
+    rep = Report("Cost of the machinery", env)
+    rep.add(f"Suite wall time: {res.wall_s / 60:.1f} min. Wall-clock times on a machine shared with other "
+            "processes: compare within one run, not across runs.")
+    titles = {"estimator": "Estimator throughput", "profile": "Profiling on fake tensors (cold cache)",
+              "trial": "Trial runner overhead", "tracker": "Memory tracker slowdown"}
+    for kind, title in titles.items():
+        rows = [[r["item"], r["metric"], _fmt(r["value"], r["unit"]), r["unit"], r["note"]]
+                for r in res.rows if r["kind"] == kind]
+        if rows:
+            rep.add(f"## {title}\n\n" + markdown_table(["what", "metric", "value", "unit", "note"], rows, "llrll"))
+    slow = [r["value"] for r in res.rows if r["kind"] == "tracker" and r["metric"] == "slowdown" and r["value"]]
+    if slow:
+        rep.add(f"Median tracker slowdown: {statistics.median(slow):.2f}x. Trials time their steps without the "
+                "tracker, so it costs trial time, never accuracy of the throughput figure.")
+    files.append(rep.write(out_dir / "cost.md"))
+    return files
+
+
+__all__ = ["CostResults", "N_SCORED", "run_cost", "scoring_configs"]

@@ -1,0 +1,516 @@
+"""The search suite: autofit's search against its peers, on grids measured exhaustively here.
+
+For each workload a small grid (precision x micro-batch x checkpointing, a fixed global batch,
+one device) is run for real, config by config, with the same trial runner the strategies use
+(:func:`autofit.trial.run_trial`, no budget). Its fastest config that fits a budget is the
+ground-truth optimum for that budget. Then each strategy searches:
+
+- **live**, once per strategy on one cell (a workload and budget): every trial a real,
+  budget-enforced, isolated trial, timed by the wall clock;
+- **replayed** against the measured grid for every cell and several seeds (a tabular benchmark,
+  as in HPOBench and NAS-Bench): a trial that fits costs the grid's measured wall time; one over
+  the budget is an OOM that costs the measured time of a trial that dies at once (process start,
+  imports, model build) plus one step of that config. The strategy's own work (profiling,
+  sampling) is timed for real.
+
+A strategy's answer is scored by the grid's throughput of the config it answered, so a live
+run and its replay are judged by the same yardstick and measurement noise cannot make an
+answer look better than the optimum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from autofit.bench.common import (Report, markdown_table, median_and_spread, mib, pct, seconds, try_plot,
+                                  write_csv)
+from autofit.bench.strategies import PEERS, Oracle, Outcome, Problem, Strategy, TrialRecord, incumbent
+from autofit.config import Precision, TrainConfig
+
+MiB = 2**20
+
+# Trial settings shared by the grid, the live runs and (through the grid) the replays.
+WARMUP_STEPS = 2
+MEASURE_STEPS = 1
+TRIAL_TIMEOUT_S = 240.0
+TARGET_FRACTION = 0.95
+
+
+@dataclass(frozen=True)
+class Cell:
+    """A workload's grid and the budgets that cut it (chosen from the estimate so that each binds)."""
+
+    workload: str
+    global_batch: int
+    micro_batches: tuple[int, ...]
+    precisions: tuple[Precision, ...]
+    budgets_mib: tuple[int, ...]
+    checkpoints: tuple[int, ...] = (0, 1)
+
+
+_THREE = (Precision.FP32, Precision.AMP_BF16, Precision.BF16)
+# amp-fp16 is left out: this CPU has no fp16 kernels (a step is ~1000x slower), so it can never
+# win here and one trial of it would cost more than the rest of the grid.
+CELLS = (
+    Cell("gpt-tiny", 12, (1, 2, 3, 4, 6, 12), _THREE, (64, 128)),
+    Cell("convnet-bn", 24, (2, 3, 4, 6, 8, 12, 24), _THREE, (16, 24)),
+)
+QUICK_CELLS = (
+    Cell("gpt-tiny", 12, (3, 6, 12), (Precision.AMP_BF16, Precision.BF16), (64, 128)),
+)
+
+
+def search_budgets(quick: bool = False) -> dict[str, tuple[int, ...]]:
+    """Budgets in bytes per workload, as used by the search suite (the accuracy suite reuses them)."""
+    return {c.workload: tuple(b * MiB for b in c.budgets_mib) for c in (QUICK_CELLS if quick else CELLS)}
+
+
+# --------------------------------------------------------------------------------------
+# The measured grid
+
+
+@dataclass(frozen=True)
+class GridPoint:
+    config: TrainConfig
+    status: str
+    peak_bytes: int | None
+    samples_per_s: float | None
+    step_time_s: float | None
+    wall_s: float
+    predicted_peak_bytes: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class Grid:
+    """Every config of a cell, measured once without a budget."""
+
+    cell: Cell
+    points: dict[TrainConfig, GridPoint]
+    oom_floor_s: float          # wall time of a trial that goes over its budget at the first operator
+    param_count: int
+    wall_s: float = 0.0
+
+    def feasible(self, budget_bytes: int) -> list[GridPoint]:
+        return [p for p in self.points.values()
+                if p.status == "ok" and p.peak_bytes is not None and p.peak_bytes <= budget_bytes]
+
+    def optimum(self, budget_bytes: int) -> GridPoint | None:
+        feasible = self.feasible(budget_bytes)
+        return max(feasible, key=lambda p: p.samples_per_s) if feasible else None
+
+    def fraction(self, config: TrainConfig | None, budget_bytes: int) -> float:
+        """Grid throughput of ``config`` over the optimum; 0 for no answer or one that does not fit."""
+        best = self.optimum(budget_bytes)
+        point = self.points.get(config) if config is not None else None
+        if best is None or point is None or point.status != "ok" or point.peak_bytes > budget_bytes:
+            return 0.0
+        return point.samples_per_s / best.samples_per_s
+
+
+def problem_for(cell: Cell, budget_bytes: int, param_count: int) -> Problem:
+    return Problem(workload=cell.workload, budget_bytes=budget_bytes, global_batch=cell.global_batch,
+                   precisions=cell.precisions, micro_batches=cell.micro_batches, checkpoints=cell.checkpoints,
+                   param_count=param_count)
+
+
+def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) -> Grid:
+    """Run every config of ``cell`` (no budget), plus one trial that dies at once (the OOM cost floor)."""
+    from autofit.memory_model import estimate_table
+    from autofit.profile import profile_workload
+    from autofit.trial import run_trial
+    from autofit.workload import load_workload
+    from autofit.workloads import param_count
+
+    started = time.perf_counter()
+    workload = load_workload(cell.workload)
+    problem = problem_for(cell, cell.budgets_mib[0] * MiB, param_count(workload))
+    configs = problem.configs()
+    profile = profile_workload(workload, list(cell.precisions), device_type="cpu")
+    predicted = estimate_table(profile, configs)["peak_bytes"].tolist()
+    points = {}
+    for i, (config, pred) in enumerate(zip(configs, predicted)):
+        r = run_trial(cell.workload, config, device="cpu", warmup_steps=WARMUP_STEPS, measure_steps=MEASURE_STEPS,
+                      timeout_s=TRIAL_TIMEOUT_S)
+        points[config] = GridPoint(config, r.status.value, r.peak_bytes, r.samples_per_s, r.step_time_s, r.wall_s,
+                                   pred, r.error)
+        progress(f"grid {cell.workload} [{i + 1}/{len(configs)}] {config.short()}: {r.status.value} "
+                 f"{mib(r.peak_bytes)} MiB, {seconds(r.samples_per_s)} samples/s, {r.wall_s:.1f} s")
+    floor = run_trial(cell.workload, configs[0], device="cpu", budget_bytes=1, warmup_steps=WARMUP_STEPS,
+                      measure_steps=MEASURE_STEPS, timeout_s=TRIAL_TIMEOUT_S)
+    progress(f"grid {cell.workload}: a trial over its budget at the first operator took {floor.wall_s:.1f} s "
+             f"({floor.status.value})")
+    return Grid(cell, points, floor.wall_s, problem.param_count, time.perf_counter() - started)
+
+
+# --------------------------------------------------------------------------------------
+# Oracles
+
+
+class ReplayOracle(Oracle):
+    """Answers trials from a measured grid; charges each the grid's cost (see the module docstring)."""
+
+    def __init__(self, grid: Grid, budget_bytes: int) -> None:
+        super().__init__()
+        self.grid = grid
+        self.budget_bytes = budget_bytes
+
+    def _run(self, config: TrainConfig) -> Outcome:
+        point = self.grid.points.get(config)
+        if point is None:
+            raise KeyError(f"{config.short()} is not in the measured grid")
+        if point.status != "ok":
+            return Outcome(config, point.status, None, None, point.wall_s)
+        if point.peak_bytes > self.budget_bytes:
+            return Outcome(config, "oom", None, None, self.grid.oom_floor_s + (point.step_time_s or 0.0))
+        return Outcome(config, "ok", point.samples_per_s, point.peak_bytes, point.wall_s)
+
+
+class LiveOracle(Oracle):
+    """Runs each trial for real with :func:`autofit.trial.run_trial`, the budget enforced."""
+
+    def __init__(self, workload: str, budget_bytes: int, progress: Callable[[str], None] = lambda _m: None,
+                 label: str = "") -> None:
+        super().__init__()
+        self.workload = workload
+        self.budget_bytes = budget_bytes
+        self.progress = progress
+        self.label = label
+
+    def _run(self, config: TrainConfig) -> Outcome:
+        from autofit.trial import run_trial
+
+        r = run_trial(self.workload, config, device="cpu", budget_bytes=self.budget_bytes, warmup_steps=WARMUP_STEPS,
+                      measure_steps=MEASURE_STEPS, timeout_s=TRIAL_TIMEOUT_S)
+        self.progress(f"live {self.label}: {config.short()} {r.status.value} {seconds(r.samples_per_s)} samples/s "
+                      f"({r.wall_s:.1f} s)")
+        return Outcome(config, r.status.value, r.samples_per_s, r.peak_bytes, r.wall_s)
+
+
+# --------------------------------------------------------------------------------------
+# One strategy run, scored
+
+
+@dataclass
+class RunResult:
+    strategy: str
+    workload: str
+    budget_bytes: int
+    seed: int
+    mode: str                        # "live" or "replay"
+    answer: TrainConfig | None
+    fraction: float                  # grid throughput of the answer over the optimum
+    wall_s: float
+    trials: int
+    oom_trials: int
+    failed_trials: int               # error or timeout
+    time_to_target_s: float | None   # clock when the incumbent first reached 95% of the optimum
+    error: str | None = None
+    live_samples_per_s: float | None = None
+    history: list[TrialRecord] = field(default_factory=list)
+
+    def row(self) -> dict:
+        return {
+            "strategy": self.strategy, "workload": self.workload, "budget_mib": self.budget_bytes / MiB,
+            "seed": self.seed, "mode": self.mode, "answer": self.answer.short() if self.answer else "",
+            "fraction_of_optimum": self.fraction, "wall_s": self.wall_s, "trials": self.trials,
+            "oom_trials": self.oom_trials, "failed_trials": self.failed_trials,
+            "time_to_95pct_s": self.time_to_target_s, "error": self.error or "",
+            "trial_sequence": " ; ".join(f"{r.outcome.config.short()}={r.outcome.status}" for r in self.history),
+        }
+
+
+def score(strategy: Strategy, grid: Grid, budget_bytes: int, seed: int, mode: str, oracle: Oracle,
+          answer: TrainConfig | None, error: str | None = None) -> RunResult:
+    records = oracle.history
+    reached = None
+    for record, config in zip(records, incumbent(records, strategy.criterion)):
+        if config is not None and grid.fraction(config, budget_bytes) >= TARGET_FRACTION:
+            reached = record.clock_s
+            break
+    live_tput = None
+    if mode == "live" and answer is not None:
+        live_tput = next((r.outcome.samples_per_s for r in records if r.outcome.config == answer), None)
+    return RunResult(
+        strategy=strategy.name, workload=grid.cell.workload, budget_bytes=budget_bytes, seed=seed, mode=mode,
+        answer=answer, fraction=grid.fraction(answer, budget_bytes), wall_s=oracle.clock_s, trials=len(records),
+        oom_trials=sum(r.outcome.status == "oom" for r in records),
+        failed_trials=sum(r.outcome.status in ("error", "timeout") for r in records),
+        time_to_target_s=reached, error=error, live_samples_per_s=live_tput, history=list(records),
+    )
+
+
+def run_strategy(strategy: Strategy, grid: Grid, budget_bytes: int, seed: int, oracle: Oracle, mode: str) -> RunResult:
+    problem = problem_for(grid.cell, budget_bytes, grid.param_count)
+    try:
+        answer = strategy(problem, oracle, seed)
+        error = None
+    except NotAvailable as exc:
+        return RunResult(strategy.name, grid.cell.workload, budget_bytes, seed, mode, None, math.nan, math.nan, 0, 0,
+                         0, None, error=str(exc))
+    except Exception as exc:  # noqa: BLE001 -- a broken strategy is a row that says so
+        answer, error = None, f"{type(exc).__name__}: {exc}"
+    return score(strategy, grid, budget_bytes, seed, mode, oracle, answer, error)
+
+
+class NotAvailable(Exception):
+    """A strategy that cannot run in this checkout (e.g. autofit's search before it lands)."""
+
+
+# --------------------------------------------------------------------------------------
+# autofit's own search, as shipped
+
+
+def autofit_search(problem: Problem, oracle: Oracle, seed: int = 0) -> TrainConfig | None:
+    """autofit's search (:func:`autofit.study.search`) over the problem's grid, its trials run by ``oracle``."""
+    try:
+        from autofit import study  # noqa: F401
+    except ImportError as exc:
+        raise NotAvailable(f"autofit.study is not available in this checkout ({exc})") from None
+    raise NotAvailable("autofit.study exists but the benchmark adapter for it is not written yet")
+
+
+AUTOFIT = Strategy("autofit", autofit_search, "throughput", False,
+                   "autofit's search as shipped: estimate prunes, time model orders, real trials confirm")
+STRATEGIES: tuple[Strategy, ...] = (AUTOFIT,) + PEERS
+
+
+# --------------------------------------------------------------------------------------
+# The suite
+
+
+@dataclass
+class SearchResults:
+    grids: list[Grid]
+    runs: list[RunResult]
+    live_cell: tuple[str, int]
+    seeds: int
+    wall_s: float
+    files: list[Path] = field(default_factory=list)
+
+
+def run_search_suite(out_dir: Path, env: dict, *, quick: bool = False, seeds: int | None = None,
+                     cells: tuple[Cell, ...] | None = None, strategies: tuple[Strategy, ...] = STRATEGIES,
+                     live: bool = True, progress: Callable[[str], None] = lambda _m: None) -> SearchResults:
+    """Measure the grids, run every strategy (live once, replayed per cell and seed), write the tables."""
+    started = time.perf_counter()
+    cells = cells or (QUICK_CELLS if quick else CELLS)
+    seeds = seeds or (3 if quick else 5)
+    grids = [measure_grid(cell, progress) for cell in cells]
+    runs: list[RunResult] = []
+    live_cell = (cells[0].workload, cells[0].budgets_mib[0] * MiB)
+    if live:
+        grid = grids[0]
+        for strategy in strategies:
+            oracle = LiveOracle(grid.cell.workload, live_cell[1], progress, strategy.name)
+            result = run_strategy(strategy, grid, live_cell[1], 0, oracle, "live")
+            progress(f"live {strategy.name}: answer {result.answer.short() if result.answer else None}, "
+                     f"{pct(result.fraction)} of optimum, {seconds(result.wall_s)} s"
+                     + (f" ({result.error})" if result.error else ""))
+            runs.append(result)
+    for grid in grids:
+        for budget_mib in grid.cell.budgets_mib:
+            budget = budget_mib * MiB
+            for strategy in strategies:
+                for seed in range(seeds):
+                    runs.append(run_strategy(strategy, grid, budget, seed, ReplayOracle(grid, budget), "replay"))
+    results = SearchResults(grids, runs, live_cell, seeds, time.perf_counter() - started)
+    results.files = write_search(out_dir, env, results, strategies)
+    return results
+
+
+# --------------------------------------------------------------------------------------
+# Tables
+
+
+def _summary(runs: list[RunResult]) -> dict:
+    frac = median_and_spread([r.fraction for r in runs])
+    wall = median_and_spread([r.wall_s for r in runs])
+    trials = median_and_spread([r.trials for r in runs])
+    ooms = median_and_spread([r.oom_trials for r in runs])
+    reached = [r.time_to_target_s for r in runs if r.time_to_target_s is not None]
+    t95 = median_and_spread(reached)
+    return {"fraction": frac, "wall": wall, "trials": trials, "ooms": ooms, "t95": t95,
+            "reached": len(reached), "n": len(runs)}
+
+
+def _spread(triple, fmt) -> str:
+    med, lo, hi = triple
+    if math.isnan(med):
+        return "-"
+    return fmt(med) if lo == hi else f"{fmt(med)} [{fmt(lo)}–{fmt(hi)}]"
+
+
+def _count(x: float) -> str:
+    return f"{x:.0f}" if float(x).is_integer() else f"{x:.1f}"
+
+
+def losses(runs: list[RunResult], strategies: tuple[Strategy, ...]) -> list[str]:
+    """Plain statements of every figure on which autofit's median is worse than a peer's."""
+    out = []
+    keys = sorted({(r.workload, r.budget_bytes) for r in runs if r.mode == "replay"})
+    for workload, budget in keys:
+        cell = [r for r in runs if r.mode == "replay" and r.workload == workload and r.budget_bytes == budget]
+        mine = [r for r in cell if r.strategy == AUTOFIT.name]
+        if not mine or any(r.error and math.isnan(r.fraction) for r in mine):
+            out.append(f"{workload} @ {budget / MiB:.0f} MiB: autofit's search did not run ({mine[0].error if mine else 'no runs'}); "
+                       "every figure is a loss until it does.")
+            continue
+        a = _summary(mine)
+        for s in strategies:
+            if s.name == AUTOFIT.name:
+                continue
+            b = _summary([r for r in cell if r.strategy == s.name])
+            cmp = [("best throughput found", a["fraction"][0], b["fraction"][0], True, pct),
+                   ("wall time (s)", a["wall"][0], b["wall"][0], False, seconds),
+                   ("real trials", a["trials"][0], b["trials"][0], False, _count),
+                   ("OOM trials", a["ooms"][0], b["ooms"][0], False, _count)]
+            if a["reached"] and b["reached"]:
+                cmp.append(("time to 95% (s)", a["t95"][0], b["t95"][0], False, seconds))
+            elif b["reached"] and not a["reached"]:
+                out.append(f"{workload} @ {budget / MiB:.0f} MiB: {s.name} reaches 95% of the optimum; autofit does not.")
+            for name, mine_v, theirs, higher_better, fmt in cmp:
+                worse = mine_v < theirs - 1e-9 if higher_better else mine_v > theirs + 1e-9
+                if worse:
+                    out.append(f"{workload} @ {budget / MiB:.0f} MiB: autofit loses to {s.name} on {name}: "
+                               f"{fmt(mine_v)} vs {fmt(theirs)} (medians).")
+    return out
+
+
+def write_search(out_dir: Path, env: dict, res: SearchResults, strategies: tuple[Strategy, ...]) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = []
+    grid_rows = []
+    for grid in res.grids:
+        for p in grid.points.values():
+            row = {"workload": grid.cell.workload, **p.config.to_dict(), "status": p.status,
+                   "measured_peak_bytes": p.peak_bytes, "predicted_peak_bytes": p.predicted_peak_bytes,
+                   "samples_per_s": p.samples_per_s, "step_time_s": p.step_time_s, "trial_wall_s": p.wall_s,
+                   "error": p.error or ""}
+            for b in grid.cell.budgets_mib:
+                row[f"fits_{b}MiB"] = p.status == "ok" and p.peak_bytes is not None and p.peak_bytes <= b * MiB
+            grid_rows.append(row)
+    files.append(write_csv(out_dir / "search_grid.csv", grid_rows))
+    files.append(write_csv(out_dir / "search_runs.csv", [r.row() for r in res.runs]))
+
+    rep = Report("Search: autofit against its peers", env)
+    rep.add(f"Suite wall time: {res.wall_s / 60:.1f} min. Grids measured with `run_trial` "
+            f"(warm-up {WARMUP_STEPS}, measured {MEASURE_STEPS} step(s), timed steps 3), one config at a time. "
+            f"Replayed figures: {res.seeds} seeds per strategy and cell (median [min–max]); deterministic "
+            "strategies give the same figures for every seed. Live figures: one real run per strategy on "
+            f"{res.live_cell[0]} @ {res.live_cell[1] / MiB:.0f} MiB (seed 0).")
+    rep.add("How a replayed trial is charged: a config that fits costs the grid's measured trial wall time; one "
+            "over the budget costs the wall time of a trial that went over at its first operator plus one step of "
+            "that config. Answers are scored by the grid's throughput of the answered config over the grid's best "
+            "config that fits (0 when the answer does not fit or there is none). *Time to 95%*: the strategy's "
+            "clock when the config it would answer at that point first reached 95% of the optimum.")
+    rep.add("Settings the batch-size finders and DeepSpeed leave alone: precision amp-bf16 (autocast, as "
+            "`bf16=True` in a HF Trainer), no checkpointing. They keep the global batch (accumulation = global "
+            "batch / micro-batch). amp-fp16 is not in the grids: this CPU has no fp16 kernels (a step is ~1000x "
+            "slower), so it can never win here and one trial would cost more than the rest of the grid.")
+    for s in strategies:
+        rep.add(f"- **{s.name}**: {s.description}")
+    for grid in res.grids:
+        cell = grid.cell
+        lines = [f"## {cell.workload}: global batch {cell.global_batch}, micro-batches "
+                 f"{', '.join(map(str, cell.micro_batches))}, precisions {', '.join(p.value for p in cell.precisions)}, "
+                 f"checkpointing {', '.join(map(str, cell.checkpoints))}", "",
+                 f"{len(grid.points)} configs measured in {grid.wall_s / 60:.1f} min "
+                 f"(median trial {seconds(median_and_spread([p.wall_s for p in grid.points.values()])[0])} s; "
+                 f"a trial that dies at its first operator: {grid.oom_floor_s:.1f} s)."]
+        bad = [p for p in grid.points.values() if p.status != "ok"]
+        if bad:
+            lines.append("Grid configs that did not run: " + "; ".join(f"{p.config.short()}: {p.status} ({p.error})" for p in bad))
+        rep.add("\n".join(lines))
+        for budget_mib in cell.budgets_mib:
+            budget = budget_mib * MiB
+            best = grid.optimum(budget)
+            feasible = grid.feasible(budget)
+            pruned_wrong = [p for p in grid.points.values() if p.status == "ok" and p.predicted_peak_bytes is not None
+                            and p.predicted_peak_bytes > budget >= p.peak_bytes]
+            fits_wrong = [p for p in grid.points.values() if p.status == "ok" and p.predicted_peak_bytes is not None
+                          and p.predicted_peak_bytes <= budget < p.peak_bytes]
+            head = [f"### {cell.workload} @ {budget_mib} MiB",
+                    "",
+                    f"{len(feasible)} of {len(grid.points)} configs fit (measured). Optimum: "
+                    + (f"`{best.config.short()}` at {best.samples_per_s:.1f} samples/s, {mib(best.peak_bytes)} MiB."
+                       if best else "none fits."),
+                    f"The estimate on this grid: {len(fits_wrong)} false fit(s), {len(pruned_wrong)} false prune(s)"
+                    + (": " + "; ".join(f"`{p.config.short()}` predicted {mib(p.predicted_peak_bytes)} measured "
+                                        f"{mib(p.peak_bytes)} MiB" for p in fits_wrong + pruned_wrong)
+                       if fits_wrong or pruned_wrong else "."), ""]
+            rows = []
+            for s in strategies:
+                mine = [r for r in res.runs if r.mode == "replay" and r.strategy == s.name and r.workload == cell.workload
+                        and r.budget_bytes == budget]
+                if not mine:
+                    continue
+                if all(r.error and math.isnan(r.fraction) for r in mine):
+                    rows.append([s.name, f"**not available**: {mine[0].error}", "-", "-", "-", "-", "-", "FAIL"])
+                    continue
+                sm = _summary(mine)
+                answers = sorted({r.answer.short() if r.answer else "none" for r in mine})
+                rows.append([s.name, _spread(sm["fraction"], pct), _spread(sm["wall"], seconds),
+                             _spread(sm["trials"], _count), _spread(sm["ooms"], _count),
+                             (_spread(sm["t95"], seconds) + (f" ({sm['reached']}/{sm['n']} reached)"
+                                                             if sm["reached"] < sm["n"] else ""))
+                             if sm["reached"] else "never",
+                             ", ".join(f"`{a}`" for a in answers[:3]) + (" ..." if len(answers) > 3 else ""),
+                             "replay" + (f" ({sm['n']} seeds)" if sm["n"] > 1 else "")])
+            rep.add("\n".join(head) + markdown_table(
+                ["strategy", "best found / optimum", "wall time (s)", "real trials", "OOM trials", "time to 95% (s)",
+                 "answer(s)", "figures"], rows, "lrrrrrll"))
+    live = [r for r in res.runs if r.mode == "live"]
+    if live:
+        rows = []
+        for r in live:
+            replay = next((x for x in res.runs if x.mode == "replay" and x.strategy == r.strategy and x.seed == 0
+                           and x.workload == r.workload and x.budget_bytes == r.budget_bytes), None)
+            if r.error and math.isnan(r.fraction):
+                rows.append([r.strategy, f"**not available**: {r.error}", "-", "-", "-", "-", "-", "-"])
+                continue
+            rows.append([r.strategy, f"`{r.answer.short()}`" if r.answer else "none", pct(r.fraction),
+                         seconds(r.wall_s), r.trials, r.oom_trials, seconds(r.time_to_target_s) if r.time_to_target_s
+                         else "never",
+                         (f"{seconds(replay.wall_s)} s, {replay.trials} trials, {pct(replay.fraction)}" if replay else "-")
+                         + (f"; error: {r.error}" if r.error else "")])
+        rep.add(f"## Live runs: {res.live_cell[0]} @ {res.live_cell[1] / MiB:.0f} MiB, seed 0\n\n"
+                "Every trial real, isolated and budget-enforced, timed by the wall clock. The last column is the same "
+                "strategy and seed replayed against the grid: where they differ, the machine's noise (other "
+                "processes share its two cores) or a config near the budget measured differently.\n\n"
+                + markdown_table(["strategy", "answer", "best found / optimum (grid)", "wall time (s)", "real trials",
+                                  "OOM trials", "time to 95% (s)", "replay of the same run"], rows, "llrrrrrl"))
+    lost = losses(res.runs, strategies)
+    rep.add("## Where autofit loses\n\n" + ("\n".join(f"- {line}" for line in lost) if lost
+                                             else "Nowhere: on every figure autofit's median is at least as good as each peer's."))
+    files.append(rep.write(out_dir / "search.md"))
+    plot = try_plot(out_dir / "search.png", lambda plt: _plot(plt, res, strategies))
+    if plot:
+        files.append(plot)
+    return files
+
+
+def _plot(plt, res: SearchResults, strategies):
+    keys = sorted({(r.workload, r.budget_bytes) for r in res.runs if r.mode == "replay"})
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.8), squeeze=False)
+    for ax, (workload, budget) in zip(axes[0], keys):
+        for s in strategies:
+            mine = [r for r in res.runs if r.mode == "replay" and r.strategy == s.name and r.workload == workload
+                    and r.budget_bytes == budget and not math.isnan(r.fraction)]
+            if mine:
+                ax.scatter([r.wall_s for r in mine], [r.fraction for r in mine], label=s.name, s=18)
+        ax.set_title(f"{workload} @ {budget / MiB:.0f} MiB")
+        ax.set_xlabel("wall time (s)")
+        ax.set_ylabel("best found / optimum")
+        ax.set_ylim(-0.05, 1.05)
+    axes[0][-1].legend(fontsize=7)
+    return fig
+
+
+__all__ = ["CELLS", "Cell", "Grid", "GridPoint", "LiveOracle", "NotAvailable", "QUICK_CELLS", "ReplayOracle",
+           "RunResult", "STRATEGIES", "measure_grid", "run_search_suite", "search_budgets"]

@@ -1,0 +1,381 @@
+"""The search strategies compared by the search suite, written from their published behaviour.
+
+None of the peers is imported: each is re-implemented here from its documentation and source
+(FACTS.md, "Peers"), on the same problem autofit solves -- a fixed global batch, so a
+micro-batch ``m`` always runs with ``grad_accum = global_batch / m`` -- and through the same
+trial runner (an :class:`Oracle`). Where a peer's algorithm proposes a micro-batch that does not
+divide the global batch, it is rounded down to the largest one that does (a user keeping the
+global batch would have to do the same); a value already run is answered from memory, not run
+again, which only ever favours the peer.
+
+- :func:`accelerate_halving` -- Hugging Face Accelerate ``find_executable_batch_size``: start at
+  the largest batch, multiply by 0.5 (or, in newer releases, 0.9) on each OOM, stop at the first
+  that runs. Precision and checkpointing stay at the user's defaults.
+- :func:`lightning_binsearch` -- Lightning ``BatchSizeFinder(mode="binsearch")``: from
+  ``init_val=2`` double until OOM, then binary search between the last success and the
+  failure, at most ``max_trials=25`` trials.
+- :func:`deepspeed_autotuner` -- DeepSpeed autotuning, micro-batch tuning of ZeRO stage 0 (the
+  only stage for one device): a profile run at micro-batch 1, the largest micro-batch predicted
+  by linear scaling of its activation memory over 16 bytes/parameter of model states (bf16
+  costed as fp32), probes at 1.05x/1x/0.95x of it, binary search with a 5% plateau rule, then
+  the tuning list around the maximum and smaller sizes while each gains 5%.
+- :func:`optuna_tpe` -- plain Optuna TPE over the whole space (precision, micro-batch,
+  checkpointing) with real trials only: no estimate, no pruning; an OOM is found by running it
+  and scores 0.
+
+Each strategy is ``fn(problem, oracle, seed) -> TrainConfig | None`` (its answer: the config it
+would train with), and declares how it ranks its own trials (:data:`CRITERION`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Callable
+
+from autofit.config import Precision, TrainConfig
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One search: a workload, a budget per device, and a small grid with a fixed global batch."""
+
+    workload: str
+    budget_bytes: int
+    global_batch: int | None           # None: no accumulation, the batch is the micro-batch (the peers' own setting)
+    precisions: tuple[Precision, ...]
+    micro_batches: tuple[int, ...]     # ascending; each divides global_batch
+    checkpoints: tuple[int, ...] = (0, 1)
+    # What a batch-size finder leaves alone: autocast bf16 (``bf16=True`` in a HF Trainer) and no checkpointing.
+    default_precision: Precision = Precision.AMP_BF16
+    default_checkpoint: int = 0
+    param_count: int = 0               # for the DeepSpeed model-state formula
+
+    def __post_init__(self) -> None:
+        bad = [m for m in self.micro_batches if self.global_batch is not None and self.global_batch % m]
+        if bad or list(self.micro_batches) != sorted(set(self.micro_batches)):
+            raise ValueError(f"micro_batches must ascend and divide {self.global_batch}: {self.micro_batches}")
+
+    def config(self, micro_batch: int, precision: Precision | str | None = None,
+               checkpoint_every: int | None = None) -> TrainConfig:
+        precision = self.default_precision if precision is None else Precision(precision)
+        checkpoint = self.default_checkpoint if checkpoint_every is None else checkpoint_every
+        grad_accum = 1 if self.global_batch is None else self.global_batch // micro_batch
+        return TrainConfig(precision, micro_batch, grad_accum, checkpoint, 1)
+
+    def configs(self) -> list[TrainConfig]:
+        """The whole grid, in a stable order."""
+        return [self.config(m, p, c) for p in self.precisions for m in self.micro_batches for c in self.checkpoints]
+
+    def floor_micro_batch(self, n: float) -> int | None:
+        """The largest allowed micro-batch <= n (None below the smallest)."""
+        fitting = [m for m in self.micro_batches if m <= n]
+        return fitting[-1] if fitting else None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a strategy sees of one trial."""
+
+    config: TrainConfig
+    status: str                       # ok, oom, error, timeout
+    samples_per_s: float | None
+    peak_bytes: int | None
+    cost_s: float                     # what the trial cost (live: its wall time; replay: the grid's)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+@dataclass
+class TrialRecord:
+    outcome: Outcome
+    clock_s: float                    # the strategy's clock when the trial finished
+
+
+class Oracle(ABC):
+    """Runs trials for a strategy and keeps its clock.
+
+    The clock is real time spent outside trials (the strategy's own work: profiling, Optuna's
+    sampler) plus what each trial cost. Live, that is the wall clock; replayed, a trial costs
+    what the measured grid says it took.
+    """
+
+    def __init__(self) -> None:
+        self.history: list[TrialRecord] = []
+        self.notes: list[str] = []
+        self._started = time.perf_counter()
+        self._in_trials_s = 0.0
+        self._charged_s = 0.0
+
+    def run(self, config: TrainConfig) -> Outcome:
+        start = time.perf_counter()
+        outcome = self._run(config)
+        self._in_trials_s += time.perf_counter() - start
+        self._charged_s += outcome.cost_s
+        self.history.append(TrialRecord(outcome, self.clock_s))
+        return outcome
+
+    @property
+    def clock_s(self) -> float:
+        return time.perf_counter() - self._started - self._in_trials_s + self._charged_s
+
+    @abstractmethod
+    def _run(self, config: TrainConfig) -> Outcome:
+        ...
+
+
+class _Memo:
+    """A strategy's memory of what it ran: a config is never run twice."""
+
+    def __init__(self, oracle: Oracle) -> None:
+        self.oracle = oracle
+        self.seen: dict[TrainConfig, Outcome] = {}
+
+    def __call__(self, config: TrainConfig) -> Outcome:
+        if config not in self.seen:
+            self.seen[config] = self.oracle.run(config)
+        return self.seen[config]
+
+
+def _best_by_throughput(outcomes) -> TrainConfig | None:
+    ok = [o for o in outcomes if o.ok and o.samples_per_s]
+    return max(ok, key=lambda o: o.samples_per_s).config if ok else None
+
+
+# --------------------------------------------------------------------------------------
+# Hugging Face Accelerate: find_executable_batch_size
+
+
+def accelerate_halving(problem: Problem, oracle: Oracle, seed: int = 0, factor: float = 0.5) -> TrainConfig | None:
+    """Start at the largest micro-batch; on OOM multiply it by ``factor``; the first that runs is the answer."""
+    run = _Memo(oracle)
+    batch = problem.micro_batches[-1]   # starting_batch_size (128 by default), capped at the global batch
+    while batch >= 1:
+        micro = problem.floor_micro_batch(batch)
+        if micro is None:
+            return None
+        outcome = run(problem.config(micro))
+        if outcome.ok:
+            return outcome.config
+        # Accelerate: ``batch_size //= 2``; newer releases ``int(batch_size * 0.9)``.
+        batch = batch // 2 if factor == 0.5 else int(batch * factor)
+    return None
+
+
+def accelerate_halving_09(problem: Problem, oracle: Oracle, seed: int = 0) -> TrainConfig | None:
+    """:func:`accelerate_halving` with the newer factor 0.9."""
+    return accelerate_halving(problem, oracle, seed, factor=0.9)
+
+
+# --------------------------------------------------------------------------------------
+# Lightning: BatchSizeFinder(mode="binsearch")
+
+
+def lightning_binsearch(problem: Problem, oracle: Oracle, seed: int = 0, init_val: int = 2,
+                        max_trials: int = 25) -> TrainConfig | None:
+    """Double from ``init_val`` until OOM, then bisect between the last success and the failure.
+
+    Lightning's ``_run_binary_scaling``: ``low`` is the last size that ran, ``high`` the last
+    that failed; stop when ``high - low <= 1`` or after ``max_trials``. Sizes above the global
+    batch are the global batch (a micro-batch cannot exceed it).
+    """
+    run = _Memo(oracle)
+    largest = problem.micro_batches[-1]
+    low, high = 1, None
+    size, best = init_val, None
+    for _ in range(max_trials):
+        micro = problem.floor_micro_batch(min(size, largest))
+        if micro is None:
+            return best
+        outcome = run(problem.config(micro))
+        if outcome.ok:
+            best = outcome.config if best is None or micro > best.micro_batch else best
+            low = size
+            if micro == largest:
+                break
+            if high is not None:
+                if high - low <= 1:
+                    break
+                size = (high + low) // 2
+            else:
+                size *= 2
+        else:
+            high = size
+            size = (high + low) // 2
+            if high - low <= 1:
+                break
+    return best
+
+
+# --------------------------------------------------------------------------------------
+# DeepSpeed autotuning (micro-batch tuning, ZeRO stage 0)
+
+DS_PLATEAU = 0.05           # METRIC_PERCENT_DIFF_CONST
+DS_NUM_TUNING_SIZES = 3     # num_tuning_micro_batch_sizes
+DS_MODEL_STATE_BYTES_PER_PARAM = 16   # params 4 + grads 4 + Adam 8; bf16 is costed as fp32
+
+
+def deepspeed_autotuner(problem: Problem, oracle: Oracle, seed: int = 0) -> TrainConfig | None:
+    """DeepSpeed's ``tune_space`` for stage 0: model-info profile run, linear max, probes, bisect, list."""
+    run = _Memo(oracle)
+    metrics: dict[int, float] = {}   # micro-batch -> samples/s (0 when it did not run)
+
+    def trial(mbs: int) -> float:
+        micro = problem.floor_micro_batch(mbs)
+        if micro is None:
+            return 0.0
+        outcome = run(problem.config(micro))
+        metrics[micro] = outcome.samples_per_s if outcome.ok else 0.0
+        return metrics[micro]
+
+    # 1. model_info_profile_run: micro-batch 1, activation memory per sample by difference.
+    smallest = problem.micro_batches[0]
+    profile = run(problem.config(smallest))
+    if not profile.ok or profile.peak_bytes is None:
+        return None
+    metrics[smallest] = profile.samples_per_s or 0.0
+    instantiation = DS_MODEL_STATE_BYTES_PER_PARAM * problem.param_count
+    activation_per_sample = max(1.0, (profile.peak_bytes - instantiation) / smallest)
+    calculated_max = int((problem.budget_bytes - instantiation) // activation_per_sample)
+    if calculated_max < smallest:
+        return None
+    # 2. get_min_max_micro_batch_size: the minimum is the profile's size (already run).
+    used = [smallest]
+    low_bound = smallest
+    max_mbs = min(calculated_max, problem.micro_batches[-1])
+    found = None
+    for mbs in (math.ceil(1.05 * max_mbs), max_mbs, int(0.95 * max_mbs)):
+        if mbs > problem.micro_batches[-1]:
+            continue
+        micro = problem.floor_micro_batch(mbs)
+        if micro in used:
+            found = micro
+            break
+        if trial(mbs) > 0:
+            used.append(problem.floor_micro_batch(mbs))
+            found = problem.floor_micro_batch(mbs)
+            break
+    if found is None:
+        prev_metric = metrics.get(smallest)
+        low, high = low_bound, max_mbs
+        while low < high:
+            mid = (low + high) // 2
+            if mid == low:
+                break
+            if problem.floor_micro_batch(mid) in used and problem.floor_micro_batch(mid) != low:
+                low = mid
+                continue
+            value = trial(mid)
+            if value > 0:
+                low = mid
+                used.append(problem.floor_micro_batch(mid))
+                if prev_metric and (value - prev_metric) / prev_metric < DS_PLATEAU:
+                    break   # "performance plateaus"
+                prev_metric = value
+            else:
+                high = mid - 1
+        found = problem.floor_micro_batch(low)
+    max_mbs = found
+    # 3. get_tuning_micro_batch_size_list + run_tuning_micro_batch_sizes
+    min_mbs = max(low_bound, max_mbs // 2)
+    stride = max(1, (max_mbs - min_mbs) // DS_NUM_TUNING_SIZES)
+    tuning = [m for m in range(min_mbs, max_mbs, stride) if max_mbs // m != 1] + [max_mbs]
+    for mbs in tuning:
+        trial(mbs)
+    # smaller sizes with the same accumulation, while each gains more than 5%
+    start = tuning[-2] + 1 if len(tuning) > 1 else low_bound
+    best_metric = metrics.get(problem.floor_micro_batch(max_mbs), 0.0)
+    stride = max(1, (max_mbs - start) // 3)
+    for mbs in reversed(range(start, max_mbs, stride)):
+        micro = problem.floor_micro_batch(mbs)
+        if micro is None or micro < start:
+            continue
+        value = trial(mbs)
+        if value > best_metric * (1 + DS_PLATEAU):
+            best_metric = value
+        else:
+            break
+    return _best_by_throughput(run.seen.values())
+
+
+# --------------------------------------------------------------------------------------
+# Plain Optuna TPE over the whole grid
+
+
+def optuna_tpe(problem: Problem, oracle: Oracle, seed: int = 0, real_trials: int = 12) -> TrainConfig | None:
+    """TPE (seeded) over precision x micro-batch x checkpointing; every proposal runs for real.
+
+    The objective is measured samples/s; an OOM (or any failed trial) scores 0, as a plain
+    objective that catches the error would. A proposal already run is told its earlier value
+    without running again. Stops after ``real_trials`` real trials (or 20x as many proposals).
+    """
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=seed))
+    run = _Memo(oracle)
+    proposals = 0
+    while len(run.seen) < real_trials and proposals < 20 * real_trials:
+        proposals += 1
+        trial = study.ask()
+        config = problem.config(trial.suggest_categorical("micro_batch", list(problem.micro_batches)),
+                                trial.suggest_categorical("precision", [p.value for p in problem.precisions]),
+                                trial.suggest_categorical("checkpoint_every", list(problem.checkpoints)))
+        outcome = run(config)
+        study.tell(trial, outcome.samples_per_s if outcome.ok and outcome.samples_per_s else 0.0)
+        if len(run.seen) == len(problem.configs()):
+            break
+    return _best_by_throughput(run.seen.values())
+
+
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A named strategy and how it ranks its own trials (for "time to 95% of the optimum")."""
+
+    name: str
+    run: Callable[[Problem, Oracle, int], TrainConfig | None]
+    criterion: str            # "throughput": best measured so far; "largest": largest micro-batch that ran
+    deterministic: bool
+    description: str = ""
+    kwargs: dict = field(default_factory=dict)
+
+    def __call__(self, problem: Problem, oracle: Oracle, seed: int) -> TrainConfig | None:
+        return self.run(problem, oracle, seed, **self.kwargs)
+
+
+PEERS: tuple[Strategy, ...] = (
+    Strategy("optuna-tpe", optuna_tpe, "throughput", False,
+             "plain Optuna TPE over the whole grid, real trials only (OOM found by running, scores 0)"),
+    Strategy("accelerate-x0.5", accelerate_halving, "largest", True,
+             "HF Accelerate find_executable_batch_size: from the largest micro-batch, x0.5 on OOM"),
+    Strategy("accelerate-x0.9", accelerate_halving_09, "largest", True,
+             "the same with the newer x0.9 factor"),
+    Strategy("lightning-binsearch", lightning_binsearch, "largest", True,
+             "Lightning BatchSizeFinder binsearch: double from 2 until OOM, then bisect"),
+    Strategy("deepspeed-autotuner", deepspeed_autotuner, "throughput", True,
+             "DeepSpeed autotuner (stage 0): profile run, linear max, probes, bisect with 5% plateau, tuning list"),
+)
+
+
+def incumbent(records: list[TrialRecord], criterion: str) -> list[TrainConfig | None]:
+    """The config a strategy would answer after each of its trials, by its own criterion."""
+    out: list[TrainConfig | None] = []
+    best: Outcome | None = None
+    for record in records:
+        o = record.outcome
+        if o.ok:
+            if criterion == "largest":
+                better = best is None or o.config.micro_batch > best.config.micro_batch
+            else:
+                better = best is None or (o.samples_per_s or 0.0) > (best.samples_per_s or 0.0)
+            if better:
+                best = o
+        out.append(None if best is None else best.config)
+    return out

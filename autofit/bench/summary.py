@@ -1,0 +1,88 @@
+"""The headline figures of a bench run, for the README: one short Markdown file."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from autofit.bench.common import median_and_spread, pct, seconds
+
+
+def headline(results) -> list[str]:
+    """One line per headline figure of the suites that ran."""
+    lines = []
+    acc = results.suites.get("accuracy")
+    if acc is not None:
+        from autofit.bench.accuracy import MAIN_WORKLOADS, safety
+
+        main = tuple(w for w in MAIN_WORKLOADS if any(r.workload == w for r in acc.rows))
+        s = acc.stats(main)
+        verdict = "PASS" if acc.passes(main) else "FAIL"
+        lines.append(f"Peak memory, estimate vs measured (CPU tracker), {s.n} configs of {' and '.join(main)}: "
+                     f"median |error| {pct(s.median, 2)}, p95 {pct(s.p95, 2)}, max {pct(s.max, 2)} — {verdict} against "
+                     "the targets ≤ 3% / ≤ 8% (LLMem reports ≤ 1.6% on one GPU, DNNMem ~15%).")
+        for extra in sorted({r.workload for r in acc.rows} - set(main)):
+            e = acc.stats((extra,))
+            lines.append(f"{extra} (reported, not a target): median |error| {pct(e.median, 1)}, max {pct(e.max, 1)}, "
+                         f"{e.under}/{e.n} under-estimates.")
+        n_fits = n_prunes = 0
+        for w, budgets in acc.budgets.items():
+            for b in budgets:
+                fits, prunes = safety([r for r in acc.rows if r.workload == w], b)
+                n_fits, n_prunes = n_fits + len(fits), n_prunes + len(prunes)
+        lines.append(f"At the search budgets: {n_fits} false fit(s), {n_prunes} false prune(s).")
+    srch = results.suites.get("search")
+    if srch is not None:
+        from autofit.bench.search import AUTOFIT
+
+        for grid in srch.grids:
+            for b in grid.cell.budgets_mib:
+                runs = [r for r in srch.runs if r.mode == "replay" and r.workload == grid.cell.workload
+                        and r.budget_bytes == b * 2**20]
+                parts = []
+                for name in dict.fromkeys(r.strategy for r in runs):
+                    mine = [r for r in runs if r.strategy == name]
+                    frac = median_and_spread([r.fraction for r in mine])[0]
+                    if math.isnan(frac):
+                        parts.append(f"{name} not available")
+                        continue
+                    wall = median_and_spread([r.wall_s for r in mine])[0]
+                    parts.append(f"{name} {pct(frac, 0)} in {seconds(wall, 0)} s")
+                lines.append(f"Search, {grid.cell.workload} @ {b} MiB (best found / optimum, median wall time): "
+                             + "; ".join(parts) + ".")
+        if not any(r.strategy == AUTOFIT.name and not math.isnan(r.fraction) for r in srch.runs):
+            lines.append("autofit's own search was not available to the benchmark in this run.")
+    cost = results.suites.get("cost")
+    if cost is not None:
+        rate = max((r["value"] for r in cost.rows if r["metric"] == "configs_per_s"), default=None)
+        llama = [r for r in cost.rows if r["kind"] == "profile" and r["item"].startswith("llama-7b")]
+        overhead = [r["value"] for r in cost.rows if r["metric"] == "overhead_fraction" and r["value"]]
+        slow = [r["value"] for r in cost.rows if r["metric"] == "slowdown" and r["value"]]
+        if rate:
+            lines.append(f"Estimator: {rate:,.0f} configs scored per second.")
+        for r in llama:
+            lines.append(f"Profiling {r['item']}: {seconds(r['value'])} s on fake tensors, cold cache.")
+        if overhead:
+            lines.append(f"Trial runner: process start and model build are {pct(min(overhead), 0)}–{pct(max(overhead), 0)} "
+                         "of a short trial's wall time.")
+        if slow:
+            lines.append(f"Memory tracker: {min(slow):.1f}–{max(slow):.1f}x slower training steps (timed steps run "
+                         "without it).")
+    for name, wall in results.wall_s.items():
+        lines.append(f"Suite {name}: {wall / 60:.1f} min.")
+    return lines
+
+
+def write_summary(out_dir: Path, results, command: str, complete: bool) -> Path | None:
+    """Write ``summary.md`` (headline figures) when every suite ran; return its path, else None."""
+    if not complete:
+        return None
+    text = "# autofit bench: headline figures\n\n" + f"Reproduce with `{command}`; details in the suites' files.\n\n" \
+        + "\n".join(f"- {line}" for line in headline(results)) + "\n"
+    path = Path(out_dir) / "summary.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+__all__ = ["headline", "write_summary"]

@@ -1,0 +1,44 @@
+"""``autofit bench``: run the benchmark suites and write their tables."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "bench", help="benchmark the estimator, the search against its peers, and the machinery's cost",
+        description="Run benchmark suites on this machine and write Markdown + CSV tables (machine, device, "
+                    "versions and date on top). accuracy: predicted vs measured peak memory; search: autofit's "
+                    "search against Optuna TPE, HF Accelerate, Lightning and DeepSpeed's method on exhaustively "
+                    "measured grids; cost: estimator, profiler, trial runner and tracker costs.",
+        epilog="On a 2-core CPU: all suites take about 30 minutes, --quick about 5.",
+    )
+    p.add_argument("--suite", choices=("accuracy", "search", "cost", "all"), default="all",
+                   help="which suite to run (default: all)")
+    p.add_argument("--quick", action="store_true", help="a reduced version of each suite (minutes, not half an hour)")
+    p.add_argument("--out", type=Path,
+                   help="output directory (default: results/benchmarks, or results/benchmarks/quick with --quick)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from autofit.bench import DEFAULT_OUT, SUITES, run_bench
+    from autofit.bench.summary import headline, write_summary
+
+    suites = SUITES if args.suite == "all" else (args.suite,)
+    out = args.out or (DEFAULT_OUT / "quick" if args.quick else DEFAULT_OUT)
+    command = "autofit bench" + (f" --suite {args.suite}" if args.suite != "all" else "") + \
+              (" --quick" if args.quick else "") + (f" --out {args.out}" if args.out else "")
+
+    def progress(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    results = run_bench(suites, out_dir=out, quick=args.quick, command=command, progress=progress)
+    summary = write_summary(out, results, command, complete=args.suite == "all")
+    print(summary.read_text() if summary else "\n".join(f"- {line}" for line in headline(results)))
+    for path in results.files + ([summary] if summary else []):
+        print(f"wrote {path}")
+    return 0
