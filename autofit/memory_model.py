@@ -153,10 +153,8 @@ def _walk_stage(pp: PrecisionProfile, start: int, end: int, first_stage: bool, l
         return (r.peak_nongrad, r.delta_nongrad) if later else (r.peak, r.delta)
 
     # forward
-    if first_stage:
+    if first_stage:  # a later stage's input lives in the pipeline's receive buffers (see _pipeline_buffers)
         w.region(*fwd(pp.pre_forward), "forward")
-    else:  # the received activation, kept for this micro-batch's backward
-        w.point(layers[start - 1].output, "forward")
     segments = [(s, min(s + every, end)) for s in range(start, end, every)] if every else []
     # Under autocast, the half-precision weight copies are cached until the autocast region
     # ends, even in checkpointed segments that keep nothing else: the batch-independent part
@@ -181,10 +179,8 @@ def _walk_stage(pp: PrecisionProfile, start: int, end: int, first_stage: bool, l
     w.live = _add(w.live, (-sum(cache[start:end]), 0.0))  # autocast exits: its cache is freed
     held = w.live
     # backward
-    if last_stage:
+    if last_stage:  # an earlier stage's output gradient arrives in a receive buffer
         w.region(*bwd(pp.post_backward), "backward", 0.0 if later else pp.post_grad_bytes)
-    else:  # the received gradient of this stage's output
-        w.point(layers[end - 1].output, "backward")
     grad_of = (lambda i: 0.0) if later else (lambda i: layers[i].grad_bytes)
     if every:
         for s, e in reversed(segments):
@@ -217,8 +213,15 @@ def _stage_lines(pp: PrecisionProfile, start: int, end: int, first_stage: bool, 
             params, grads = params + pp.pre_param_bytes, grads + pp.pre_grad_bytes
         if last_stage:
             params, grads = params + pp.post_param_bytes, grads + pp.post_grad_bytes
-    # Optimizer state and the step's temporaries scale with the gradients the stage owns.
+    # Optimizer state scales with the gradients the stage owns. Its step's temporaries do too
+    # for a multi-tensor (foreach) step; a per-tensor loop's peak is set by the largest tensor.
     share = grads / pp.grad_bytes if pp.grad_bytes else 1.0
+    largest = max([l.max_grad_tensor_bytes for l in pp.layers[start:end]]
+                  + ([pp.pre_max_grad_tensor_bytes] if first_stage else [])
+                  + ([pp.post_max_grad_tensor_bytes] if last_stage else []), default=0)
+    overall = max([l.max_grad_tensor_bytes for l in pp.layers] + [pp.pre_max_grad_tensor_bytes, pp.post_max_grad_tensor_bytes])
+    per_tensor_loop = overall and pp.optimizer_peak_bytes <= 4 * overall
+    opt_share = largest / overall if per_tensor_loop else share
     return _StageLines(
         first=np.array(w1.peaks, dtype=np.float64), first_grads=np.array(w1.grads_at, dtype=np.float64),
         first_acts=np.array(w1.acts_at, dtype=np.float64), first_phase=tuple(f"first {p}" for p in w1.phases),
@@ -226,8 +229,34 @@ def _stage_lines(pp: PrecisionProfile, start: int, end: int, first_stage: bool, 
         later_phase=tuple(f"later {p}" for p in wn.phases),
         held=held, params_bytes=int(params), grads_bytes=int(grads),
         optimizer_bytes=int(round(pp.optimizer_bytes * share)),
-        optimizer_peak_bytes=int(round(pp.optimizer_peak_bytes * share)),
+        optimizer_peak_bytes=int(round(pp.optimizer_peak_bytes * opt_share)),
     )
+
+
+def _pipeline_buffers(pp: PrecisionProfile, start: int, end: int, stage: int, split: int,
+                      k: np.ndarray, b: np.ndarray, schedule: str) -> np.ndarray:
+    """Bytes torch.distributed.pipelining keeps on a stage for the whole step: one receive
+    buffer per micro-batch for the input activation (later stages) and for the output's
+    gradient (earlier stages); pending sends keep one more boundary tensor alive (measured
+    on torch 2.13's 1F1B: an earlier stage's first output once it runs ahead, a later
+    stage's last input gradient)."""
+    if split == 1:
+        return np.zeros_like(b)
+    kf = k.astype(np.float64)
+    out = np.zeros_like(b)
+    if stage > 0:
+        c0, c1 = pp.layers[start - 1].output
+        boundary = c0 + c1 * b
+        out = out + kf * boundary
+        # the input gradient sent back stays referenced by its send until the next micro-batch's
+        out = out + np.where(k > 1, boundary, 0.0)
+    if stage < split - 1:
+        c0, c1 = pp.layers[end - 1].output
+        boundary = c0 + c1 * b
+        out = out + kf * boundary
+        if schedule == "1F1B":
+            out = out + np.where(k > split - stage, boundary, 0.0)
+    return out
 
 
 def in_flight(stage: int, device_split: int, grad_accum: np.ndarray, schedule: str = "1F1B") -> np.ndarray:
@@ -304,6 +333,7 @@ def _score_group(profile: Profile, pp: PrecisionProfile, every: int, split: int,
         st = _stage_lines(pp, start, end, s == 0, s == split - 1, every)
         m = in_flight(s, split, k, schedule).astype(np.float64)
         held = (st.held[0] + st.held[1] * b) * (m - 1)               # other micro-batches in flight
+        held = held + _pipeline_buffers(pp, start, end, s, split, k, b, schedule)
         base = st.params_bytes + st.optimizer_bytes
         v1 = st.first[:, 0][None, :] + st.first[:, 1][None, :] * b[:, None]        # (n, E)
         a1 = np.argmax(v1, axis=1)

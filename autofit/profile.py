@@ -38,7 +38,7 @@ from autofit.errors import WorkloadError
 from autofit.training import build_trainee, forward_backward, param_dtype, to_device
 from autofit.workload import Workload
 
-PROFILE_VERSION = 4
+PROFILE_VERSION = 5
 # Micro-batch sizes profiled; every per-sample quantity is fitted as a line through them.
 PROFILE_BATCHES = (2, 4)
 # The CUDA caching allocator rounds every block up to 512 bytes (FACTS.md).
@@ -73,6 +73,7 @@ class LayerProfile:
     backward: Region
     forward_flops: Line = (0.0, 0.0)
     output_saved: bool = False  # the layer's own backward needs its output (e.g. it ends in ReLU)
+    max_grad_tensor_bytes: int = 0  # its largest gradient (a per-tensor optimizer's transients scale with it)
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,8 @@ class PrecisionProfile:
     post_param_bytes: int         # weights used after the last layer (final norm, head)
     pre_grad_bytes: int
     post_grad_bytes: int
+    pre_max_grad_tensor_bytes: int
+    post_max_grad_tensor_bytes: int
     pre_forward: Region           # step start -> first layer
     post_forward: Region          # last layer -> loss ready
     post_backward: Region         # loss -> into the last layer's backward
@@ -245,6 +248,10 @@ def _tensor_bytes(tensors: Iterable[torch.Tensor], round_bytes: int) -> int:
     return total
 
 
+def _max_tensor_bytes(tensors: list[torch.Tensor], round_bytes: int) -> int:
+    return max((_round(t.untyped_storage().nbytes(), round_bytes) for t in tensors), default=0)
+
+
 def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
@@ -400,6 +407,8 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
         "post_param_bytes": _tensor_bytes(post_t, round_bytes),
         "pre_grad_bytes": _tensor_bytes([t for t in pre_t if id(t) in grads], round_bytes),
         "post_grad_bytes": _tensor_bytes([t for t in post_t if id(t) in grads], round_bytes),
+        "pre_max_grad_tensor_bytes": _max_tensor_bytes([t for t in pre_t if id(t) in grads], round_bytes),
+        "post_max_grad_tensor_bytes": _max_tensor_bytes([t for t in post_t if id(t) in grads], round_bytes),
         "pre_forward": reg("start", "f0"),
         "post_forward": reg(f"F{n - 1}", "loss"),
         "post_backward": reg("loss", f"b{n - 1}"),
@@ -411,6 +420,7 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
             {
                 "param_bytes": _tensor_bytes(layer_params[i] + layer_buffers[i], round_bytes),
                 "grad_bytes": _tensor_bytes([p for p in layer_params[i] if p.requires_grad], round_bytes),
+                "max_grad_tensor_bytes": _max_tensor_bytes([p for p in layer_params[i] if p.requires_grad], round_bytes),
                 "output": layer_out[i],
                 "output_saved": output_saved[i],
                 "forward": reg(f"f{i}", f"F{i}"),
@@ -460,6 +470,7 @@ def profile_precision(workload: Workload, precision: Precision, device_type: str
         layers.append(LayerProfile(
             param_bytes=l1["param_bytes"], grad_bytes=l1["grad_bytes"],
             output=_line(l1["output"], l2["output"]), output_saved=l1["output_saved"],
+            max_grad_tensor_bytes=l1["max_grad_tensor_bytes"],
             forward=_region_lines(l1["forward"], l2["forward"]),
             backward=_region_lines(l1["backward"], l2["backward"]),
             forward_flops=_flops_line(l2["forward_flops"]),
@@ -471,6 +482,8 @@ def profile_precision(workload: Workload, precision: Precision, device_type: str
         optimizer_bytes=r1["optimizer_bytes"], optimizer_peak_bytes=max(0, opt_peak),
         pre_param_bytes=r1["pre_param_bytes"], post_param_bytes=r1["post_param_bytes"],
         pre_grad_bytes=r1["pre_grad_bytes"], post_grad_bytes=r1["post_grad_bytes"],
+        pre_max_grad_tensor_bytes=r1["pre_max_grad_tensor_bytes"],
+        post_max_grad_tensor_bytes=r1["post_max_grad_tensor_bytes"],
         pre_forward=_region_lines(r1["pre_forward"], r2["pre_forward"]),
         post_forward=_region_lines(r1["post_forward"], r2["post_forward"]),
         post_backward=_region_lines(r1["post_backward"], r2["post_backward"]),
