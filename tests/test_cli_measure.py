@@ -50,7 +50,7 @@ def test_summary_and_exit_1_when_not_ok(trial_workload_spec, capsys):
     out = capsys.readouterr().out
     assert code == 1
     assert "status     oom: live tensor bytes reached" in out
-    assert "budget     0.00 GB (0.00 GiB) per device" in out  # the budget in both unit systems
+    assert "budget     100.00 KB (97.66 KiB) per device" in out  # the budget in both unit systems
 
 
 # Each error path once in a real subprocess (a user's view: exit 2, one line, no traceback),
