@@ -7,6 +7,7 @@ so what is estimated and what is measured is the same code path.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -74,13 +75,16 @@ def checkpoint_layers(layers: nn.ModuleList, every: int) -> None:
         def head_forward(x, *args, _run=run_segment, _state=state, **kwargs):
             out = checkpoint(_run, x, *args, use_reentrant=False, **kwargs)
             _state["tail"] = tuple(out[1:]) if isinstance(out, tuple) else None
-            _state["out"] = _first_tensor(out)
+            first = _first_tensor(out)
+            # a weak reference: holding the output itself would keep it alive past its use
+            _state["out"] = weakref.ref(first) if isinstance(first, torch.Tensor) else None
             return out
 
         def pass_through(x, *args, _state=state, **kwargs):
             # The segment already ran this layer; that is only right if the model hands the
             # head's output straight on. Anything done between layers would be skipped.
-            if x is not _state.get("out"):
+            ref = _state.get("out")
+            if ref is None or x is not ref():
                 raise WorkloadError(
                     "checkpoint_every > 1 needs layers that chain (x = layer(x)); this model changes "
                     "the hidden state between layers, so use checkpoint_every 0 or 1"
