@@ -1,0 +1,83 @@
+"""``autofit report DIR``: a study's result tables again, rebuilt from its storage (works while it runs)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from autofit.budget import format_bytes
+from autofit.report import STATUSES, best_record, counts, select, summary_markdown, trials_table, write_reports
+from autofit.study import open_study
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected a positive integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: must be positive")
+    return value
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "report", help="print a study's trials, best config and summary (from its storage)",
+        description="Rebuild trials.csv, best.json and summary.md of a study from its storage and print the trials, "
+                    "fastest first. Works on any study directory, including one whose search is still running.",
+    )
+    p.add_argument("dir", help="the study's output directory (autofit search --out)")
+    p.add_argument("--top", type=_positive_int, help="print only the first N rows")
+    p.add_argument("--status", choices=STATUSES, help="only trials with this status")
+    p.add_argument("--storage", help="the storage URL when the study is in a database (its password is not saved)")
+    p.add_argument("--summary", action="store_true", help="print summary.md instead of the trials table")
+    p.add_argument("--no-write", action="store_true", help="print only; do not rewrite the tables in DIR")
+    p.add_argument("--json", action="store_true", help="print JSON: the selected trials and the best config")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    study = open_study(args.dir, storage=args.storage)
+    table = trials_table(study)
+    if not args.no_write:
+        try:
+            write_reports(study, args.dir)
+        except OSError as exc:  # a read-only directory: still print
+            sys.stderr.write(f"autofit: note: tables not rewritten ({exc})\n")
+    shown = select(table, status=args.status, top=args.top)
+    if args.json:
+        rows = json.loads(shown.to_json(orient="records"))
+        print(json.dumps({"study": study.study_name, "best": best_record(study), "counts": counts(table),
+                          "trials": rows}, indent=2))
+        return 0
+    if args.summary:
+        print(summary_markdown(study, table))
+        return 0
+    c = counts(table)
+    print(f"study {study.study_name}: {len(table)} trials, {c['real']} real, {c['pruned']} configs pruned")
+    print(f"{'#':>4} {'status':<8} {'precision':<9} {'mb':>4} {'ga':>4} {'ckpt':>4} {'split':>5} "
+          f"{'pred peak':>11} {'peak':>11} {'err':>7} {'samples/s':>11} {'step':>9}  reason")
+    for r in shown.itertuples():
+        err = "" if r.peak_error is None or r.peak_error != r.peak_error else f"{100 * r.peak_error:+.1f}%"
+        sps = "" if r.samples_per_s != r.samples_per_s or r.samples_per_s is None else f"{r.samples_per_s:,.2f}"
+        step = "" if r.step_time_s != r.step_time_s or r.step_time_s is None else f"{r.step_time_s:.3f}s"
+        peak = "" if _na(r.measured_peak_bytes) else format_bytes(r.measured_peak_bytes)
+        pred = "" if _na(r.predicted_peak_bytes) else format_bytes(r.predicted_peak_bytes)
+        reason = r.reason if isinstance(r.reason, str) else (r.error if isinstance(r.error, str) else "")
+        print(f"{r.number:>4} {r.status:<8} {r.precision:<9} {r.micro_batch:>4} {r.grad_accum:>4} "
+              f"{r.checkpoint_every:>4} {r.device_split:>5} {pred:>11} {peak:>11} {err:>7} {sps:>11} {step:>9}  "
+              f"{reason[:70]}")
+    best = best_record(study)
+    if best.get("config"):
+        print(f"best: {best['short']} (trial {best['trial']}): {best['measured']['samples_per_s']:,.2f} samples/s, "
+              f"peak {format_bytes(best['measured']['peak_bytes'])}")
+        print(f"reproduce: {best['reproduce']}")
+    return 0
+
+
+def _na(value) -> bool:
+    try:
+        return value is None or bool(value != value) or str(value) == "<NA>"
+    except TypeError:
+        return True

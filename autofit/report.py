@@ -1,0 +1,386 @@
+"""Result tables of a search, always rebuilt from the study's storage (never edited by hand).
+
+- ``trials.csv``: one row per trial: number, status (``complete``, ``pruned``, ``oom``,
+  ``error``, ``timeout``; ``running`` and ``failed`` for a study in progress or interrupted),
+  why it was pruned, the five config fields, predicted and measured peak bytes, samples/s,
+  step time, and the prediction errors;
+- ``best.json``: the best config (the fastest trial that ran ok under the budget), its
+  measurements, and the command that measures it again;
+- ``summary.md``: the top configs, what the estimate pruned and why, the calibration, the
+  prediction error of every real trial, the device, versions and wall time;
+- ``calibration.json``: the calibration the next planning step would use.
+
+Since everything comes from the storage, ``autofit report DIR`` works on any study, including
+one that is still running.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import optuna
+import pandas as pd
+from optuna.trial import FrozenTrial, TrialState
+
+from autofit.budget import format_budget, format_bytes
+from autofit.calibration import Calibration, calibrate
+from autofit.config import FIELDS, TrainConfig
+from autofit.study import (REASON_KINDS, _write_atomic, config_of, observations, redact, trial_status)
+
+STATUSES = ("complete", "pruned", "oom", "error", "timeout", "running", "failed")
+COLUMNS = (
+    "number", "status", "reason_kind", "reason", *FIELDS,
+    "predicted_peak_bytes", "calibrated_peak_bytes", "measured_peak_bytes", "peak_error",
+    "predicted_step_time_s", "step_time_s", "step_time_error", "prior_step_time_error",
+    "predicted_samples_per_s", "samples_per_s", "tokens_per_s", "trial_wall_s", "error", "started", "finished",
+)
+
+
+def _status(trial: FrozenTrial) -> str:
+    status = trial_status(trial)
+    return {"ok": "complete", "waiting": "running", "interrupted": "failed"}.get(status, status)
+
+
+def trials_table(study: optuna.Study) -> pd.DataFrame:
+    """One row per trial of ``study`` (columns :data:`COLUMNS`), in trial order.
+
+    Errors are relative, ``(predicted - measured) / measured``: negative is an under-prediction.
+    ``step_time_error`` is that of the calibrated prediction the trial was planned with;
+    ``prior_step_time_error`` that of the uncalibrated time model.
+    """
+    rows = []
+    for t in study.get_trials(deepcopy=False):
+        config = config_of(t.params)
+        if config is None:
+            continue
+        predicted = t.user_attrs.get("predicted") or {}
+        measured = t.user_attrs.get("measured") or {}
+        errors = t.user_attrs.get("errors") or {}
+        rows.append({
+            "number": t.number, "status": _status(t),
+            "reason_kind": t.user_attrs.get("reason_kind") if t.state == TrialState.PRUNED else None,
+            "reason": t.user_attrs.get("reason") if t.state == TrialState.PRUNED else None,
+            **config.to_dict(),
+            "predicted_peak_bytes": predicted.get("peak_bytes"),
+            "calibrated_peak_bytes": predicted.get("calibrated_peak_bytes"),
+            "measured_peak_bytes": measured.get("peak_bytes"),
+            "peak_error": errors.get("peak"),
+            "predicted_step_time_s": predicted.get("step_time_s"),
+            "step_time_s": measured.get("step_time_s"),
+            "step_time_error": errors.get("step_time"),
+            "prior_step_time_error": errors.get("prior_step_time"),
+            "predicted_samples_per_s": predicted.get("samples_per_s"),
+            "samples_per_s": measured.get("samples_per_s"),
+            "tokens_per_s": measured.get("tokens_per_s"),
+            "trial_wall_s": measured.get("wall_s"),
+            "error": measured.get("error") or (t.user_attrs.get("status") if t.state == TrialState.FAIL else None),
+            "started": t.datetime_start.isoformat(timespec="seconds") if t.datetime_start else None,
+            "finished": t.datetime_complete.isoformat(timespec="seconds") if t.datetime_complete else None,
+        })
+    table = pd.DataFrame(rows, columns=list(COLUMNS))
+    for name in ("predicted_peak_bytes", "calibrated_peak_bytes", "measured_peak_bytes"):
+        table[name] = table[name].astype("Int64")
+    return table
+
+
+def select(table: pd.DataFrame, *, status: str | None = None, top: int | None = None) -> pd.DataFrame:
+    """Rows of ``status`` (any when None), fastest first (then by number); the first ``top`` when given."""
+    if status is not None:
+        table = table[table["status"] == status]
+    table = table.assign(_rank=table["samples_per_s"].fillna(-1.0)).sort_values(
+        ["_rank", "number"], ascending=[False, True], kind="stable").drop(columns="_rank")
+    return table.head(top) if top else table
+
+
+def settings_of(study: optuna.Study) -> dict:
+    """The search settings stored on the study (workload, budget, device, space, command...)."""
+    return dict(study.user_attrs.get("settings") or {})
+
+
+def calibration_of(study: optuna.Study) -> Calibration:
+    """The calibration from the study's real trials so far."""
+    settings = settings_of(study)
+    trials = study.get_trials(deepcopy=False)
+    return calibrate(observations(trials, settings.get("budget_bytes") or 0), settings.get("device_type", "cpu"))
+
+
+def best_trial(study: optuna.Study) -> FrozenTrial | None:
+    """The fastest trial that ran ok under the budget (Optuna's best feasible trial), or None."""
+    feasible = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                if t.user_attrs.get("status", "ok") == "ok" and all(v <= 0 for v in t.constraints.values())]
+    return max(feasible, key=lambda t: (t.value, -t.number), default=None)
+
+
+def measure_command(settings: dict, config: TrainConfig) -> str:
+    """The ``autofit measure`` command that runs ``config`` again under the study's budget."""
+    model = settings.get("workload_source") or settings.get("workload_name")
+    config_text = ",".join(f"{k}={v}" for k, v in config.to_dict().items())
+    parts = ["autofit", "measure", "--model", str(model), "--config", config_text,
+             "--budget", str(settings.get("budget_text") or f"{settings.get('budget_bytes')}B"),
+             "--device", str(settings.get("device_type", "cpu"))]
+    return shlex.join(parts)
+
+
+def best_record(study: optuna.Study) -> dict:
+    """What ``best.json`` holds: the best config, its measurements and predictions, how to reproduce it."""
+    settings = settings_of(study)
+    budget = settings.get("budget_bytes")
+    record: dict[str, Any] = {
+        "study": study.study_name, "workload": settings.get("workload_name"),
+        "device": settings.get("device_type"), "budget_bytes": budget,
+        "budget": format_budget(budget) if budget else None,
+        "search_command": settings.get("command"),
+    }
+    trial = best_trial(study)
+    if trial is None:
+        return {**record, "config": None, "reason": "no trial ran ok under the budget yet"}
+    config = config_of(trial.params)
+    measured = trial.user_attrs.get("measured") or {}
+    predicted = trial.user_attrs.get("predicted") or {}
+    return {
+        **record, "trial": trial.number, "config": config.to_dict(), "short": config.short(),
+        "measured": measured, "predicted": predicted,
+        "peak_fraction_of_budget": measured.get("peak_bytes") / budget if budget and measured.get("peak_bytes") else None,
+        "reproduce": measure_command(settings, config),
+    }
+
+
+# --- summary.md ---------------------------------------------------------------------------------
+
+
+def _md_table(frame: pd.DataFrame) -> str:
+    if frame.empty:
+        return "(none)\n"
+    cols = list(frame.columns)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for row in frame.itertuples(index=False):
+        lines.append("| " + " | ".join("" if _missing(v) else str(v) for v in row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _missing(value: Any) -> bool:
+    return value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value))
+
+
+def _pct(value: Any) -> str:
+    return "" if _missing(value) else f"{100 * value:+.1f}%"
+
+
+def _bytes(value: Any) -> str:
+    return "" if _missing(value) else format_bytes(value)
+
+
+def _seconds(value: Any) -> str:
+    return "" if _missing(value) else (f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.3f} s")
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def wall_seconds(study: optuna.Study) -> float:
+    """The study's wall time: the sum over the search commands that ran it."""
+    return float(sum(run.get("wall_s", 0.0) for run in study.user_attrs.get("runs", [])))
+
+
+def counts(table: pd.DataFrame) -> dict:
+    """Real trials by status, configs pruned (never ran) by reason, configs not tried."""
+    by_status = table["status"].value_counts().to_dict()
+    ran = table[table["status"].isin(["complete", "oom", "error", "timeout", "running"])]
+    ran_keys = set(map(tuple, ran[list(FIELDS)].astype(str).to_numpy()))
+    pruned = table[table["status"] == "pruned"].copy()
+    pruned["_key"] = list(map(tuple, pruned[list(FIELDS)].astype(str).to_numpy()))
+    pruned = pruned[~pruned["_key"].isin(ran_keys)].drop_duplicates("_key", keep="last")
+    return {
+        "real": int(sum(by_status.get(s, 0) for s in ("complete", "oom", "error", "timeout"))),
+        "by_status": {s: int(by_status.get(s, 0)) for s in STATUSES if by_status.get(s)},
+        "pruned": int(len(pruned)),
+        "pruned_by_reason": {k: int(v) for k, v in pruned["reason_kind"].value_counts().reindex(
+            [k for k in REASON_KINDS if k in set(pruned["reason_kind"])]).items()},
+        "pruned_examples": {k: str(g.iloc[0]["reason"]) for k, g in pruned.groupby("reason_kind")},
+    }
+
+
+def summary_markdown(study: optuna.Study, table: pd.DataFrame | None = None, *, top: int = 10) -> str:
+    """``summary.md``: best and top configs, pruning, calibration, prediction errors, environment."""
+    table = trials_table(study) if table is None else table
+    settings = settings_of(study)
+    versions = study.user_attrs.get("versions") or {}
+    budget = settings.get("budget_bytes")
+    n_configs = _n_configs(settings)
+    c = counts(table)
+    not_tried = max(0, n_configs - c["pruned"] - len({tuple(r) for r in table[table["status"].isin(
+        ["complete", "oom", "error", "timeout", "running"])][list(FIELDS)].astype(str).to_numpy()}))
+    runs = study.user_attrs.get("runs", [])
+    out = [f"# Search summary: {study.study_name}\n"]
+    out.append(f"- workload: `{settings.get('workload_name')}` (`--model {settings.get('workload_source')}`)")
+    out.append(f"- budget: {format_budget(budget) if budget else '?'} per device")
+    out.append(f"- device: {settings.get('device_type')}, {settings.get('devices')} per worker")
+    out.append(f"- space: `{(settings.get('space') or {}).get('source')}`: {n_configs} configs")
+    status_text = ", ".join(f"{v} {k}" for k, v in c["by_status"].items() if k != "pruned")
+    out.append(f"- real trials: {c['real']} ({status_text or 'none'})")
+    out.append(f"- pruned by the estimate: {c['pruned']} of {n_configs} configs"
+               + (f" ({100 * c['pruned'] / n_configs:.0f}%)" if n_configs else ""))
+    out.append(f"- not tried: {not_tried} (the search stopped first: {study.user_attrs.get('stop_reason') or 'running'})")
+    out.append(f"- wall time: {_duration(wall_seconds(study))} over {len(runs)} search command(s)")
+    if settings.get("command"):
+        out.append(f"- command: `{settings['command']}`")
+    out.append("")
+    best = best_record(study)
+    out.append("## Best config\n")
+    if best.get("config") is None:
+        out.append("No trial ran ok under the budget.\n")
+    else:
+        m, p = best["measured"], best["predicted"]
+        out.append(f"`{best['short']}` (trial {best['trial']})\n")
+        out.append(f"- throughput: {m.get('samples_per_s', 0):.2f} samples/s"
+                   + (f", {m['tokens_per_s']:,.0f} tokens/s" if m.get("tokens_per_s") else "")
+                   + f"; step {_seconds(m.get('step_time_s'))}")
+        out.append(f"- measured peak: {_bytes(m.get('peak_bytes'))} = {100 * best['peak_fraction_of_budget']:.1f}% of "
+                   f"the budget (predicted {_bytes(p.get('peak_bytes'))})")
+        out.append(f"- reproduce: `{best['reproduce']}`\n")
+    out.append(f"## Top {top} configs\n")
+    ran = select(table[table["status"] == "complete"], top=top)
+    out.append(_md_table(pd.DataFrame({
+        "trial": ran["number"], "config": [TrainConfig.from_dict({f: r[f] for f in FIELDS}).short()
+                                           for _, r in ran.iterrows()],
+        "samples/s": ran["samples_per_s"].map(lambda v: f"{v:.2f}"),
+        "step": ran["step_time_s"].map(_seconds), "peak": ran["measured_peak_bytes"].map(_bytes),
+        "of budget": ran["measured_peak_bytes"].map(lambda v: "" if _missing(v) else f"{100 * v / budget:.1f}%"),
+    })))
+    out.append("\n## Pruned by the estimate (never ran)\n")
+    out.append(_md_table(pd.DataFrame({
+        "reason": list(c["pruned_by_reason"]), "configs": list(c["pruned_by_reason"].values()),
+        "example": [c["pruned_examples"][k] for k in c["pruned_by_reason"]],
+    })))
+    calibration = calibration_of(study)
+    out.append("\n## Calibration\n")
+    out.append(f"- peak: measured / predicted = {calibration.peak_ratio:.3f} (median); safety margin "
+               f"{calibration.peak_margin:.1%}; a config fits when predicted x {calibration.peak_factor:.3f} <= budget")
+    if calibration.time_points:
+        ratios = [p.ratio for p in calibration.time_points]
+        out.append(f"- step time: measured / prior ratios {min(ratios):.2f} to {max(ratios):.2f} "
+                   "(the nearest measured config's ratio calibrates each prediction)")
+    out.append(f"- from {calibration.n_trials} real trials\n")
+    out.append("## Prediction error of every real trial\n")
+    real = table[table["status"].isin(["complete", "oom", "error", "timeout"])]
+    out.append(_md_table(pd.DataFrame({
+        "trial": real["number"], "status": real["status"],
+        "config": [TrainConfig.from_dict({f: r[f] for f in FIELDS}).short() for _, r in real.iterrows()],
+        "predicted peak": real["predicted_peak_bytes"].map(_bytes), "measured peak": real["measured_peak_bytes"].map(_bytes),
+        "peak error": real["peak_error"].map(_pct),
+        "predicted step": real["predicted_step_time_s"].map(_seconds), "measured step": real["step_time_s"].map(_seconds),
+        "step error": real["step_time_error"].map(_pct), "prior step error": real["prior_step_time_error"].map(_pct),
+    })))
+    out.append("\n## Environment\n")
+    for key in ("autofit", "torch", "optuna", "python", "platform", "host", "cpu_count"):
+        if key in versions:
+            out.append(f"- {key}: {versions[key]}")
+    for key, value in (versions.get("env") or {}).items():
+        out.append(f"- {key}={value}")
+    out.append("")
+    return "\n".join(out)
+
+
+def _n_configs(settings: dict) -> int:
+    from autofit.space import space_from_dict
+
+    space = dict(settings.get("space") or {})
+    source = space.pop("source", "<inline>")
+    try:
+        return len(space_from_dict(space, source).configs())
+    except Exception:  # noqa: BLE001 -- a summary of a study whose space cannot be rebuilt still prints
+        return 0
+
+
+def write_reports(study: optuna.Study, out_dir: str | Path) -> dict[str, Path]:
+    """Write ``trials.csv``, ``best.json``, ``summary.md`` and ``calibration.json`` to ``out_dir`` (atomically)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table = trials_table(study)
+    paths = {name: out_dir / name for name in ("trials.csv", "best.json", "summary.md", "calibration.json")}
+    _write_atomic(paths["trials.csv"], table.to_csv(index=False))
+    _write_atomic(paths["best.json"], json.dumps(best_record(study), indent=2) + "\n")
+    _write_atomic(paths["summary.md"], summary_markdown(study, table))
+    _write_atomic(paths["calibration.json"], json.dumps(calibration_of(study).to_dict(), indent=2) + "\n")
+    return paths
+
+
+# --- the result of a search ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class SearchResult:
+    """What a search found. ``best`` is None when no trial ran ok under the budget.
+
+    - ``best``: the fastest config measured under the budget; ``best_measured``: its
+      measurements (``samples_per_s``, ``peak_bytes``, ``step_time_s``, ...);
+      ``best_predicted``: what the estimate said before it ran.
+    - ``table``: every trial (:func:`trials_table`); ``n_configs``, ``n_pruned`` (configs the
+      estimate pruned and that never ran), ``n_real`` (real trials: complete, oom, error, timeout).
+    - ``stop_reason``, ``wall_s`` (this search command), ``calibration``.
+    - ``study_name``, ``storage`` (URL without password, or the journal path), ``out_dir``.
+
+    Apply ``best`` to your own training loop with :meth:`apply` or :meth:`plan`.
+    """
+
+    study_name: str
+    storage: str
+    out_dir: Path
+    workload: str
+    device: str
+    budget_bytes: int
+    best: TrainConfig | None
+    best_measured: dict | None
+    best_predicted: dict | None
+    best_trial: int | None
+    n_configs: int
+    n_pruned: int
+    n_real: int
+    pruned_by_reason: dict
+    stop_reason: str
+    wall_s: float
+    calibration: Calibration
+    table: pd.DataFrame
+
+    def plan(self, device_type: str | None = None):
+        """A :class:`autofit.apply.TrainingPlan` of the best config. Raises StudyError when there is none."""
+        from autofit.apply import TrainingPlan
+        from autofit.errors import StudyError
+
+        if self.best is None:
+            raise StudyError(f"study {self.study_name}: no config ran under the budget; nothing to apply")
+        return TrainingPlan(self.best, device_type or self.device)
+
+    def apply(self, model, optimizer, *, layers=None):
+        """``with result.apply(model, optimizer) as run:`` -- the best config on your model (:class:`autofit.apply.TrainingRun`)."""
+        device_type = next((p.device.type for p in model.parameters()), self.device)
+        return self.plan(device_type).run(model, optimizer, layers)
+
+
+def search_result(study: optuna.Study, out_dir: str | Path, wall_s: float | None = None) -> SearchResult:
+    """The :class:`SearchResult` of a study, from its storage."""
+    settings = settings_of(study)
+    table = trials_table(study)
+    c = counts(table)
+    trial = best_trial(study)
+    storage = settings.get("storage") or str(Path(out_dir) / "study.journal")
+    return SearchResult(
+        study_name=study.study_name, storage=redact(storage), out_dir=Path(out_dir),
+        workload=settings.get("workload_name", ""), device=settings.get("device_type", "cpu"),
+        budget_bytes=settings.get("budget_bytes", 0),
+        best=config_of(trial.params) if trial else None,
+        best_measured=dict(trial.user_attrs.get("measured") or {}) if trial else None,
+        best_predicted=dict(trial.user_attrs.get("predicted") or {}) if trial else None,
+        best_trial=trial.number if trial else None,
+        n_configs=_n_configs(settings), n_pruned=c["pruned"], n_real=c["real"],
+        pruned_by_reason=c["pruned_by_reason"], stop_reason=study.user_attrs.get("stop_reason") or "running",
+        wall_s=wall_seconds(study) if wall_s is None else wall_s, calibration=calibration_of(study), table=table,
+    )

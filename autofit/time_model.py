@@ -1,0 +1,370 @@
+"""The time model: a predicted step time for every config, from the profile's FLOPs and the device's rates.
+
+It is a prior, for ordering a search and for sizing trial time limits; real trials calibrate
+it (:mod:`autofit.calibration`). Three measured rates of the device, per dtype where it
+matters, come from a short probe (:func:`probe_rates`, a few hundred ms, cached on disk next
+to the profiles), never from a table of peak numbers: the same chip runs fp16 matmuls 1000x
+slower than bf16 when it has no native kernel (FACTS.md, "Compute and time").
+
+For one micro-step of ``b`` samples on a stage (shapes: scalars per config, vectorized over
+a table of configs)::
+
+    flops   = forward(b) + backward(b) + recompute(b)       # recompute: the checkpointed layers' forward
+    bytes   = 4 * saved_activations(b) + 5 * weight_bytes   # write + read + gradient write + read; weights
+                                                            # read by forward, dgrad, wgrad; grads written
+    t_micro = flops / matmul_rate[dtype] + bytes / memory_rate + ops * op_latency
+
+and for a step of ``m = grad_accum`` micro-batches over ``p`` pipeline stages (1F1B or GPipe,
+Narayanan et al. SC'21)::
+
+    t_step  = (m + p - 1) * max_s t_micro[s] + max_s t_optimizer[s]     # bubble (p - 1) / (m + p - 1)
+    t_optimizer = 2 * (weights + grads + optimizer state) / memory_rate + ops * op_latency
+
+With ``p = 1`` this is ``grad_accum * t_micro + t_optimizer`` (FACTS.md). Backward FLOPs of
+a stage are the whole model's backward in proportion to the stage's forward FLOPs.
+
+Known limitations: matmuls are costed at the probe's large-matrix rate (small matrices run
+slower: the prior favours small micro-batches too much until calibrated); the operator count is
+estimated from the parameter tensors, not counted; pipeline stages are assumed to run on separate devices
+(stages sharing one CPU get no speed-up, which the prior does not know) and their activation
+transfers are costed at the memory rate.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from autofit.config import FIELDS, Precision, TrainConfig, stage_bounds
+from autofit.profile import Profile, cache_dir
+
+RATES_VERSION = 2
+# The dtype of the matmuls each precision runs (autocast runs matmuls in its low-precision dtype).
+MATMUL_DTYPE = {Precision.FP32: "float32", Precision.AMP_BF16: "bfloat16", Precision.BF16: "bfloat16",
+                Precision.AMP_FP16: "float16"}
+# A probe matmul grows until one run takes this long (or reaches the largest size): long enough
+# to time, short enough that fp16 without a native kernel (~0.4 GFLOP/s) costs tens of ms.
+_PROBE_TARGET_S = 0.01
+_PROBE_SIZES = (128, 256, 512, 1024, 2048)
+_PROBE_REPEATS = 3
+_PROBE_OPS = 10  # operators in the latency probe's forward + backward, accumulation included
+# Operators per micro-step (forward + backward): about OPS_PER_TENSOR per parameter tensor (a
+# transformer block's 12 tensors go with ~25 forward operators; backward doubles that), counted
+# on the meta device by :func:`op_counts`; OPS_PER_LAYER when the workload is not at hand.
+# Autocast adds a cast before most matmuls. A prior only: calibration corrects it.
+OPS_PER_TENSOR = 6
+OPS_PER_LAYER = 75
+OPS_OUTSIDE_LAYERS = 40
+AMP_OPS_FACTOR = 1.4
+OPTIMIZER_OPS_PER_TENSOR = 4  # the optimizer's foreach kernels still touch every tensor
+OPTIMIZER_TENSORS_PER_LAYER = 12
+# Traffic multipliers of the formula in the module docstring.
+ACTIVATION_TRAFFIC = 4.0
+WEIGHT_TRAFFIC = 5.0
+OPTIMIZER_TRAFFIC = 2.0
+
+
+@dataclass(frozen=True)
+class DeviceRates:
+    """Measured rates of one device: matmul FLOP/s per dtype, memory bytes/s, seconds per tiny operator.
+
+    ``device_name`` and ``threads`` identify what was measured (a CPU's model and the intra-op
+    threads, a GPU's name); ``probe_s`` is what the probe cost.
+    """
+
+    device_type: str
+    device_name: str
+    threads: int
+    matmul_flops_per_s: dict[str, float]
+    memory_bytes_per_s: float
+    op_latency_s: float
+    probe_s: float
+    torch_version: str
+
+    def flops_per_s(self, precision: Precision | str) -> float:
+        """Matmul FLOP/s of the dtype ``precision`` computes in."""
+        return self.matmul_flops_per_s[MATMUL_DTYPE[Precision(precision)]]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "DeviceRates":
+        return cls(**data)
+
+
+# --------------------------------------------------------------------------------------
+# The probe.
+
+
+def _device_name(device_type: str) -> str:
+    if device_type == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _time_min(fn, sync, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_rates(device_type: str = "cpu", dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")) -> DeviceRates:
+    """Run the probe in this process (on CUDA this creates a context: prefer :func:`probe_rates`).
+
+    The best of a few runs is kept: on a shared machine that is closest to what the device can do.
+    """
+    import torch
+
+    started = time.perf_counter()
+    device = torch.device(device_type)
+    sync = (lambda: torch.cuda.synchronize(device)) if device_type == "cuda" else (lambda: None)
+    flops: dict[str, float] = {}
+    for name in dtypes:
+        dtype = getattr(torch, name)
+        rate = 0.0
+        for n in _PROBE_SIZES:
+            a = torch.randn(n, n, device=device).to(dtype)
+            b = torch.randn(n, n, device=device).to(dtype)
+            torch.mm(a, b)  # warm-up: kernel selection, thread pool start
+            seconds = _time_min(lambda: torch.mm(a, b), sync, _PROBE_REPEATS)
+            rate = max(rate, 2 * n**3 / max(seconds, 1e-9))
+            if seconds >= _PROBE_TARGET_S:
+                break
+        flops[name] = rate
+    # Memory: a copy of 32 MiB reads and writes 64 MiB.
+    src = torch.empty(8 * 2**20, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    seconds = _time_min(lambda: dst.copy_(src), sync, _PROBE_REPEATS)
+    memory_bytes_per_s = 2 * src.numel() * src.element_size() / max(seconds, 1e-9)
+    # Operator latency: a tiny forward and backward (matmul, GELU, sum; about _PROBE_OPS operators
+    # with their autograd bookkeeping), dominated by dispatch (and kernel launches on CUDA).
+    x = torch.randn(4, 16, device=device, requires_grad=True)
+    w = torch.randn(16, 16, device=device, requires_grad=True)
+
+    def tiny_steps():
+        for _ in range(50):
+            torch.nn.functional.gelu(x @ w).sum().backward()
+
+    tiny_steps()
+    op_latency_s = _time_min(tiny_steps, sync, _PROBE_REPEATS) / (50 * _PROBE_OPS)
+    return DeviceRates(
+        device_type=device_type, device_name=_device_name(device_type), threads=torch.get_num_threads(),
+        matmul_flops_per_s=flops, memory_bytes_per_s=memory_bytes_per_s, op_latency_s=op_latency_s,
+        probe_s=time.perf_counter() - started, torch_version=torch.__version__,
+    )
+
+
+def _cache_path(device_type: str) -> Path:
+    import torch
+
+    threads = os.environ.get("OMP_NUM_THREADS") or str(torch.get_num_threads())
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "") if device_type == "cuda" else ""
+    ident = repr((RATES_VERSION, torch.__version__, device_type, platform.node(), threads, visible,
+                  _device_name(device_type) if device_type == "cpu" else ""))
+    return cache_dir() / f"rates-{device_type}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json"
+
+
+def probe_rates(device_type: str = "cpu", use_cache: bool = True) -> DeviceRates:
+    """The device's rates, measured once per machine, device type, thread count and torch version.
+
+    Cached under :func:`autofit.profile.cache_dir`. On CUDA the probe runs in a child process,
+    so the caller (a search that runs trials in children) never holds a CUDA context.
+    Raises RuntimeError when the probe child fails.
+    """
+    path = _cache_path(device_type)
+    if use_cache and path.is_file():
+        try:
+            return DeviceRates.from_dict(json.loads(path.read_text()))
+        except (ValueError, TypeError, KeyError):
+            pass  # an unreadable cache entry is re-measured
+    if device_type == "cpu":
+        rates = measure_rates("cpu")
+    else:
+        proc = subprocess.run([sys.executable, "-m", "autofit.time_model", device_type], capture_output=True,
+                              text=True, timeout=300)
+        if proc.returncode != 0:
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"the {device_type} rate probe failed: {last}")
+        rates = DeviceRates.from_dict(json.loads(proc.stdout))
+    if use_cache:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(rates.to_dict()))
+            tmp.replace(path)
+        except OSError:
+            pass
+    return rates
+
+
+# --------------------------------------------------------------------------------------
+# Prediction.
+
+
+@dataclass(frozen=True)
+class OpCounts:
+    """Parameter tensors of each layer and of the rest of the model (operators scale with them)."""
+
+    tensors_per_layer: tuple[int, ...]
+    tensors_outside: int
+
+
+def op_counts(workload) -> OpCounts | None:
+    """Parameter tensors of ``workload``'s model, built on the meta device (no memory, no init).
+    None when the model cannot be built there."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            model = workload.model()
+        layers = workload.layers(model)
+    except Exception:  # noqa: BLE001 -- a model that refuses the meta device gets the per-layer default
+        return None
+    in_layers = tuple(len(list(layer.parameters())) for layer in layers)
+    return OpCounts(tensors_per_layer=in_layers, tensors_outside=max(len(list(model.parameters())) - sum(in_layers), 0))
+
+
+def _stage_terms(profile: Profile, precision: str, split: int, checkpointed: bool,
+                 counts: OpCounts | None = None) -> list[dict]:
+    """Per stage: FLOPs per sample (forward + backward + recompute), activation bytes per sample,
+    weight bytes, optimizer-step bytes, operator counts, boundary bytes per sample."""
+    pp = profile.for_precision(precision)
+    n = profile.n_layers
+    layer_fwd = np.array([layer.forward_flops[1] for layer in pp.layers])
+    fwd_total = pp.forward_flops[1]
+    bwd_total = pp.backward_flops[1]
+    outside_fwd = max(fwd_total - layer_fwd.sum(), 0.0)
+    amp = Precision(precision).is_amp
+    terms = []
+    for s, (start, end) in enumerate(stage_bounds(n, split)):
+        first, last = s == 0, s == split - 1
+        fwd = layer_fwd[start:end].sum() + (outside_fwd if (first and last) else outside_fwd / 2 * (first + last))
+        bwd = bwd_total * (fwd / fwd_total) if fwd_total else 0.0
+        recompute = layer_fwd[start:end].sum() if checkpointed else 0.0  # every layer sits in a segment
+        saved = sum(max(pp.layers[i].forward.delta[1], 0.0) for i in range(start, end))
+        if last:
+            saved += max(pp.post_forward.delta[1], 0.0)
+        if first:
+            saved += max(pp.pre_forward.delta[1], 0.0)
+        weights = sum(pp.layers[i].param_bytes for i in range(start, end))
+        grads = sum(pp.layers[i].grad_bytes for i in range(start, end))
+        if first and last:
+            weights, grads = pp.static_param_bytes, pp.grad_bytes
+        else:
+            weights += (pp.pre_param_bytes if first else 0) + (pp.post_param_bytes if last else 0)
+            grads += (pp.pre_grad_bytes if first else 0) + (pp.post_grad_bytes if last else 0)
+        share = grads / pp.grad_bytes if pp.grad_bytes else 1.0
+        if counts is not None and len(counts.tensors_per_layer) == n:
+            layer_ops = OPS_PER_TENSOR * sum(max(k, 1) for k in counts.tensors_per_layer[start:end])
+            outside_ops = OPS_PER_TENSOR * max(counts.tensors_outside, 1)
+            tensors = sum(counts.tensors_per_layer[start:end]) + counts.tensors_outside * (first + last) / 2
+        else:
+            layer_ops, outside_ops = OPS_PER_LAYER * (end - start), OPS_OUTSIDE_LAYERS
+            tensors = OPTIMIZER_TENSORS_PER_LAYER * (end - start)
+        # Recomputation runs the forward once more: a third of a micro-step's operators.
+        ops = layer_ops * (4 / 3 if checkpointed else 1.0) + outside_ops / 2 * (first + last)
+        terms.append({
+            "flops_per_sample": fwd + bwd + recompute,
+            "recompute_flops_per_sample": recompute,
+            "saved_bytes_per_sample": saved,
+            "weight_bytes": weights + grads,
+            "optimizer_bytes": weights + grads + pp.optimizer_bytes * share,
+            "ops": ops * (AMP_OPS_FACTOR if amp else 1.0),
+            "optimizer_ops": OPTIMIZER_OPS_PER_TENSOR * max(tensors, 1),
+            "boundary_bytes_per_sample": pp.layers[end - 1].output[1] if not last else 0.0,
+        })
+    return terms
+
+
+def predict_table(profile: Profile, configs: list[TrainConfig], rates: DeviceRates,
+                  counts: OpCounts | None = None) -> pd.DataFrame:
+    """Predicted times of many configs. One row per config, in the given order.
+
+    Columns: the five config fields, ``micro_step_time_s`` (the slowest stage's micro-step),
+    ``optimizer_step_time_s``, ``step_time_s``, ``samples_per_s``, ``flops_per_step`` (all
+    stages, recomputation included), ``recompute_flops_per_step`` and ``bubble_fraction``.
+    ``counts`` (:func:`op_counts`) sizes the operator overhead; without it a transformer
+    block's count is assumed. Configs with more stages than layers get NaN times. Raises KeyError if the profile or the
+    rates lack a precision of ``configs``.
+    """
+    n = len(configs)
+    cols = {f: np.array([getattr(c, f) if f != "precision" else c.precision.value for c in configs]) for f in FIELDS}
+    out = {k: np.full(n, np.nan) for k in ("micro_step_time_s", "optimizer_step_time_s", "step_time_s",
+                                            "flops_per_step", "recompute_flops_per_step", "bubble_fraction")}
+    keys = np.array([f"{c.precision.value}|{int(c.checkpoint_every > 0)}|{c.device_split}" for c in configs])
+    for key in np.unique(keys) if n else []:
+        idx = np.nonzero(keys == key)[0]
+        precision, checkpointed, split = key.split("|")
+        split = int(split)
+        if split > profile.n_layers:
+            continue
+        b = cols["micro_batch"][idx].astype(np.float64)
+        m = cols["grad_accum"][idx].astype(np.float64)
+        rate = rates.flops_per_s(precision)
+        stage_micro, stage_opt = [], []
+        flops = np.zeros(len(idx))
+        recompute = np.zeros(len(idx))
+        for t in _stage_terms(profile, precision, split, checkpointed == "1", counts):
+            compute = t["flops_per_sample"] * b / rate
+            traffic = (ACTIVATION_TRAFFIC * t["saved_bytes_per_sample"] * b + WEIGHT_TRAFFIC * t["weight_bytes"]
+                       + 2 * t["boundary_bytes_per_sample"] * b) / rates.memory_bytes_per_s
+            stage_micro.append(compute + traffic + t["ops"] * rates.op_latency_s)
+            stage_opt.append(OPTIMIZER_TRAFFIC * t["optimizer_bytes"] / rates.memory_bytes_per_s
+                             + t["optimizer_ops"] * rates.op_latency_s)
+            flops += t["flops_per_sample"] * b * m
+            recompute += t["recompute_flops_per_sample"] * b * m
+        t_micro = np.max(np.stack(stage_micro), axis=0)
+        t_opt = float(max(stage_opt))
+        out["micro_step_time_s"][idx] = t_micro
+        out["optimizer_step_time_s"][idx] = t_opt
+        out["step_time_s"][idx] = (m + split - 1) * t_micro + t_opt
+        out["flops_per_step"][idx] = flops
+        out["recompute_flops_per_step"][idx] = recompute
+        out["bubble_fraction"][idx] = (split - 1) / (m + split - 1)
+    table = pd.DataFrame({f: cols[f] for f in FIELDS})
+    for k, v in out.items():
+        table[k] = v
+    table["samples_per_s"] = (table["micro_batch"] * table["grad_accum"]) / table["step_time_s"]
+    return table[list(FIELDS) + ["micro_step_time_s", "optimizer_step_time_s", "step_time_s", "samples_per_s",
+                                 "flops_per_step", "recompute_flops_per_step", "bubble_fraction"]]
+
+
+def predict(profile: Profile, config: TrainConfig, rates: DeviceRates, counts: OpCounts | None = None) -> dict:
+    """The predicted times of one config, as :func:`predict_table`'s row (a dict)."""
+    return predict_table(profile, [config], rates, counts).iloc[0].to_dict()
+
+
+def _main(argv: list[str]) -> int:
+    """``python -m autofit.time_model DEVICE_TYPE``: the probe's rates as JSON (a child process)."""
+    print(json.dumps(measure_rates(argv[0] if argv else "cpu").to_dict()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main(sys.argv[1:]))

@@ -1,0 +1,383 @@
+"""The study: planning rules on synthetic trials (fast), calibration, then real searches that are
+killed and resumed, and two workers sharing one study.
+
+``tiny_lm`` below is the workload of every search test (this file's path + ``:tiny_lm`` is its
+``--model`` spec): an embedding, four residual blocks and a head, so that the profiler can
+follow gradients into the first block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+import torch
+import torch.nn.functional as F
+from optuna.trial import TrialState, create_trial
+from torch import nn
+
+from autofit.calibration import MARGIN_SLACK, PRIOR_MARGIN, Calibration, Observation, TimePoint, calibrate
+from autofit.calibration import relative_error
+from autofit.config import TrainConfig
+from autofit.workload import Workload
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = f"{Path(__file__).resolve()}:tiny_lm"
+VOCAB, DIM, SEQ = 64, 32, 8
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.fc = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, DIM)
+        return x + F.gelu(self.fc(self.norm(x)))
+
+
+class _TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(_Block() for _ in range(4))
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, VOCAB)
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _batch(n: int):
+    generator = torch.Generator().manual_seed(n)
+    tokens = torch.randint(0, VOCAB, (n, SEQ + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def tiny_lm() -> Workload:
+    """The search tests' workload: a few hundred KiB, trials dominated by process start."""
+    return Workload(name="tiny-lm", model=_TinyLM, batch=_batch,
+                    loss=lambda logits, targets: F.cross_entropy(logits.flatten(0, 1), targets.flatten()),
+                    tokens_per_sample=SEQ)
+
+
+def cache_dir(tmp_path_factory) -> Path:
+    """One profile/rates cache for the whole test session (profiling costs seconds)."""
+    return tmp_path_factory.getbasetemp() / "autofit-cache"
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch, tmp_path_factory):
+    monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(cache_dir(tmp_path_factory)))
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # a loaded shared machine: no spin-waiting
+
+
+def write_space(path: Path, **values) -> Path:
+    lines = []
+    for key, value in values.items():
+        lines.append(f"{key} = {value!r}".replace("'", '"'))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+# --- planning on synthetic trials ----------------------------------------------------------------
+
+from autofit.study import Planner, StudySettings, distributions, space_to_dict  # noqa: E402
+from autofit.space import space_from_dict  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_profile(tmp_path_factory):
+    from autofit.profile import profile_workload
+    from autofit.workload import load_workload
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AUTOFIT_CACHE_DIR", str(cache_dir(tmp_path_factory)))
+        return profile_workload(load_workload(TINY), ["fp32", "amp-bf16"], device_type="cpu")
+
+
+@pytest.fixture(scope="module")
+def rates():
+    from autofit.time_model import DeviceRates
+
+    # Fixed rates: planning tests must not depend on how loaded the machine is.
+    return DeviceRates("cpu", "test", 2, {"float32": 1e11, "bfloat16": 5e10, "float16": 1e9}, 1e10, 5e-6, 0.0, "x")
+
+
+def make_planner(profile, rates, budget_bytes=10**9, devices=1, **space) -> Planner:
+    space = space or {"precision": ["fp32"], "micro_batch": [2, 4], "global_batch": 4,
+                      "checkpoint_every": [0, 1, 4, 8], "device_split": [1, 2]}
+    settings = StudySettings(workload_name="tiny-lm", workload_source=TINY, budget_bytes=budget_bytes,
+                             budget_text=str(budget_bytes), space=space_to_dict(space_from_dict(space)),
+                             device_type="cpu", devices=devices, study_name="t", out_dir="/nonexistent")
+    return Planner(settings, profile, rates)
+
+
+def ran_trial(planner: Planner, config: TrainConfig, number: int, status="ok", samples_per_s=100.0,
+              peak_bytes=None, step_time_s=None):
+    """A COMPLETE trial as the worker records it."""
+    i = planner.index[config]
+    predicted = planner.prediction(i, Calibration.prior())
+    peak = predicted["peak_bytes"] if peak_bytes is None else peak_bytes
+    ok = status == "ok"
+    measured = {"peak_bytes": peak if ok else None, "samples_per_s": samples_per_s if ok else None,
+                "step_time_s": (step_time_s or config.samples_per_step / samples_per_s) if ok else None}
+    trial = create_trial(
+        state=TrialState.COMPLETE, value=samples_per_s if ok else 0.0, params=config.to_dict(),
+        distributions=distributions(planner.settings.search_space()),
+        user_attrs={"status": status, "predicted": predicted, "measured": measured},
+        system_attrs={"constraints:peak_over_budget_bytes": -1.0 if ok else 1.0,
+                      "constraints:failed": 0.0 if ok else 1.0})
+    trial.number = number
+    return trial
+
+
+def kinds(step) -> dict:
+    out = {}
+    for p in step.prunes:
+        out.setdefault(p["kind"], []).append(p["index"])
+    return out
+
+
+def test_static_prunes_each_with_its_reason(tiny_profile, rates):
+    planner = make_planner(tiny_profile, rates)
+    step = planner.step([])
+    found = kinds(step)
+    configs = planner.configs
+    assert {configs[i].device_split for i in found["devices"]} == {2}
+    assert all("needs 2 devices" in p["reason"] for p in step.prunes if p["kind"] == "devices")
+    # 4 layers: checkpoint_every 8 is one segment, as 4 is
+    assert {configs[i].checkpoint_every for i in found["duplicate"]} == {8}
+    # everything fits 1 GB: checkpointing only costs time
+    assert {configs[i].checkpoint_every for i in found["dominated"]} == {1, 4}
+    run = configs[step.run["index"]]
+    assert run.checkpoint_every == 0 and run.device_split == 1
+    assert step.stop is None
+    # the predicted breakdown is kept for the pruned trial's user attrs
+    assert all(p["predicted"]["peak_bytes"] > 0 and "activations_bytes" in p["predicted"] for p in step.prunes)
+
+
+def test_more_devices_run_splits(tiny_profile, rates):
+    step = make_planner(tiny_profile, rates, devices=2).step([])
+    assert "devices" not in kinds(step)
+
+
+def test_over_budget_and_checkpointing_that_then_pays(tiny_profile, rates):
+    probe = make_planner(tiny_profile, rates)
+    c0 = TrainConfig("fp32", 4, 1, 0, 1)
+    c1 = TrainConfig("fp32", 4, 1, 1, 1)
+    peak0 = probe.table.loc[probe.index[c0], "peak_bytes"]
+    peak1 = probe.table.loc[probe.index[c1], "peak_bytes"]
+    assert peak1 < peak0
+    factor = Calibration.prior().peak_factor
+    budget = int(peak0 * factor) - 1  # mb=4 without checkpointing is over, with it fits
+    assert peak1 * factor <= budget
+    planner = make_planner(tiny_profile, rates, budget_bytes=budget)
+    step = planner.step([])
+    found = kinds(step)
+    assert planner.index[c0] in found["over_budget"]
+    assert planner.index[c1] not in found.get("dominated", [])  # nothing cheaper fits at mb=4
+    assert "over the budget" in next(p["reason"] for p in step.prunes if p["index"] == planner.index[c0])
+
+
+def test_a_dominated_config_comes_back_when_its_dominator_runs_out_of_memory(tiny_profile, rates):
+    planner = make_planner(tiny_profile, rates)
+    c0 = TrainConfig("fp32", 4, 1, 0, 1)
+    c1 = TrainConfig("fp32", 4, 1, 1, 1)
+    first = planner.step([])
+    assert planner.index[c1] in kinds(first)["dominated"]
+    pruned = [create_trial(state=TrialState.PRUNED, params=planner.configs[p["index"]].to_dict(),
+                           distributions=distributions(planner.settings.search_space()),
+                           user_attrs={"status": "pruned", "reason_kind": p["kind"]}) for p in first.prunes]
+    for k, t in enumerate(pruned):
+        t.number = k
+    oom = ran_trial(planner, c0, len(pruned), status="oom")
+    step = planner.step(pruned + [oom])
+    assert step.prunes == []  # nothing new to prune ...
+    candidates = {planner.configs[step.run["index"]]}
+    assert c1 in candidates or planner.configs[step.run["index"]].micro_batch == 2
+    # ... and with mb=2 done too, the checkpointed mb=4 configs are what is left to run
+    done = ran_trial(planner, TrainConfig("fp32", 2, 2, 0, 1), len(pruned) + 1)
+    step = planner.step(pruned + [oom, done])
+    assert planner.configs[step.run["index"]] in (c1, TrainConfig("fp32", 4, 1, 4, 1))
+
+
+def test_each_precision_is_explored_before_exploiting(tiny_profile, rates):
+    planner = make_planner(tiny_profile, rates, precision=["fp32", "amp-bf16"], micro_batch=[2, 4], global_batch=4)
+    first = planner.configs[planner.step([]).run["index"]]
+    second = planner.configs[planner.step([ran_trial(planner, first, 0)]).run["index"]]
+    assert {first.precision.value, second.precision.value} == {"fp32", "amp-bf16"}
+
+
+def test_stop_rules(tiny_profile, rates):
+    space = {"precision": ["fp32"], "micro_batch": [1, 2, 4, 8], "global_batch": 8}
+    planner = make_planner(tiny_profile, rates, **space)
+    configs = planner.configs
+    # exhausted
+    trials = [ran_trial(planner, c, k) for k, c in enumerate(configs)]
+    assert planner.step(trials).stop.startswith("exhausted")
+    # trial limit
+    limited = dataclasses.replace(planner.settings, trials=1)
+    planner_limited = Planner(limited, tiny_profile, rates)
+    assert planner_limited.step(trials[:1]).stop.startswith("trial limit")
+    # patience: the first is the best, the next ones do not improve it by 2%
+    patient = Planner(dataclasses.replace(planner.settings, patience=2), tiny_profile, rates)
+    flat = [ran_trial(patient, configs[0], 0, samples_per_s=100.0),
+            ran_trial(patient, configs[1], 1, samples_per_s=101.0),
+            ran_trial(patient, configs[2], 2, samples_per_s=99.0)]
+    assert patient.step(flat).stop.startswith("patience")
+    assert patient.step(flat[:2]).stop is None
+    # time limit
+    late = Planner(dataclasses.replace(planner.settings, deadline=time.time() - 1), tiny_profile, rates)
+    assert late.step([]).stop.startswith("timeout")
+
+
+def test_bound_stops_when_nothing_left_is_predicted_close(tiny_profile, rates):
+    planner = make_planner(tiny_profile, rates, precision=["fp32"], micro_batch=[1, 8], global_batch=8)
+    big = TrainConfig("fp32", 8, 1, 0, 1)
+    predicted = planner.prediction(planner.index[big], Calibration.prior())["samples_per_s"]
+    # measured exactly as predicted, but the other config is predicted at a tiny fraction of it
+    small = TrainConfig("fp32", 1, 8, 0, 1)
+    small_predicted = planner.prediction(planner.index[small], Calibration.prior())["samples_per_s"]
+    boosted = ran_trial(planner, big, 0, samples_per_s=predicted * 3 * predicted / small_predicted)
+    step = planner.step([boosted])
+    assert step.stop is not None and step.stop.startswith("bound")
+
+
+# --- calibration ------------------------------------------------------------------------------------
+
+
+def _obs(status="ok", pred=100.0, meas=110.0, budget=1000, config=TrainConfig(), pred_t=1.0, meas_t=2.0):
+    return Observation(config, status, pred, pred_t, meas if status == "ok" else None,
+                       meas_t if status == "ok" else None, budget)
+
+
+def test_calibration_prior_and_peak_margin():
+    prior = calibrate([])
+    assert prior.peak_ratio == 1.0 and prior.peak_margin == pytest.approx(PRIOR_MARGIN["cpu"])
+    cal = calibrate([_obs(pred=100, meas=110), _obs(pred=100, meas=100), _obs(pred=100, meas=120)])
+    assert cal.peak_ratio == pytest.approx(1.10)
+    # the largest under-prediction left after the median correction, plus slack
+    assert cal.peak_margin == pytest.approx(max(120 / 110 - 1 + MARGIN_SLACK, PRIOR_MARGIN["cpu"] * 3 / 6))
+    assert cal.fits(100, 1000) and not cal.fits(1000, 1000)
+    assert cal.peak_errors == pytest.approx((100 / 110 - 1, 0.0, 100 / 120 - 1))
+
+
+def test_an_oom_widens_the_margin_to_what_it_proves():
+    cal = calibrate([_obs(pred=100, meas=100), _obs(status="oom", pred=500, budget=1000)])
+    assert cal.peak_margin >= 1000 / 500 - 1  # it used at least the budget: 2x its prediction
+    assert not cal.fits(500, 1000)
+
+
+def test_time_calibration_carries_the_micro_batch_effect_across_precisions():
+    points = (TimePoint("fp32", 8, 1, 0, 1, 1.0), TimePoint("fp32", 1, 8, 0, 1, 4.0),
+              TimePoint("amp-bf16", 8, 1, 0, 1, 2.0))
+    cal = Calibration(time_points=points)
+    import pandas as pd
+
+    query = pd.DataFrame([{"precision": "amp-bf16", "micro_batch": 1, "grad_accum": 8, "checkpoint_every": 0,
+                           "device_split": 1},
+                          {"precision": "amp-bf16", "micro_batch": 8, "grad_accum": 1, "checkpoint_every": 0,
+                           "device_split": 1}])
+    small, big = cal.time_ratios(query)
+    assert small > 2 * big  # fp32 showed micro-batch 1 is 4x worse than predicted relative to 8
+    assert 1.5 < big < 2.5
+    assert Calibration().time_ratios(query).tolist() == [1.0, 1.0]
+
+
+def test_calibration_round_trips_and_relative_error():
+    cal = calibrate([_obs(pred=100, meas=110, pred_t=1.0, meas_t=3.0)])
+    again = Calibration.from_dict(cal.to_dict())
+    assert again == cal and again.time_points[0].ratio == pytest.approx(3.0)
+    assert relative_error(90, 100) == pytest.approx(-0.1)
+    assert relative_error(None, 100) is None and relative_error(1.0, None) is None
+
+
+# --- real searches -----------------------------------------------------------------------------------
+
+
+def _load(out: Path) -> optuna.Study:
+    from autofit.study import open_study
+
+    return open_study(out)
+
+
+def _trials_by_state(out: Path):
+    try:
+        return _load(out).get_trials(deepcopy=False)
+    except Exception:  # noqa: BLE001 -- not created yet
+        return []
+
+
+@pytest.mark.slow
+def test_kill_9_mid_search_then_the_same_command_resumes(tmp_path):
+    space = write_space(tmp_path / "space.toml", precision=["fp32"], micro_batch=[4, 8], global_batch=8)
+    out = tmp_path / "study"
+    command = [sys.executable, "-m", "autofit", "search", "--model", TINY, "--budget", "64MB", "--space", str(space),
+               "--out", str(out), "--patience", "10"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    killed_number = None
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            trials = _trials_by_state(out)
+            done = [t for t in trials if t.state == TrialState.COMPLETE]
+            running = [t for t in trials if t.state == TrialState.RUNNING]
+            if done and running:
+                killed_number = running[0].number
+                os.kill(proc.pid, signal.SIGKILL)
+                break
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None and killed_number is None:
+            proc.kill()
+        proc.wait()
+    assert killed_number is not None, "the search ended before a trial could be killed mid-way"
+    before = {t.number: (t.params, t.value) for t in _trials_by_state(out) if t.state == TrialState.COMPLETE}
+    assert before
+
+    rerun = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    trials = _trials_by_state(out)
+    after = {t.number: (t.params, t.value) for t in trials if t.state == TrialState.COMPLETE}
+    assert {n: after[n] for n in before} == before  # finished trials kept as they were
+    interrupted = next(t for t in trials if t.number == killed_number)
+    assert interrupted.state == TrialState.FAIL and interrupted.user_attrs["status"] == "interrupted"
+    assert not [t for t in trials if t.state == TrialState.RUNNING]
+    real = [tuple(sorted(t.params.items())) for t in trials if t.state == TrialState.COMPLETE]
+    assert len(real) == len(set(real)), "a config ran twice"
+    assert (out / "trials.csv").is_file() and (out / "summary.md").is_file()
+
+
+@pytest.mark.slow
+def test_two_workers_share_a_study_without_losing_or_repeating_a_trial(tmp_path):
+    from autofit.study import search
+
+    space = {"precision": ["fp32"], "micro_batch": [2, 4, 8], "global_batch": 8, "checkpoint_every": [0, 1],
+             "device_split": [1, 2]}
+    result = search(TINY, "64MB", space=space, workers=2, out_dir=tmp_path / "study", patience=10)
+    trials = _load(tmp_path / "study").get_trials(deepcopy=False)
+    assert [t.number for t in trials] == list(range(len(trials)))
+    assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.FAIL, TrialState.WAITING)]
+    real = [t for t in trials if t.state == TrialState.COMPLETE]
+    keys = [tuple(sorted(t.params.items())) for t in real]
+    assert len(keys) == len(set(keys)), "a config ran twice"
+    assert len({t.user_attrs["worker"]["pid"] for t in real}) == 2, "both workers ran trials"
+    pruned = {tuple(sorted(t.params.items())) for t in trials if t.state == TrialState.PRUNED}
+    assert len(pruned) == len([t for t in trials if t.state == TrialState.PRUNED]), "a config pruned twice"
+    assert result.n_real == len(real) and result.n_pruned == len(pruned - set(keys))
+    assert result.n_real + result.n_pruned <= result.n_configs == 12
+    assert result.best is not None and result.best_measured["peak_bytes"] < 64_000_000
+    assert all((tmp_path / "study" / f"worker-{w}.log").is_file() for w in range(2))
