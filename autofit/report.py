@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import optuna
 import pandas as pd
 from optuna.trial import FrozenTrial, TrialState
@@ -40,6 +39,17 @@ COLUMNS = (
     "predicted_step_time_s", "step_time_s", "step_time_error", "prior_step_time_error",
     "predicted_samples_per_s", "samples_per_s", "tokens_per_s", "trial_wall_s", "error", "started", "finished",
 )
+
+
+# What each prune reason means, for the summary.
+REASONS = {
+    "invalid": "cannot run at all (e.g. more stages than layers)",
+    "devices": "a device split over the devices a worker has: estimated, never run (more with --devices or GPUs)",
+    "duplicate": "a checkpoint interval of at least a stage's layers: the same run as a smaller interval",
+    "over_budget": "the calibrated peak, with its safety margin, is over the budget",
+    "too_slow": "predicted under 1/20 of the best predicted throughput, or a trial longer than the trial limit",
+    "dominated": "checkpointing the budget does not need: the same config with less of it fits and is faster",
+}
 
 
 def _status(trial: FrozenTrial) -> str:
@@ -223,7 +233,7 @@ def summary_markdown(study: optuna.Study, table: pd.DataFrame | None = None, *, 
     out.append(f"- workload: `{settings.get('workload_name')}` (`--model {settings.get('workload_source')}`)")
     out.append(f"- budget: {format_budget(budget) if budget else '?'} per device")
     out.append(f"- device: {settings.get('device_type')}, {settings.get('devices')} per worker")
-    out.append(f"- space: `{(settings.get('space') or {}).get('source')}`: {n_configs} configs")
+    out.append(f"- space: `{_shown_path((settings.get('space') or {}).get('source'))}`: {n_configs} configs")
     status_text = ", ".join(f"{v} {k}" for k, v in c["by_status"].items() if k != "pruned")
     out.append(f"- real trials: {c['real']} ({status_text or 'none'})")
     out.append(f"- pruned by the estimate: {c['pruned']} of {n_configs} configs"
@@ -258,6 +268,7 @@ def summary_markdown(study: optuna.Study, table: pd.DataFrame | None = None, *, 
     out.append("\n## Pruned by the estimate (never ran)\n")
     out.append(_md_table(pd.DataFrame({
         "reason": list(c["pruned_by_reason"]), "configs": list(c["pruned_by_reason"].values()),
+        "meaning": [REASONS.get(k, "") for k in c["pruned_by_reason"]],
         "example": [c["pruned_examples"][k] for k in c["pruned_by_reason"]],
     })))
     calibration = calibration_of(study)
@@ -266,8 +277,8 @@ def summary_markdown(study: optuna.Study, table: pd.DataFrame | None = None, *, 
                f"{calibration.peak_margin:.1%}; a config fits when predicted x {calibration.peak_factor:.3f} <= budget")
     if calibration.time_points:
         ratios = [p.ratio for p in calibration.time_points]
-        out.append(f"- step time: measured / prior ratios {min(ratios):.2f} to {max(ratios):.2f} "
-                   "(the nearest measured config's ratio calibrates each prediction)")
+        out.append(f"- step time: measured / prior ratios {min(ratios):.2f} to {max(ratios):.2f}; later predictions "
+                   "are corrected by a fit of these ratios (a precision effect plus a micro-batch effect)")
     out.append(f"- from {calibration.n_trials} real trials\n")
     out.append("## Prediction error of every real trial\n")
     real = table[table["status"].isin(["complete", "oom", "error", "timeout"])]
@@ -287,6 +298,18 @@ def summary_markdown(study: optuna.Study, table: pd.DataFrame | None = None, *, 
         out.append(f"- {key}={value}")
     out.append("")
     return "\n".join(out)
+
+
+def _shown_path(source: str | None) -> str | None:
+    """A space file relative to the repository or the working directory when under one."""
+    if not source or source.startswith("<"):
+        return source
+    for root in (Path(__file__).resolve().parent.parent, Path.cwd()):
+        try:
+            return str(Path(source).resolve().relative_to(root))
+        except ValueError:
+            continue
+    return source
 
 
 def _n_configs(settings: dict) -> int:

@@ -19,7 +19,8 @@ One planning step (every worker, before every trial, from what the storage holds
    predicted below BOUND of the best measured, or no candidate is left;
 4. otherwise **run** the next candidate: first, for each precision not measured yet, its
    predicted-fastest config (one trial calibrates the whole precision); then the candidate with
-   the highest calibrated predicted throughput. It runs in an isolated child
+   the highest calibrated predicted throughput; predictions within NEAR of the best are a tie,
+   won by the cheapest trial. It runs in an isolated child
    (:func:`autofit.trial.run_trial`) under the budget and a time limit sized from its
    prediction; the objective is measured samples/s, and ``trial.set_constraint`` records the
    measured peak minus the budget (and whether it failed), so a trial that went over, or
@@ -58,13 +59,12 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import optuna
-import pandas as pd
 from optuna.distributions import CategoricalDistribution
 from optuna.samplers import BaseSampler
 from optuna.storages.journal import JournalFileBackend, JournalStorage
@@ -97,6 +97,7 @@ TRACKED_STEP_SLOWDOWN = 2.0  # steps run under the memory tracker are slower tha
 WARMUP_STEPS, MEASURE_STEPS, TIMED_STEPS, MICRO_STEPS_PER_STEP = 2, 1, 3, 3
 HEARTBEAT_S = 30.0         # a running trial's worker writes a heartbeat this often
 STALE_S = 600.0            # a RUNNING trial without a heartbeat for this long belongs to a dead worker
+ORPHAN_S = 60.0            # a RUNNING trial no worker signed within this long was orphaned at birth
 
 JOURNAL_NAME = "study.journal"
 META_NAME = "study.json"
@@ -461,7 +462,7 @@ class Planner:
         failed_run = np.zeros(n, dtype=bool)   # ran and did not come back ok under the budget
         measured_step = np.full(n, np.nan)     # measured step time of configs that ran ok
         pruned_before = np.zeros(n, dtype=bool)
-        best_value, real_done, running = None, [], 0
+        real_done, running = [], 0
         for t in trials:
             config = config_of(t.params)
             i = self.index.get(config) if config is not None else None
@@ -664,12 +665,15 @@ def _worker_identity() -> dict:
 
 def _is_stale(trial: FrozenTrial, now: float) -> bool:
     worker = trial.user_attrs.get("worker") or {}
+    started = trial.datetime_start.timestamp() if trial.datetime_start else now
+    if not worker:  # its worker died between creating it and signing it (a moment, under the lock)
+        return now - started > ORPHAN_S
     if worker.get("host") == socket.gethostname() and worker.get("pid"):
         start = _process_start(int(worker["pid"]))
         if start is None or (worker.get("start") is not None and start != worker["start"]):
             return True  # its process is gone (or the pid was reused)
         return False
-    beat = trial.user_attrs.get("heartbeat") or (trial.datetime_start.timestamp() if trial.datetime_start else now)
+    beat = trial.user_attrs.get("heartbeat") or started
     return now - float(beat) > STALE_S
 
 
@@ -1058,8 +1062,8 @@ def _worker_main() -> None:
         workload = load_workload(settings.workload_source)
         run_worker(settings, workload)
     except KeyboardInterrupt:
-        raise SystemExit(130)
+        raise SystemExit(130) from None
     except AutofitError as exc:
         sys.stderr.write(f"autofit: error: {exc}\n")
-        raise SystemExit(2)
+        raise SystemExit(2) from None
     raise SystemExit(0)

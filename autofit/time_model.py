@@ -151,7 +151,7 @@ def measure_rates(device_type: str = "cpu", dtypes: tuple[str, ...] = ("float32"
             a = torch.randn(n, n, device=device).to(dtype)
             b = torch.randn(n, n, device=device).to(dtype)
             torch.mm(a, b)  # warm-up: kernel selection, thread pool start
-            seconds = _time_min(lambda: torch.mm(a, b), sync, _PROBE_REPEATS)
+            seconds = _time_min(lambda a=a, b=b: torch.mm(a, b), sync, _PROBE_REPEATS)
             rate = max(rate, 2 * n**3 / max(seconds, 1e-9))
             if seconds >= _PROBE_TARGET_S:
                 break

@@ -66,7 +66,7 @@ def main() -> None:
         workload, budget="64MB",
         space={"precision": ["fp32", "amp-bf16"], "micro_batch": [4, 8, 16], "global_batch": 16,
                "checkpoint_every": [0, 2]},
-        trials=4, out="results/launcher-example",
+        trials=3, out="results/launcher-example",
     )
     if result.best is None:
         raise SystemExit("nothing fits the budget")

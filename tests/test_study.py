@@ -9,7 +9,6 @@ follow gradients into the first block.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import signal
 import subprocess
@@ -168,6 +167,19 @@ def test_static_prunes_each_with_its_reason(tiny_profile, rates):
     assert all(p["predicted"]["peak_bytes"] > 0 and "activations_bytes" in p["predicted"] for p in step.prunes)
 
 
+def test_a_pathologically_slow_precision_is_pruned_before_any_trial(tiny_profile):
+    from autofit.time_model import DeviceRates
+
+    no_bf16_kernel = DeviceRates("cpu", "test", 2, {"float32": 1e11, "bfloat16": 1e6, "float16": 1e6}, 1e10, 5e-6,
+                                 0.0, "x")
+    planner = make_planner(tiny_profile, no_bf16_kernel, precision=["fp32", "amp-bf16"], micro_batch=[2, 4],
+                           global_batch=4)
+    step = planner.step([])
+    slow = kinds(step)["too_slow"]
+    assert {planner.configs[i].precision.value for i in slow} == {"amp-bf16"} and len(slow) == 2
+    assert planner.configs[step.run["index"]].precision.value == "fp32"
+
+
 def test_more_devices_run_splits(tiny_profile, rates):
     step = make_planner(tiny_profile, rates, devices=2).step([])
     assert "devices" not in kinds(step)
@@ -253,6 +265,30 @@ def test_bound_stops_when_nothing_left_is_predicted_close(tiny_profile, rates):
     boosted = ran_trial(planner, big, 0, samples_per_s=predicted * 3 * predicted / small_predicted)
     step = planner.step([boosted])
     assert step.stop is not None and step.stop.startswith("bound")
+
+
+def test_stale_running_trials(monkeypatch):
+    import datetime
+    import socket
+
+    from autofit.study import STALE_S, _is_stale, _process_start
+
+    def running(worker=None, heartbeat=None, age_s=0.0):
+        t = create_trial(state=TrialState.RUNNING, params={}, distributions={},
+                         user_attrs={k: v for k, v in (("worker", worker), ("heartbeat", heartbeat)) if v})
+        t.datetime_start = datetime.datetime.now() - datetime.timedelta(seconds=age_s)
+        return t
+
+    now = time.time()
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "start": _process_start(os.getpid())}
+    assert not _is_stale(running(me), now)
+    assert _is_stale(running({**me, "start": "0"}), now)          # the pid was reused
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    assert _is_stale(running({**me, "pid": int(dead.stdout)}), now)
+    remote = {"host": "elsewhere", "pid": 1, "start": "1"}
+    assert not _is_stale(running(remote, heartbeat=now - 10, age_s=3600), now)
+    assert _is_stale(running(remote, heartbeat=now - STALE_S - 1, age_s=3600), now)
+    assert not _is_stale(running(age_s=1), now) and _is_stale(running(age_s=120), now)  # never signed
 
 
 # --- calibration ------------------------------------------------------------------------------------

@@ -64,9 +64,9 @@ def add_parser(subparsers) -> None:
 class _Progress:
     """One live line on a terminal; plain lines otherwise (stderr either way)."""
 
-    def __init__(self, stream=sys.stderr) -> None:
-        self.stream = stream
-        self.tty = stream.isatty()
+    def __init__(self, stream=None) -> None:
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
         self.width = 0
 
     def __call__(self, event: SearchProgress) -> None:

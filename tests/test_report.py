@@ -1,0 +1,129 @@
+"""Result tables from a study's storage: a hand-made study with every kind of trial (no training)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from optuna.trial import TrialState, create_trial
+
+from autofit.cli import main
+from autofit.config import TrainConfig
+from autofit.errors import StudyError
+from autofit.report import COLUMNS, best_record, counts, search_result, select, summary_markdown, trials_table
+from autofit.report import write_reports
+from autofit.space import space_from_dict
+from autofit.study import StudySettings, _create_or_load, distributions, open_study, space_to_dict
+
+BUDGET = 1_000_000
+SPACE = {"precision": ["fp32", "amp-bf16"], "micro_batch": [2, 4], "global_batch": 4, "device_split": [1, 2]}
+
+
+def _trial(config: TrainConfig, state, status, value=None, peak=None, over=-1.0, **attrs):
+    predicted = {"peak_bytes": 500_000, "calibrated_peak_bytes": 500_000, "step_time_s": 0.5,
+                 "prior_step_time_s": 0.25, "samples_per_s": 8.0, "per_device_peak_bytes": [500_000],
+                 "activations_bytes": 100_000}
+    user_attrs = {"status": status, "predicted": predicted, **attrs}
+    system_attrs = {}
+    if state == TrialState.COMPLETE:
+        ok = status == "ok"
+        user_attrs["measured"] = {"peak_bytes": peak, "samples_per_s": value if ok else None,
+                                  "step_time_s": 4 / value if ok else None, "tokens_per_s": None, "wall_s": 3.0,
+                                  "error": None if ok else f"{status}!"}
+        user_attrs["errors"] = {"peak": (500_000 - peak) / peak if peak else None, "step_time": 0.1,
+                                "prior_step_time": -0.5}
+        system_attrs = {"constraints:peak_over_budget_bytes": over, "constraints:failed": 0.0 if ok else 1.0}
+    return dict(state=state, params=config.to_dict(), user_attrs=user_attrs, system_attrs=system_attrs,
+                value=(value if status == "ok" else 0.0) if state == TrialState.COMPLETE else None)
+
+
+@pytest.fixture
+def study_dir(tmp_path):
+    space = space_from_dict(dict(SPACE))
+    settings = StudySettings(workload_name="tiny", workload_source="tiny.py:make", budget_bytes=BUDGET,
+                             budget_text="1MB", space=space_to_dict(space), device_type="cpu", devices=1,
+                             study_name="report-test", out_dir=str(tmp_path / "study"), command="autofit search ...")
+    study = _create_or_load(settings)
+    dists = distributions(space)
+    c = lambda prec, mb, split=1: TrainConfig(prec, mb, 4 // mb, 0, split)  # noqa: E731
+    rows = [
+        _trial(c("fp32", 2, 2), TrialState.PRUNED, "pruned", reason_kind="devices", reason="needs 2 devices"),
+        _trial(c("fp32", 4), TrialState.COMPLETE, "ok", value=10.0, peak=600_000),
+        _trial(c("amp-bf16", 4), TrialState.COMPLETE, "ok", value=30.0, peak=1_200_000, over=200_000.0),  # over
+        _trial(c("amp-bf16", 2), TrialState.COMPLETE, "oom", over=1.0),
+        _trial(c("fp32", 2), TrialState.COMPLETE, "ok", value=20.0, peak=400_000),
+        _trial(c("amp-bf16", 2, 2), TrialState.COMPLETE, "timeout"),
+    ]
+    for row in rows:
+        study.add_trial(create_trial(distributions=dists, **row))
+    study.set_user_attr("runs", [{"wall_s": 65.0}, {"wall_s": 10.0}])
+    study.set_user_attr("stop_reason", "patience: test")
+    return tmp_path / "study"
+
+
+def test_trials_table_has_one_row_per_trial_with_statuses_and_errors(study_dir):
+    table = trials_table(open_study(study_dir))
+    assert list(table.columns) == list(COLUMNS)
+    assert table["status"].tolist() == ["pruned", "complete", "complete", "oom", "complete", "timeout"]
+    assert table.loc[0, "reason_kind"] == "devices" and table.loc[0, "reason"] == "needs 2 devices"
+    assert table.loc[1, "measured_peak_bytes"] == 600_000 and table.loc[1, "predicted_peak_bytes"] == 500_000
+    assert table.loc[1, "peak_error"] == pytest.approx(-1 / 6)
+    assert table.loc[4, "samples_per_s"] == 20.0 and table.loc[4, "step_time_s"] == pytest.approx(0.2)
+    assert select(table, status="complete")["number"].tolist() == [2, 4, 1]  # fastest first
+    assert select(table, top=2)["number"].tolist() == [2, 4]
+
+
+def test_best_is_the_fastest_trial_that_ran_ok_under_the_budget(study_dir):
+    best = best_record(open_study(study_dir))
+    assert best["trial"] == 4  # 30 samples/s went over the budget; 20 is the best that fits
+    assert best["config"] == TrainConfig("fp32", 2, 2).to_dict()
+    assert best["peak_fraction_of_budget"] == pytest.approx(0.4)
+    assert best["reproduce"] == ("autofit measure --model tiny.py:make --config precision=fp32,micro_batch=2,"
+                                 "grad_accum=2,checkpoint_every=0,device_split=1 --budget 1MB --device cpu")
+
+
+def test_summary_and_files(study_dir):
+    study = open_study(study_dir)
+    c = counts(trials_table(study))
+    assert c["real"] == 5 and c["pruned"] == 1 and c["pruned_by_reason"] == {"devices": 1}
+    text = summary_markdown(study)
+    for part in ("# Search summary: report-test", "## Best config", "`fp32 mb=2 ga=2 ckpt=0 split=1` (trial 4)",
+                 "## Pruned by the estimate", "| devices | 1 | a device split over", "## Calibration",
+                 "## Prediction error of every real trial", "wall time: 1m15s over 2 search command(s)",
+                 "not tried: 2", "torch:"):
+        assert part in text, part
+    paths = write_reports(study, study_dir)
+    assert json.loads(paths["best.json"].read_text())["trial"] == 4
+    assert paths["trials.csv"].read_text().splitlines()[0].startswith("number,status,reason_kind,reason,precision")
+    assert json.loads(paths["calibration.json"].read_text())["peak_ratio"] > 0
+    result = search_result(study, study_dir)
+    assert result.best == TrainConfig("fp32", 2, 2) and result.n_real == 5 and result.n_pruned == 1
+    assert result.plan().grad_accum == 2
+
+
+def test_report_command(study_dir, capsys):
+    assert main(["report", str(study_dir), "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "report-test: 6 trials, 5 real, 1 configs pruned" in out
+    assert "best: fp32 mb=2 ga=2 ckpt=0 split=1 (trial 4)" in out and "reproduce: autofit measure" in out
+    assert main(["report", str(study_dir), "--status", "oom", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [t["number"] for t in data["trials"]] == [3] and data["best"]["trial"] == 4
+    assert main(["report", str(study_dir), "--summary", "--no-write"]) == 0
+    assert "## Best config" in capsys.readouterr().out
+
+
+def test_report_of_a_directory_without_a_study(tmp_path, capsys):
+    with pytest.raises(StudyError, match="no study here"):
+        open_study(tmp_path)
+    assert main(["report", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith("autofit: error: ")
+
+
+def test_a_study_cannot_be_resumed_with_another_budget(study_dir):
+    import dataclasses
+
+    settings = StudySettings.from_json(json.dumps({
+        **{k: v for k, v in open_study(study_dir).user_attrs["settings"].items()}, "budget_bytes": 2 * BUDGET}))
+    with pytest.raises(StudyError, match="another budget_bytes"):
+        _create_or_load(dataclasses.replace(settings, out_dir=str(study_dir)))

@@ -1,0 +1,94 @@
+"""The time model: the probe, and predictions checked against hand-computed values."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from autofit.config import TrainConfig
+from autofit.time_model import DeviceRates, op_counts, predict_table, probe_rates
+from autofit.workload import load_workload
+
+from test_study import TINY, cache_dir
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch, tmp_path_factory):
+    monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(cache_dir(tmp_path_factory)))
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory):
+    from autofit.profile import profile_workload
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AUTOFIT_CACHE_DIR", str(cache_dir(tmp_path_factory)))
+        return profile_workload(load_workload(TINY), ["fp32", "amp-bf16"], device_type="cpu")
+
+
+def compute_only(fp32=1e11, bf16=5e10) -> DeviceRates:
+    """Rates where only FLOPs cost time: memory is free and operators have no overhead."""
+    return DeviceRates("cpu", "test", 1, {"float32": fp32, "bfloat16": bf16, "float16": 1e9}, math.inf, 0.0, 0.0, "x")
+
+
+def test_probe_measures_every_dtype_and_is_cached(monkeypatch, tmp_path):
+    monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path))
+    rates = probe_rates("cpu")
+    assert set(rates.matmul_flops_per_s) == {"float32", "bfloat16", "float16"}
+    assert all(rate > 1e6 for rate in rates.matmul_flops_per_s.values())
+    assert rates.memory_bytes_per_s > 1e8 and 0 < rates.op_latency_s < 0.01
+    assert rates.probe_s < 10
+    cached = list(tmp_path.glob("rates-cpu-*.json"))
+    assert len(cached) == 1 and json.loads(cached[0].read_text())["device_type"] == "cpu"
+    assert probe_rates("cpu") == rates  # read back, not measured again
+
+
+def test_step_time_is_accumulated_micro_steps_plus_the_optimizer(profile):
+    pp = profile.for_precision("fp32")
+    rates = compute_only()
+    configs = [TrainConfig("fp32", 4, 1), TrainConfig("fp32", 4, 8), TrainConfig("amp-bf16", 4, 1)]
+    table = predict_table(profile, configs, rates)
+    flops_per_sample = pp.forward_flops[1] + pp.backward_flops[1]
+    # hand-computed: 4 samples of forward + backward FLOPs at 1e11 FLOP/s; the optimizer is free
+    assert table.loc[0, "micro_step_time_s"] == pytest.approx(4 * flops_per_sample / 1e11)
+    assert table.loc[0, "optimizer_step_time_s"] == 0.0
+    assert table.loc[1, "step_time_s"] == pytest.approx(8 * table.loc[0, "micro_step_time_s"])
+    assert table.loc[1, "samples_per_s"] == pytest.approx(table.loc[0, "samples_per_s"])
+    # autocast bf16 matmuls run at the bf16 rate: half the fp32 rate here
+    assert table.loc[2, "step_time_s"] == pytest.approx(2 * table.loc[0, "step_time_s"])
+
+
+def test_recomputation_adds_the_checkpointed_layers_forward(profile):
+    pp = profile.for_precision("fp32")
+    table = predict_table(profile, [TrainConfig("fp32", 2, 1, 0), TrainConfig("fp32", 2, 1, 2)], compute_only())
+    layers_forward = sum(layer.forward_flops[1] for layer in pp.layers) * 2
+    assert table.loc[1, "recompute_flops_per_step"] == pytest.approx(layers_forward)
+    assert table.loc[1, "flops_per_step"] - table.loc[0, "flops_per_step"] == pytest.approx(layers_forward)
+    assert table.loc[1, "step_time_s"] > table.loc[0, "step_time_s"]
+
+
+def test_pipeline_bubble(profile):
+    table = predict_table(profile, [TrainConfig("fp32", 2, 8, 0, 1), TrainConfig("fp32", 2, 8, 0, 2),
+                                    TrainConfig("fp32", 2, 8, 0, 8)], compute_only())
+    assert table.loc[0, "bubble_fraction"] == 0.0
+    assert table.loc[1, "bubble_fraction"] == pytest.approx(1 / 9)  # (p - 1) / (m + p - 1)
+    # two stages: each micro-step takes the slower stage's time, m + p - 1 of them
+    assert table.loc[1, "step_time_s"] == pytest.approx(9 * table.loc[1, "micro_step_time_s"])
+    assert table.loc[1, "micro_step_time_s"] < table.loc[0, "micro_step_time_s"]
+    assert math.isnan(table.loc[2, "step_time_s"])  # 8 stages of 4 layers cannot run
+
+
+def test_a_dtype_without_a_native_kernel_is_predicted_that_slow(profile):
+    # FACTS.md: a CPU without native fp16 matmuls runs them ~1000x slower than bf16/fp32
+    slow = compute_only(fp32=1e11, bf16=1e8)
+    table = predict_table(profile, [TrainConfig("fp32", 8, 1), TrainConfig("amp-bf16", 8, 1)], slow)
+    assert table.loc[1, "step_time_s"] == pytest.approx(1000 * table.loc[0, "step_time_s"])
+    assert slow.flops_per_s("amp-fp16") == 1e9 and slow.flops_per_s("bf16") == 1e8
+
+
+def test_operator_counts_come_from_the_parameter_tensors():
+    counts = op_counts(load_workload(TINY))
+    assert counts.tensors_per_layer == (4, 4, 4, 4)  # LayerNorm and Linear, weight and bias each
+    assert counts.tensors_outside == 3               # embedding, head weight and bias
