@@ -80,10 +80,16 @@ def _profile_times(quick: bool, progress) -> list[dict]:
     rows = []
     for name, precisions in plan:
         workload = load_workload(name)
-        start = time.perf_counter()
-        profile = profile_workload(workload, precisions, device_type="cpu", use_cache=False)
-        wall = time.perf_counter() - start
         label = "fp32" if len(precisions) == 1 else f"all {len(precisions)} precisions (parallel worker processes)"
+        start = time.perf_counter()
+        try:
+            profile = profile_workload(workload, precisions, device_type="cpu", use_cache=False)
+        except Exception as exc:  # noqa: BLE001 -- one failing profile is a row, not the end of the suite
+            rows.append({"kind": "profile", "item": f"{name}, {label}", "metric": "profile_s", "value": None,
+                         "unit": "s", "note": f"failed: {type(exc).__name__}: {exc}"[:300]})
+            progress(f"cost: profiling {name} failed: {exc}")
+            continue
+        wall = time.perf_counter() - start
         progress(f"cost: profiled {name} ({label}) in {wall:.1f} s")
         rows.append({"kind": "profile", "item": f"{name} ({profile.param_count / 1e6:,.1f}M params, "
                                                 f"{profile.n_layers} layers), {label}",

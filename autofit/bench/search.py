@@ -29,7 +29,8 @@ from typing import Callable
 
 from autofit.bench.common import (Report, markdown_table, median_and_spread, mib, pct, seconds, try_plot,
                                   write_csv)
-from autofit.bench.strategies import PEERS, Oracle, Outcome, Problem, Strategy, TrialRecord, incumbent
+from autofit.bench.strategies import (PEERS, Oracle, Outcome, Problem, Strategy, TrialRecord, incumbent,
+                                     optuna_tpe)
 from autofit.config import Precision, TrainConfig
 
 MiB = 2**20
@@ -57,11 +58,11 @@ _THREE = (Precision.FP32, Precision.AMP_BF16, Precision.BF16)
 # amp-fp16 is left out: this CPU has no fp16 kernels (a step is ~1000x slower), so it can never
 # win here and one trial of it would cost more than the rest of the grid.
 CELLS = (
-    Cell("gpt-tiny", 12, (1, 2, 3, 4, 6, 12), _THREE, (64, 128)),
-    Cell("convnet-bn", 24, (2, 3, 4, 6, 8, 12, 24), _THREE, (16, 24)),
+    Cell("gpt-tiny", 12, (1, 2, 4, 6, 12), _THREE, (64, 128)),
+    Cell("convnet-bn", 24, (4, 6, 8, 12, 24), _THREE, (16, 24)),
 )
 QUICK_CELLS = (
-    Cell("gpt-tiny", 12, (3, 6, 12), (Precision.AMP_BF16, Precision.BF16), (64, 128)),
+    Cell("gpt-tiny", 12, (3, 6, 12), (Precision.FP32, Precision.BF16), (64, 128)),
 )
 
 
@@ -76,6 +77,9 @@ def search_budgets(quick: bool = False) -> dict[str, tuple[int, ...]]:
 
 @dataclass(frozen=True)
 class GridPoint:
+    """One measured config. ``samples_per_s`` is the ground truth: the larger of the trial's own
+    figure and a second, separate sample (other processes' load only ever slows a step down)."""
+
     config: TrainConfig
     status: str
     peak_bytes: int | None
@@ -84,6 +88,8 @@ class GridPoint:
     wall_s: float
     predicted_peak_bytes: float | None = None
     error: str | None = None
+    trial_samples_per_s: float | None = None
+    second_samples_per_s: float | None = None
 
 
 @dataclass
@@ -95,6 +101,7 @@ class Grid:
     oom_floor_s: float          # wall time of a trial that goes over its budget at the first operator
     param_count: int
     wall_s: float = 0.0
+    first_use_s: float = 0.0    # autofit's cold start: profiling on fake tensors and the device probe, no caches
 
     def feasible(self, budget_bytes: int) -> list[GridPoint]:
         return [p for p in self.points.values()
@@ -123,6 +130,7 @@ def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) 
     """Run every config of ``cell`` (no budget), plus one trial that dies at once (the OOM cost floor)."""
     from autofit.memory_model import estimate_table
     from autofit.profile import profile_workload
+    from autofit.bench.worker import run_jobs
     from autofit.trial import run_trial
     from autofit.workload import load_workload
     from autofit.workloads import param_count
@@ -131,21 +139,46 @@ def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) 
     workload = load_workload(cell.workload)
     problem = problem_for(cell, cell.budgets_mib[0] * MiB, param_count(workload))
     configs = problem.configs()
+    # autofit's first-use cost on this workload, with cold caches (then the caches are filled for its runs).
+    cold = time.perf_counter()
+    profile_workload(workload, list(cell.precisions), device_type="cpu", use_cache=False)
+    first_use_s = time.perf_counter() - cold
+    try:
+        from autofit.time_model import probe_rates
+
+        cold = time.perf_counter()
+        probe_rates("cpu", use_cache=False)
+        first_use_s += time.perf_counter() - cold
+        probe_rates("cpu")
+    except ImportError:
+        pass
+    progress(f"grid {cell.workload}: cold profile and device probe took {first_use_s:.1f} s")
     profile = profile_workload(workload, list(cell.precisions), device_type="cpu")
     predicted = estimate_table(profile, configs)["peak_bytes"].tolist()
-    points = {}
-    for i, (config, pred) in enumerate(zip(configs, predicted)):
+    trials = []
+    for i, config in enumerate(configs):
         r = run_trial(cell.workload, config, device="cpu", warmup_steps=WARMUP_STEPS, measure_steps=MEASURE_STEPS,
                       timeout_s=TRIAL_TIMEOUT_S)
-        points[config] = GridPoint(config, r.status.value, r.peak_bytes, r.samples_per_s, r.step_time_s, r.wall_s,
-                                   pred, r.error)
+        trials.append(r)
         progress(f"grid {cell.workload} [{i + 1}/{len(configs)}] {config.short()}: {r.status.value} "
                  f"{mib(r.peak_bytes)} MiB, {seconds(r.samples_per_s)} samples/s, {r.wall_s:.1f} s")
+    # A second throughput sample per config, at another moment (3 untracked steps, in one worker).
+    second = run_jobs([{"kind": "throughput", "workload": cell.workload, "config": c.to_dict(), "steps": 3}
+                       for c, r in zip(configs, trials) if r.ok], job_timeout_s=TRIAL_TIMEOUT_S)
+    second_by_config = dict(zip([c for c, r in zip(configs, trials) if r.ok], second))
+    points = {}
+    for config, r, pred in zip(configs, trials, predicted):
+        other = second_by_config.get(config, {}).get("samples_per_s")
+        best = max([x for x in (r.samples_per_s, other) if x], default=None)
+        step = config.samples_per_step / best if best else r.step_time_s
+        points[config] = GridPoint(config, r.status.value, r.peak_bytes, best, step, r.wall_s, pred, r.error,
+                                   r.samples_per_s, other)
+    progress(f"grid {cell.workload}: second throughput sample of {len(second)} configs done")
     floor = run_trial(cell.workload, configs[0], device="cpu", budget_bytes=1, warmup_steps=WARMUP_STEPS,
                       measure_steps=MEASURE_STEPS, timeout_s=TRIAL_TIMEOUT_S)
     progress(f"grid {cell.workload}: a trial over its budget at the first operator took {floor.wall_s:.1f} s "
              f"({floor.status.value})")
-    return Grid(cell, points, floor.wall_s, problem.param_count, time.perf_counter() - started)
+    return Grid(cell, points, floor.wall_s, problem.param_count, time.perf_counter() - started, first_use_s)
 
 
 # --------------------------------------------------------------------------------------
@@ -168,7 +201,7 @@ class ReplayOracle(Oracle):
             return Outcome(config, point.status, None, None, point.wall_s)
         if point.peak_bytes > self.budget_bytes:
             return Outcome(config, "oom", None, None, self.grid.oom_floor_s + (point.step_time_s or 0.0))
-        return Outcome(config, "ok", point.samples_per_s, point.peak_bytes, point.wall_s)
+        return Outcome(config, "ok", point.samples_per_s, point.peak_bytes, point.wall_s, point.step_time_s)
 
 
 class LiveOracle(Oracle):
@@ -189,7 +222,7 @@ class LiveOracle(Oracle):
                       measure_steps=MEASURE_STEPS, timeout_s=TRIAL_TIMEOUT_S)
         self.progress(f"live {self.label}: {config.short()} {r.status.value} {seconds(r.samples_per_s)} samples/s "
                       f"({r.wall_s:.1f} s)")
-        return Outcome(config, r.status.value, r.samples_per_s, r.peak_bytes, r.wall_s)
+        return Outcome(config, r.status.value, r.samples_per_s, r.peak_bytes, r.wall_s, r.step_time_s, r)
 
 
 # --------------------------------------------------------------------------------------
@@ -247,6 +280,8 @@ def score(strategy: Strategy, grid: Grid, budget_bytes: int, seed: int, mode: st
 
 def run_strategy(strategy: Strategy, grid: Grid, budget_bytes: int, seed: int, oracle: Oracle, mode: str) -> RunResult:
     problem = problem_for(grid.cell, budget_bytes, grid.param_count)
+    if strategy.run is autofit_search:
+        strategy = dataclasses.replace(strategy, kwargs={**strategy.kwargs, "first_use_s": grid.first_use_s})
     try:
         answer = strategy(problem, oracle, seed)
         error = None
@@ -266,13 +301,46 @@ class NotAvailable(Exception):
 # autofit's own search, as shipped
 
 
-def autofit_search(problem: Problem, oracle: Oracle, seed: int = 0) -> TrainConfig | None:
-    """autofit's search (:func:`autofit.study.search`) over the problem's grid, its trials run by ``oracle``."""
+def autofit_search(problem: Problem, oracle: Oracle, seed: int = 0, first_use_s: float = 0.0) -> TrainConfig | None:
+    """autofit's search (:func:`autofit.study.search`, defaults as shipped) over the problem's grid.
+
+    Its trials go through ``oracle`` (its ``run_trial`` is swapped for one that asks the
+    oracle), so a live oracle runs them for real and a replay oracle answers from the grid;
+    everything else -- estimate, time model, calibration, Optuna storage, reports -- runs for
+    real and is timed. ``first_use_s`` is charged to the clock: profiling the workload on fake
+    tensors and probing the device with cold caches, measured once per workload (the runs
+    themselves find both cached).
+    """
+    import tempfile
+    from unittest import mock
+
     try:
-        from autofit import study  # noqa: F401
+        from autofit import study
     except ImportError as exc:
         raise NotAvailable(f"autofit.study is not available in this checkout ({exc})") from None
-    raise NotAvailable("autofit.study exists but the benchmark adapter for it is not written yet")
+    if not hasattr(study, "search") or not hasattr(study, "run_trial"):
+        raise NotAvailable("autofit.study has no search() with a run_trial to drive")
+    from autofit.space import SearchSpace
+    from autofit.trial import TrialResult, TrialStatus
+
+    def run_trial(workload, config, *, device="cpu", budget_bytes=None, **_kwargs):
+        outcome = oracle.run(config)
+        if outcome.result is not None:
+            return outcome.result
+        return TrialResult(workload=problem.workload, config=config, device=device, status=TrialStatus(outcome.status),
+                           peak_bytes=outcome.peak_bytes,
+                           per_device_peak_bytes=[outcome.peak_bytes] if outcome.peak_bytes else [],
+                           samples_per_s=outcome.samples_per_s, step_time_s=outcome.step_time_s if outcome.ok else None,
+                           wall_s=outcome.cost_s, budget_bytes=budget_bytes,
+                           error=None if outcome.ok else f"{outcome.status} (replayed from the measured grid)")
+
+    if first_use_s:
+        oracle.charge(first_use_s, "cold profile and device probe")
+    space = SearchSpace(precision=problem.precisions, micro_batch=problem.micro_batches,
+                        checkpoint_every=problem.checkpoints, device_split=(1,), global_batch=problem.global_batch)
+    with tempfile.TemporaryDirectory(prefix="autofit-bench-study-") as out, mock.patch.object(study, "run_trial", run_trial):
+        result = study.search(problem.workload, problem.budget_bytes, space=space, out_dir=out, device="cpu", seed=seed)
+    return result.best
 
 
 AUTOFIT = Strategy("autofit", autofit_search, "throughput", False,
@@ -294,19 +362,35 @@ class SearchResults:
     files: list[Path] = field(default_factory=list)
 
 
+# Live in --quick: autofit and one peer (the rest replayed), to stay within minutes.
+QUICK_LIVE = ("autofit", "accelerate-x0.5")
+
+
 def run_search_suite(out_dir: Path, env: dict, *, quick: bool = False, seeds: int | None = None,
                      cells: tuple[Cell, ...] | None = None, strategies: tuple[Strategy, ...] = STRATEGIES,
-                     live: bool = True, progress: Callable[[str], None] = lambda _m: None) -> SearchResults:
-    """Measure the grids, run every strategy (live once, replayed per cell and seed), write the tables."""
+                     live: bool | tuple[str, ...] = True, tpe_trials: int | None = None,
+                     progress: Callable[[str], None] = lambda _m: None) -> SearchResults:
+    """Measure the grids, run every strategy (live once, replayed per cell and seed), write the tables.
+
+    ``live``: True runs every strategy live once (on the first cell's first budget, seed 0), a
+    tuple of names only those, False none. ``tpe_trials``: Optuna TPE's real-trial budget
+    (default 12; 6 with ``quick``).
+    """
     started = time.perf_counter()
     cells = cells or (QUICK_CELLS if quick else CELLS)
     seeds = seeds or (3 if quick else 5)
+    tpe_trials = tpe_trials or (6 if quick else 12)
+    strategies = tuple(dataclasses.replace(s, kwargs={**s.kwargs, "real_trials": tpe_trials})
+                       if s.run is optuna_tpe else s for s in strategies)
+    if live is True and quick:
+        live = QUICK_LIVE
+    live_names = {s.name for s in strategies} if live is True else set(live or ())
     grids = [measure_grid(cell, progress) for cell in cells]
     runs: list[RunResult] = []
     live_cell = (cells[0].workload, cells[0].budgets_mib[0] * MiB)
-    if live:
+    if live_names:
         grid = grids[0]
-        for strategy in strategies:
+        for strategy in (s for s in strategies if s.name in live_names):
             oracle = LiveOracle(grid.cell.workload, live_cell[1], progress, strategy.name)
             result = run_strategy(strategy, grid, live_cell[1], 0, oracle, "live")
             progress(f"live {strategy.name}: answer {result.answer.short() if result.answer else None}, "
@@ -390,7 +474,8 @@ def write_search(out_dir: Path, env: dict, res: SearchResults, strategies: tuple
         for p in grid.points.values():
             row = {"workload": grid.cell.workload, **p.config.to_dict(), "status": p.status,
                    "measured_peak_bytes": p.peak_bytes, "predicted_peak_bytes": p.predicted_peak_bytes,
-                   "samples_per_s": p.samples_per_s, "step_time_s": p.step_time_s, "trial_wall_s": p.wall_s,
+                   "samples_per_s": p.samples_per_s, "trial_samples_per_s": p.trial_samples_per_s,
+                   "second_samples_per_s": p.second_samples_per_s, "step_time_s": p.step_time_s, "trial_wall_s": p.wall_s,
                    "error": p.error or ""}
             for b in grid.cell.budgets_mib:
                 row[f"fits_{b}MiB"] = p.status == "ok" and p.peak_bytes is not None and p.peak_bytes <= b * MiB
@@ -403,15 +488,16 @@ def write_search(out_dir: Path, env: dict, res: SearchResults, strategies: tuple
             f"(warm-up {WARMUP_STEPS}, measured {MEASURE_STEPS} step(s), timed steps 3), one config at a time. "
             f"Replayed figures: {res.seeds} seeds per strategy and cell (median [min–max]); deterministic "
             "strategies give the same figures for every seed. Live figures: one real run per strategy on "
-            f"{res.live_cell[0]} @ {res.live_cell[1] / MiB:.0f} MiB (seed 0).")
+            f"{res.live_cell[0]} @ {res.live_cell[1] / MiB:.0f} MiB (seed 0) — "
+            + (", ".join(sorted({r.strategy for r in res.runs if r.mode == "live"})) or "none") + ".")
     rep.add("How a replayed trial is charged: a config that fits costs the grid's measured trial wall time; one "
             "over the budget costs the wall time of a trial that went over at its first operator plus one step of "
             "that config. Answers are scored by the grid's throughput of the answered config over the grid's best "
             "config that fits (0 when the answer does not fit or there is none). *Time to 95%*: the strategy's "
             "clock when the config it would answer at that point first reached 95% of the optimum.")
-    rep.add("Settings the batch-size finders and DeepSpeed leave alone: precision amp-bf16 (autocast, as "
-            "`bf16=True` in a HF Trainer), no checkpointing. They keep the global batch (accumulation = global "
-            "batch / micro-batch). amp-fp16 is not in the grids: this CPU has no fp16 kernels (a step is ~1000x "
+    rep.add("Settings the batch-size finders and DeepSpeed leave alone, at the tools' own defaults: precision "
+            "fp32 (a HF Trainer without `bf16`/`fp16`, Lightning's `32-true`, DeepSpeed without a `bf16` section), no "
+            "checkpointing. They keep the global batch (accumulation = global batch / micro-batch). amp-fp16 is not in the grids: this CPU has no fp16 kernels (a step is ~1000x "
             "slower), so it can never win here and one trial would cost more than the rest of the grid.")
     for s in strategies:
         rep.add(f"- **{s.name}**: {s.description}")
@@ -422,7 +508,16 @@ def write_search(out_dir: Path, env: dict, res: SearchResults, strategies: tuple
                  f"checkpointing {', '.join(map(str, cell.checkpoints))}", "",
                  f"{len(grid.points)} configs measured in {grid.wall_s / 60:.1f} min "
                  f"(median trial {seconds(median_and_spread([p.wall_s for p in grid.points.values()])[0])} s; "
-                 f"a trial that dies at its first operator: {grid.oom_floor_s:.1f} s)."]
+                 f"a trial that dies at its first operator: {grid.oom_floor_s:.1f} s). autofit's clock is charged "
+                 f"{grid.first_use_s:.1f} s per run for its first use on this workload: profiling on fake tensors "
+                 "and probing the device, both with cold caches."]
+        pairs = [(p.trial_samples_per_s, p.second_samples_per_s) for p in grid.points.values()
+                 if p.trial_samples_per_s and p.second_samples_per_s]
+        if pairs:
+            diffs = [abs(a / b - 1) for a, b in pairs]
+            lines.append(f"Measurement noise: the trial's throughput and a second sample of the same config differ by "
+                         f"{pct(median_and_spread(diffs)[0], 0)} (median) and up to {pct(max(diffs), 0)}; the ground "
+                         "truth is the larger of the two (load from other processes only ever slows a step).")
         bad = [p for p in grid.points.values() if p.status != "ok"]
         if bad:
             lines.append("Grid configs that did not run: " + "; ".join(f"{p.config.short()}: {p.status} ({p.error})" for p in bad))

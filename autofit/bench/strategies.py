@@ -48,8 +48,9 @@ class Problem:
     precisions: tuple[Precision, ...]
     micro_batches: tuple[int, ...]     # ascending; each divides global_batch
     checkpoints: tuple[int, ...] = (0, 1)
-    # What a batch-size finder leaves alone: autocast bf16 (``bf16=True`` in a HF Trainer) and no checkpointing.
-    default_precision: Precision = Precision.AMP_BF16
+    # What a batch-size finder leaves alone: the tools' own defaults, fp32 (HF Trainer without
+    # bf16/fp16, Lightning "32-true", DeepSpeed without a bf16 section) and no checkpointing.
+    default_precision: Precision = Precision.FP32
     default_checkpoint: int = 0
     param_count: int = 0               # for the DeepSpeed model-state formula
 
@@ -57,6 +58,8 @@ class Problem:
         bad = [m for m in self.micro_batches if self.global_batch is not None and self.global_batch % m]
         if bad or list(self.micro_batches) != sorted(set(self.micro_batches)):
             raise ValueError(f"micro_batches must ascend and divide {self.global_batch}: {self.micro_batches}")
+        if self.default_precision not in self.precisions or self.default_checkpoint not in self.checkpoints:
+            raise ValueError("the peers' default precision and checkpointing must be in the grid")
 
     def config(self, micro_batch: int, precision: Precision | str | None = None,
                checkpoint_every: int | None = None) -> TrainConfig:
@@ -84,6 +87,8 @@ class Outcome:
     samples_per_s: float | None
     peak_bytes: int | None
     cost_s: float                     # what the trial cost (live: its wall time; replay: the grid's)
+    step_time_s: float | None = None
+    result: object = None             # the TrialResult, when the trial ran for real
 
     @property
     def ok(self) -> bool:
@@ -118,6 +123,11 @@ class Oracle(ABC):
         self._charged_s += outcome.cost_s
         self.history.append(TrialRecord(outcome, self.clock_s))
         return outcome
+
+    def charge(self, seconds: float, why: str) -> None:
+        """Add ``seconds`` of work done elsewhere (e.g. a cold profile measured once) to the clock."""
+        self._charged_s += seconds
+        self.notes.append(f"charged {seconds:.1f} s: {why}")
 
     @property
     def clock_s(self) -> float:
@@ -179,23 +189,25 @@ def lightning_binsearch(problem: Problem, oracle: Oracle, seed: int = 0, init_va
                         max_trials: int = 25) -> TrainConfig | None:
     """Double from ``init_val`` until OOM, then bisect between the last success and the failure.
 
-    Lightning's ``_run_binary_scaling``: ``low`` is the last size that ran, ``high`` the last
-    that failed; stop when ``high - low <= 1`` or after ``max_trials``. Sizes above the global
-    batch are the global batch (a micro-batch cannot exceed it).
+    Lightning's ``_run_binary_scaling``: ``low`` is the last size that ran (1 before any), ``high``
+    the last that failed; stop when ``high - low <= 1`` or after ``max_trials``; the answer is the
+    size it ends on -- after a failure next to ``low``, ``low`` itself, even the initial 1 that
+    never ran. Sizes above the global batch are the global batch (a micro-batch cannot exceed it);
+    a size below the smallest allowed micro-batch is the smallest.
     """
     run = _Memo(oracle)
     largest = problem.micro_batches[-1]
+
+    def micro(size: int) -> int:
+        return problem.floor_micro_batch(min(size, largest)) or problem.micro_batches[0]
+
     low, high = 1, None
-    size, best = init_val, None
+    size = init_val
     for _ in range(max_trials):
-        micro = problem.floor_micro_batch(min(size, largest))
-        if micro is None:
-            return best
-        outcome = run(problem.config(micro))
+        outcome = run(problem.config(micro(size)))
         if outcome.ok:
-            best = outcome.config if best is None or micro > best.micro_batch else best
             low = size
-            if micro == largest:
+            if micro(size) == largest:
                 break
             if high is not None:
                 if high - low <= 1:
@@ -208,7 +220,7 @@ def lightning_binsearch(problem: Problem, oracle: Oracle, seed: int = 0, init_va
             size = (high + low) // 2
             if high - low <= 1:
                 break
-    return best
+    return problem.config(micro(size))
 
 
 # --------------------------------------------------------------------------------------

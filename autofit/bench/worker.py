@@ -15,6 +15,8 @@ Job kinds:
   ``time`` (amp-fp16, whose CPU kernels are ~1000x slow) only the tracked steps run. Device
   splits always go through ``measure_trial``, which runs PyTorch's pipeline engine.
 - ``tracker_overhead``: the same training steps timed with and without the memory tracker.
+- ``throughput``: samples/s of ``config`` from a few untracked steps, timed as a trial times
+  them: a second throughput sample for the search suite's ground truth.
 """
 
 from __future__ import annotations
@@ -112,7 +114,38 @@ def _tracker_overhead(job: dict) -> dict:
             "tracked_step_s": statistics.median(tracked), "steps": len(plain)}
 
 
-_KINDS = {"memory": _memory, "tracker_overhead": _tracker_overhead}
+def _throughput(job: dict) -> dict:
+    """Samples/s of a few untracked steps, timed as a trial times them (medians of micro-steps and optimizer steps)."""
+    import torch
+
+    from autofit.config import TrainConfig
+    from autofit.measure import _micro_batches, compose_step_time
+    from autofit.training import build_trainee, forward_backward, optimizer_step, train_step
+    from autofit.workload import load_workload
+
+    workload = load_workload(job["workload"])
+    config = TrainConfig.from_dict(job["config"])
+    torch.manual_seed(0)
+    trainee = build_trainee(workload, config, "cpu")
+    batches = _micro_batches(workload, config, trainee.device)
+    train_step(trainee, batches)   # warm: optimizer state exists
+    micro_s, optimizer_s = [], []
+    for _ in range(int(job.get("steps", 3))):
+        trainee.optimizer.zero_grad(set_to_none=True)
+        for inputs, targets in batches:
+            start = time.perf_counter()
+            forward_backward(trainee, inputs, targets)
+            micro_s.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        optimizer_step(trainee)
+        optimizer_s.append(time.perf_counter() - start)
+    # the trial's own estimator (medians), so configs with more micro-steps per step are not favoured
+    step_time_s = compose_step_time(config, statistics.median(micro_s), statistics.median(optimizer_s))
+    return {"status": "ok", "error": None, "step_time_s": step_time_s,
+            "samples_per_s": config.samples_per_step / step_time_s}
+
+
+_KINDS = {"memory": _memory, "tracker_overhead": _tracker_overhead, "throughput": _throughput}
 
 
 def main() -> int:
