@@ -417,10 +417,12 @@ class Planner:
     def _space_ckpts(self) -> list[int]:
         return sorted({c.checkpoint_every for c in self.configs})
 
-    def prediction(self, i: int, calibration: Calibration) -> dict:
-        """What the trial record keeps of config ``i``'s predictions (raw and calibrated)."""
+    def prediction(self, i: int, calibration: Calibration, ratio: float | None = None) -> dict:
+        """What the trial record keeps of config ``i``'s predictions (raw and calibrated).
+        ``ratio``: its calibrated time ratio, when already computed."""
         row = self.table.iloc[i]
-        ratio = float(calibration.time_ratios(self.table.iloc[[i]])[0])
+        if ratio is None:
+            ratio = float(calibration.time_ratios(self.table.iloc[[i]])[0])
         step = float(row["step_time_s"]) if math.isfinite(row["step_time_s"]) else None
         out = {
             "peak_bytes": None if not math.isfinite(row["peak_bytes"]) else int(round(row["peak_bytes"])),
@@ -505,21 +507,23 @@ class Planner:
             elif seconds > settings.trial_timeout_s:
                 reasons[i] = ("too_slow", f"a trial is predicted to take {seconds:.0f} s, over the "
                                           f"{settings.trial_timeout_s:.0f} s trial limit")
-        # A config that ran ok dominates with what it measured (it fits: it ran under the budget).
+        # Times are compared on one basis, the calibrated predictions (a measured time against a
+        # sibling's prediction would let noise decide); a config that ran ok is known to fit.
         known = ~np.isnan(measured_step)
-        self._dominance(reasons, np.where(known, measured_step, step_s), np.where(known, 0.0, peak), failed_run)
+        self._dominance(reasons, step_s, np.where(known, 0.0, peak), failed_run)
         # Prunes: every prunable config that has no trial yet (ran configs keep their result).
         prunes = []
         for i in range(n):
             if reasons[i] is not None and not ran[i] and not pruned_before[i]:
                 prunes.append({"index": i, "kind": reasons[i][0], "reason": reasons[i][1],
-                               "predicted": self.prediction(i, calibration)})
+                               "predicted": self.prediction(i, calibration, float(ratio[i]))})
         candidates = [i for i in range(n) if reasons[i] is None and not ran[i]]
         stop = self._stop(candidates, real_done, running, sps, now)
         if stop is not None:
             return Step(prunes, None, stop, calibration)
         chosen = self._choose(candidates, sps, ratio, trials)
-        return Step(prunes, {"index": chosen, "predicted": self.prediction(chosen, calibration)}, None, calibration)
+        return Step(prunes, {"index": chosen, "predicted": self.prediction(chosen, calibration, float(ratio[chosen]))},
+                    None, calibration)
 
     def _dominance(self, reasons, step_s, peak, failed_run) -> None:
         """Prune checkpointing that buys memory the budget does not need (see the module docstring)."""

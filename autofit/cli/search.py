@@ -78,6 +78,7 @@ class _Progress:
             self.width = len(line)
             if event.done:
                 self.stream.write("\n")
+                self.width = 0
         else:
             self.stream.write(f"[{event.elapsed_s:5.0f}s] {event.message}\n")
         self.stream.flush()
