@@ -232,7 +232,8 @@ def summary_markdown(study: optuna.Study, table: pd.DataFrame | None = None, *, 
     out = [f"# Search summary: {study.study_name}\n"]
     out.append(f"- workload: `{settings.get('workload_name')}` (`--model {settings.get('workload_source')}`)")
     out.append(f"- budget: {format_budget(budget) if budget else '?'} per device")
-    out.append(f"- device: {settings.get('device_type')}, {settings.get('devices')} per worker")
+    out.append(f"- device: {settings.get('device_type')}, {settings.get('devices')} per worker"
+               + _rates_text(study.user_attrs.get("device_rates")))
     out.append(f"- space: `{_shown_path((settings.get('space') or {}).get('source'))}`: {n_configs} configs")
     status_text = ", ".join(f"{v} {k}" for k, v in c["by_status"].items() if k != "pruned")
     out.append(f"- real trials: {c['real']} ({status_text or 'none'})")
@@ -298,6 +299,16 @@ def summary_markdown(study: optuna.Study, table: pd.DataFrame | None = None, *, 
         out.append(f"- {key}={value}")
     out.append("")
     return "\n".join(out)
+
+
+def _rates_text(rates: dict | None) -> str:
+    """`` (name, threads; the probe's rates)`` for the summary's device line."""
+    if not rates:
+        return ""
+    flops = ", ".join(f"{name} {rate / 1e9:,.1f}" for name, rate in rates.get("matmul_flops_per_s", {}).items())
+    return (f" ({rates.get('device_name')}, {rates.get('threads')} threads; probe: matmul GFLOP/s {flops}; "
+            f"memory {rates.get('memory_bytes_per_s', 0) / 1e9:,.1f} GB/s; "
+            f"{rates.get('op_latency_s', 0) * 1e6:,.1f} us per operator)")
 
 
 def _shown_path(source: str | None) -> str | None:

@@ -757,12 +757,18 @@ def run_worker(settings: StudySettings, workload: Workload, *, profile: Profile 
     lock = _ClaimLock(out_dir)
     device = settings.device_type
     emit = progress or (lambda event: None)
+    if "device_rates" not in study.user_attrs:
+        study.set_user_attr("device_rates", rates.to_dict())
+    calibrated_on = None
     while True:
         with lock:
             trials = study.get_trials(deepcopy=False)
             if fail_stale_trials(study, trials):
                 trials = study.get_trials(deepcopy=False)
             step = planner.step(trials)
+            if step.calibration.n_trials != calibrated_on:  # kept with the study as it is learned
+                calibrated_on = step.calibration.n_trials
+                study.set_user_attr("calibration", step.calibration.to_dict())
             for p in step.prunes:
                 config = planner.configs[p["index"]]
                 study.add_trial(create_trial(
@@ -776,7 +782,6 @@ def run_worker(settings: StudySettings, workload: Workload, *, profile: Profile 
                 emit(progress_of(study.get_trials(deepcopy=False), "pruned by the estimate: " + ", ".join(
                     f"{v} {k.replace('_', ' ')}" for k, v in kinds.items()), started))
             if step.run is None:
-                study.set_user_attr("calibration", step.calibration.to_dict())
                 study.set_user_attr("stop_reason", step.stop)
                 break
             config = planner.configs[step.run["index"]]
