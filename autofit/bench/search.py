@@ -246,6 +246,7 @@ class RunResult:
     error: str | None = None
     live_samples_per_s: float | None = None
     history: list[TrialRecord] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     def row(self) -> dict:
         return {
@@ -255,6 +256,7 @@ class RunResult:
             "oom_trials": self.oom_trials, "failed_trials": self.failed_trials,
             "time_to_95pct_s": self.time_to_target_s, "error": self.error or "",
             "trial_sequence": " ; ".join(f"{r.outcome.config.short()}={r.outcome.status}" for r in self.history),
+            "notes": " ; ".join(self.notes),
         }
 
 
@@ -275,6 +277,7 @@ def score(strategy: Strategy, grid: Grid, budget_bytes: int, seed: int, mode: st
         oom_trials=sum(r.outcome.status == "oom" for r in records),
         failed_trials=sum(r.outcome.status in ("error", "timeout") for r in records),
         time_to_target_s=reached, error=error, live_samples_per_s=live_tput, history=list(records),
+        notes=list(oracle.notes),
     )
 
 
@@ -340,6 +343,9 @@ def autofit_search(problem: Problem, oracle: Oracle, seed: int = 0, first_use_s:
                         checkpoint_every=problem.checkpoints, device_split=(1,), global_batch=problem.global_batch)
     with tempfile.TemporaryDirectory(prefix="autofit-bench-study-") as out, mock.patch.object(study, "run_trial", run_trial):
         result = study.search(problem.workload, problem.budget_bytes, space=space, out_dir=out, device="cpu", seed=seed)
+    stop = getattr(result, "stop_reason", None)
+    if stop:
+        oracle.notes.append(f"stopped: {stop}")
     return result.best
 
 
@@ -461,8 +467,10 @@ def losses(runs: list[RunResult], strategies: tuple[Strategy, ...]) -> list[str]
             for name, mine_v, theirs, higher_better, fmt in cmp:
                 worse = mine_v < theirs - 1e-9 if higher_better else mine_v > theirs + 1e-9
                 if worse:
+                    context = "" if higher_better else (f", finding {pct(a['fraction'][0])} of the optimum against "
+                                                        f"{pct(b['fraction'][0])}")
                     out.append(f"{workload} @ {budget / MiB:.0f} MiB: autofit loses to {s.name} on {name}: "
-                               f"{fmt(mine_v)} vs {fmt(theirs)} (medians).")
+                               f"{fmt(mine_v)} vs {fmt(theirs)} (medians{context}).")
     return out
 
 
@@ -557,9 +565,12 @@ def write_search(out_dir: Path, env: dict, res: SearchResults, strategies: tuple
                              if sm["reached"] else "never",
                              ", ".join(f"`{a}`" for a in answers[:3]) + (" ..." if len(answers) > 3 else ""),
                              "replay" + (f" ({sm['n']} seeds)" if sm["n"] > 1 else "")])
+            stops = sorted({n for r in res.runs if r.strategy == AUTOFIT.name and r.workload == cell.workload
+                            and r.budget_bytes == budget for n in r.notes if n.startswith("stopped:")})
             rep.add("\n".join(head) + markdown_table(
                 ["strategy", "best found / optimum", "wall time (s)", "real trials", "OOM trials", "time to 95% (s)",
-                 "answer(s)", "figures"], rows, "lrrrrrll"))
+                 "answer(s)", "figures"], rows, "lrrrrrll")
+                + ("\n\nautofit " + "; ".join(stops) + "." if stops else ""))
     live = [r for r in res.runs if r.mode == "live"]
     if live:
         rows = []
