@@ -1,4 +1,8 @@
-"""autofit: find the fastest way to train a PyTorch model inside a memory budget."""
+"""autofit: find the fastest way to train a PyTorch model inside a memory budget.
+
+The launcher API (``search``, ``estimate``, ``measure`` and their result types) is imported
+lazily: ``import autofit`` stays cheap for the command line and for trial processes.
+"""
 
 from autofit.budget import format_budget, parse_budget
 from autofit.config import Precision, TrainConfig
@@ -7,7 +11,24 @@ from autofit.workload import Workload, load_workload
 
 __version__ = "0.1.0"
 
+_LAZY = {
+    "search": "autofit.api", "estimate": "autofit.api", "measure": "autofit.api",
+    "SearchResult": "autofit.report", "SearchProgress": "autofit.study",
+    "TrainingPlan": "autofit.apply", "TrainingRun": "autofit.apply",
+}
+
 __all__ = [
-    "AutofitError", "BudgetError", "ConfigError", "Precision", "SpaceError", "StudyError",
-    "TrainConfig", "Workload", "WorkloadError", "format_budget", "load_workload", "parse_budget",
+    "AutofitError", "BudgetError", "ConfigError", "Precision", "SearchProgress", "SearchResult", "SpaceError",
+    "StudyError", "TrainConfig", "TrainingPlan", "TrainingRun", "Workload", "WorkloadError", "estimate",
+    "format_budget", "load_workload", "measure", "parse_budget", "search",
 ]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'autofit' has no attribute {name!r}")
