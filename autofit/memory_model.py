@@ -184,9 +184,15 @@ def _walk_stage(pp: PrecisionProfile, start: int, end: int, first_stage: bool, l
     grad_of = (lambda i: 0.0) if later else (lambda i: layers[i].grad_bytes)
     if every:
         for s, e in reversed(segments):
+            # The segment's forward output is not kept twice: either recomputation stops before
+            # it (nothing in the segment saves it) or, when a layer saves its own output (a final
+            # ReLU), the original was freed with the next segment's saved inputs and the
+            # recomputed copy takes its place.
+            if layers[e - 1].output_saved:
+                w.live = _add(w.live, layers[e - 1].output, -1.0)
             for i in range(s, e):  # recompute the segment's forward, saving its activations
                 w.region(layers[i].forward.peak, layers[i].forward.delta, "backward")
-            if not layers[e - 1].output_saved:  # recomputation stops before an output nothing saves
+            if not layers[e - 1].output_saved:
                 w.live = _add(w.live, layers[e - 1].output, -1.0)
             for i in reversed(range(s, e)):
                 w.region(*bwd(layers[i].backward), "backward", grad_of(i))
