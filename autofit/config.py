@@ -112,10 +112,15 @@ class TrainConfig:
 
 
 def stage_bounds(n_layers: int, device_split: int) -> list[tuple[int, int]]:
-    """Contiguous ``[start, end)`` layer ranges, one per stage; earlier stages take the extra layers.
+    """Contiguous ``[start, end)`` layer ranges, one per stage: ``stage_bounds(5, 2) == [(0, 3), (3, 5)]``.
 
-    Raises ConfigError when there are more stages than layers.
+    Balanced; the earlier stages take the extra layers, because the last stage also runs the
+    final norm, the head and the loss (for a large vocabulary, as much compute as several
+    layers), and the slowest stage sets a pipeline's pace. The pipeline runner and the memory
+    and time models all use these bounds. Raises ConfigError when there are more stages than layers.
     """
+    if isinstance(device_split, bool) or not isinstance(device_split, int) or device_split < 1:
+        raise ConfigError(f"invalid device_split {device_split!r}: expected an integer >= 1")
     if device_split > n_layers:
         raise ConfigError(f"device_split {device_split} exceeds the {n_layers} layers to split")
     base, extra = divmod(n_layers, device_split)

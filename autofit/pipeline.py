@@ -67,12 +67,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import importlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from autofit.config import Precision, TrainConfig
+from autofit.config import Precision, TrainConfig, stage_bounds
 from autofit.errors import ConfigError
 from autofit.tracker import CATEGORIES as BREAKDOWN_KEYS
 from autofit.tracker import MemoryTracker, optimizer_state_bytes, storage_bytes
@@ -102,36 +104,6 @@ class Schedule(str, enum.Enum):
 
 class SplitError(RuntimeError):
     """A model that cannot be cut into pipeline stages (not capturable by ``torch.export``)."""
-
-
-def stage_bounds(n_layers: int, device_split: int) -> list[tuple[int, int]]:
-    """Contiguous half-open layer ranges ``[(start, end), ...]``, one per stage.
-
-    Balanced: stage sizes differ by at most one, and the *earlier* stages get the extra
-    layers. Why: the last stage also runs the final norm, the head and the loss, which for a
-    model with a large vocabulary cost as much compute as several layers, and the slowest
-    stage sets the pipeline's pace. (Memory pulls the other way under 1F1B, where the first
-    stage holds ``device_split`` micro-batches' activations and the last one; the memory
-    model must use these same bounds.)
-
-    Raises ConfigError when ``device_split`` is not in ``1..n_layers``.
-
-    Example: ``stage_bounds(5, 2) == [(0, 3), (3, 5)]``.
-    """
-    if isinstance(device_split, bool) or not isinstance(device_split, int) or device_split < 1:
-        raise ConfigError(f"invalid device_split {device_split!r}: expected an integer >= 1")
-    if device_split > n_layers:
-        raise ConfigError(
-            f"device_split={device_split} is more than the model's {n_layers} layer(s): "
-            "each pipeline stage needs at least one layer"
-        )
-    size, extra = divmod(n_layers, device_split)
-    bounds, start = [], 0
-    for stage in range(device_split):
-        end = start + size + (1 if stage < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
 
 
 # --------------------------------------------------------------------------- stage building
@@ -845,8 +817,9 @@ def measure_split(workload: Workload, config: TrainConfig, *, device_type: str, 
     if workload.source is None:
         # Forked stages inherit this process's modules: import the heavy ones (export, the
         # pipelining runtime, the memory tracker) once here rather than once per stage.
-        import torch.distributed._tools.mem_tracker  # noqa: F401
-        import torch.distributed.pipelining  # noqa: F401
+        # (importlib: an `import torch.x` here would make `torch` local to the whole function)
+        importlib.import_module("torch.distributed._tools.mem_tracker")
+        importlib.import_module("torch.distributed.pipelining")
     port = _free_port()
     procs: list[_StageProcess] = []
     results: dict[int, dict] = {}

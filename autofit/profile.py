@@ -25,7 +25,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-import numpy as np
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -35,7 +34,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from autofit.config import Precision, TrainConfig
 from autofit.errors import WorkloadError
-from autofit.training import build_trainee, forward_backward, param_dtype, to_device
+from autofit.training import build_trainee, forward_backward, to_device
 from autofit.workload import Workload
 
 PROFILE_VERSION = 5
@@ -475,7 +474,7 @@ def profile_precision(workload: Workload, precision: Precision, device_type: str
             backward=_region_lines(l1["backward"], l2["backward"]),
             forward_flops=_flops_line(l2["forward_flops"]),
         ))
-    opt_delta, opt_peak = r2["opt_region"][0], r2["opt_region"][1]
+    opt_peak = r2["opt_region"][1]
     return PrecisionProfile(
         precision=precision.value,
         static_param_bytes=r1["static_param_bytes"], grad_bytes=r1["grad_bytes"],
