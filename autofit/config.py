@@ -122,7 +122,8 @@ def stage_bounds(n_layers: int, device_split: int) -> list[tuple[int, int]]:
     if isinstance(device_split, bool) or not isinstance(device_split, int) or device_split < 1:
         raise ConfigError(f"invalid device_split {device_split!r}: expected an integer >= 1")
     if device_split > n_layers:
-        raise ConfigError(f"device_split {device_split} exceeds the {n_layers} layers to split")
+        raise ConfigError(f"device_split={device_split} is more than the model's {n_layers} layers: "
+                          "each pipeline stage needs at least one layer")
     base, extra = divmod(n_layers, device_split)
     bounds, start = [], 0
     for s in range(device_split):
