@@ -11,8 +11,24 @@ import math
 import pytest
 
 from autofit.bench import strategies as st
-from autofit.bench.common import ErrorStats, Report, markdown_table, median_and_spread, relative_error, write_csv
-from autofit.bench.search import Cell, Grid, GridPoint, ReplayOracle, losses, problem_for, run_strategy, score
+from autofit.bench.common import (
+    ErrorStats,
+    Report,
+    markdown_table,
+    median_and_spread,
+    relative_error,
+    write_csv,
+)
+from autofit.bench.search import (
+    Cell,
+    Grid,
+    GridPoint,
+    ReplayOracle,
+    losses,
+    problem_for,
+    run_strategy,
+    score,
+)
 from autofit.config import Precision, TrainConfig
 
 MiB = 2**20
@@ -136,7 +152,7 @@ def test_tpe_explores_whole_space_and_respects_trial_budget():
 
 
 def test_incumbent_by_criterion():
-    c = lambda m: TrainConfig(Precision.FP32, m, 1)  # noqa: E731
+    c = lambda m: TrainConfig(Precision.FP32, m, 1)
     recs = [st.TrialRecord(st.Outcome(c(8), "ok", 5.0, 1, 1.0), 1.0),
             st.TrialRecord(st.Outcome(c(16), "ok", 4.0, 1, 1.0), 2.0),
             st.TrialRecord(st.Outcome(c(32), "oom", None, None, 1.0), 3.0)]

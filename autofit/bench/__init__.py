@@ -16,9 +16,10 @@ Example::
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from autofit.bench.common import apply_bench_env, environment
 
@@ -71,4 +72,4 @@ def run_bench(suites: Sequence[str] = SUITES, *, out_dir: Path = DEFAULT_OUT, qu
     return results
 
 
-__all__ = ["BenchResults", "DEFAULT_OUT", "SUITES", "run_bench"]
+__all__ = ["DEFAULT_OUT", "SUITES", "BenchResults", "run_bench"]

@@ -18,12 +18,21 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
-from autofit.bench.common import (ErrorStats, Report, markdown_table, mib, pct, relative_error, seconds,
-                                  signed_pct, write_csv)
+from autofit.bench.common import (
+    ErrorStats,
+    Report,
+    markdown_table,
+    mib,
+    pct,
+    relative_error,
+    seconds,
+    signed_pct,
+    write_csv,
+)
 from autofit.config import Precision, TrainConfig
 
 MAIN_WORKLOADS = ("gpt-tiny", "convnet-bn")
@@ -131,7 +140,7 @@ def _predicted_step_times(profile, workload, configs) -> tuple[list[float | None
     except ImportError:
         return [None] * len(configs), None
     table = predict_table(profile, configs, probe_rates("cpu"), op_counts(workload))
-    return [float(x) if x == x else None for x in table["step_time_s"]], (
+    return [float(x) if math.isfinite(x) else None for x in table["step_time_s"]], (
         "Predicted: `autofit.time_model.predict_table` — the uncalibrated prior from profiled FLOPs and the "
         "probed device rates (a search calibrates it with its trials)")
 
@@ -292,5 +301,14 @@ def write_accuracy(out_dir: Path, env: dict, res: AccuracyResults) -> list[Path]
     return files
 
 
-__all__ = ["ANCHORS", "AccuracyResults", "AccuracyRow", "MAIN_WORKLOADS", "TARGET_MAX", "TARGET_MEDIAN", "cases",
-           "run_accuracy", "safety"]
+__all__ = [
+    "ANCHORS",
+    "MAIN_WORKLOADS",
+    "TARGET_MAX",
+    "TARGET_MEDIAN",
+    "AccuracyResults",
+    "AccuracyRow",
+    "cases",
+    "run_accuracy",
+    "safety",
+]

@@ -12,9 +12,10 @@ import math
 import os
 import platform
 import subprocess
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -57,9 +58,9 @@ def _git_commit() -> str:
     root = Path(__file__).resolve().parent.parent.parent
     try:
         out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=10)
+                             text=True, timeout=10, check=False)
         dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10)
+                               capture_output=True, text=True, timeout=10, check=False)
         commit = out.stdout.strip() or "unknown"
         return commit + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
@@ -116,7 +117,7 @@ class ErrorStats:
     under: int           # predictions below the measurement
 
     @classmethod
-    def of(cls, errors: Iterable[float]) -> "ErrorStats":
+    def of(cls, errors: Iterable[float]) -> ErrorStats:
         e = np.array([x for x in errors if x is not None and not math.isnan(x)], dtype=np.float64)
         if e.size == 0:
             return cls(0, math.nan, math.nan, math.nan, math.nan, 0)

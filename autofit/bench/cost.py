@@ -16,9 +16,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from autofit.bench.common import Report, markdown_table, seconds, write_csv
 from autofit.config import Precision, TrainConfig
@@ -39,7 +39,7 @@ class CostResults:
 def scoring_configs(n: int = N_SCORED, n_layers: int = 4) -> list[TrainConfig]:
     """``n`` distinct configs: 4 precisions x micro-batches x accumulation x checkpointing x splits."""
     splits = [s for s in (1, 2, 3, 4) if s <= n_layers]
-    grid = itertools.product(Precision, range(1, 51), range(1, 26), range(0, 5), splits)
+    grid = itertools.product(Precision, range(1, 51), range(1, 26), range(5), splits)
     return [TrainConfig(p, mb, ga, ck, ds) for p, mb, ga, ck, ds in itertools.islice(grid, n)]
 
 
@@ -102,8 +102,9 @@ def _trial_overhead(quick: bool, progress) -> list[dict]:
 
     rows = []
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import autofit.trial, autofit.measure, autofit.workloads; "
-                    "from torch.distributed._tools import mem_tracker"], check=False)
+    imports_code = ("import autofit.trial, autofit.measure, autofit.workloads; "
+                    "from torch.distributed._tools import mem_tracker")
+    subprocess.run([sys.executable, "-c", imports_code], check=False)
     imports = time.perf_counter() - start
     rows.append({"kind": "trial", "item": "interpreter start + imports (torch, autofit, mem_tracker)",
                  "metric": "wall_s", "value": imports, "unit": "s", "note": ""})
@@ -207,4 +208,4 @@ def write_cost(out_dir: Path, env: dict, res: CostResults) -> list[Path]:
     return files
 
 
-__all__ = ["CostResults", "N_SCORED", "run_cost", "scoring_configs"]
+__all__ = ["N_SCORED", "CostResults", "run_cost", "scoring_configs"]

@@ -23,14 +23,30 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
-from autofit.bench.common import (Report, markdown_table, median_and_spread, mib, pct, seconds, try_plot,
-                                  write_csv)
-from autofit.bench.strategies import (PEERS, Oracle, Outcome, Problem, Strategy, TrialRecord, incumbent,
-                                     optuna_tpe)
+from autofit.bench.common import (
+    Report,
+    markdown_table,
+    median_and_spread,
+    mib,
+    pct,
+    seconds,
+    try_plot,
+    write_csv,
+)
+from autofit.bench.strategies import (
+    PEERS,
+    Oracle,
+    Outcome,
+    Problem,
+    Strategy,
+    TrialRecord,
+    incumbent,
+    optuna_tpe,
+)
 from autofit.config import Precision, TrainConfig
 
 MiB = 2**20
@@ -128,9 +144,9 @@ def problem_for(cell: Cell, budget_bytes: int, param_count: int) -> Problem:
 
 def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) -> Grid:
     """Run every config of ``cell`` (no budget), plus one trial that dies at once (the OOM cost floor)."""
+    from autofit.bench.worker import run_jobs
     from autofit.memory_model import estimate_table
     from autofit.profile import profile_workload
-    from autofit.bench.worker import run_jobs
     from autofit.trial import run_trial
     from autofit.workload import load_workload
     from autofit.workloads import param_count
@@ -247,6 +263,11 @@ class RunResult:
     live_samples_per_s: float | None = None
     history: list[TrialRecord] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    extra_s: float = 0.0             # charged for work done elsewhere (autofit's first use)
+
+    @property
+    def trials_s(self) -> float:
+        return sum(r.outcome.cost_s for r in self.history)
 
     def row(self) -> dict:
         return {
@@ -254,7 +275,9 @@ class RunResult:
             "seed": self.seed, "mode": self.mode, "answer": self.answer.short() if self.answer else "",
             "fraction_of_optimum": self.fraction, "wall_s": self.wall_s, "trials": self.trials,
             "oom_trials": self.oom_trials, "failed_trials": self.failed_trials,
-            "time_to_95pct_s": self.time_to_target_s, "error": self.error or "",
+            "time_to_95pct_s": self.time_to_target_s, "trials_s": self.trials_s, "charged_s": self.extra_s,
+            "own_work_s": self.wall_s - self.trials_s - self.extra_s if self.history or self.extra_s else None,
+            "error": self.error or "",
             "trial_sequence": " ; ".join(f"{r.outcome.config.short()}={r.outcome.status}" for r in self.history),
             "notes": " ; ".join(self.notes),
         }
@@ -277,7 +300,7 @@ def score(strategy: Strategy, grid: Grid, budget_bytes: int, seed: int, mode: st
         oom_trials=sum(r.outcome.status == "oom" for r in records),
         failed_trials=sum(r.outcome.status in ("error", "timeout") for r in records),
         time_to_target_s=reached, error=error, live_samples_per_s=live_tput, history=list(records),
-        notes=list(oracle.notes),
+        notes=list(oracle.notes), extra_s=oracle.extra_s,
     )
 
 
@@ -441,37 +464,59 @@ def _count(x: float) -> str:
 
 
 def losses(runs: list[RunResult], strategies: tuple[Strategy, ...]) -> list[str]:
-    """Plain statements of every figure on which autofit's median is worse than a peer's."""
+    """Plain statements of every figure on which autofit is worse than a peer: replayed medians, then live runs."""
     out = []
-    keys = sorted({(r.workload, r.budget_bytes) for r in runs if r.mode == "replay"})
-    for workload, budget in keys:
-        cell = [r for r in runs if r.mode == "replay" and r.workload == workload and r.budget_bytes == budget]
-        mine = [r for r in cell if r.strategy == AUTOFIT.name]
-        if not mine or any(r.error and math.isnan(r.fraction) for r in mine):
-            out.append(f"{workload} @ {budget / MiB:.0f} MiB: autofit's search did not run ({mine[0].error if mine else 'no runs'}); "
-                       "every figure is a loss until it does.")
-            continue
-        a = _summary(mine)
-        for s in strategies:
-            if s.name == AUTOFIT.name:
+    for mode in ("replay", "live"):
+        keys = sorted({(r.workload, r.budget_bytes) for r in runs if r.mode == mode})
+        for workload, budget in keys:
+            where = f"{workload} @ {budget / MiB:.0f} MiB" + (" (live)" if mode == "live" else "")
+            what = "medians" if mode == "replay" else "one live run each"
+            cell = [r for r in runs if r.mode == mode and r.workload == workload and r.budget_bytes == budget]
+            mine = [r for r in cell if r.strategy == AUTOFIT.name]
+            if not mine:
                 continue
-            b = _summary([r for r in cell if r.strategy == s.name])
-            cmp = [("best throughput found", a["fraction"][0], b["fraction"][0], True, pct),
-                   ("wall time (s)", a["wall"][0], b["wall"][0], False, seconds),
-                   ("real trials", a["trials"][0], b["trials"][0], False, _count),
-                   ("OOM trials", a["ooms"][0], b["ooms"][0], False, _count)]
-            if a["reached"] and b["reached"]:
-                cmp.append(("time to 95% (s)", a["t95"][0], b["t95"][0], False, seconds))
-            elif b["reached"] and not a["reached"]:
-                out.append(f"{workload} @ {budget / MiB:.0f} MiB: {s.name} reaches 95% of the optimum; autofit does not.")
-            for name, mine_v, theirs, higher_better, fmt in cmp:
-                worse = mine_v < theirs - 1e-9 if higher_better else mine_v > theirs + 1e-9
-                if worse:
-                    context = "" if higher_better else (f", finding {pct(a['fraction'][0])} of the optimum against "
-                                                        f"{pct(b['fraction'][0])}")
-                    out.append(f"{workload} @ {budget / MiB:.0f} MiB: autofit loses to {s.name} on {name}: "
-                               f"{fmt(mine_v)} vs {fmt(theirs)} (medians{context}).")
+            if any(r.error and math.isnan(r.fraction) for r in mine):
+                out.append(f"{where}: autofit's search did not run ({mine[0].error}); every figure is a loss until it does.")
+                continue
+            a = _summary(mine)
+            for s in strategies:
+                theirs_runs = [r for r in cell if r.strategy == s.name]
+                if s.name == AUTOFIT.name or not theirs_runs:
+                    continue
+                b = _summary(theirs_runs)
+                cmp = [("best throughput found", a["fraction"][0], b["fraction"][0], True, pct),
+                       ("wall time (s)", a["wall"][0], b["wall"][0], False, seconds),
+                       ("real trials", a["trials"][0], b["trials"][0], False, _count),
+                       ("OOM trials", a["ooms"][0], b["ooms"][0], False, _count)]
+                if a["reached"] and b["reached"]:
+                    cmp.append(("time to 95% (s)", a["t95"][0], b["t95"][0], False, seconds))
+                elif b["reached"] and not a["reached"]:
+                    out.append(f"{where}: {s.name} reaches 95% of the optimum; autofit does not.")
+                for name, mine_v, theirs, higher_better, fmt in cmp:
+                    worse = mine_v < theirs - 1e-9 if higher_better else mine_v > theirs + 1e-9
+                    if worse:
+                        context = "" if higher_better else (f", finding {pct(a['fraction'][0])} of the optimum against "
+                                                            f"{pct(b['fraction'][0])}")
+                        out.append(f"{where}: autofit loses to {s.name} on {name}: {fmt(mine_v)} vs {fmt(theirs)} "
+                                   f"({what}{context}).")
     return out
+
+
+def _autofit_time(runs: list[RunResult], cell: Cell, budget: int) -> str:
+    mine = [r for r in runs if r.mode == "replay" and r.strategy == AUTOFIT.name and r.workload == cell.workload
+            and r.budget_bytes == budget and not math.isnan(r.wall_s)]
+    if not mine:
+        return ""
+    med = lambda xs: median_and_spread(xs)[0]
+    trials, extra = med([r.trials_s for r in mine]), med([r.extra_s for r in mine])
+    own = med([r.wall_s - r.trials_s - r.extra_s for r in mine])
+    return (f"autofit's wall time (medians): {seconds(extra)} s first use + {seconds(trials)} s of trials + "
+            f"{seconds(own)} s of its own work (estimate, time model, calibration, Optuna storage, reports).")
+
+
+def _after_table(stops: list[str], time_text: str) -> str:
+    parts = (["autofit " + "; ".join(stops) + "."] if stops else []) + ([time_text] if time_text else [])
+    return "\n\n" + " ".join(parts) if parts else ""
 
 
 def write_search(out_dir: Path, env: dict, res: SearchResults, strategies: tuple[Strategy, ...]) -> list[Path]:
@@ -511,14 +556,15 @@ def write_search(out_dir: Path, env: dict, res: SearchResults, strategies: tuple
         rep.add(f"- **{s.name}**: {s.description}")
     for grid in res.grids:
         cell = grid.cell
-        lines = [f"## {cell.workload}: global batch {cell.global_batch}, micro-batches "
+        title = (f"## {cell.workload}: global batch {cell.global_batch}, micro-batches "
                  f"{', '.join(map(str, cell.micro_batches))}, precisions {', '.join(p.value for p in cell.precisions)}, "
-                 f"checkpointing {', '.join(map(str, cell.checkpoints))}", "",
-                 f"{len(grid.points)} configs measured in {grid.wall_s / 60:.1f} min "
-                 f"(median trial {seconds(median_and_spread([p.wall_s for p in grid.points.values()])[0])} s; "
-                 f"a trial that dies at its first operator: {grid.oom_floor_s:.1f} s). autofit's clock is charged "
-                 f"{grid.first_use_s:.1f} s per run for its first use on this workload: profiling on fake tensors "
-                 "and probing the device, both with cold caches."]
+                 f"checkpointing {', '.join(map(str, cell.checkpoints))}")
+        measured = (f"{len(grid.points)} configs measured in {grid.wall_s / 60:.1f} min "
+                    f"(median trial {seconds(median_and_spread([p.wall_s for p in grid.points.values()])[0])} s; "
+                    f"a trial that dies at its first operator: {grid.oom_floor_s:.1f} s). autofit's clock is charged "
+                    f"{grid.first_use_s:.1f} s per run for its first use on this workload: profiling on fake tensors "
+                    "and probing the device, both with cold caches.")
+        lines = [title, "", measured]
         pairs = [(p.trial_samples_per_s, p.second_samples_per_s) for p in grid.points.values()
                  if p.trial_samples_per_s and p.second_samples_per_s]
         if pairs:
@@ -570,7 +616,7 @@ def write_search(out_dir: Path, env: dict, res: SearchResults, strategies: tuple
             rep.add("\n".join(head) + markdown_table(
                 ["strategy", "best found / optimum", "wall time (s)", "real trials", "OOM trials", "time to 95% (s)",
                  "answer(s)", "figures"], rows, "lrrrrrll")
-                + ("\n\nautofit " + "; ".join(stops) + "." if stops else ""))
+                + _after_table(stops, _autofit_time(res.runs, cell, budget)))
     live = [r for r in res.runs if r.mode == "live"]
     if live:
         rows = []
@@ -618,5 +664,18 @@ def _plot(plt, res: SearchResults, strategies):
     return fig
 
 
-__all__ = ["CELLS", "Cell", "Grid", "GridPoint", "LiveOracle", "NotAvailable", "QUICK_CELLS", "ReplayOracle",
-           "RunResult", "STRATEGIES", "measure_grid", "run_search_suite", "search_budgets"]
+__all__ = [
+    "CELLS",
+    "QUICK_CELLS",
+    "STRATEGIES",
+    "Cell",
+    "Grid",
+    "GridPoint",
+    "LiveOracle",
+    "NotAvailable",
+    "ReplayOracle",
+    "RunResult",
+    "measure_grid",
+    "run_search_suite",
+    "search_budgets",
+]

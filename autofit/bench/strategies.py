@@ -32,8 +32,8 @@ from __future__ import annotations
 import math
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from autofit.config import Precision, TrainConfig
 
@@ -115,6 +115,7 @@ class Oracle(ABC):
         self._started = time.perf_counter()
         self._in_trials_s = 0.0
         self._charged_s = 0.0
+        self.extra_s = 0.0            # charged for work done elsewhere (see :meth:`charge`)
 
     def run(self, config: TrainConfig) -> Outcome:
         start = time.perf_counter()
@@ -127,6 +128,7 @@ class Oracle(ABC):
     def charge(self, seconds: float, why: str) -> None:
         """Add ``seconds`` of work done elsewhere (e.g. a cold profile measured once) to the clock."""
         self._charged_s += seconds
+        self.extra_s += seconds
         self.notes.append(f"charged {seconds:.1f} s: {why}")
 
     @property

@@ -30,8 +30,8 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 
 def _memory_only(workload, config, warmup_steps: int, measure_steps: int) -> dict:
@@ -43,7 +43,7 @@ def _memory_only(workload, config, warmup_steps: int, measure_steps: int) -> dic
     trainee = build_trainee(workload, config, "cpu")
     batches = _micro_batches(workload, config, trainee.device)
     tracker = MemoryTracker(trainee.model, trainee.optimizer, inputs=batches)
-    boundary = lambda _index: tracker.step_boundary()  # noqa: E731
+    boundary = lambda _index: tracker.step_boundary()
     with tracker:
         for _ in range(warmup_steps):
             train_step(trainee, batches, on_micro_step=boundary)
@@ -104,7 +104,7 @@ def _tracker_overhead(job: dict) -> dict:
     plain: list[float] = []
     tracked: list[float] = []
     tracker = MemoryTracker(trainee.model, trainee.optimizer, inputs=batches)
-    boundary = lambda _index: tracker.step_boundary()  # noqa: E731
+    boundary = lambda _index: tracker.step_boundary()
     # Interleaved rounds, so a burst of load from other processes hits both sides alike.
     for _ in range(2):
         plain += timed(lambda: train_step(trainee, batches))
@@ -120,7 +120,12 @@ def _throughput(job: dict) -> dict:
 
     from autofit.config import TrainConfig
     from autofit.measure import _micro_batches, compose_step_time
-    from autofit.training import build_trainee, forward_backward, optimizer_step, train_step
+    from autofit.training import (
+        build_trainee,
+        forward_backward,
+        optimizer_step,
+        train_step,
+    )
     from autofit.workload import load_workload
 
     workload = load_workload(job["workload"])
