@@ -278,3 +278,15 @@ def test_tiny_search_and_accuracy_suites(tmp_path, monkeypatch):
     assert all(abs(r.error_rel) < 0.5 for r in acc.rows)
     md = (tmp_path / "accuracy.md").read_text()
     assert "Issue 3 target" in md and "LLMem" in md
+
+
+def test_search_plot_written_when_matplotlib_is_importable(tmp_path):
+    pytest.importorskip("matplotlib")
+    from autofit.bench.search import SearchResults, write_search
+
+    grid = _grid()
+    runs = [run_strategy(s, grid, b * MiB, 0, ReplayOracle(grid, b * MiB), "replay")
+            for b in grid.cell.budgets_mib for s in st.PEERS]
+    files = write_search(tmp_path, {"date": "today"}, SearchResults([grid], runs, ("synthetic", 50 * MiB), 1, 1.0),
+                         st.PEERS)
+    assert (tmp_path / "search.png") in files and (tmp_path / "search.png").stat().st_size > 0
