@@ -9,8 +9,8 @@ estimate is expected to be low there -- reported, not hidden.
 
 Measurement: a worker process per workload (:mod:`autofit.bench.worker`) runs each config on a
 fresh model with :func:`autofit.measure.measure_trial` -- the trial runner's own code, steady-
-state peak over the steps after two warm-up steps. amp-fp16 configs (no fp16 kernels on this
-CPU: ~1000x slow steps) run only the tracked steps, untimed; device splits run PyTorch's
+state peak over the steps after two warm-up steps. amp-fp16 configs run only the tracked
+steps, untimed (on CPUs without native fp16 kernels a step is ~1000x slower); device splits run PyTorch's
 pipeline engine, a process per stage.
 """
 

@@ -71,8 +71,9 @@ class Cell:
 
 
 _THREE = (Precision.FP32, Precision.AMP_BF16, Precision.BF16)
-# amp-fp16 is left out: this CPU has no fp16 kernels (a step is ~1000x slower), so it can never
-# win here and one trial of it would cost more than the rest of the grid.
+# amp-fp16 is left out to keep the exhaustive grids affordable: on CPUs without native fp16
+# kernels a step is ~1000x slower (FACTS.md), and where the CPU has them (avx512_fp16, as the
+# search's probe found on this machine) it measures close to fp32, which the grid already has.
 CELLS = (
     Cell("gpt-tiny", 12, (1, 2, 4, 6, 12), _THREE, (64, 128)),
     Cell("convnet-bn", 24, (4, 6, 8, 12, 24), _THREE, (16, 24)),
@@ -550,8 +551,9 @@ def write_search(out_dir: Path, env: dict, res: SearchResults, strategies: tuple
             "clock when the config it would answer at that point first reached 95% of the optimum.")
     rep.add("Settings the batch-size finders and DeepSpeed leave alone, at the tools' own defaults: precision "
             "fp32 (a HF Trainer without `bf16`/`fp16`, Lightning's `32-true`, DeepSpeed without a `bf16` section), no "
-            "checkpointing. They keep the global batch (accumulation = global batch / micro-batch). amp-fp16 is not in the grids: this CPU has no fp16 kernels (a step is ~1000x "
-            "slower), so it can never win here and one trial would cost more than the rest of the grid.")
+            "checkpointing. They keep the global batch (accumulation = global batch / micro-batch). amp-fp16 is not in the grids, to keep them affordable: "
+            "on CPUs without native fp16 kernels a step is ~1000x slower (FACTS.md); where the CPU has them (this "
+            "machine's matmul probe shows avx512_fp16 rates) it measures close to fp32.")
     for s in strategies:
         rep.add(f"- **{s.name}**: {s.description}")
     for grid in res.grids:
