@@ -8,23 +8,12 @@ import json
 import sys
 
 from autofit.budget import format_budget, format_bytes, parse_budget
+from autofit.cli._args import positive
 from autofit.config import TrainConfig
 from autofit.errors import AutofitError
 from autofit.tracker import CATEGORIES
 from autofit.trial import TrialResult, run_trial
 from autofit.workload import load_workload
-
-
-def _positive(kind):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected a positive number") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"invalid value {text!r}: must be positive")
-        return value
-    return parse
 
 
 def add_parser(subparsers) -> None:
@@ -40,9 +29,9 @@ def add_parser(subparsers) -> None:
                    help="a built-in name (see `autofit models`), path/to/file.py:function or package.module:function")
     p.add_argument("--config", default="", help="k=v,... over the defaults, e.g. precision=amp-bf16,micro_batch=8")
     p.add_argument("--budget", help="memory per device, e.g. 8GB, 7.5GiB, 512MiB (default: none)")
-    p.add_argument("--steps", type=_positive(int), default=3, help="measured steps after the warm-up (default 3)")
+    p.add_argument("--steps", type=positive(int), default=3, help="measured steps after the warm-up (default 3)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if available, else cpu")
-    p.add_argument("--timeout", type=_positive(float), default=300.0,
+    p.add_argument("--timeout", type=positive(float), default=300.0,
                    help="wall-clock limit in seconds for the whole trial, process start included (default 300)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
     p.set_defaults(run=run)

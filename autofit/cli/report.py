@@ -7,18 +7,17 @@ import json
 import sys
 
 from autofit.budget import format_bytes
-from autofit.report import STATUSES, best_record, counts, select, summary_markdown, trials_table, write_reports
+from autofit.cli._args import positive
+from autofit.report import (
+    STATUSES,
+    best_record,
+    counts,
+    select,
+    summary_markdown,
+    trials_table,
+    write_reports,
+)
 from autofit.study import open_study
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected a positive integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}: must be positive")
-    return value
 
 
 def add_parser(subparsers) -> None:
@@ -28,7 +27,7 @@ def add_parser(subparsers) -> None:
                     "fastest first. Works on any study directory, including one whose search is still running.",
     )
     p.add_argument("dir", help="the study's output directory (autofit search --out)")
-    p.add_argument("--top", type=_positive_int, help="print only the first N rows")
+    p.add_argument("--top", type=positive(int), help="print only the first N rows")
     p.add_argument("--status", choices=STATUSES, help="only trials with this status")
     p.add_argument("--storage", help="the storage URL when the study is in a database (its password is not saved)")
     p.add_argument("--summary", action="store_true", help="print summary.md instead of the trials table")

@@ -9,20 +9,9 @@ import shlex
 import sys
 
 from autofit.budget import format_budget, format_bytes
+from autofit.cli._args import positive
 from autofit.study import PATIENCE, TRIAL_TIMEOUT_S, SearchProgress, search
 from autofit.workloads import DEFAULT_WORKLOAD
-
-
-def _positive(kind):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected a positive number") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"invalid value {text!r}: must be positive")
-        return value
-    return parse
 
 
 def add_parser(subparsers) -> None:
@@ -40,20 +29,20 @@ def add_parser(subparsers) -> None:
                    help=f"a built-in name (see `autofit models`), path/to/file.py:function or package.module:function "
                         f"(default: {DEFAULT_WORKLOAD})")
     p.add_argument("--space", help="search-space TOML file or a name in search_spaces/ (default: default)")
-    p.add_argument("--global-batch", type=_positive(int), help="fix the global batch (grad_accum = global_batch / micro_batch)")
-    p.add_argument("--trials", type=_positive(int), help="real trials in the study at most (pruned configs are free)")
-    p.add_argument("--timeout", type=_positive(float), help="seconds after which no new trial starts")
-    p.add_argument("--patience", type=_positive(int), default=PATIENCE,
+    p.add_argument("--global-batch", type=positive(int), help="fix the global batch (grad_accum = global_batch / micro_batch)")
+    p.add_argument("--trials", type=positive(int), help="real trials in the study at most (pruned configs are free)")
+    p.add_argument("--timeout", type=positive(float), help="seconds after which no new trial starts")
+    p.add_argument("--patience", type=positive(int), default=PATIENCE,
                    help=f"stop after this many real trials in a row without a 2%% improvement (default {PATIENCE})")
-    p.add_argument("--trial-timeout", type=_positive(float), default=TRIAL_TIMEOUT_S,
+    p.add_argument("--trial-timeout", type=positive(float), default=TRIAL_TIMEOUT_S,
                    help=f"wall-clock limit of one trial in seconds, process start included (default {TRIAL_TIMEOUT_S:g})")
-    p.add_argument("--workers", type=_positive(int), default=1, help="local worker processes on the study (default 1)")
+    p.add_argument("--workers", type=positive(int), default=1, help="local worker processes on the study (default 1)")
     p.add_argument("--storage", help="an Optuna storage URL shared by several machines, e.g. "
                                      "postgresql://user:pass@host/db (default: a journal file in --out)")
     p.add_argument("--study", help="study name (default: <model>-<budget>)")
     p.add_argument("--out", help="output directory for the study and its tables (default: results/<study>)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if available, else cpu")
-    p.add_argument("--devices", type=_positive(int),
+    p.add_argument("--devices", type=positive(int),
                    help="devices per worker; larger device splits are estimated, never run (default: 1 on the CPU, "
                         "a worker's share of the GPUs on CUDA). On the CPU, N > 1 runs splits as processes sharing it")
     p.add_argument("--seed", type=int, default=0, help="seed of the planner's tie-breaking (default 0)")
