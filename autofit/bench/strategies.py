@@ -372,7 +372,8 @@ PEERS: tuple[Strategy, ...] = (
     Strategy("accelerate-x0.9", accelerate_halving_09, "largest", True,
              "the same with the newer x0.9 factor"),
     Strategy("lightning-binsearch", lightning_binsearch, "largest", True,
-             "Lightning BatchSizeFinder binsearch: double from 2 until OOM, then bisect"),
+             "Lightning BatchSizeFinder binsearch: double from 2 until OOM, then bisect; it can end on a size it "
+             "never ran (1, after an OOM at 2), which counts for best found but not for time to 95%"),
     Strategy("deepspeed-autotuner", deepspeed_autotuner, "throughput", True,
              "DeepSpeed autotuner (stage 0): profile run, linear max, probes, bisect with 5% plateau, tuning list"),
 )
