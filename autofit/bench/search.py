@@ -79,7 +79,7 @@ CELLS = (
     Cell("convnet-bn", 24, (4, 6, 8, 12, 24), _THREE, (16, 24)),
 )
 QUICK_CELLS = (
-    Cell("gpt-tiny", 12, (3, 6, 12), (Precision.FP32, Precision.BF16), (64, 128)),
+    Cell("gpt-tiny", 12, (3, 12), (Precision.FP32, Precision.BF16), (64, 128)),
 )
 
 
