@@ -5,19 +5,24 @@ from __future__ import annotations
 import itertools
 import sys
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from autofit.config import Precision, TrainConfig
 from autofit.errors import AutofitError, SpaceError
 
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-SPACES_DIR = Path(__file__).resolve().parent.parent / "search_spaces"
+DEFAULT_SPACE = "default"
 _DIMENSIONS = ("precision", "micro_batch", "grad_accum", "checkpoint_every", "device_split")
 _KEYS = set(_DIMENSIONS) | {"global_batch", "description"}
 
@@ -100,22 +105,39 @@ def space_from_dict(data: dict, source: str = "<inline>") -> SearchSpace:
     return space
 
 
+def builtin_spaces() -> dict[str, Traversable]:
+    """The spaces shipped inside the package (``autofit/search_spaces/*.toml``), by name.
+
+    Read through importlib.resources, so they are found in a wheel install, an editable
+    install and a source checkout alike.
+    """
+    folder = resources.files("autofit").joinpath("search_spaces")
+    return {f.name.removesuffix(".toml"): f for f in folder.iterdir() if f.name.endswith(".toml")}
+
+
 def load_space(path: str | Path | None = None) -> SearchSpace:
-    """Load a search space: a path to a TOML file, or a name in ``search_spaces/`` (default: ``default``).
+    """Load a search space: a path to a TOML file, or the name of a built-in space
+    (:func:`builtin_spaces`; default: ``default``). An existing path wins over a name.
 
     Raises SpaceError for a missing file, bad TOML, unknown keys, empty lists or a global
     batch no micro-batch divides.
     """
-    path = Path(path) if path is not None else SPACES_DIR / "default.toml"
-    if not path.exists() and not path.suffix and (SPACES_DIR / f"{path}.toml").exists():
-        path = SPACES_DIR / f"{path}.toml"
-    if not path.is_file():
-        raise SpaceError(f"{path}: no such search-space file")
+    builtin = builtin_spaces()
+    name = str(path) if path is not None else DEFAULT_SPACE
+    source: Path | Traversable
+    if path is not None and (Path(path).exists() or Path(path).suffix):
+        source = Path(path)
+    elif name in builtin:
+        source = builtin[name]
+    else:
+        raise SpaceError(f"{name}: no such search-space file; give a TOML path or one of {', '.join(sorted(builtin))}")
+    if not source.is_file():
+        raise SpaceError(f"{source}: no such search-space file")
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(source.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise SpaceError(f"{path}: not valid TOML ({exc})") from None
-    return space_from_dict(data, str(path))
+        raise SpaceError(f"{source}: not valid TOML ({exc})") from None
+    return space_from_dict(data, str(source))
 
 
 def configs_as_arrays(configs: list[TrainConfig]) -> dict[str, np.ndarray]:

@@ -1,8 +1,12 @@
+from pathlib import Path
+
 import pytest
 
 from autofit.config import Precision, TrainConfig
 from autofit.errors import SpaceError
-from autofit.space import SPACES_DIR, load_space
+from autofit.space import builtin_spaces, load_space
+
+REPO_DIR = Path(__file__).resolve().parent.parent
 
 
 def write(tmp_path, text):
@@ -20,12 +24,34 @@ def test_default_space_loads_and_derives_accumulation():
 
 
 def test_every_shipped_space_loads():
-    for path in SPACES_DIR.glob("*.toml"):
+    assert {"default", "tiny"} <= set(builtin_spaces())
+    for name in builtin_spaces():
+        assert len(load_space(name)) > 0
+
+
+def test_every_example_space_loads():
+    examples = sorted((REPO_DIR / "search_spaces").glob("*.toml"))
+    assert examples
+    for path in examples:
         assert len(load_space(path)) > 0
 
 
-def test_space_by_name(tmp_path):
-    assert load_space("default").source.endswith("default.toml")
+def test_space_by_name_reads_package_data():
+    space = load_space("tiny")
+    assert space.source.endswith("tiny.toml") and "search_spaces" in space.source
+    assert len(space) == 16  # 2 precisions x 2 micro-batches x 2 checkpoint intervals x 2 splits
+    assert load_space(None).source.endswith("default.toml")
+
+
+def test_an_existing_path_wins_over_a_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny").write_text('precision = ["fp32"]\nmicro_batch = [3]\n')
+    assert [c.micro_batch for c in load_space("tiny").configs()] == [3]
+
+
+def test_unknown_name_lists_the_builtins():
+    with pytest.raises(SpaceError, match="no such search-space file.*default, .*tiny"):
+        load_space("nosuchspace")
 
 
 def test_global_batch_keeps_only_divisors(tmp_path):

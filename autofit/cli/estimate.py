@@ -26,7 +26,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--model", required=True, help=DEFAULT_MODEL_HELP)
     p.add_argument("--budget", required=True, help="memory per device, e.g. 8GB, 7.5GiB, 512MiB")
     p.add_argument("--config", help="one config as k=v,... e.g. precision=amp-bf16,micro_batch=8")
-    p.add_argument("--space", help="search-space TOML file or a name in search_spaces/ (default: default)")
+    p.add_argument("--space", help="search-space TOML file, or a built-in space by name: default (the default), tiny")
     p.add_argument("--global-batch", type=int, help="fix the global batch (grad_accum = global_batch / micro_batch)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="device type to estimate for (default: cuda if available, else cpu)")
     p.add_argument("--top", type=int, default=25, help="rows of the space table to print (default 25; 0 = all)")
