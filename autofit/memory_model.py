@@ -295,11 +295,8 @@ def estimate_table(profile: Profile, configs: list[TrainConfig], budget_bytes: i
     phase = np.empty(n, dtype=object)
     valid = np.ones(n, dtype=bool)
     reason = np.full(n, "", dtype=object)
-    keys = np.array([f"{c.precision.value}|{c.checkpoint_every}|{c.device_split}" for c in configs])
-    for key in np.unique(keys):
-        idx = np.nonzero(keys == key)[0]
-        precision, every, split = key.split("|")
-        every, split = int(every), int(split)
+    for (precision, every, split), members in _structures(configs).items():
+        idx = np.array(members, dtype=np.int64)
         if split > profile.n_layers:
             valid[idx] = False
             reason[idx] = f"device_split {split} > {profile.n_layers} layers"
@@ -320,6 +317,14 @@ def estimate_table(profile: Profile, configs: list[TrainConfig], budget_bytes: i
     table["reason"] = reason
     table["fits"] = (table["peak_bytes"] <= budget_bytes) & valid if budget_bytes is not None else None
     return table
+
+
+def _structures(configs: list[TrainConfig]) -> dict[tuple[Precision, int, int], list[int]]:
+    """Config indices grouped by what fixes the peak's lines: (precision, checkpoint interval, split)."""
+    groups: dict[tuple[Precision, int, int], list[int]] = {}
+    for i, c in enumerate(configs):
+        groups.setdefault((c.precision, c.checkpoint_every, c.device_split), []).append(i)
+    return groups
 
 
 def _model_state(profile: Profile, precision: str) -> int:
