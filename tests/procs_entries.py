@@ -1,0 +1,40 @@
+"""Child entry points for tests/test_procs.py, run as ``procs_entries:NAME`` (tests/ on PYTHONPATH)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import time
+
+from autofit import procs
+
+
+def echo(request: dict, send) -> dict:
+    print("a print that must not reach the messages")  # stdout goes to the captured stderr
+    for i in range(request.get("extra", 0)):
+        send({"index": i})
+    return {"echo": request["value"], "pid": os.getpid()}
+
+
+def raising(request: dict, send) -> None:
+    raise RuntimeError("first line\nthe last line of the message")
+
+
+def segfault(request: dict, send) -> None:
+    ctypes.string_at(0)
+
+
+def garbage(request: dict, send) -> None:
+    os.write(int(sys.argv[2]), b"not json\n")
+
+
+def hang_with_grandchild(request: dict, send) -> None:
+    """Start a grandchild in our group that hangs too, say its pid, and hang."""
+    grandchild = procs.spawn("procs_entries:hang", {}, new_group=False, env=dict(os.environ))
+    send({"grandchild": grandchild.pid})
+    time.sleep(600)
+
+
+def hang(request: dict, send) -> None:
+    time.sleep(600)
