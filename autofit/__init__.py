@@ -15,12 +15,13 @@ _LAZY = {
     "search": "autofit.api", "estimate": "autofit.api", "measure": "autofit.api",
     "SearchResult": "autofit.report", "SearchProgress": "autofit.study",
     "TrainingPlan": "autofit.apply", "TrainingRun": "autofit.apply",
+    "hf_workload": "autofit.hf",
 }
 
 __all__ = [
     "AutofitError", "BudgetError", "ConfigError", "Precision", "SearchProgress", "SearchResult", "SpaceError",
     "StudyError", "TrainConfig", "TrainingPlan", "TrainingRun", "Workload", "WorkloadError", "estimate",
-    "format_budget", "load_workload", "measure", "parse_budget", "search",
+    "format_budget", "hf_workload", "load_workload", "measure", "parse_budget", "search",
 ]
 
 

@@ -78,13 +78,17 @@ class Workload:
 
 
 def load_workload(spec: str | Workload) -> Workload:
-    """Resolve ``--model``: a built-in name, ``path/to/file.py:function`` or ``package.module:function``.
+    """Resolve ``--model``: a built-in name, ``hf:SPEC``, ``path/to/file.py:function`` or ``package.module:function``.
 
     The function is called with no arguments and must return a Workload.
     Raises WorkloadError with a one-line reason otherwise.
     """
     if isinstance(spec, Workload):
         return spec
+    if spec.startswith("hf:"):  # a Hugging Face model from its config (the hf extra)
+        from autofit.hf import load_hf_source
+
+        return load_hf_source(spec)
     from autofit.workloads import BUILTINS
 
     if spec in BUILTINS:

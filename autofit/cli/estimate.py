@@ -7,6 +7,7 @@ import json
 import sys
 
 from autofit.advice import advise
+from autofit.cli._args import MODEL_HELP, add_hf_options, model_spec
 from autofit.budget import format_budget, format_bytes, parse_budget
 from autofit.config import TrainConfig
 from autofit.memory_model import BREAKDOWN, estimate, estimate_table
@@ -14,7 +15,7 @@ from autofit.profile import profile_workload
 from autofit.space import load_space
 from autofit.workload import load_workload
 
-DEFAULT_MODEL_HELP = "a built-in name (see `autofit models`), path/to/file.py:function or package.module:function"
+DEFAULT_MODEL_HELP = MODEL_HELP
 
 
 def add_parser(subparsers) -> None:
@@ -24,6 +25,7 @@ def add_parser(subparsers) -> None:
                     "one config's breakdown; without, every config of the space sorted by predicted peak.",
     )
     p.add_argument("--model", required=True, help=DEFAULT_MODEL_HELP)
+    add_hf_options(p)
     p.add_argument("--budget", required=True, help="memory per device, e.g. 8GB, 7.5GiB, 512MiB")
     p.add_argument("--config", help="one config as k=v,... e.g. precision=amp-bf16,micro_batch=8")
     p.add_argument("--space", help="search-space TOML file, or a built-in space by name: default (the default), tiny")
@@ -47,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     space = load_space(args.space) if config is None else None
     if space is not None and args.global_batch is not None:
         space = space.with_global_batch(args.global_batch)
-    workload = load_workload(args.model)
+    workload = load_workload(model_spec(args))
     device = args.device or default_device()
     precisions = [config.precision] if config else list(space.precision)
     if not args.json:

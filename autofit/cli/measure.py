@@ -8,7 +8,7 @@ import json
 import sys
 
 from autofit.budget import format_budget, format_bytes, parse_budget
-from autofit.cli._args import positive
+from autofit.cli._args import MODEL_HELP, add_hf_options, model_spec, positive
 from autofit.config import TrainConfig
 from autofit.errors import AutofitError
 from autofit.tracker import CATEGORIES
@@ -25,8 +25,8 @@ def add_parser(subparsers) -> None:
         epilog="Exit status: 0 when the trial's status is ok; 1 when it is oom, error or timeout; "
                "2 for a usage error.",
     )
-    p.add_argument("--model", required=True,
-                   help="a built-in name (see `autofit models`), path/to/file.py:function or package.module:function")
+    p.add_argument("--model", required=True, help=MODEL_HELP)
+    add_hf_options(p)
     p.add_argument("--config", default="", help="k=v,... over the defaults, e.g. precision=amp-bf16,micro_batch=8")
     p.add_argument("--budget", help="memory per device, e.g. 8GB, 7.5GiB, 512MiB (default: none)")
     p.add_argument("--steps", type=positive(int), default=3, help="measured steps after the warm-up (default 3)")
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     # User errors surface here, as one line, before any child starts. A workload file that
     # prints must not spoil --json's stdout: its output goes to stderr.
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
-        workload = load_workload(args.model)
+        workload = load_workload(model_spec(args))
     device = _device(args.device)
     result = run_trial(workload, config, device=device, budget_bytes=budget_bytes, measure_steps=args.steps,
                        timeout_s=args.timeout)

@@ -9,7 +9,7 @@ import shlex
 import sys
 
 from autofit.budget import format_budget, format_bytes
-from autofit.cli._args import positive
+from autofit.cli._args import MODEL_HELP, add_hf_options, model_spec, positive
 from autofit.study import PATIENCE, TRIAL_TIMEOUT_S, SearchProgress, search
 from autofit.workloads import DEFAULT_WORKLOAD
 
@@ -25,9 +25,8 @@ def add_parser(subparsers) -> None:
                "130 when interrupted (rerun the command to resume).",
     )
     p.add_argument("--budget", required=True, help="memory per device, e.g. 8GB, 7.5GiB, 512MiB")
-    p.add_argument("--model", default=DEFAULT_WORKLOAD,
-                   help=f"a built-in name (see `autofit models`), path/to/file.py:function or package.module:function "
-                        f"(default: {DEFAULT_WORKLOAD})")
+    p.add_argument("--model", default=DEFAULT_WORKLOAD, help=f"{MODEL_HELP} (default: {DEFAULT_WORKLOAD})")
+    add_hf_options(p)
     p.add_argument("--space", help="search-space TOML file or a name in search_spaces/ (default: default)")
     p.add_argument("--global-batch", type=positive(int), help="fix the global batch (grad_accum = global_batch / micro_batch)")
     p.add_argument("--trials", type=positive(int), help="real trials in the study at most (pruned configs are free)")
@@ -90,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         # A workload file that prints must not spoil --json's stdout.
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
-            result = search(args.model, args.budget, space=args.space, global_batch=args.global_batch,
+            result = search(model_spec(args), args.budget, space=args.space, global_batch=args.global_batch,
                             trials=args.trials, timeout_s=args.timeout, workers=args.workers, storage=args.storage,
                             study_name=args.study, out_dir=args.out, device=args.device, devices=args.devices,
                             seed=args.seed, patience=args.patience, trial_timeout_s=args.trial_timeout,

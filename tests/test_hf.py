@@ -1,0 +1,99 @@
+"""``--model hf:SPEC``: configs resolved offline, tasks, one-line errors (tiny configs only)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from autofit import WorkloadError, hf_workload, load_workload  # noqa: E402
+from autofit.cli import main  # noqa: E402
+
+TINY_LLAMA = "llama?num_hidden_layers=2&hidden_size=64&intermediate_size=128&num_attention_heads=4&vocab_size=128"
+
+
+def test_model_type_with_overrides_builds_that_config():
+    w = hf_workload("hf:" + TINY_LLAMA, seq_len=16)
+    model = w.model()
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert model.config.num_hidden_layers == 2 and model.config.hidden_size == 64
+    assert model.config.head_dim == 16  # derived from the overrides, not the 7B default of 128
+    inputs, labels = w.batch(3)
+    assert inputs.shape == (3, 16) and labels is inputs  # causal LM: labels are the inputs
+    loss = w.loss(model(inputs), labels)
+    assert loss.ndim == 0 and 3.0 < float(loss.detach()) < 7.0  # ~ln(128) for random init
+
+
+def test_alias_override_and_default_seq_len():
+    w = load_workload("hf:gpt2?num_hidden_layers=1&n_embd=32&n_head=2&vocab_size=64")
+    model = w.model()
+    assert model.config.n_layer == 1
+    assert w.batch(1)[0].shape == (1, 1024)  # GPT-2's n_positions
+    assert w.tokens_per_sample == 1024
+
+
+def test_local_dir_and_json_file_take_precedence(tmp_path):
+    config = transformers.Qwen3Config(num_hidden_layers=3, hidden_size=32, intermediate_size=64,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=96)
+    config.save_pretrained(tmp_path / "llama")  # a directory named like a model_type: the directory wins
+    w = hf_workload(f"{tmp_path / 'llama'}?intermediate_size=48", seq_len=8)
+    assert type(w.model()).__name__ == "Qwen3ForCausalLM"
+    assert w.model().config.intermediate_size == 48
+    w2 = hf_workload(str(tmp_path / "llama" / "config.json"))
+    assert w2.model().config.num_hidden_layers == 3
+
+
+def test_source_round_trips_through_load_workload():
+    w = hf_workload(TINY_LLAMA, seq_len=12, task="seq-cls")
+    again = load_workload(w.source)
+    assert again.source == w.source and again.meta["task"] == "seq-cls"
+    inputs, labels = again.batch(2)
+    assert inputs.shape == (2, 12) and labels.shape == (2,)
+    assert type(again.model()).__name__ == "LlamaForSequenceClassification"
+
+
+def test_encoder_and_vision_default_tasks():
+    bert = hf_workload("bert?num_hidden_layers=1&hidden_size=32&num_attention_heads=2&intermediate_size=64"
+                       "&vocab_size=50", seq_len=8)
+    assert bert.meta["task"] == "seq-cls"
+    vit = hf_workload("vit?num_hidden_layers=1&hidden_size=32&num_attention_heads=2&intermediate_size=64"
+                      "&image_size=32&patch_size=8")
+    assert vit.meta["task"] == "image-cls" and vit.tokens_per_sample is None
+    pixels, labels = vit.batch(2)
+    assert pixels.shape == (2, 3, 32, 32)
+    model = vit.model()
+    assert float(vit.loss(model(pixels), labels).detach()) > 0
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("hf:llama?no_such_field=3", "LlamaConfig has no field 'no_such_field'"),
+    ("hf:llama?hidden_size=big", "'hidden_size' expected int"),
+    ("hf:llama?hidden_size", "expected field=value"),
+    ("hf:some-org/not-cached-model", "needs the network"),
+])
+def test_bad_specs_are_one_line_errors(spec, message, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code = main(["estimate", "--model", spec, "--budget", "1GB", "--config", "micro_batch=1"])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_hf_options_need_an_hf_model(capsys):
+    assert main(["estimate", "--model", "gpt-tiny", "--seq-len", "64", "--budget", "1GB"]) == 2
+    assert "--seq-len applies to hf: models only" in capsys.readouterr().err
+
+
+def test_bad_lora_is_a_one_line_error():
+    with pytest.raises(WorkloadError, match="invalid --lora item 'rank=8'"):
+        hf_workload(TINY_LLAMA, lora="rank=8")
+
+
+def test_estimate_json_for_an_hf_model(capsys):
+    code = main(["estimate", "--model", "hf:" + TINY_LLAMA, "--seq-len", "16", "--budget", "1GB", "--device", "cpu",
+                 "--config", "precision=bf16,micro_batch=2,checkpoint_every=1", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["fits"] is True and data["workload"] == "hf-llama"
+    n_params = data["param_count"]
+    assert data["model_state_bytes"] >= 8 * n_params  # bf16 weights, grads and AdamW's two states
