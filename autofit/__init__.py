@@ -16,12 +16,13 @@ _LAZY = {
     "SearchResult": "autofit.report", "SearchProgress": "autofit.study",
     "TrainingPlan": "autofit.apply", "TrainingRun": "autofit.apply",
     "hf_workload": "autofit.hf",
+    "size": "autofit.sizing", "SizeResult": "autofit.sizing",
 }
 
 __all__ = [
-    "AutofitError", "BudgetError", "ConfigError", "Precision", "SearchProgress", "SearchResult", "SpaceError",
+    "AutofitError", "BudgetError", "ConfigError", "Precision", "SearchProgress", "SearchResult", "SizeResult", "SpaceError",
     "StudyError", "TrainConfig", "TrainingPlan", "TrainingRun", "Workload", "WorkloadError", "estimate",
-    "format_budget", "hf_workload", "load_workload", "measure", "parse_budget", "search",
+    "format_budget", "hf_workload", "load_workload", "measure", "parse_budget", "search", "size",
 ]
 
 

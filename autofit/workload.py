@@ -78,7 +78,8 @@ class Workload:
 
 
 def load_workload(spec: str | Workload) -> Workload:
-    """Resolve ``--model``: a built-in name, ``hf:SPEC``, ``path/to/file.py:function`` or ``package.module:function``.
+    """Resolve ``--model``: a built-in name (a GPT preset may add ``+field=value,...``, e.g.
+    ``gpt2+n_layer=24``), ``hf:SPEC``, ``path/to/file.py:function`` or ``package.module:function``.
 
     The function is called with no arguments and must return a Workload.
     Raises WorkloadError with a one-line reason otherwise.
@@ -90,9 +91,12 @@ def load_workload(spec: str | Workload) -> Workload:
 
         return load_hf_source(spec)
     from autofit.workloads import BUILTINS
+    from autofit.workloads.gpt import PRESETS, preset_from_spec
 
     if spec in BUILTINS:
         return dataclasses.replace(BUILTINS[spec](), source=spec)
+    if "+" in spec and spec.partition("+")[0] in PRESETS:  # a preset with GPTConfig overrides
+        return dataclasses.replace(preset_from_spec(spec), source=spec)
     if ":" not in spec:
         raise WorkloadError(
             f"unknown model {spec!r}: expected a built-in ({', '.join(BUILTINS)}), "

@@ -338,3 +338,34 @@ def gpt_preset(name: str, **overrides) -> Workload:
         cfg = dataclasses.replace(cfg, **overrides)
         name = name + "+" + ",".join(f"{k}={v}" for k, v in sorted(overrides.items()))
     return gpt_workload(cfg, name, description)
+
+
+def _field_value(field: dataclasses.Field, text: str):
+    """``text`` as the type of a GPTConfig field (``int | None`` takes ``none``)."""
+    kind = str(field.type)
+    if kind.endswith("| None") and text.lower() == "none":
+        return None
+    parse = {"bool": lambda t: {"true": True, "false": False}[t.lower()], "float": float, "str": str}.get(
+        kind.split(" ")[0], int)
+    try:
+        return parse(text)
+    except (KeyError, ValueError):
+        raise WorkloadError(f"GPTConfig.{field.name}={text!r}: expected {kind}") from None
+
+
+def preset_from_spec(spec: str) -> Workload:
+    """``PRESET+field=value,field=value`` (what :func:`gpt_preset` names its overrides) as a Workload.
+
+    Example: ``preset_from_spec("gpt2+n_layer=24,n_embd=1024,n_head=16")``; this is how a model
+    of ``autofit size`` is handed to ``--model``. Raises WorkloadError naming the bad part.
+    """
+    name, _, rest = spec.partition("+")
+    fields = {f.name: f for f in dataclasses.fields(GPTConfig)}
+    overrides = {}
+    for item in filter(None, rest.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields:
+            raise WorkloadError(f"{spec!r}: invalid override {item!r}: expected field=value with a GPTConfig field "
+                                f"({', '.join(fields)})")
+        overrides[key] = _field_value(fields[key], value)
+    return gpt_preset(name, **overrides)
