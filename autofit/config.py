@@ -29,7 +29,25 @@ class Precision(str, enum.Enum):
         return self in (Precision.AMP_FP16, Precision.AMP_BF16)
 
 
-FIELDS = ("precision", "micro_batch", "grad_accum", "checkpoint_every", "device_split")
+class SplitMode(str, enum.Enum):
+    """How ``device_split`` devices share the model.
+
+    ``pipeline``: the layers cut into contiguous stages, one per device, micro-batches flowing
+    through them (:mod:`autofit.pipeline`); ``fsdp``: every device runs the whole model on its
+    own ``micro_batch`` samples (data parallel) with weights, gradients and optimizer state
+    sharded over the devices by ``torch.distributed.fsdp.fully_shard`` (:mod:`autofit.fsdp`).
+    """
+
+    PIPELINE = "pipeline"
+    FSDP = "fsdp"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+FIELDS = ("precision", "micro_batch", "grad_accum", "checkpoint_every", "device_split", "split_mode")
+# Fields holding enums: parsed by value, written as strings.
+_ENUM_FIELDS = {"precision": Precision, "split_mode": SplitMode}
 
 
 @dataclass(frozen=True)
@@ -41,7 +59,11 @@ class TrainConfig:
     - ``grad_accum`` >= 1: micro-batches per optimizer step.
     - ``checkpoint_every`` >= 0: 0 is off; k makes each run of k consecutive layers one
       checkpointed segment (``torch.utils.checkpoint``, non-reentrant).
-    - ``device_split`` >= 1: the layers cut into that many contiguous pipeline stages.
+    - ``device_split`` >= 1: the number of devices; with ``split_mode`` ``pipeline`` the layers
+      are cut into that many contiguous stages, with ``fsdp`` that many data-parallel ranks
+      shard the model.
+    - ``split_mode``: a :class:`SplitMode` (default ``pipeline``; JSON written before the
+      field existed loads as ``pipeline``).
 
     Raises ConfigError on a bad value.
     """
@@ -51,28 +73,35 @@ class TrainConfig:
     grad_accum: int = 1
     checkpoint_every: int = 0
     device_split: int = 1
+    split_mode: SplitMode = SplitMode.PIPELINE
 
     def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "precision", Precision(str(self.precision).lower()))
-        except ValueError:
-            raise ConfigError(
-                f"invalid precision {str(self.precision)!r}: expected one of "
-                + ", ".join(p.value for p in Precision)
-            ) from None
+        for name, kind in _ENUM_FIELDS.items():
+            value = getattr(self, name)
+            try:
+                object.__setattr__(self, name, kind(str(value.value if isinstance(value, kind) else value).lower()))
+            except ValueError:
+                raise ConfigError(
+                    f"invalid {name} {str(value)!r}: expected one of " + ", ".join(m.value for m in kind)
+                ) from None
         for name, minimum in (("micro_batch", 1), ("grad_accum", 1), ("checkpoint_every", 0), ("device_split", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ConfigError(f"invalid {name} {value!r}: expected an integer >= {minimum}")
 
     @property
+    def data_parallel(self) -> int:
+        """Ranks that each run ``micro_batch`` samples per micro-step: ``device_split`` under fsdp, else 1."""
+        return self.device_split if self.split_mode is SplitMode.FSDP else 1
+
+    @property
     def samples_per_step(self) -> int:
-        """Samples per optimizer step (the global batch on one data-parallel replica)."""
-        return self.micro_batch * self.grad_accum
+        """Samples per optimizer step of the whole job: ``micro_batch × grad_accum`` (× the ranks under fsdp)."""
+        return self.micro_batch * self.grad_accum * self.data_parallel
 
     def to_dict(self) -> dict:
-        """The five public fields, JSON-ready."""
-        return {"precision": self.precision.value, **{f: getattr(self, f) for f in FIELDS[1:]}}
+        """The public fields, JSON-ready (enums as their string values)."""
+        return {f: (v.value if isinstance(v, enum.Enum) else v) for f in FIELDS for v in (getattr(self, f),)}
 
     @classmethod
     def from_dict(cls, data: dict) -> "TrainConfig":
@@ -97,7 +126,7 @@ class TrainConfig:
             if key not in FIELDS:
                 raise ConfigError(f"unknown config key {key!r}: expected one of {', '.join(FIELDS)}")
             value = value.strip()
-            if key != "precision":
+            if key not in _ENUM_FIELDS:
                 try:
                     value = int(value)
                 except ValueError:
@@ -106,9 +135,10 @@ class TrainConfig:
         return dataclasses.replace(base or cls(), **values)
 
     def short(self) -> str:
-        """Compact one-line form, e.g. ``amp-bf16 mb=8 ga=4 ckpt=2 split=1``."""
+        """Compact one-line form, e.g. ``amp-bf16 mb=8 ga=4 ckpt=2 split=1`` (``fsdp=2`` for 2 FSDP ranks)."""
+        split = f"fsdp={self.device_split}" if self.split_mode is SplitMode.FSDP else f"split={self.device_split}"
         return (f"{self.precision.value} mb={self.micro_batch} ga={self.grad_accum} "
-                f"ckpt={self.checkpoint_every} split={self.device_split}")
+                f"ckpt={self.checkpoint_every} {split}")
 
 
 def stage_bounds(n_layers: int, device_split: int) -> list[tuple[int, int]]:

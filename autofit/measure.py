@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import torch
 
-from autofit.config import TrainConfig
+from autofit.config import SplitMode, TrainConfig
 from autofit.tracker import CATEGORIES as BREAKDOWN_KEYS
 from autofit.tracker import MemoryTracker, optimizer_state_bytes, storage_bytes
 from autofit.training import build_trainee, forward_backward, make_micro_batches, optimizer_step, train_step
@@ -205,12 +205,12 @@ def _first_line(exc: BaseException) -> str:
 
 def _measure_split(workload: Workload, config: TrainConfig, *, device_type: str, budget_bytes: int | None,
                    warmup_steps: int, measure_steps: int) -> dict:
-    """Device split > 1: PyTorch's pipeline engine, run by :func:`autofit.pipeline.measure_split`."""
-    try:
+    """Device split > 1: PyTorch's pipeline engine (:func:`autofit.pipeline.measure_split`) or
+    FSDP2 ranks (:func:`autofit.fsdp.measure_fsdp`), as ``config.split_mode`` says."""
+    if config.split_mode is SplitMode.FSDP:
+        from autofit.fsdp import measure_fsdp as measure_split
+    else:
         from autofit.pipeline import measure_split
-    except ImportError as exc:
-        return _failed("error", f"device_split={config.device_split} needs autofit.pipeline.measure_split, "
-                                f"which is not available ({exc})")
     out: dict[str, Any] = measure_split(workload, config, device_type=device_type, warmup_steps=warmup_steps,
                                         measure_steps=measure_steps, budget_bytes=budget_bytes)
     status = str(getattr(out.get("status"), "value", out.get("status") or "ok"))

@@ -289,7 +289,7 @@ def estimate_table(profile: Profile, configs: list[TrainConfig], budget_bytes: i
     Raises KeyError if the profile lacks a precision in ``configs``.
     """
     n = len(configs)
-    cols = {f: np.array([getattr(c, f) if f != "precision" else c.precision.value for c in configs]) for f in FIELDS}
+    cols = {f: np.array([getattr(getattr(c, f), "value", getattr(c, f)) for c in configs]) for f in FIELDS}
     out = {k: np.zeros(n, dtype=np.float64) for k in BREAKDOWN + ("peak_bytes",)}
     per_device = np.empty(n, dtype=object)
     phase = np.empty(n, dtype=object)

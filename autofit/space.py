@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from autofit.config import Precision, TrainConfig
+from autofit.config import Precision, SplitMode, TrainConfig
 from autofit.errors import AutofitError, SpaceError
 
 if TYPE_CHECKING:
@@ -23,37 +23,46 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 DEFAULT_SPACE = "default"
-_DIMENSIONS = ("precision", "micro_batch", "grad_accum", "checkpoint_every", "device_split")
+_DIMENSIONS = ("precision", "micro_batch", "grad_accum", "checkpoint_every", "device_split", "split_mode")
+_ENUMS = {"precision": Precision, "split_mode": SplitMode}
 _KEYS = set(_DIMENSIONS) | {"global_batch", "description"}
 
 
 @dataclass(frozen=True)
 class SearchSpace:
     """The values of each dimension. With ``global_batch`` set, ``grad_accum`` is derived as
-    ``global_batch / micro_batch`` and only micro-batches that divide it are kept."""
+    ``global_batch / micro_batch`` (``global_batch / (micro_batch × device_split)`` under fsdp,
+    where every rank runs a micro-batch) and only configs that divide it evenly are kept.
+    ``device_split = 1`` is one device whatever the split mode: it is listed once, as pipeline."""
 
     precision: tuple[Precision, ...]
     micro_batch: tuple[int, ...]
     grad_accum: tuple[int, ...] = (1,)
     checkpoint_every: tuple[int, ...] = (0,)
     device_split: tuple[int, ...] = (1,)
+    split_mode: tuple[SplitMode, ...] = (SplitMode.PIPELINE,)
     global_batch: int | None = None
     source: str = "<inline>"
 
     def configs(self) -> list[TrainConfig]:
         """Every config in the space, in a stable order."""
         out = []
-        for prec, mb, ga, ck, ds in itertools.product(
-            self.precision, self.micro_batch, self.grad_accum, self.checkpoint_every, self.device_split
+        for prec, mb, ga, ck, ds, mode in itertools.product(
+            self.precision, self.micro_batch, self.grad_accum, self.checkpoint_every, self.device_split,
+            self.split_mode,
         ):
+            mode = mode if ds > 1 else SplitMode.PIPELINE
+            ranks = ds if mode is SplitMode.FSDP else 1
             if self.global_batch is not None:
-                ga = self.global_batch // mb
-            out.append(TrainConfig(prec, mb, ga, ck, ds))
+                if self.global_batch % (mb * ranks):
+                    continue
+                ga = self.global_batch // (mb * ranks)
+            out.append(TrainConfig(prec, mb, ga, ck, ds, mode))
         return list(dict.fromkeys(out))  # a fixed global batch collapses the grad_accum axis
 
     def with_global_batch(self, global_batch: int) -> "SearchSpace":
         """This space with a fixed global batch (validated as if it were in the file)."""
-        data = {d: [v.value if isinstance(v, Precision) else v for v in getattr(self, d)] for d in _DIMENSIONS}
+        data = {d: [getattr(v, "value", v) for v in getattr(self, d)] for d in _DIMENSIONS}
         data["global_batch"] = global_batch
         return space_from_dict(data, self.source)
 
@@ -66,13 +75,13 @@ def _values(data: dict, key: str, source: str, kind) -> tuple:
     if not values:
         raise SpaceError(f"{source}: key {key!r} is an empty list; give at least one value")
     try:
-        if kind is Precision:
-            return tuple(Precision(str(v).lower()) for v in values)
+        if kind in _ENUMS.values():
+            return tuple(dict.fromkeys(kind(str(v).lower()) for v in values))
         parsed = tuple(v for v in values if isinstance(v, int) and not isinstance(v, bool))
         if len(parsed) != len(values):
             raise ValueError
     except ValueError:
-        expected = ", ".join(p.value for p in Precision) if kind is Precision else "integers"
+        expected = ", ".join(p.value for p in kind) if kind in _ENUMS.values() else "integers"
         raise SpaceError(f"{source}: key {key!r} has invalid values {values!r}; expected {expected}") from None
     return tuple(dict.fromkeys(parsed))
 
@@ -85,7 +94,7 @@ def space_from_dict(data: dict, source: str = "<inline>") -> SearchSpace:
     for key in ("precision", "micro_batch"):
         if key not in data:
             raise SpaceError(f"{source}: missing key {key!r}")
-    values = {d: _values(data, d, source, Precision if d == "precision" else int) for d in _DIMENSIONS if d in data}
+    values = {d: _values(data, d, source, _ENUMS.get(d, int)) for d in _DIMENSIONS if d in data}
     global_batch = data.get("global_batch")
     if global_batch is not None:
         if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
@@ -99,9 +108,11 @@ def space_from_dict(data: dict, source: str = "<inline>") -> SearchSpace:
         values["grad_accum"] = (1,)  # derived per micro-batch in configs()
     space = SearchSpace(**values, global_batch=global_batch, source=source)
     try:
-        space.configs()
+        configs = space.configs()
     except AutofitError as exc:
         raise SpaceError(f"{source}: {exc}") from None
+    if not configs:
+        raise SpaceError(f"{source}: key 'global_batch' = {global_batch} is divided by no micro_batch × fsdp ranks")
     return space
 
 
@@ -141,11 +152,12 @@ def load_space(path: str | Path | None = None) -> SearchSpace:
 
 
 def configs_as_arrays(configs: list[TrainConfig]) -> dict[str, np.ndarray]:
-    """Column arrays of the five fields (precision as its string value), for vectorized scoring."""
+    """Column arrays of the config fields (enums as their string values), for vectorized scoring."""
     return {
         "precision": np.array([c.precision.value for c in configs]),
         "micro_batch": np.array([c.micro_batch for c in configs], dtype=np.int64),
         "grad_accum": np.array([c.grad_accum for c in configs], dtype=np.int64),
         "checkpoint_every": np.array([c.checkpoint_every for c in configs], dtype=np.int64),
         "device_split": np.array([c.device_split for c in configs], dtype=np.int64),
+        "split_mode": np.array([c.split_mode.value for c in configs]),
     }

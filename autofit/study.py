@@ -144,7 +144,7 @@ class StudySettings:
 
 def space_to_dict(space: SearchSpace) -> dict:
     """A SearchSpace as the mapping :func:`autofit.space.space_from_dict` reads (plus its source)."""
-    data: dict[str, Any] = {d: [v.value if isinstance(v, Precision) else v for v in getattr(space, d)] for d in FIELDS}
+    data: dict[str, Any] = {d: [getattr(v, "value", v) for v in getattr(space, d)] for d in FIELDS}
     if space.global_batch is not None:
         data["global_batch"] = space.global_batch
         data.pop("grad_accum")
@@ -172,7 +172,7 @@ def distributions(space: SearchSpace) -> dict[str, CategoricalDistribution]:
     out = {}
     for name in FIELDS:
         values = list(dict.fromkeys(getattr(c, name) for c in configs))
-        if name == "precision":
+        if name in ("precision", "split_mode"):
             out[name] = CategoricalDistribution([v.value for v in values])
         else:
             out[name] = CategoricalDistribution(sorted(values))
@@ -182,7 +182,8 @@ def distributions(space: SearchSpace) -> dict[str, CategoricalDistribution]:
 def config_of(params: dict) -> TrainConfig | None:
     """The TrainConfig of a trial's params (None when they are not a config)."""
     try:
-        return TrainConfig.from_dict({f: params[f] for f in FIELDS})
+        # params from before split_mode existed lack it: TrainConfig's default (pipeline) applies
+        return TrainConfig.from_dict({f: params[f] for f in FIELDS if f in params})
     except (KeyError, AutofitError):
         return None
 

@@ -314,7 +314,7 @@ def predict_table(profile: Profile, configs: list[TrainConfig], rates: DeviceRat
     rates lack a precision of ``configs``.
     """
     n = len(configs)
-    cols = {f: np.array([getattr(c, f) if f != "precision" else c.precision.value for c in configs]) for f in FIELDS}
+    cols = {f: np.array([getattr(getattr(c, f), "value", getattr(c, f)) for c in configs]) for f in FIELDS}
     out = {k: np.full(n, np.nan) for k in ("micro_step_time_s", "optimizer_step_time_s", "step_time_s",
                                             "flops_per_step", "recompute_flops_per_step", "bubble_fraction")}
     keys = np.array([f"{c.precision.value}|{int(c.checkpoint_every > 0)}|{c.device_split}" for c in configs])

@@ -79,7 +79,7 @@ def test_best_is_the_fastest_trial_that_ran_ok_under_the_budget(study_dir):
     assert best["config"] == TrainConfig("fp32", 2, 2).to_dict()
     assert best["peak_fraction_of_budget"] == pytest.approx(0.4)
     assert best["reproduce"] == ("autofit measure --model tiny.py:make --config precision=fp32,micro_batch=2,"
-                                 "grad_accum=2,checkpoint_every=0,device_split=1 --budget 1MB --device cpu")
+                                 "grad_accum=2,checkpoint_every=0,device_split=1,split_mode=pipeline --budget 1MB --device cpu")
 
 
 def test_summary_and_files(study_dir):

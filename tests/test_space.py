@@ -4,7 +4,7 @@ import pytest
 
 from autofit.config import Precision, TrainConfig
 from autofit.errors import SpaceError
-from autofit.space import builtin_spaces, load_space
+from autofit.space import builtin_spaces, load_space, space_from_dict
 
 REPO_DIR = Path(__file__).resolve().parent.parent
 
@@ -89,3 +89,18 @@ def test_missing_and_malformed_files(tmp_path):
         load_space(tmp_path / "nope.toml")
     with pytest.raises(SpaceError, match="not valid TOML"):
         load_space(write(tmp_path, "precision = [\n"))
+
+
+def test_fsdp_split_mode_divides_the_global_batch_over_ranks():
+    space = space_from_dict({"precision": "fp32", "micro_batch": [1, 2, 4], "global_batch": 8,
+                             "device_split": [1, 2], "split_mode": ["pipeline", "fsdp"]})
+    configs = {(c.micro_batch, c.grad_accum, c.device_split, c.split_mode.value) for c in space.configs()}
+    # one device is listed once; fsdp ranks each run a micro-batch: 8 = 4 x 1 x 2
+    assert (4, 1, 2, "fsdp") in configs and (4, 2, 2, "pipeline") in configs
+    assert not any(ds == 1 and mode == "fsdp" for _, _, ds, mode in configs)
+    assert all(c.samples_per_step == 8 for c in space.configs())
+
+
+def test_bad_split_mode_in_space_names_the_choices():
+    with pytest.raises(SpaceError, match="'split_mode' has invalid values \\['zero'\\]; expected pipeline, fsdp"):
+        space_from_dict({"precision": "fp32", "micro_batch": 1, "split_mode": "zero"})
