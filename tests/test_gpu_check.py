@@ -1,0 +1,123 @@
+"""scripts/gpu_check.py: its plumbing on the CPU (the CUDA-only parts skip) and its judging functions."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu_check.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("gpu_check_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up here
+    spec.loader.exec_module(module)
+    return module
+
+
+gc = _load()
+GB = 10**9
+
+
+def test_choose_budget_configs_picks_over_edge_and_safe():
+    budget = 8 * GB
+    predicted = {c: (i * GB, i * GB) for i, c in enumerate(gc.B_CANDIDATES[:20])}  # 0..19 GB
+    predicted[gc.B_CANDIDATES[20]] = "estimate failed: x"
+    chosen = dict(gc.choose_budget_configs(predicted, budget))
+    assert predicted[chosen["over"]][0] == 12 * GB   # nearest 1.5x budget, inside (9, 16] GB
+    assert predicted[chosen["edge"]][0] == 8 * GB    # the largest predicted <= budget
+    assert predicted[chosen["safe"]][0] == 6 * GB    # the largest <= 80% of it
+
+
+def test_choose_budget_configs_without_estimates_is_empty():
+    assert gc.choose_budget_configs({c: "estimate failed" for c in gc.B_CANDIDATES}, 8 * GB) == []
+
+
+@pytest.mark.parametrize("role,status,card,expected", [
+    ("over", "oom", None, "pass"),
+    ("over", "ok", 10 * GB, "FAIL"),
+    ("edge", "ok", 8 * GB - 1, "pass"),
+    ("edge", "ok", 8 * GB + 1, "FAIL"),
+    ("safe", "oom", None, "FAIL"),
+    ("safe", "ok", None, "FAIL"),
+])
+def test_judge_budget(role, status, card, expected):
+    assert gc.judge_budget(role, status, card, 8 * GB).startswith(expected)
+
+
+def test_errors_against_the_card_count_the_context():
+    row = gc.fill_errors(gc.Row("a", "w", "c", "ok", predicted_bytes=1100, predicted_allocated_bytes=450,
+                                allocated_bytes=500, reserved_bytes=600, context_bytes=400))
+    assert row.card_bytes == 1000
+    assert row.error_card == pytest.approx(0.10)
+    assert row.error_allocated == pytest.approx(-0.10)
+
+
+def test_verdict_fails_outside_the_targets_and_on_a_failed_check():
+    good = [gc.fill_errors(gc.Row("a", "w", f"c{i}", "ok", predicted_bytes=1000 + i, predicted_allocated_bytes=500,
+                                  allocated_bytes=500, reserved_bytes=600, context_bytes=400)) for i in range(5)]
+    ok, line = gc.verdict(good, "cuda")
+    assert ok and line.startswith("VERDICT: PASS")
+    bad = good + [gc.fill_errors(gc.Row("a", "w", "far", "ok", predicted_bytes=1200, predicted_allocated_bytes=500,
+                                        allocated_bytes=500, reserved_bytes=600, context_bytes=400))]
+    ok, line = gc.verdict(bad, "cuda")
+    assert not ok and "max 20.00%" in line
+    ok, line = gc.verdict(good + [gc.Row("b", "gpt2", "x", "ok", check="FAIL: predicted over 8GB but ok")], "cuda")
+    assert not ok and "predicted over 8GB but ok" in line
+
+
+def test_a_child_cut_short_leaves_its_configs_marked():
+    child = [{"kind": "init"}, {"kind": "config", "status": "ok", "peak_bytes": 10, "peak_reserved_bytes": 20,
+                                "context_bytes": 5}]
+    rows = gc.rows_from_child("a", "w", ["c1", "c2", "c1"], {"c1": (30, 9), "c2": "estimate failed: E"}, child,
+                              "time guard: child killed after 9 s", repeat_of="c1")
+    assert [r.status for r in rows] == ["ok", "not run", "not run"]
+    assert rows[0].card_bytes == 25 and rows[0].error_card == pytest.approx(0.2)
+    assert "time guard" in rows[1].note and rows[2].repeat
+
+
+def test_clock_gives_each_part_its_share():
+    now = [100.0]
+    clock = gc.Clock(400, now=lambda: now[0])
+    now[0] = 150.0
+    assert clock.left("a") == pytest.approx(400 * gc.PART_END["a"] - 50)
+    assert clock.left("d") == pytest.approx(350)
+
+
+def test_bad_arguments_are_one_line_errors():
+    out = subprocess.run([sys.executable, str(SCRIPT), "--parts", "ax", "--device", "cpu"], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert out.returncode == 2 and "--parts" in out.stderr
+    out = subprocess.run([sys.executable, str(SCRIPT), "--workloads", "nope", "--device", "cpu"], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert out.returncode == 2 and "nope" in out.stderr and "gpt-tiny" in out.stderr
+
+
+@pytest.mark.slow
+def test_plumbing_on_the_cpu(tmp_path):
+    """A Hugging Face model through the whole path: estimate, child trial, repeat, files, verdict."""
+    pytest.importorskip("transformers")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_WAIT_POLICY="PASSIVE")
+    out = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--workloads", "hf-llama",
+                          "--out", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert out.returncode in (0, 1), out.stdout + out.stderr
+    verdict = [line for line in out.stdout.splitlines() if line.startswith("VERDICT: ")]
+    assert len(verdict) == 1 and "accuracy over 1 configs" in verdict[0]
+    with (tmp_path / "gpu_check.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    a = [r for r in rows if r["part"] == "a"]
+    assert [r["status"] for r in a] == ["ok", "ok"] and a[1]["repeat"] == "True"
+    assert int(a[0]["allocated_bytes"]) > 10 * 2**20 and int(a[0]["predicted_bytes"]) > 10 * 2**20
+    assert abs(float(a[0]["error_allocated"])) < 0.5
+    assert {r["part"]: r["status"] for r in rows if r["part"] != "a"} == {"b": "skipped", "c": "skipped",
+                                                                            "d": "skipped"}
+    md = (tmp_path / "gpu_check.md").read_text()
+    assert "torch " in md and "hf-llama" in md and verdict[0] in md
