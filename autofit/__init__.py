@@ -12,7 +12,7 @@ from autofit.workload import Workload, load_workload
 __version__ = "0.1.0"
 
 _LAZY = {
-    "search": "autofit.api", "estimate": "autofit.api", "measure": "autofit.api",
+    "search": "autofit.api", "estimate": "autofit.api", "measure": "autofit.api", "export": "autofit.exports",
     "SearchResult": "autofit.report", "SearchProgress": "autofit.study",
     "TrainingPlan": "autofit.apply", "TrainingRun": "autofit.apply",
     "hf_workload": "autofit.hf",
@@ -21,7 +21,7 @@ _LAZY = {
 
 __all__ = [
     "AutofitError", "BudgetError", "ConfigError", "Precision", "SearchProgress", "SearchResult", "SizeResult", "SpaceError",
-    "StudyError", "TrainConfig", "TrainingPlan", "TrainingRun", "Workload", "WorkloadError", "estimate",
+    "StudyError", "TrainConfig", "TrainingPlan", "TrainingRun", "Workload", "WorkloadError", "estimate", "export",
     "format_budget", "hf_workload", "load_workload", "measure", "parse_budget", "search", "size",
 ]
 

@@ -13,7 +13,7 @@ import sys
 
 from autofit.errors import AutofitError
 
-_COMMANDS = ("models", "estimate", "measure", "search", "size", "report", "bench")
+_COMMANDS = ("models", "estimate", "measure", "search", "size", "report", "export", "bench")
 
 
 class _Parser(argparse.ArgumentParser):

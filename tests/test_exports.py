@@ -1,0 +1,166 @@
+"""Exports: each target's real object is built from what autofit exports (a renamed argument upstream fails here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import autofit
+from autofit.cli import main
+from autofit.config import TrainConfig
+from autofit.errors import ConfigError
+from autofit.exports import export
+
+ROOT = Path(__file__).resolve().parents[1]
+PRECISIONS = ("fp32", "amp-fp16", "amp-bf16", "bf16")
+
+
+@pytest.fixture(scope="module")
+def tiny_spec():
+    return f"{ROOT / 'tests' / 'trial_workloads.py'}:tiny"
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("every", (0, 1, 2))
+def test_hf_training_arguments(precision, every, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    exp = export(f"precision={precision},micro_batch=8,grad_accum=4,checkpoint_every={every}", "hf", device="cpu")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), **exp.kwargs)
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (8, 4)
+    assert (args.bf16, args.fp16) == (precision == "amp-bf16", precision == "amp-fp16")
+    assert args.gradient_checkpointing is (every == 1)
+    if every == 1:
+        assert args.gradient_checkpointing_kwargs == {"use_reentrant": False}
+    # what it cannot say is in the comment field, never dropped
+    kinds = {note.setting.split("=")[0] for note in exp.notes}
+    assert ("precision" in kinds) == (precision == "bf16")
+    assert ("checkpoint_every" in kinds) == (every == 2)
+    assert json.loads(exp.text)["comment"] == exp.comment()
+
+
+def test_hf_notes_give_the_nearest_setting_and_its_estimated_peak():
+    exp = export("precision=bf16,micro_batch=8,grad_accum=2,checkpoint_every=2", "hf", workload="gpt-tiny",
+                 budget="1GB", device="cpu")
+    by_setting = {note.setting: note for note in exp.notes}
+    ckpt, bf16 = by_setting["checkpoint_every=2"], by_setting["precision=bf16"]
+    assert ckpt.nearest_config == TrainConfig.parse("precision=bf16,micro_batch=8,grad_accum=2,checkpoint_every=1")
+    assert bf16.nearest_config.precision.value == "amp-bf16"
+    for note in (ckpt, bf16):  # the estimate's own peak for the nearest setting
+        assert note.nearest_peak_bytes == autofit.estimate("gpt-tiny", note.nearest_config, device="cpu").peak_bytes
+        assert "fits the 1.00 GB" in note.text() and note.code
+    assert any("checkpoint_layers(" in line for line in ckpt.code)
+
+
+@pytest.mark.parametrize("precision,mixed", [("fp32", "no"), ("amp-fp16", "fp16"), ("amp-bf16", "bf16"),
+                                             ("bf16", "no")])
+def test_accelerate_config_file_loads(precision, mixed, tmp_path):
+    pytest.importorskip("accelerate")
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.utils import DistributedType
+
+    exp = export(f"precision={precision},micro_batch=4,grad_accum=3,checkpoint_every=1", "accelerate", device="cpu")
+    path = exp.write(tmp_path / "accelerate.yaml")
+    loaded = load_config_from_file(str(path))
+    assert loaded.mixed_precision == mixed
+    assert loaded.distributed_type == DistributedType.NO and loaded.num_processes == 1 and loaded.use_cpu
+    # the file has no batch size, accumulation or checkpointing: each is a comment line with its code
+    comments = [line for line in path.read_text().splitlines() if line.startswith("#")]
+    assert any("batch_size=4" in c for c in comments)
+    assert any("gradient_accumulation_steps=3" in c for c in comments)
+    assert any("checkpoint_every=1" in c for c in comments)
+    assert any("precision=bf16" in c for c in comments) == (precision == "bf16")
+
+
+@pytest.mark.parametrize("precision,expected", [("fp32", "32-true"), ("amp-bf16", "bf16-mixed"),
+                                                ("bf16", "bf16-true"), ("amp-fp16", "bf16-mixed")])
+def test_lightning_trainer_accepts_the_arguments(precision, expected, tmp_path):
+    lightning = pytest.importorskip("lightning")
+    exp = export(f"precision={precision},micro_batch=16,grad_accum=2", "lightning", device="cpu")
+    trainer = lightning.Trainer(**exp.kwargs, default_root_dir=str(tmp_path), logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    assert trainer.accumulate_grad_batches == 2
+    assert trainer.precision == expected  # on the CPU Lightning turns 16-mixed into bf16-mixed ...
+    assert exp.extra == {"datamodule": {"batch_size": 16}}
+    # ... and the export says so rather than let it happen silently
+    assert any(n.setting == "precision=amp-fp16" for n in exp.notes) == (precision == "amp-fp16")
+
+
+@pytest.mark.parametrize("config", [
+    "precision=amp-bf16,micro_batch=8,grad_accum=4",
+    "precision=amp-fp16,micro_batch=2,grad_accum=1,checkpoint_every=2",
+    "precision=bf16,micro_batch=4,grad_accum=2",
+    "precision=fp32,micro_batch=4,grad_accum=8,checkpoint_every=1,device_split=2",
+])
+def test_deepspeed_config_parser_accepts_the_json(config):
+    # DeepSpeed installs on the CPU in about a minute (DS_BUILD_OPS=0), so CI runs its own parser.
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    cfg = TrainConfig.parse(config)
+    exp = export(cfg, "deepspeed", device="cpu")
+    parsed = DeepSpeedConfig(json.loads(exp.text))
+    assert parsed.train_micro_batch_size_per_gpu == cfg.micro_batch
+    assert parsed.gradient_accumulation_steps == cfg.grad_accum
+    assert parsed.train_batch_size == cfg.micro_batch * cfg.grad_accum  # one data-parallel rank
+    assert parsed.torch_autocast_enabled == cfg.precision.is_amp
+    if cfg.precision.is_amp:
+        assert str(parsed.torch_autocast_dtype) == ("torch.bfloat16" if "bf16" in config else "torch.float16")
+    assert parsed.bfloat16_config.enabled == (cfg.precision.value == "bf16")
+    if cfg.device_split > 1:
+        assert parsed.pipeline["stages"] == 2 and parsed.pipeline["activation_checkpoint_interval"] == 1
+    assert bool(exp.notes) == (cfg.precision.value == "bf16" or cfg.checkpoint_every > 0 or cfg.device_split > 1)
+
+
+def test_json_export_round_trips():
+    cfg = TrainConfig.parse("precision=amp-bf16,micro_batch=8,grad_accum=4,checkpoint_every=2,device_split=2")
+    record = json.loads(export(cfg, "json", device="cuda").text)
+    assert TrainConfig.from_dict(record["config"]) == cfg and record["comment"] == []
+
+
+def test_torchrun_command_runs_autofits_pipeline_runner(tiny_spec):
+    exp = export("precision=fp32,micro_batch=2,grad_accum=2,device_split=2", "torchrun", workload=tiny_spec,
+                 device="cpu")
+    argv = exp.kwargs
+    assert argv[:3] == ["torchrun", "--nproc-per-node", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    # the same command, with this interpreter's torchrun
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", *argv[1:]], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["status"] == "ok" and result["peak_bytes"] > 0
+
+
+def test_torchrun_refuses_a_config_that_does_not_split():
+    with pytest.raises(ConfigError, match="device_split=1"):
+        export("micro_batch=8", "torchrun", workload="gpt-tiny", device="cpu")
+
+
+def test_cli_notes_on_stderr_and_out_file(tmp_path, capsys):
+    out = tmp_path / "args.json"
+    assert main(["export", "--to", "hf", "--config", "checkpoint_every=2,micro_batch=4", "--device", "cpu",
+                 "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "autofit: note: checkpoint_every=2" in err and "peak not estimated: no workload given" in err
+    assert json.loads(out.read_text())["training_arguments"]["per_device_train_batch_size"] == 4
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["export", "--to", "hf"], "a study directory or --config"),
+    (["export", "--to", "hf", "--config", "micro_batch=0"], "micro_batch"),
+    (["export", "--to", "torchrun", "--config", "device_split=2"], "--model spec"),
+])
+def test_cli_errors_are_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_unknown_target_is_refused():
+    with pytest.raises(ConfigError, match="expected one of hf, accelerate"):
+        export("micro_batch=8", "keras")
