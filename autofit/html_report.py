@@ -1,0 +1,116 @@
+"""``report.html``: one self-contained page of a search (pictures embedded as data URIs, no network).
+
+The page is built from what the other reports already say, so it cannot disagree with them:
+``summary.md`` (rendered from its small Markdown subset: headings, bullet lists, tables,
+inline code), the best config's exports (:mod:`autofit.exports`), and the PNGs of
+:mod:`autofit.pictures`. Order: the summary, the best config with its exports, the pictures,
+then the tables.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import re
+
+STYLE = """
+body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto; max-width: 1200px;
+       padding: 0 1em; color: #222; line-height: 1.45; }
+h1 { font-size: 1.6em; } h2 { font-size: 1.25em; border-bottom: 1px solid #ddd; padding-bottom: .2em; }
+table { border-collapse: collapse; font-size: .85em; margin: .5em 0 1em; }
+th, td { border: 1px solid #ccc; padding: .25em .5em; text-align: left; vertical-align: top; }
+th { background: #f3f3f3; }
+code, pre { font-family: ui-monospace, "SFMono-Regular", Menlo, monospace; font-size: .88em; }
+pre { background: #f6f8fa; padding: .8em; overflow-x: auto; white-space: pre-wrap; }
+img { max-width: 100%; border: 1px solid #eee; margin: .5em 0 1.5em; }
+details { margin: .4em 0; } summary { cursor: pointer; font-weight: 600; }
+.advice { background: #fff4e5; border-left: 4px solid #f0a020; padding: .5em 1em; }
+"""
+
+PICTURE_CAPTIONS = {
+    "throughput_vs_peak": "Throughput against peak memory: every real trial, the budget, the best config, "
+                          "and the pruned configs' predictions",
+    "predicted_vs_measured": "Predicted against measured peak memory and step time, every real trial",
+    "memory_breakdown": "Memory at the peak of the top configs, predicted beside measured",
+    "best_so_far": "Best throughput so far against wall time",
+}
+_INLINE_CODE = re.compile(r"`([^`]+)`")
+
+
+def _inline(text: str) -> str:
+    return _INLINE_CODE.sub(lambda m: f"<code>{m.group(1)}</code>", html.escape(text, quote=False))
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def markdown_to_html(text: str) -> str:
+    """The Markdown subset autofit writes: ``#`` headings, ``-`` lists, ``|`` tables, paragraphs, inline code."""
+    out: list[str] = []
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("#"):
+            level = len(line) - len(line.lstrip("#"))
+            out.append(f"<h{level}>{_inline(line[level:].strip())}</h{level}>")
+        elif line.startswith("- "):
+            items = []
+            while i < len(lines) and lines[i].startswith("- "):
+                items.append(f"<li>{_inline(lines[i][2:])}</li>")
+                i += 1
+            out.append("<ul>" + "".join(items) + "</ul>")
+            continue
+        elif line.startswith("|"):
+            rows = []
+            while i < len(lines) and lines[i].startswith("|"):
+                rows.append(lines[i])
+                i += 1
+            head, body = _cells(rows[0]), [r for r in rows[1:] if not re.fullmatch(r"\|[-|: ]+\|?", r.strip())]
+            out.append("<table><thead><tr>" + "".join(f"<th>{_inline(c)}</th>" for c in head) + "</tr></thead><tbody>"
+                       + "".join("<tr>" + "".join(f"<td>{_inline(c)}</td>" for c in _cells(r)) + "</tr>" for r in body)
+                       + "</tbody></table>")
+            continue
+        elif line.strip():
+            out.append(f"<p>{_inline(line)}</p>")
+        i += 1
+    return "\n".join(out)
+
+
+def _sections(summary_md: str) -> tuple[str, str, str]:
+    """(the summary before the best config, the best config section, everything after it)."""
+    parts = re.split(r"(?m)^(?=## )", summary_md)
+    head = parts[0]
+    best = next((p for p in parts[1:] if p.startswith("## Best config")), "")
+    rest = "".join(p for p in parts[1:] if p is not best)
+    return head, best, rest
+
+
+def _exports_html(exports: dict[str, str]) -> str:
+    if not exports:
+        return ""
+    blocks = [f"<details{' open' if i == 0 else ''}><summary>{html.escape(target)}</summary>"
+              f"<pre>{html.escape(text)}</pre></details>" for i, (target, text) in enumerate(exports.items())]
+    return ("<h3>The best config in your trainer</h3><p>The same as <code>autofit export DIR --to TARGET</code>; "
+            "what a target cannot say exactly is in its comment.</p>" + "".join(blocks))
+
+
+def _pictures_html(pictures: dict[str, bytes]) -> str:
+    out = ["<h2>Pictures</h2>"]
+    for name, png in pictures.items():
+        data = base64.b64encode(png).decode("ascii")
+        caption = PICTURE_CAPTIONS.get(name, name)
+        out.append(f"<figure><img alt=\"{html.escape(caption)}\" src=\"data:image/png;base64,{data}\">"
+                   f"<figcaption>{html.escape(caption)} (<code>{name}.png</code>)</figcaption></figure>")
+    return "\n".join(out)
+
+
+def page(title: str, summary_md: str, pictures: dict[str, bytes], exports: dict[str, str]) -> str:
+    """The whole page as one string: no external reference (styles inline, images as data URIs)."""
+    head, best, rest = _sections(summary_md)
+    body = [markdown_to_html(head), markdown_to_html(best), _exports_html(exports), _pictures_html(pictures),
+            markdown_to_html(rest)]
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<title>{html.escape(title)}</title><style>{STYLE}</style></head><body>\n"
+            + "\n".join(body) + "\n</body></html>\n")

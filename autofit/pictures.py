@@ -1,0 +1,236 @@
+"""The search in pictures: four PNGs written with the tables, each readable on its own.
+
+- ``throughput_vs_peak.png``: every real trial's samples/s against its measured peak, coloured
+  by status, the budget as a vertical line, the best config starred, and the configs the
+  estimate pruned (predicted peak, predicted samples/s) faint behind;
+- ``predicted_vs_measured.png``: predicted against measured peak, and step time, for every
+  real trial, with the identity line;
+- ``memory_breakdown.png``: weights, gradients, optimizer state, activations, temporaries and
+  overhead of the top configs at their peak, predicted beside measured;
+- ``best_so_far.png``: the best measured throughput so far against the study's wall time.
+
+Input is plain data: the trials table (``autofit.report.trials_table``'s columns) and, per
+trial number, the predicted and measured breakdowns. matplotlib draws through its Agg canvas
+directly (no pyplot), so nothing here touches a caller's backend or needs a display.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+PICTURES = ("throughput_vs_peak", "predicted_vs_measured", "memory_breakdown", "best_so_far")
+REAL = ("complete", "oom", "error", "timeout")
+STATUS_COLOURS = {"complete": "#2a9d3f", "oom": "#d62728", "error": "#7f3fbf", "timeout": "#ff7f0e",
+                  "pruned": "#b0b0b0"}
+CATEGORY_LABELS = {"params_bytes": "weights", "grads_bytes": "gradients", "optimizer_bytes": "optimizer state",
+                   "activations_bytes": "activations", "temporary_bytes": "temporaries", "overhead_bytes": "overhead"}
+CATEGORY_COLOURS = ("#4c72b0", "#55a868", "#c44e52", "#8172b2", "#ccb974", "#64b5cd")
+TOP_BREAKDOWN = 5
+DPI = 110
+
+
+def _figure(width: float = 7.5, height: float = 4.8):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _unit(max_bytes: float) -> tuple[str, float]:
+    """The binary unit that keeps axis numbers short, and its size."""
+    for name, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if max_bytes >= size:
+            return name, float(size)
+    return "bytes", 1.0
+
+
+def _num(series: pd.Series) -> np.ndarray:
+    return pd.to_numeric(series, errors="coerce").astype(float).to_numpy()
+
+
+def throughput_vs_peak(table: pd.DataFrame, budget_bytes: int, best: int | None, title: str):
+    """Samples/s against measured peak for every real trial; pruned configs' predictions faint behind."""
+    fig = _figure()
+    ax = fig.add_subplot()
+    unit, size = _unit(max(budget_bytes, np.nanmax(np.r_[_num(table["measured_peak_bytes"]), 0.0])))
+    pruned = table[table["status"] == "pruned"]
+    if not pruned.empty:
+        ax.scatter(_num(pruned["predicted_peak_bytes"]) / size, _num(pruned["predicted_samples_per_s"]), s=12,
+                   color=STATUS_COLOURS["pruned"], alpha=0.35, linewidths=0, zorder=1,
+                   label=f"pruned, never ran: predicted ({len(pruned)})")
+    for status in REAL:
+        rows = table[table["status"] == status]
+        if rows.empty:
+            continue
+        # a failed trial has no throughput: it stands on the axis at its measured (else predicted) peak
+        peak = np.where(np.isnan(_num(rows["measured_peak_bytes"])), _num(rows["predicted_peak_bytes"]),
+                        _num(rows["measured_peak_bytes"]))
+        rate = np.nan_to_num(_num(rows["samples_per_s"]), nan=0.0)
+        ax.scatter(peak / size, rate, s=36, color=STATUS_COLOURS[status], marker="o" if status == "complete" else "x",
+                   zorder=3, label=f"{status} ({len(rows)})")
+    ax.axvline(budget_bytes / size, color="black", linestyle="--", linewidth=1, label="budget")
+    if best is not None and (table["number"] == best).any():
+        row = table[table["number"] == best].iloc[0]
+        ax.scatter([float(row["measured_peak_bytes"]) / size], [float(row["samples_per_s"])], s=260, marker="*",
+                   color="gold", edgecolors="black", zorder=4, label=f"best (trial {best})")
+    ax.set_xlabel(f"peak memory per device ({unit}; measured, predicted for pruned)")
+    ax.set_ylabel("throughput (samples/s)")
+    ax.set_title(f"{title}: throughput against peak memory")
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    return fig
+
+
+def _identity_panel(ax, predicted: np.ndarray, measured: np.ndarray, statuses: pd.Series, scale: float,
+                    unit: str, what: str) -> None:
+    ok = ~(np.isnan(predicted) | np.isnan(measured))
+    for status in REAL:
+        mask = ok & (statuses.to_numpy() == status)
+        if mask.any():
+            ax.scatter(predicted[mask] / scale, measured[mask] / scale, s=30, color=STATUS_COLOURS[status],
+                       label=f"{status} ({int(mask.sum())})", zorder=3)
+    if ok.any():
+        values = np.r_[predicted[ok], measured[ok]] / scale
+        low, high = float(values.min()), float(values.max())
+        pad = 0.05 * (high - low or high or 1.0)
+        ax.plot([low - pad, high + pad], [low - pad, high + pad], color="black", linewidth=1, label="identity")
+        if low > 0 and high / low > 20:
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+        ax.legend(fontsize=8, loc="upper left")
+    else:
+        ax.text(0.5, 0.5, "no trial with both", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel(f"predicted {what} ({unit})")
+    ax.set_ylabel(f"measured {what} ({unit})")
+    ax.grid(alpha=0.3)
+
+
+def predicted_vs_measured(table: pd.DataFrame, title: str):
+    """Predicted against measured peak and step time for every real trial, with the identity line."""
+    real = table[table["status"].isin(REAL)]
+    fig = _figure(11.0, 4.8)
+    left, right = fig.subplots(1, 2)
+    predicted, measured = _num(real["predicted_peak_bytes"]), _num(real["measured_peak_bytes"])
+    unit, size = _unit(np.nanmax(np.r_[predicted, measured, 1.0]))
+    _identity_panel(left, predicted, measured, real["status"], size, unit, "peak per device")
+    left.set_title("peak memory")
+    _identity_panel(right, _num(real["predicted_step_time_s"]), _num(real["step_time_s"]), real["status"], 1.0, "s",
+                    "step time")
+    right.set_title("optimizer step time")
+    fig.suptitle(f"{title}: predicted against measured, every real trial")
+    return fig
+
+
+def memory_breakdown(table: pd.DataFrame, breakdowns: dict[int, tuple[dict, dict]], budget_bytes: int, title: str):
+    """Stacked bars of the top configs' peak composition, predicted beside measured."""
+    from autofit.config import FIELDS, TrainConfig
+
+    done = table[(table["status"] == "complete") & table["number"].isin(list(breakdowns))]
+    top = done.assign(_r=_num(done["samples_per_s"])).sort_values("_r", ascending=False).head(TOP_BREAKDOWN)
+    fig = _figure(max(7.5, 1.9 * len(top) + 2.5), 5.2)
+    ax = fig.add_subplot()
+    if top.empty:
+        ax.text(0.5, 0.5, "no completed trial yet", ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        ax.set_title(f"{title}: memory at the peak of the top configs")
+        return fig
+    largest = max(max(sum(v or 0 for v in b.values()) for b in breakdowns[n]) for n in top["number"])
+    unit, size = _unit(max(largest, budget_bytes if budget_bytes < 4 * largest else 0))
+    labels, x = [], 0.0
+    for _, row in top.iterrows():
+        predicted, measured = breakdowns[int(row["number"])]
+        for offset, (kind, parts) in enumerate((("predicted", predicted), ("measured", measured))):
+            bottom = 0.0
+            for colour, (key, label) in zip(CATEGORY_COLOURS, CATEGORY_LABELS.items()):
+                value = float(parts.get(key) or 0) / size
+                ax.bar(x + offset * 0.4, value, width=0.38, bottom=bottom, color=colour,
+                       alpha=0.55 if kind == "predicted" else 1.0, edgecolor="white", linewidth=0.5,
+                       label=label if not labels and kind == "measured" else None)
+                bottom += value
+            ax.text(x + offset * 0.4, bottom, kind[:4] + ".", ha="center", va="bottom", fontsize=7)
+        config = TrainConfig.from_dict({f: row[f] for f in FIELDS})
+        labels.append((x + 0.2, f"#{int(row['number'])}\n{config.short().replace(' ckpt', chr(10) + 'ckpt')}"))
+        x += 1.0
+    if budget_bytes / size <= 1.6 * largest / size:
+        ax.axhline(budget_bytes / size, color="black", linestyle="--", linewidth=1, label="budget")
+    ax.set_xticks([p for p, _ in labels], [t for _, t in labels], fontsize=7)
+    ax.set_ylabel(f"bytes at the peak ({unit})")
+    ax.set_title(f"{title}: memory at the peak, top {len(top)} configs\n(left, pale: predicted; right, solid: measured)")
+    ax.margins(y=0.1)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.grid(axis="y", alpha=0.3)
+    return fig
+
+
+def best_so_far(table: pd.DataFrame, title: str):
+    """The best measured throughput so far against seconds since the study's first trial began."""
+    fig = _figure()
+    ax = fig.add_subplot()
+    real = table[table["status"].isin(REAL)].copy()
+    started = pd.to_datetime(table["started"], errors="coerce").min()
+    real["t"] = (pd.to_datetime(real["finished"], errors="coerce") - started).dt.total_seconds()
+    done = real[(real["status"] == "complete") & real["t"].notna()].sort_values("t")
+    if done.empty or pd.isna(started):
+        ax.text(0.5, 0.5, "no completed trial yet", ha="center", va="center", transform=ax.transAxes)
+    else:
+        rates = _num(done["samples_per_s"])
+        ax.scatter(done["t"], rates, s=18, color=STATUS_COLOURS["complete"], alpha=0.6, label="each completed trial")
+        best = np.fmax.accumulate(np.nan_to_num(rates, nan=0.0))
+        ax.step(np.r_[0.0, done["t"].to_numpy()], np.r_[0.0, best], where="post", color="black", linewidth=1.5,
+                label="best so far")
+        failed = real[real["status"] != "complete"]
+        if not failed.empty:
+            ax.scatter(failed["t"], np.zeros(len(failed)), s=24, marker="x", color=STATUS_COLOURS["oom"],
+                       label=f"oom / error / timeout ({len(failed)})")
+        ax.legend(fontsize=8, loc="lower right")
+    ax.set_xlabel("wall time since the study's first trial (s)")
+    ax.set_ylabel("throughput (samples/s)")
+    ax.set_title(f"{title}: best throughput so far")
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def render(table: pd.DataFrame, breakdowns: dict[int, tuple[dict, dict]], budget_bytes: int, best: int | None,
+           title: str) -> dict[str, bytes]:
+    """Every picture as PNG bytes, keyed by :data:`PICTURES` names."""
+    import io
+
+    figures = {
+        "throughput_vs_peak": throughput_vs_peak(table, budget_bytes, best, title),
+        "predicted_vs_measured": predicted_vs_measured(table, title),
+        "memory_breakdown": memory_breakdown(table, breakdowns, budget_bytes, title),
+        "best_so_far": best_so_far(table, title),
+    }
+    out = {}
+    for name, fig in figures.items():
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png")
+        out[name] = buffer.getvalue()
+    return out
+
+
+def write(pngs: dict[str, bytes], out_dir: str | Path) -> dict[str, Path]:
+    """Write ``render``'s PNGs as ``<name>.png`` in ``out_dir``."""
+    paths = {}
+    for name, data in pngs.items():
+        path = Path(out_dir) / f"{name}.png"
+        path.write_bytes(data)
+        paths[name] = path
+    return paths
+
+
+def finite(value) -> bool:
+    try:
+        return value is not None and math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False
