@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from autofit.budget import format_budget, format_bytes, parse_budget
-from autofit.config import Precision, TrainConfig
+from autofit.config import Precision, SplitMode, TrainConfig
 from autofit.errors import AutofitError, ConfigError
 
 TARGETS = ("hf", "accelerate", "lightning", "deepspeed", "torchrun", "json")
@@ -142,6 +142,18 @@ def _split_note(config: TrainConfig, target: str) -> Note:
                 "no split (one device)", dataclasses.replace(config, device_split=1))
 
 
+def _fsdp(config: TrainConfig) -> bool:
+    return config.device_split > 1 and config.split_mode is SplitMode.FSDP
+
+
+def _launch_note(config: TrainConfig, launcher: str) -> Note:
+    """FSDP ranks are processes: the launcher, not the arguments, says how many."""
+    n = config.device_split
+    return Note(f"device_split={n},split_mode=fsdp", f"the number of ranks is set by the launcher, not here "
+                f"(micro_batch={config.micro_batch} is per rank: {config.samples_per_step} samples per step)",
+                (f"{launcher.format(n=n)}",))
+
+
 def _hf(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note]]:
     p = config.precision
     kwargs: dict = {"per_device_train_batch_size": config.micro_batch,
@@ -165,7 +177,10 @@ def _hf(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note]]:
                                     "False} (every layer: checkpoint_every=1)"))
     else:
         kwargs["gradient_checkpointing"] = False
-    if config.device_split > 1:
+    if _fsdp(config):  # FSDP2 with every decoder layer its own unit, as autofit shards
+        kwargs.update(fsdp=True, fsdp_config={"version": 2, "reshard_after_forward": True})
+        notes.append(_launch_note(config, "torchrun --nproc-per-node {n} your_train.py"))
+    elif config.device_split > 1:
         notes.append(_split_note(config, "the Trainer"))
     return kwargs, {}, notes
 
@@ -192,7 +207,13 @@ def _accelerate(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note
                           dataclasses.replace(config, precision=Precision.AMP_BF16)))
     if config.checkpoint_every:
         notes.append(_ckpt_note(config, "Accelerate", 0, "no checkpointing"))
-    if config.device_split > 1:
+    if _fsdp(config):
+        kwargs.update(distributed_type="FSDP", num_processes=config.device_split,
+                      fsdp_config={"fsdp_version": 2, "fsdp_reshard_after_forward": True,
+                                   "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                                   "fsdp_state_dict_type": "SHARDED_STATE_DICT", "fsdp_offload_params": False,
+                                   "fsdp_cpu_ram_efficient_loading": False, "fsdp_activation_checkpointing": False})
+    elif config.device_split > 1:
         notes.append(_split_note(config, "Accelerate"))
     return kwargs, {}, notes
 
@@ -213,7 +234,20 @@ def _lightning(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note]
                           "bf16-mixed (precision=amp-bf16)", dataclasses.replace(config, precision=Precision.AMP_BF16)))
     if config.checkpoint_every:
         notes.append(_ckpt_note(config, "the Lightning Trainer", 0, "no checkpointing"))
-    if config.device_split > 1:
+    if _fsdp(config) and ctx.device_type == "cpu":
+        kwargs.update(strategy="ddp", devices=config.device_split)
+        notes.append(Note("split_mode=fsdp", "Lightning's fsdp strategy needs GPUs", (
+            "# on GPUs: Trainer(strategy='fsdp', accelerator='gpu', devices=N, ...)",), "ddp: no sharding",
+            dataclasses.replace(config, device_split=1)))
+    elif _fsdp(config):
+        kwargs.update(strategy="fsdp", devices=config.device_split)
+        notes.append(Note("split_mode=fsdp", "Lightning's 'fsdp' strategy is FSDP1 (FullyShardedDataParallel), "
+                          "autofit measured FSDP2 (fully_shard): the same sharding of weights, gradients and state",
+                          ("from lightning.pytorch.strategies import ModelParallelStrategy  # FSDP2",
+                           "Trainer(strategy=ModelParallelStrategy(), ...) and in configure_model(): "
+                           "fully_shard(layer) for each layer, then fully_shard(self.model)"),
+                          "strategy='fsdp'", config))
+    elif config.device_split > 1:
         notes.append(_split_note(config, "Lightning"))
     return kwargs, {"datamodule": {"batch_size": config.micro_batch}}, notes
 
@@ -235,14 +269,20 @@ def _deepspeed(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note]
                           "bf16 enabled (close to precision=amp-bf16's model state)",
                           dataclasses.replace(config, precision=Precision.AMP_BF16)))
     every = config.checkpoint_every
-    if config.device_split > 1:
+    if _fsdp(config):
+        ds["zero_optimization"] = {"stage": 3}
+        notes.append(Note("split_mode=fsdp", "DeepSpeed shards with its own ZeRO stage 3 (weights, gradients and "
+                          "optimizer state over the ranks, as FSDP2's fully_shard does), not FSDP2",
+                          (f"deepspeed --num_gpus {config.device_split} your_train.py  # micro_batch is per rank",),
+                          "zero_optimization stage 3", config))
+    if config.device_split > 1 and not _fsdp(config):
         ds["pipeline"] = {"stages": config.device_split, "activation_checkpoint_interval": every}
         notes.append(Note(f"device_split={config.device_split}", "DeepSpeed takes the stage count and checkpoint "
                           "interval from PipelineModule in code; the 'pipeline' section alone does not split",
                           (f"model = PipelineModule(layers=[...], num_stages={config.device_split}, "
                            f"activation_checkpoint_interval={every}, loss_fn=loss_fn)",
                            "engine, *_ = deepspeed.initialize(model=model, config='ds_config.json', ...)")))
-    elif every:
+    if every and not (config.device_split > 1 and not _fsdp(config)):
         ds["activation_checkpointing"] = {"partition_activations": False, "cpu_checkpointing": False,
                                           "contiguous_memory_optimization": False}
         notes.append(_ckpt_note(config, "DeepSpeed", 0, "no checkpointing",
@@ -256,6 +296,9 @@ def _torchrun(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note]]
         raise ConfigError(f"--to torchrun: {config.short()} does not split over devices (device_split=1); "
                           "torchrun runs autofit's pipeline runner for device_split >= 2: use --to hf, accelerate, "
                           "lightning or deepspeed")
+    if _fsdp(config):
+        raise ConfigError(f"--to torchrun: autofit's torchrun runner ({TORCHRUN_SCRIPT}) runs pipeline splits; for "
+                          "split_mode=fsdp use --to hf, accelerate or deepspeed")
     if not ctx.model_spec:
         raise ConfigError("--to torchrun needs the workload as a --model spec (built-in name, path/to/file.py:function "
                           "or package.module:function)")

@@ -116,6 +116,34 @@ def test_deepspeed_config_parser_accepts_the_json(config):
     assert bool(exp.notes) == (cfg.precision.value == "bf16" or cfg.checkpoint_every > 0 or cfg.device_split > 1)
 
 
+def test_fsdp_exports_build_each_targets_object(tmp_path):
+    cfg = "precision=amp-bf16,micro_batch=4,grad_accum=2,device_split=2,split_mode=fsdp"
+    transformers = pytest.importorskip("transformers")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), **export(cfg, "hf", device="cpu").kwargs)
+    assert args.fsdp_config["version"] == 2 and args.per_device_train_batch_size == 4
+    pytest.importorskip("accelerate")
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.utils import DistributedType
+
+    loaded = load_config_from_file(str(export(cfg, "accelerate", device="cuda").write(tmp_path / "a.yaml")))
+    assert loaded.distributed_type == DistributedType.FSDP and loaded.num_processes == 2
+    assert loaded.fsdp_config["fsdp_version"] == 2
+    lightning = pytest.importorskip("lightning")
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert export(cfg, "lightning", device="cuda").kwargs["strategy"] in StrategyRegistry
+    cpu = export(cfg, "lightning", device="cpu")  # Lightning's fsdp needs GPUs: ddp here, and a note says so
+    trainer = lightning.Trainer(**cpu.kwargs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False, default_root_dir=str(tmp_path))
+    assert trainer.num_devices == 2 and any(n.setting == "split_mode=fsdp" for n in cpu.notes)
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    assert DeepSpeedConfig(export(cfg, "deepspeed").kwargs).zero_optimization_stage == 3
+    with pytest.raises(ConfigError, match="pipeline splits"):
+        export(cfg, "torchrun", workload="gpt-tiny")
+
+
 def test_json_export_round_trips():
     cfg = TrainConfig.parse("precision=amp-bf16,micro_batch=8,grad_accum=4,checkpoint_every=2,device_split=2")
     record = json.loads(export(cfg, "json", device="cuda").text)
