@@ -36,7 +36,7 @@ from torch import nn
 
 from autofit.config import Precision, TrainConfig
 from autofit.errors import ConfigError
-from autofit.training import autocast_context, checkpoint_layers, param_dtype, to_device
+from autofit.training import apply_config, autocast_context, grad_scaler, param_dtype, to_device
 from autofit.workload import largest_module_list
 
 LayersArg = nn.ModuleList | Callable[[nn.Module], nn.ModuleList] | None
@@ -73,9 +73,7 @@ class TrainingPlan:
 
     def grad_scaler(self) -> torch.amp.GradScaler | None:
         """A new GradScaler for ``amp-fp16`` (fp16 gradients underflow without one), else None."""
-        if self.config.precision is Precision.AMP_FP16:
-            return torch.amp.GradScaler(self.device_type)
-        return None
+        return grad_scaler(self.config.precision, self.device_type)
 
     def prepare(self, model: nn.Module, layers: LayersArg = None) -> nn.Module:
         """Cast ``model`` to the parameter dtype and checkpoint its layers; returns ``model`` (changed in place).
@@ -88,9 +86,9 @@ class TrainingPlan:
         if self.config.device_split > 1:
             raise ConfigError(f"device_split {self.config.device_split}: pipeline stages run in separate processes "
                               "and cannot be applied inside one training loop; see autofit.pipeline")
-        model.to(dtype=self.param_dtype)
-        if self.config.checkpoint_every:
-            checkpoint_layers(_layer_list(model, layers), self.config.checkpoint_every)
+        # The trials' own apply_config: cast, then checkpoint; the optimizer and scaler are the run's.
+        apply_config(model, self.config, None, make_optimizer=None, scaler=False,
+                     layers=_layer_list(model, layers) if self.config.checkpoint_every else None)
         return model
 
     def micro_batches(self, batch: Any, device: torch.device | str | None = None) -> list:

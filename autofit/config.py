@@ -45,6 +45,28 @@ class SplitMode(str, enum.Enum):
         return self.value
 
 
+class PipelineSchedule(str, enum.Enum):
+    """How a device split runs its micro-batches. 1F1B holds at most ``p - i`` micro-batches'
+    activations on stage ``i``; GPipe holds all ``grad_accum`` of them (FACTS.md, Narayanan et al. SC'21).
+
+    Any case is accepted (``"1F1B"``, ``"GPipe"``).
+    """
+
+    ONE_F_ONE_B = "1f1b"
+    GPIPE = "gpipe"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def _missing_(cls, value):
+        if isinstance(value, str):
+            for member in cls:
+                if member.value == value.lower():
+                    return member
+        return None
+
+
 FIELDS = ("precision", "micro_batch", "grad_accum", "checkpoint_every", "device_split", "split_mode")
 # Fields holding enums: parsed by value, written as strings.
 _ENUM_FIELDS = {"precision": Precision, "split_mode": SplitMode}

@@ -4,7 +4,8 @@ The trial runner (:mod:`autofit.trial`) calls :func:`measure_trial` in a child p
 it directly only when you accept that an out-of-memory error, a crash or a hang of the
 workload takes your process with it.
 
-What is measured, in order, on a fresh model and optimizer built by
+What is measured, in order (the steps of a :class:`autofit.schedule.MeasureSchedule`, run by
+:func:`autofit.schedule.run_steps`), on a fresh model and optimizer built by
 :func:`autofit.training.build_trainee`:
 
 1. warm-up steps (at least 2, so the optimizer state exists);
@@ -17,7 +18,8 @@ What is measured, in order, on a fresh model and optimizer built by
    (FACTS.md, "Compute and time"), so a config with ``grad_accum=64`` runs only a few
    micro-steps per timed step.
 
-Each measured step runs ``min(grad_accum, 3)`` micro-batches: after the second micro-step
+Each measured step runs ``min(grad_accum, 3)`` micro-batches (the schedule's
+``micro_steps_per_step``): after the second micro-step
 the gradients are accumulated in place, so further micro-steps repeat the same memory
 pattern and the same work, and the composition above accounts for them.
 """
@@ -32,21 +34,15 @@ from typing import Any, Callable
 import torch
 
 from autofit.config import SplitMode, TrainConfig
+from autofit.schedule import MeasureSchedule, run_steps
 from autofit.tracker import CATEGORIES as BREAKDOWN_KEYS
 from autofit.tracker import MemoryTracker, optimizer_state_bytes, storage_bytes
 from autofit.training import build_trainee, forward_backward, make_micro_batches, optimizer_step, train_step
 from autofit.workload import Workload
 
-# Micro-batches run per measured step: 1 (the first, which allocates gradients) and 2 that
-# accumulate into them -- enough to see the steady pattern and to time the common case.
-MICRO_STEPS_PER_STEP = 3
-MIN_WARMUP_STEPS = 2
-# Timed steps are at least this many, whatever measure_steps is: a median needs a few samples.
-MIN_TIMED_STEPS = 3
-
 
 def measure_trial(workload: Workload, config: TrainConfig, *, device: str = "cpu", budget_bytes: int | None = None,
-                  warmup_steps: int = 2, measure_steps: int = 3) -> dict:
+                  warmup_steps: int = 2, measure_steps: int = 3, schedule: MeasureSchedule | None = None) -> dict:
     """Run ``config`` on ``workload`` in this process and measure it.
 
     Returns a JSON-ready dict with ``status`` (``"ok"``, ``"oom"``, or ``"error"`` when the
@@ -60,38 +56,33 @@ def measure_trial(workload: Workload, config: TrainConfig, *, device: str = "cpu
     ``torch.cuda.set_per_process_memory_fraction`` (which does not cover the CUDA context,
     a few hundred MB outside any budget -- FACTS.md) and ``torch.OutOfMemoryError`` is caught.
 
-    Raises whatever the workload raises (the trial runner reports it as ``error``).
+    The steps run are ``schedule``; without one, ``MeasureSchedule.from_steps(warmup_steps, measure_steps)``.
+    Raises ValueError for ``measure_steps < 1``, and whatever the workload raises (the trial
+    runner reports it as ``error``).
     """
-    if measure_steps < 1:
-        raise ValueError(f"measure_steps must be >= 1, got {measure_steps}")
-    warmup_steps = max(MIN_WARMUP_STEPS, warmup_steps)
+    if schedule is None:
+        schedule = MeasureSchedule.from_steps(warmup_steps, measure_steps)
     device_type = torch.device(device).type
     if config.device_split > 1:
         return _measure_split(workload, config, device_type=device_type, budget_bytes=budget_bytes,
-                              warmup_steps=warmup_steps, measure_steps=measure_steps)
+                              schedule=schedule)
     try:
         if device_type == "cuda":
-            return _measure_cuda(workload, config, device, budget_bytes, warmup_steps, measure_steps)
+            return _measure_cuda(workload, config, device, budget_bytes, schedule)
         if device_type == "cpu":
-            return _measure_cpu(workload, config, budget_bytes, warmup_steps, measure_steps)
+            return _measure_cpu(workload, config, budget_bytes, schedule)
     except torch.OutOfMemoryError as exc:  # a real allocator failure, on either device
         return _failed("oom", _first_line(exc))
     raise ValueError(f"unsupported device {device!r}: expected cpu or cuda")
 
 
-def _measure_cpu(workload: Workload, config: TrainConfig, budget_bytes: int | None, warmup_steps: int,
-                 measure_steps: int) -> dict:
+def _measure_cpu(workload: Workload, config: TrainConfig, budget_bytes: int | None, schedule: MeasureSchedule) -> dict:
     trainee = build_trainee(workload, config, "cpu")
-    batches = _micro_batches(workload, config, trainee.device)
+    batches = trial_micro_batches(workload, config, trainee.device, schedule)
     tracker = MemoryTracker(trainee.model, trainee.optimizer, inputs=batches, budget_bytes=budget_bytes)
     boundary = lambda _index: tracker.step_boundary()  # noqa: E731
     try:
-        with tracker:
-            for _ in range(warmup_steps):
-                train_step(trainee, batches, on_micro_step=boundary)
-            tracker.reset_peak()
-            for _ in range(measure_steps):
-                train_step(trainee, batches, on_micro_step=boundary)
+        run_steps(schedule, lambda: train_step(trainee, batches, on_micro_step=boundary), tracker=lambda: tracker)
     except Exception:
         # Checked by state, not by exception type: the workload may have wrapped the exception.
         if tracker.exceeded_bytes is not None:
@@ -100,12 +91,12 @@ def _measure_cpu(workload: Workload, config: TrainConfig, budget_bytes: int | No
         raise
     peak_bytes = tracker.peak_bytes
     breakdown = tracker.peak_breakdown()
-    t_micro, t_optimizer = time_micro_and_optimizer_steps(trainee, batches, max(MIN_TIMED_STEPS, measure_steps))
+    t_micro, t_optimizer = time_micro_and_optimizer_steps(trainee, batches, schedule.timed_steps)
     return _result(workload, config, peak_bytes, None, breakdown, t_micro, t_optimizer)
 
 
 def _measure_cuda(workload: Workload, config: TrainConfig, device: str, budget_bytes: int | None,
-                  warmup_steps: int, measure_steps: int) -> dict:
+                  schedule: MeasureSchedule) -> dict:
     dev = torch.device(device)
     if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -116,13 +107,12 @@ def _measure_cuda(workload: Workload, config: TrainConfig, device: str, budget_b
         total = torch.cuda.get_device_properties(dev).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), dev)
     trainee = build_trainee(workload, config, dev)
-    batches = _micro_batches(workload, config, dev)
-    for _ in range(warmup_steps):
-        train_step(trainee, batches)
+    batches = trial_micro_batches(workload, config, dev, schedule)
+    run_steps(schedule, lambda: train_step(trainee, batches))
     torch.cuda.synchronize(dev)
     torch.cuda.reset_peak_memory_stats(dev)
     # On CUDA nothing slows the steps down, so the timed steps are also the measured ones.
-    t_micro, t_optimizer = time_micro_and_optimizer_steps(trainee, batches, max(MIN_TIMED_STEPS, measure_steps),
+    t_micro, t_optimizer = time_micro_and_optimizer_steps(trainee, batches, schedule.timed_steps,
                                                           sync=lambda: torch.cuda.synchronize(dev))
     peak_bytes = torch.cuda.max_memory_allocated(dev)
     reserved_bytes = torch.cuda.max_memory_reserved(dev)
@@ -171,8 +161,10 @@ def compose_step_time(config: TrainConfig, micro_step_time_s: float, optimizer_s
     return config.grad_accum * micro_step_time_s + optimizer_step_time_s
 
 
-def _micro_batches(workload: Workload, config: TrainConfig, device: torch.device) -> list:
-    count = min(config.grad_accum, MICRO_STEPS_PER_STEP)
+def trial_micro_batches(workload: Workload, config: TrainConfig, device: torch.device,
+                        schedule: MeasureSchedule | None = None) -> list:
+    """The micro-batches one measured step runs on one device: ``schedule.micro_steps(grad_accum)`` of them."""
+    count = (schedule or MeasureSchedule()).micro_steps(config.grad_accum)
     return make_micro_batches(workload, dataclasses.replace(config, grad_accum=count), device)
 
 
@@ -204,15 +196,19 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _measure_split(workload: Workload, config: TrainConfig, *, device_type: str, budget_bytes: int | None,
-                   warmup_steps: int, measure_steps: int) -> dict:
+                   schedule: MeasureSchedule) -> dict:
     """Device split > 1: PyTorch's pipeline engine (:func:`autofit.pipeline.measure_split`) or
     FSDP2 ranks (:func:`autofit.fsdp.measure_fsdp`), as ``config.split_mode`` says."""
     if config.split_mode is SplitMode.FSDP:
-        from autofit.fsdp import measure_fsdp as measure_split
+        from autofit.fsdp import measure_fsdp
+
+        out: dict[str, Any] = measure_fsdp(workload, config, device_type=device_type,
+                                           warmup_steps=schedule.warmup_steps,
+                                           measure_steps=schedule.measured_steps, budget_bytes=budget_bytes)
     else:
         from autofit.pipeline import measure_split
-    out: dict[str, Any] = measure_split(workload, config, device_type=device_type, warmup_steps=warmup_steps,
-                                        measure_steps=measure_steps, budget_bytes=budget_bytes)
+
+        out = measure_split(workload, config, device_type=device_type, steps=schedule, budget_bytes=budget_bytes)
     status = str(getattr(out.get("status"), "value", out.get("status") or "ok"))
     if status != "ok":
         return _failed(status, out.get("error") or f"pipeline trial ended with status {status}")

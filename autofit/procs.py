@@ -251,11 +251,18 @@ class Child:
         if self.protocol_error:
             return f"sent {self.protocol_error}"
         status = self.wait_status if self.wait_status is not None else self._peek_status()
-        how = exit_text(status) if status is not None else "did not exit"
+        if status is None:
+            return "did not exit and sent no result"
+        if os.WIFSIGNALED(status):
+            return exit_text(status)
         last = self.stderr_last_line()
-        return f"{how}: {last}" if last and not os.WIFSIGNALED(status or 0) else f"{how} without a result"
+        return f"{exit_text(status)}: {last}" if last else f"{exit_text(status)} without a result"
 
     def _peek_status(self) -> int | None:
+        # Its pipes close as it dies, a moment before it can be reaped: give it that moment.
+        end = time.monotonic() + _REAP_GRACE_S
+        while not self.exited() and time.monotonic() < end:
+            time.sleep(0.01)
         if not self.exited():
             return None
         self._reap()

@@ -26,9 +26,12 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["DEFAULT_SCHEDULE", "MIN_TIMED_STEPS", "MIN_WARMUP_STEPS", "MeasureSchedule", "TRACKED_STEP_SLOWDOWN"]
+__all__ = ["DEFAULT_SCHEDULE", "MIN_TIMED_STEPS", "MIN_WARMUP_STEPS", "MeasureSchedule", "TRACKED_STEP_SLOWDOWN",
+           "run_steps"]
 
 # Step 1 creates the optimizer state (and a pipeline's receive buffers); step 2 is the first
 # that allocates as every later one does, so peaks are read from step 3 on.
@@ -101,3 +104,31 @@ class MeasureSchedule:
 
 # What a study's trial runs: 2 warm-up steps, 1 measured, 3 timed, at most 3 micro-steps each.
 DEFAULT_SCHEDULE = MeasureSchedule()
+
+
+def run_steps(schedule: MeasureSchedule, step: Callable[[], Any], *, tracker: Callable[[], Any] | None = None,
+              untracked_steps: int = 0) -> Any:
+    """Run the warm-up and measured steps of ``schedule``: the one step loop of every trial.
+
+    ``step()`` runs one optimizer step. The first ``untracked_steps`` warm-up steps run bare;
+    then ``tracker()`` (a factory, so it can see what those steps allocated) gives a context
+    manager with ``reset_peak()`` -- :class:`autofit.tracker.MemoryTracker` -- that watches the
+    rest of the warm-up, has its peak reset, and then watches the measured steps. Without a
+    tracker (CUDA, whose allocator keeps its own peak) the measured steps are left to the timed
+    ones, which nothing slows down. Returns the tracker (None without one); the caller times
+    ``schedule.timed_steps`` steps next, its own way.
+    """
+    for _ in range(untracked_steps):
+        step()
+    if tracker is None:
+        for _ in range(schedule.warmup_steps - untracked_steps):
+            step()
+        return None
+    watcher = tracker()
+    with watcher:
+        for _ in range(schedule.warmup_steps - untracked_steps):
+            step()
+        watcher.reset_peak()
+        for _ in range(schedule.measured_steps):
+            step()
+    return watcher

@@ -1,12 +1,26 @@
 """Apply a TrainConfig to a workload and run optimizer steps exactly as a training script would.
 
-The profiler (on fake tensors) and the trial runner (on real ones) both use this module,
-so what is estimated and what is measured is the same code path.
+The profiler (on fake tensors), the trial runner and each pipeline stage (on real ones) and
+:class:`autofit.apply.TrainingPlan` (on a user's model) all apply a config with
+:func:`apply_config`, so what is estimated, what is measured and what a user trains with is
+the same code path. A config is applied in one fixed order, each step logged (logger
+``autofit.training``, level DEBUG):
+
+1. precision: parameters cast to the parameter dtype (bf16 only for ``precision=bf16``) and
+   moved to the device;
+2. checkpointing: every ``checkpoint_every`` layers one non-reentrant
+   ``torch.utils.checkpoint`` segment;
+3. the optimizer, made on the cast parameters;
+4. a ``torch.amp.GradScaler`` for ``amp-fp16``.
+
+Autocast (the amp precisions) is not a change to the model: :func:`autocast_context` wraps
+each forward and loss, never the backward.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -18,6 +32,8 @@ from torch.utils.checkpoint import checkpoint
 from autofit.config import Precision, TrainConfig
 from autofit.errors import WorkloadError
 from autofit.workload import Workload
+
+log = logging.getLogger(__name__)
 
 AUTOCAST_DTYPE = {Precision.AMP_FP16: torch.float16, Precision.AMP_BF16: torch.bfloat16}
 
@@ -97,6 +113,68 @@ def checkpoint_layers(layers: nn.ModuleList, every: int) -> None:
             layers[start + offset].forward = pass_through
 
 
+@dataclass(frozen=True)
+class Applied:
+    """What :func:`apply_config` made: the optimizer, the GradScaler (amp-fp16 only) and the log of its steps."""
+
+    optimizer: torch.optim.Optimizer | None
+    scaler: torch.amp.GradScaler | None
+    steps: tuple[str, ...]
+
+
+def grad_scaler(precision: Precision, device_type: str) -> torch.amp.GradScaler | None:
+    """A new GradScaler for ``amp-fp16`` (fp16 gradients underflow without one), else None."""
+    return torch.amp.GradScaler(device_type) if precision is Precision.AMP_FP16 else None
+
+
+def apply_config(model: nn.Module, config: TrainConfig, device: torch.device | str | None, *,
+                 layers: nn.ModuleList | None,
+                 make_optimizer: Callable[[Any], torch.optim.Optimizer] | None,
+                 scaler: bool = True) -> Applied:
+    """Apply ``config`` to ``model`` in place, in the module's fixed order: cast, checkpoint, optimizer, scaler.
+
+    ``device``: where the model goes (None: where it is); ``layers``: the repeated blocks to
+    checkpoint (needed when ``checkpoint_every > 0``); ``make_optimizer(parameters)``: the
+    optimizer factory (None: the caller keeps its own optimizer, which still holds the same
+    Parameter objects after the cast); ``scaler=False`` leaves the GradScaler out (fake tensors
+    cannot answer its ``found_inf.item()``). Raises WorkloadError when checkpointing has no layers.
+    """
+    steps = []
+    dtype = param_dtype(config.precision)
+    if _needs_move(model, dtype, device):  # Module.to cannot swap fake parameters: skip it when a no-op
+        model.to(dtype=dtype) if device is None else model.to(device=torch.device(device), dtype=dtype)
+    steps.append(f"precision {config.precision.value}: parameters in {dtype}"
+                 + ("" if device is None else f" on {torch.device(device)}")
+                 + (f", autocast to {AUTOCAST_DTYPE[config.precision]} in forward" if config.precision.is_amp else ""))
+    if config.checkpoint_every:
+        if layers is None:
+            raise WorkloadError("checkpoint_every > 0 needs the model's layer list")
+        checkpoint_layers(layers, config.checkpoint_every)
+        steps.append(f"checkpoint: {len(layers)} layers in non-reentrant segments of {config.checkpoint_every}")
+    optimizer = None
+    if make_optimizer is not None:
+        optimizer = make_optimizer(model.parameters())
+        steps.append(f"optimizer: {type(optimizer).__name__}")
+    made_scaler = None
+    if scaler and (made_scaler := grad_scaler(config.precision, _device_type(model, device))) is not None:
+        steps.append("GradScaler for amp-fp16")
+    for line in steps:
+        log.debug("apply %s: %s", config.short(), line)
+    return Applied(optimizer, made_scaler, tuple(steps))
+
+
+def _needs_move(model: nn.Module, dtype: torch.dtype, device: torch.device | str | None) -> bool:
+    target = None if device is None else torch.device(device)
+    return any((t.is_floating_point() and t.dtype != dtype) or (target is not None and t.device != target)
+               for t in [*model.parameters(), *model.buffers()])
+
+
+def _device_type(model: nn.Module, device: torch.device | str | None) -> str:
+    if device is not None:
+        return torch.device(device).type
+    return next((p.device.type for p in model.parameters()), "cpu")
+
+
 @dataclass
 class Trainee:
     """A model and optimizer with a config applied, ready for :func:`train_step`."""
@@ -115,11 +193,10 @@ def build_model(workload: Workload, precision: Precision, device: torch.device, 
     On fake tensors ``Module.to`` cannot swap parameters, so the model is built directly
     in place (default device and dtype set), which gives the same tensors.
     """
-    dtype = param_dtype(precision)
     if not fake:
-        return workload.model().to(device=device, dtype=dtype)
+        return workload.model().to(device=device, dtype=param_dtype(precision))
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
+    torch.set_default_dtype(param_dtype(precision))
     try:
         with torch.device(device):
             return workload.model()
@@ -129,22 +206,20 @@ def build_model(workload: Workload, precision: Precision, device: torch.device, 
 
 def build_trainee(workload: Workload, config: TrainConfig, device: str | torch.device = "cpu",
                   fake: bool = False) -> Trainee:
-    """Build a fresh model and optimizer for ``config`` on ``device`` (single stage).
+    """Build a fresh model and optimizer for ``config`` on ``device`` (single stage), with :func:`apply_config`.
 
     ``fake=True`` is the profiler's mode (under ``FakeTensorMode``): the model is built in
     place and the GradScaler is left out (fake tensors cannot answer its
     ``found_inf.item()``; its state is a few scalars).
     """
     device = torch.device(device)
-    model = build_model(workload, config.precision, device, fake)
+    # Real models are built on the CPU in fp32 and moved and cast once, by apply_config.
+    model = build_model(workload, config.precision, device, fake) if fake else workload.model()
     model.train()
-    if config.checkpoint_every:
-        checkpoint_layers(workload.layers(model), config.checkpoint_every)
-    optimizer = workload.optimizer(model.parameters())
-    scaler = None
-    if config.precision is Precision.AMP_FP16 and not fake:
-        scaler = torch.amp.GradScaler(device.type)
-    return Trainee(workload, config, model, optimizer, scaler, device)
+    applied = apply_config(model, config, None if fake else device,
+                           layers=workload.layers(model) if config.checkpoint_every else None,
+                           make_optimizer=workload.optimizer, scaler=not fake)
+    return Trainee(workload, config, model, applied.optimizer, applied.scaler, device)
 
 
 def make_micro_batches(workload: Workload, config: TrainConfig, device: torch.device) -> list:

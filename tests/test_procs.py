@@ -59,7 +59,7 @@ def test_raising_child_reports_the_exceptions_last_line():
 
 def test_crashing_child_reports_the_signal():
     child, _ = _run("procs_entries:segfault", {})
-    assert child.failure() == "killed by signal SIGSEGV without a result"
+    assert child.failure() == "killed by signal SIGSEGV"
 
 
 def test_a_line_that_is_not_json_is_a_protocol_error_not_a_message():

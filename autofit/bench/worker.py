@@ -1,9 +1,9 @@
-"""Measurement jobs run in a fresh interpreter: ``python -m autofit.bench.worker`` (JSON jobs on stdin).
+"""Measurement jobs run in a fresh interpreter, an :mod:`autofit.procs` child (JSON jobs in, one JSON result a job out).
 
 The accuracy suite measures dozens of configs; starting an interpreter per config (what the
 trial runner does, ~3-5 s here) would cost more than the measurements. So one worker process
-per workload runs them in turn, each on a fresh model and optimizer, and prints one JSON object
-per job on stdout as it finishes. The worker is a child so that the benchmark's own process
+per workload runs them in turn, each on a fresh model and optimizer, and sends one JSON object
+per job as it finishes. The worker is a child so that the benchmark's own process
 never trains (the OpenMP policy in :data:`autofit.bench.common.BENCH_ENV` is read when the
 library loads, and only a child can be given it), and so a crash costs one workload's rows.
 
@@ -21,35 +21,26 @@ Job kinds:
 
 from __future__ import annotations
 
-import json
-import os
-import select
-import signal
 import statistics
-import subprocess
-import sys
 import time
 import traceback
 from collections.abc import Callable
-from pathlib import Path
+
+from autofit import procs
+from autofit.schedule import MeasureSchedule, run_steps
 
 
-def _memory_only(workload, config, warmup_steps: int, measure_steps: int) -> dict:
-    """What ``measure_trial`` does on the CPU up to the peak, without its timed steps."""
-    from autofit.measure import _micro_batches
+def _memory_only(workload, config, schedule: MeasureSchedule) -> dict:
+    """What ``measure_trial`` does on the CPU up to the peak (the same step loop), without its timed steps."""
+    from autofit.measure import trial_micro_batches
     from autofit.tracker import MemoryTracker
     from autofit.training import build_trainee, train_step
 
     trainee = build_trainee(workload, config, "cpu")
-    batches = _micro_batches(workload, config, trainee.device)
+    batches = trial_micro_batches(workload, config, trainee.device, schedule)
     tracker = MemoryTracker(trainee.model, trainee.optimizer, inputs=batches)
     boundary = lambda _index: tracker.step_boundary()
-    with tracker:
-        for _ in range(warmup_steps):
-            train_step(trainee, batches, on_micro_step=boundary)
-        tracker.reset_peak()
-        for _ in range(measure_steps):
-            train_step(trainee, batches, on_micro_step=boundary)
+    run_steps(schedule, lambda: train_step(trainee, batches, on_micro_step=boundary), tracker=lambda: tracker)
     return {"status": "ok", "error": None, "peak_bytes": tracker.peak_bytes,
             "per_device_peak_bytes": [tracker.peak_bytes], "breakdown": tracker.peak_breakdown(),
             "step_time_s": None}
@@ -65,11 +56,11 @@ def _memory(job: dict) -> dict:
     workload = load_workload(job["workload"])
     config = TrainConfig.from_dict(job["config"])
     torch.manual_seed(0)
+    schedule = MeasureSchedule.from_steps(job.get("warmup_steps", 2), job.get("measure_steps", 1))
     if job.get("time", True) or config.device_split > 1:
-        out = measure_trial(workload, config, device="cpu", warmup_steps=job.get("warmup_steps", 2),
-                            measure_steps=job.get("measure_steps", 1))
+        out = measure_trial(workload, config, device="cpu", schedule=schedule)
     else:
-        out = _memory_only(workload, config, job.get("warmup_steps", 2), job.get("measure_steps", 1))
+        out = _memory_only(workload, config, schedule)
     keep = ("status", "error", "peak_bytes", "per_device_peak_bytes", "breakdown", "step_time_s", "samples_per_s")
     return {k: out.get(k) for k in keep}
 
@@ -79,7 +70,7 @@ def _tracker_overhead(job: dict) -> dict:
     import torch
 
     from autofit.config import TrainConfig
-    from autofit.measure import _micro_batches
+    from autofit.measure import trial_micro_batches
     from autofit.tracker import MemoryTracker
     from autofit.training import build_trainee, train_step
     from autofit.workload import load_workload
@@ -89,7 +80,7 @@ def _tracker_overhead(job: dict) -> dict:
     steps = int(job.get("steps", 5))
     torch.manual_seed(0)
     trainee = build_trainee(workload, config, "cpu")
-    batches = _micro_batches(workload, config, trainee.device)
+    batches = trial_micro_batches(workload, config, trainee.device)
     for _ in range(2):  # warm: optimizer state exists, kernels chosen
         train_step(trainee, batches)
 
@@ -119,33 +110,19 @@ def _throughput(job: dict) -> dict:
     import torch
 
     from autofit.config import TrainConfig
-    from autofit.measure import _micro_batches, compose_step_time
-    from autofit.training import (
-        build_trainee,
-        forward_backward,
-        optimizer_step,
-        train_step,
-    )
+    from autofit.measure import compose_step_time, time_micro_and_optimizer_steps, trial_micro_batches
+    from autofit.training import build_trainee, train_step
     from autofit.workload import load_workload
 
     workload = load_workload(job["workload"])
     config = TrainConfig.from_dict(job["config"])
     torch.manual_seed(0)
     trainee = build_trainee(workload, config, "cpu")
-    batches = _micro_batches(workload, config, trainee.device)
+    batches = trial_micro_batches(workload, config, trainee.device)
     train_step(trainee, batches)   # warm: optimizer state exists
-    micro_s, optimizer_s = [], []
-    for _ in range(int(job.get("steps", 3))):
-        trainee.optimizer.zero_grad(set_to_none=True)
-        for inputs, targets in batches:
-            start = time.perf_counter()
-            forward_backward(trainee, inputs, targets)
-            micro_s.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        optimizer_step(trainee)
-        optimizer_s.append(time.perf_counter() - start)
-    # the trial's own estimator (medians), so configs with more micro-steps per step are not favoured
-    step_time_s = compose_step_time(config, statistics.median(micro_s), statistics.median(optimizer_s))
+    # the trial's own timed loop and estimator (medians), so configs with more micro-steps per step are not favoured
+    t_micro, t_optimizer = time_micro_and_optimizer_steps(trainee, batches, int(job.get("steps", 3)))
+    step_time_s = compose_step_time(config, t_micro, t_optimizer)
     return {"status": "ok", "error": None, "step_time_s": step_time_s,
             "samples_per_s": config.samples_per_step / step_time_s}
 
@@ -153,9 +130,9 @@ def _throughput(job: dict) -> dict:
 _KINDS = {"memory": _memory, "tracker_overhead": _tracker_overhead, "throughput": _throughput}
 
 
-def main() -> int:
-    jobs = json.load(sys.stdin)
-    for job in jobs:
+def serve(request: dict, send: procs.Send) -> None:
+    """The worker (a :mod:`autofit.procs` child): run ``request["jobs"]`` in turn, sending one result each."""
+    for job in request["jobs"]:
         start = time.perf_counter()
         try:
             out = _KINDS[job["kind"]](job)
@@ -166,9 +143,7 @@ def main() -> int:
                 traceback.print_exc()
         out["id"] = job.get("id")
         out["job_s"] = time.perf_counter() - start
-        sys.stdout.write(json.dumps(out) + "\n")
-        sys.stdout.flush()
-    return 0
+        send(out)
 
 
 # --- the parent side ----------------------------------------------------------------------------
@@ -184,57 +159,29 @@ def run_jobs(jobs: list[dict], *, job_timeout_s: float = 300.0,
     jobs = [{**job, "id": i} for i, job in enumerate(jobs)]
     results: dict[int, dict] = {}
     pending = list(jobs)
-    env = dict(os.environ)
-    package_root = str(Path(__file__).resolve().parent.parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     while pending:
-        proc = subprocess.Popen([sys.executable, "-m", "autofit.bench.worker"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
-        proc.stdin.write(json.dumps(pending).encode())
-        proc.stdin.close()
-        buffer = b""
-        deadline = time.monotonic() + job_timeout_s
-        fd = proc.stdout.fileno()
-        while pending:
-            remaining = deadline - time.monotonic()
-            ready = select.select([fd], [], [], max(0.0, min(remaining, 1.0)))[0] if remaining > 0 else []
-            if ready:
-                chunk = os.read(fd, 1 << 16)
-                if not chunk:  # the worker died: the job in progress is an error, the rest go on
-                    job = pending.pop(0)
-                    results[job["id"]] = {"status": "error", "error": f"worker exited ({proc.wait()})"}
-                    _report(on_result, job, results[job["id"]])
+        worker = procs.spawn("autofit.bench.worker:serve", {"jobs": pending}, timeout_s=job_timeout_s)
+        try:
+            while pending:
+                job = pending[0]
+                try:
+                    out = worker.next_message()
+                except TimeoutError:
+                    out = {"status": "timeout", "error": f"over {job_timeout_s:.0f} s"}
+                if out is None:  # the worker died: the job in progress is an error, the rest go on
+                    worker.kill()
+                    out = {"status": "error", "error": f"worker {worker.failure()}"}
+                pending.pop(0)
+                results[job["id"]] = out
+                _report(on_result, job, out)
+                if out["status"] == "timeout" or (worker.done and not worker.messages):
                     break
-                buffer += chunk
-                while b"\n" in buffer and pending:
-                    line, buffer = buffer.split(b"\n", 1)
-                    out = json.loads(line)
-                    job = pending.pop(0)
-                    results[job["id"]] = out
-                    _report(on_result, job, out)
-                    deadline = time.monotonic() + job_timeout_s
-            elif remaining <= 0:
-                job = pending.pop(0)
-                results[job["id"]] = {"status": "timeout", "error": f"over {job_timeout_s:.0f} s"}
-                _report(on_result, job, results[job["id"]])
-                break
-        _kill(proc)
+                worker.extend_deadline(job_timeout_s)
+        finally:
+            worker.kill()
     return [results[job["id"]] for job in jobs]
 
 
 def _report(on_result, job: dict, result: dict) -> None:
     if on_result is not None:
         on_result(job, result)
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait()
-    proc.stdout.close()
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
