@@ -207,12 +207,34 @@ def card_used_bytes(index: int) -> tuple[int | None, str]:
     return None, "none"
 
 
+def process_used_bytes(index: int) -> int | None:
+    """This process's use of the card as NVML lists it, or None (no NVML, or PIDs of another namespace)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if proc.pid == os.getpid() and proc.usedGpuMemory is not None:
+                return int(proc.usedGpuMemory)
+    except Exception:  # noqa: BLE001 - any NVML trouble: fall back to the whole card
+        pass
+    return None
+
+
 def context_bytes(baseline_used: int | None, index: int) -> tuple[int | None, str]:
-    """This process's use of the card outside the caching allocator's reserved bytes (the context, cuBLAS...)."""
-    used, how = card_used_bytes(index)
+    """This process's use of the card outside the caching allocator's reserved bytes (the context, cuBLAS...).
+
+    Prefers NVML's per-process figure (immune to other processes); else the whole card's use
+    less its use before this process touched CUDA (other processes must hold still meanwhile).
+    """
     reserved = torch.cuda.memory_reserved()
+    own = process_used_bytes(index)
+    if own is not None:
+        return own - reserved, "nvml per process"
+    used, how = card_used_bytes(index)
     if used is not None and baseline_used is not None:
-        return used - baseline_used - reserved, how
+        return used - baseline_used - reserved, how + " (whole card less its use before)"
     free, total = torch.cuda.mem_get_info()  # whole card, other processes included
     return total - free - reserved, "mem_get_info (whole card)"
 
@@ -360,6 +382,14 @@ def estimates(spec: str, configs: list[str], device_type: str) -> dict[str, tupl
     return out
 
 
+def kill_group(pid: int) -> None:
+    """Kill a child started with start_new_session (its group id is its pid), if still there."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def run_child(request: dict, timeout_s: float, clock: Clock) -> tuple[list[dict], str | None]:
     """Run a child (``--child``); its rows, and why it ended early (None when it did not)."""
     cmd = [sys.executable, str(SCRIPT), "--child", json.dumps(request)]
@@ -368,7 +398,7 @@ def run_child(request: dict, timeout_s: float, clock: Clock) -> tuple[list[dict]
     try:
         stdout, _ = proc.communicate(timeout=max(timeout_s, 1.0))
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_group(proc.pid)
         stdout, _ = proc.communicate()
         why = f"time guard: child killed after {timeout_s:.0f} s"
     rows = []
@@ -391,7 +421,8 @@ def rows_from_child(part: str, workload: str, configs: list[str], predicted: dic
     rows = []
     for i, text in enumerate(configs):
         pred = predicted.get(text)
-        row = Row(part, workload, text, "not run")
+        # Cut short by the time guard: not run; a child that crashed or gave no row: an error.
+        row = Row(part, workload, text, "skipped" if (why or "").startswith("time guard") else "error")
         est_note = pred if isinstance(pred, str) else ""
         if isinstance(pred, tuple):
             row.predicted_bytes, row.predicted_allocated_bytes = pred
@@ -407,6 +438,9 @@ def rows_from_child(part: str, workload: str, configs: list[str], predicted: dic
             row.samples_per_s = m.get("samples_per_s")
             row.wall_s = m.get("wall_s")
         row.repeat = repeat_of is not None and i == len(configs) - 1
+        if row.context_bytes is not None and not 0 < row.context_bytes < 4 * 2**30:
+            row.note = "; ".join(x for x in (row.note, "implausible context: another process may have used the card")
+                                 if x)
         rows.append(fill_errors(row))
     return rows
 
@@ -423,6 +457,9 @@ def plan(args) -> dict[str, tuple[str, list[str]]]:
     return jobs
 
 
+LATE: dict = {}  # estimates still running when part a starts: name -> Future
+
+
 def all_estimates(jobs: dict, device: str, clock: Clock) -> dict[str, dict]:
     """Every estimate up front, workloads in parallel (each profile runs in its own processes), so that
     no profiling process starts or ends on the card while a measuring child watches its memory."""
@@ -435,6 +472,10 @@ def all_estimates(jobs: dict, device: str, clock: Clock) -> dict[str, dict]:
     pool.shutdown(wait=False, cancel_futures=True)
     out = {}
     for name, future in futures.items():
+        if not future.done() and name.startswith("b:"):
+            LATE[name] = future  # part b waits for it; part a does not
+            log(clock, f"  {name}: still profiling (part b waits for it)")
+            continue
         if future.done() and future.exception() is None:
             out[name] = future.result()
         else:
@@ -461,6 +502,9 @@ def part_a(args, clock: Clock, device: str, predicted_all: dict) -> list[Row]:
         share = max(20.0, 2 * left / (len(names) - n))
         log(clock, f"a. {name}: measuring on {device} (at most {min(share, left):.0f} s)")
         child_rows, why = run_child({"spec": spec, "configs": asked, "device": device}, min(share, left), clock)
+        init = next((r for r in child_rows if r.get("kind") == "init"), None)
+        if init:
+            log(clock, f"  context at start {mib(init.get('context_bytes'))} ({init.get('context_method')})")
         new = rows_from_child("a", name, asked, predicted, child_rows, why, repeat_of=asked[-1])
         for r in new:
             log(clock, f"  {r.config:<55} {r.status:<7} pred {mib(r.predicted_bytes)} alloc {mib(r.allocated_bytes)} "
@@ -473,6 +517,12 @@ def part_b(args, clock: Clock, device: str, context_hint: int | None, predicted:
     from autofit.budget import parse_budget
 
     budget = parse_budget(CARD_BUDGET)
+    late = LATE.get("b:" + B_MODEL)
+    if not predicted and late is not None:
+        try:
+            predicted = late.result(timeout=max(clock.left("b") - 45, 1))
+        except Exception as exc:  # noqa: BLE001 - a timeout included
+            predicted = {"-": f"estimate failed: {_first_line(exc) or 'time guard'}"}
     chosen = choose_budget_configs(predicted, budget)
     if not chosen:
         reason = next((v for v in predicted.values() if isinstance(v, str)), "no candidate in range")
@@ -561,7 +611,7 @@ def part_c(args, clock: Clock, device: str, context: int | None, out_dir: Path) 
     try:
         stdout, _ = proc.communicate(timeout=max(left - 3, 5))
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_group(proc.pid)
         stdout, _ = proc.communicate()
     wall = time.monotonic() - started
     statuses = trial_statuses(study_dir / "trials.csv")
@@ -679,9 +729,11 @@ def verdict(rows: list[Row], device: str) -> tuple[bool, str]:
         failures.append("no accuracy config measured")
     elif judged[0] > TARGET_MEDIAN or judged[1] > TARGET_MAX:
         failures.append(f"accuracy outside median {TARGET_MEDIAN:.0%} / max {TARGET_MAX:.0%}")
-    not_run = sum(r.part == "a" and r.status not in ("ok",) for r in rows)
-    if not_run:
-        failures.append(f"{not_run} accuracy row(s) not ok")
+    broken = [r for r in rows if r.part == "a" and r.status not in ("ok", "skipped")]
+    if broken:
+        failures.append(f"{len(broken)} accuracy config(s) failed: "
+                        + ", ".join(sorted({f"{r.workload} {r.status}" for r in broken})))
+    not_run = sum(r.part == "a" and r.status == "skipped" for r in rows)
     failures += [f"{r.part}:{r.config}: {r.check[6:]}" for r in rows if r.check.startswith("FAIL")]
     ok = not failures
 
@@ -692,6 +744,7 @@ def verdict(rows: list[Row], device: str) -> tuple[bool, str]:
             f"|error| vs reserved+context median {f(med_card)} max {f(max_card)}, vs allocated median {f(med_alloc)} "
             f"max {f(max_alloc)}; budget checks {sum(r.part == 'b' and r.check == 'pass' for r in rows)} pass; "
             f"search {next((r.check for r in rows if r.part == 'c'), 'not run') or '-'}"
+            + (f"; {not_run} accuracy config(s) not run (time guard)" if not_run else "")
             + (f"; failed: {' | '.join(failures)}" if failures else ""))
     return ok, line
 

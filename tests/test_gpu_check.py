@@ -79,9 +79,21 @@ def test_a_child_cut_short_leaves_its_configs_marked():
                                 "context_bytes": 5}]
     rows = gc.rows_from_child("a", "w", ["c1", "c2", "c1"], {"c1": (30, 9), "c2": "estimate failed: E"}, child,
                               "time guard: child killed after 9 s", repeat_of="c1")
-    assert [r.status for r in rows] == ["ok", "not run", "not run"]
+    assert [r.status for r in rows] == ["ok", "skipped", "skipped"]
     assert rows[0].card_bytes == 25 and rows[0].error_card == pytest.approx(0.2)
     assert "time guard" in rows[1].note and rows[2].repeat
+
+
+def test_a_crashed_child_fails_the_verdict_but_the_time_guard_does_not():
+    ok_row = gc.fill_errors(gc.Row("a", "w", "c0", "ok", predicted_bytes=1000, predicted_allocated_bytes=500,
+                                   allocated_bytes=500, reserved_bytes=600, context_bytes=400))
+    cut = gc.rows_from_child("a", "w2", ["c1"], {}, [], "time guard: child killed after 9 s")
+    crashed = gc.rows_from_child("a", "w3", ["c1"], {}, [], "child exited with status -11")
+    assert cut[0].status == "skipped" and crashed[0].status == "error"
+    ok, line = gc.verdict([ok_row] + cut, "cuda")
+    assert ok and "1 accuracy config(s) not run" in line
+    ok, line = gc.verdict([ok_row] + crashed, "cuda")
+    assert not ok and "w3 error" in line
 
 
 def test_clock_gives_each_part_its_share():
