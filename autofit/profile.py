@@ -15,13 +15,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import inspect
-import json
 import os
-import subprocess
-import sys
 import time
 import weakref
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -32,8 +29,10 @@ from torch.utils.flop_counter import FlopCounterMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
+from autofit import procs
 from autofit.config import Precision, TrainConfig
 from autofit.errors import WorkloadError
+from autofit.profile_data import LayerProfile, Line, PrecisionProfile, Profile, Region, precision_from_dict
 from autofit.training import build_trainee, forward_backward, to_device
 from autofit.workload import Workload
 
@@ -43,93 +42,9 @@ PROFILE_BATCHES = (2, 4)
 # The CUDA caching allocator rounds every block up to 512 bytes (FACTS.md).
 CUDA_BLOCK_BYTES = 512
 
-Line = tuple[float, float]  # (bytes at b=0, bytes per sample): value(b) = c0 + c1 * b
-
-
-@dataclass(frozen=True)
-class Region:
-    """A stretch of the timeline between two hooks. All values are lines in the micro-batch.
-
-    ``delta_*`` is the change of live bytes from start to end, ``peak_*`` the highest point
-    above the start. ``*_nongrad`` is the same for live bytes minus parameter gradients,
-    which is what a later accumulation micro-step sees (its gradients already exist).
-    """
-
-    delta: Line
-    peak: Line
-    delta_nongrad: Line
-    peak_nongrad: Line
-
-
-@dataclass(frozen=True)
-class LayerProfile:
-    """One repeated block: its parameters, the tensor it hands on, its forward and backward."""
-
-    param_bytes: int          # weights + buffers in the precision's parameter dtype
-    grad_bytes: int           # gradients of its trainable parameters
-    output: Line              # bytes of the output handed to the next layer (a stage boundary)
-    forward: Region
-    backward: Region
-    forward_flops: Line = (0.0, 0.0)
-    output_saved: bool = False  # the layer's own backward needs its output (e.g. it ends in ReLU)
-    max_grad_tensor_bytes: int = 0  # its largest gradient (a per-tensor optimizer's transients scale with it)
-
-
-@dataclass(frozen=True)
-class PrecisionProfile:
-    """Everything measured for one precision."""
-
-    precision: str
-    static_param_bytes: int       # all weights + buffers
-    grad_bytes: int               # all gradients (params requiring grad, param dtype)
-    optimizer_bytes: int          # optimizer state after a step (steady state)
-    optimizer_peak_bytes: int     # transient above params + grads + state during optimizer.step()
-    pre_param_bytes: int          # weights used before the first layer (embeddings, stem)
-    post_param_bytes: int         # weights used after the last layer (final norm, head)
-    pre_grad_bytes: int
-    post_grad_bytes: int
-    pre_max_grad_tensor_bytes: int
-    post_max_grad_tensor_bytes: int
-    pre_forward: Region           # step start -> first layer
-    post_forward: Region          # last layer -> loss ready
-    post_backward: Region         # loss -> into the last layer's backward
-    pre_backward: Region          # out of the first layer's backward -> micro-step end
-    input_bytes: Line             # the micro-batch itself (data loader's; counted only on CUDA)
-    layers: tuple[LayerProfile, ...]
-    forward_flops: Line = (0.0, 0.0)   # whole model, one micro-batch
-    backward_flops: Line = (0.0, 0.0)
-    optimizer_flops: float = 0.0
-
-
-@dataclass(frozen=True)
-class Profile:
-    """The profile of one workload on one device type. Plain data; JSON round-trips."""
-
-    workload: str
-    device_type: str
-    param_count: int
-    n_layers: int
-    tokens_per_sample: int | None
-    optimizer: str
-    key: str
-    profile_s: float
-    precisions: dict[str, PrecisionProfile] = field(default_factory=dict)
-
-    def for_precision(self, precision: Precision | str) -> PrecisionProfile:
-        return self.precisions[Precision(precision).value]
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> "Profile":
-        data = json.loads(text)
-        precisions = {name: _precision_from_dict(pp) for name, pp in data.pop("precisions").items()}
-        return cls(**data, precisions=precisions)
-
-
-def _region(d: dict) -> Region:
-    return Region(**{k: tuple(v) for k, v in d.items()})
+# The profile's data types live in autofit.profile_data; they are importable from here too.
+__all__ = ["CUDA_BLOCK_BYTES", "LayerProfile", "Line", "PROFILE_BATCHES", "PROFILE_VERSION", "PrecisionProfile",
+           "Profile", "Region", "cache_dir", "profile_key", "profile_precision", "profile_workload"]
 
 
 # --------------------------------------------------------------------------------------
@@ -553,34 +468,29 @@ def _profile_many(workload: Workload, precisions: list[Precision], device_type: 
     workers = min(len(precisions), os.cpu_count() or 1)
     if workers <= 1 or not workload.source or os.environ.get("AUTOFIT_PROFILE_WORKERS") == "1":
         return {p.value: profile_precision(workload, p, device_type) for p in precisions}
-    env = {**os.environ, "AUTOFIT_PROFILE_WORKERS": "1", "OMP_NUM_THREADS": "1"}
+    env = procs.child_env({"AUTOFIT_PROFILE_WORKERS": "1", "OMP_NUM_THREADS": "1"})
     # One process per core, each taking several precisions: start-up (imports, first-op
     # warm-up) costs a few seconds per process, so fewer processes finish sooner.
     chunks = [precisions[i::workers] for i in range(workers)]
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "autofit.profile", workload.source, ",".join(p.value for p in chunk), device_type],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for chunk in chunks]
+    children = [procs.spawn("autofit.profile:profile_child", {"source": workload.source, "device_type": device_type,
+                                                              "precisions": [p.value for p in chunk]}, env=env)
+                for chunk in chunks]
     found: dict[str, PrecisionProfile] = {}
     failure = None
-    for proc in procs:
-        out, err = proc.communicate()
-        if proc.returncode != 0:
-            failure = failure or (err.strip().splitlines() or ["profiling worker died with no output"])[-1]
-            continue
-        found.update({name: _precision_from_dict(pp) for name, pp in json.loads(out).items()})
+    try:
+        for child in children:
+            child.wait()
+            out = child.last_message()
+            if out is None or "error" in out:
+                failure = failure or (out["error"] if out else child.failure())
+                continue
+            found.update({name: precision_from_dict(pp) for name, pp in out["profiles"].items()})
+    finally:
+        for child in children:
+            child.kill()
     if failure:
-        raise WorkloadError(failure.removeprefix("autofit: error: "))
+        raise WorkloadError(failure)
     return found
-
-
-def _precision_from_dict(pp: dict) -> PrecisionProfile:
-    pp = dict(pp)
-    layers = tuple(LayerProfile(**{**lp, "forward": _region(lp["forward"]), "backward": _region(lp["backward"]),
-                                   "output": tuple(lp["output"]), "forward_flops": tuple(lp["forward_flops"])})
-                   for lp in pp.pop("layers"))
-    regions = {k: _region(pp[k]) for k in ("pre_forward", "post_forward", "post_backward", "pre_backward")}
-    lines = {k: tuple(pp[k]) for k in ("input_bytes", "forward_flops", "backward_flops")}
-    return PrecisionProfile(**{**pp, **regions, **lines, "layers": layers})
 
 
 def profile_workload(workload: Workload, precisions: Iterable[Precision | str] = tuple(Precision),
@@ -627,21 +537,14 @@ def profile_workload(workload: Workload, precisions: Iterable[Precision | str] =
     return profile
 
 
-def _main(argv: list[str]) -> int:
-    """``python -m autofit.profile SOURCE PRECISION[,PRECISION...] DEVICE``: profiles as JSON (a worker)."""
+def profile_child(request: dict, send: procs.Send | None = None) -> dict:
+    """A profiling worker (an :mod:`autofit.procs` child): ``{"profiles": {precision: asdict}}`` or ``{"error"}``."""
     from autofit.errors import AutofitError
     from autofit.workload import load_workload
 
-    source, precisions, device_type = argv
     try:
-        workload = load_workload(source)
-        out = {p: asdict(profile_precision(workload, Precision(p), device_type)) for p in precisions.split(",")}
+        workload = load_workload(request["source"])
+        return {"profiles": {p: asdict(profile_precision(workload, Precision(p), request["device_type"]))
+                             for p in request["precisions"]}}
     except AutofitError as exc:
-        print(f"autofit: error: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(out))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(_main(sys.argv[1:]))
+        return {"error": str(exc)}

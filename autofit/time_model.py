@@ -36,8 +36,6 @@ import hashlib
 import json
 import os
 import platform
-import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -45,6 +43,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from autofit import procs
 from autofit.config import FIELDS, Precision, TrainConfig, stage_bounds
 from autofit.profile import Profile, cache_dir
 
@@ -54,6 +53,7 @@ MATMUL_DTYPE = {Precision.FP32: "float32", Precision.AMP_BF16: "bfloat16", Preci
                 Precision.AMP_FP16: "float16"}
 # A probe matmul grows until one run takes this long (or reaches the largest size): long enough
 # to time, short enough that fp16 without a native kernel (~0.4 GFLOP/s) costs tens of ms.
+PROBE_TIMEOUT_S = 300.0  # the CUDA probe child's wall-clock limit
 _PROBE_TARGET_S = 0.01
 _PROBE_SIZES = (128, 256, 512, 1024, 2048)
 _PROBE_REPEATS = 3
@@ -206,12 +206,14 @@ def probe_rates(device_type: str = "cpu", use_cache: bool = True) -> DeviceRates
     if device_type == "cpu":
         rates = measure_rates("cpu")
     else:
-        proc = subprocess.run([sys.executable, "-m", "autofit.time_model", device_type], capture_output=True,
-                              text=True, timeout=300)
-        if proc.returncode != 0:
-            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            raise RuntimeError(f"the {device_type} rate probe failed: {last}")
-        rates = DeviceRates.from_dict(json.loads(proc.stdout))
+        child = procs.spawn("autofit.time_model:probe_child", {"device_type": device_type}, timeout_s=PROBE_TIMEOUT_S)
+        try:
+            finished = child.wait()
+        finally:
+            child.kill()
+        if child.last_message() is None:
+            raise RuntimeError(f"the {device_type} rate probe failed: {child.failure(finished)}")
+        rates = DeviceRates.from_dict(child.last_message())
     if use_cache:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -360,11 +362,6 @@ def predict(profile: Profile, config: TrainConfig, rates: DeviceRates, counts: O
     return predict_table(profile, [config], rates, counts).iloc[0].to_dict()
 
 
-def _main(argv: list[str]) -> int:
-    """``python -m autofit.time_model DEVICE_TYPE``: the probe's rates as JSON (a child process)."""
-    print(json.dumps(measure_rates(argv[0] if argv else "cpu").to_dict()))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(_main(sys.argv[1:]))
+def probe_child(request: dict, send=None) -> dict:
+    """The rate probe in a child process (:mod:`autofit.procs`): the rates as a JSON-ready dict."""
+    return measure_rates(request["device_type"]).to_dict()

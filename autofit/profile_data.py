@@ -1,0 +1,112 @@
+"""The profile's data: plain frozen dataclasses that round-trip through JSON.
+
+:mod:`autofit.profile` measures them; the memory and time models read them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from autofit.config import Precision
+
+__all__ = ["LayerProfile", "Line", "PrecisionProfile", "Profile", "Region", "precision_from_dict", "region_from_dict"]
+
+Line = tuple[float, float]  # (bytes at b=0, bytes per sample): value(b) = c0 + c1 * b
+
+
+@dataclass(frozen=True)
+class Region:
+    """A stretch of the timeline between two hooks. All values are lines in the micro-batch.
+
+    ``delta_*`` is the change of live bytes from start to end, ``peak_*`` the highest point
+    above the start. ``*_nongrad`` is the same for live bytes minus parameter gradients,
+    which is what a later accumulation micro-step sees (its gradients already exist).
+    """
+
+    delta: Line
+    peak: Line
+    delta_nongrad: Line
+    peak_nongrad: Line
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """One repeated block: its parameters, the tensor it hands on, its forward and backward."""
+
+    param_bytes: int          # weights + buffers in the precision's parameter dtype
+    grad_bytes: int           # gradients of its trainable parameters
+    output: Line              # bytes of the output handed to the next layer (a stage boundary)
+    forward: Region
+    backward: Region
+    forward_flops: Line = (0.0, 0.0)
+    output_saved: bool = False  # the layer's own backward needs its output (e.g. it ends in ReLU)
+    max_grad_tensor_bytes: int = 0  # its largest gradient (a per-tensor optimizer's transients scale with it)
+
+
+@dataclass(frozen=True)
+class PrecisionProfile:
+    """Everything measured for one precision."""
+
+    precision: str
+    static_param_bytes: int       # all weights + buffers
+    grad_bytes: int               # all gradients (params requiring grad, param dtype)
+    optimizer_bytes: int          # optimizer state after a step (steady state)
+    optimizer_peak_bytes: int     # transient above params + grads + state during optimizer.step()
+    pre_param_bytes: int          # weights used before the first layer (embeddings, stem)
+    post_param_bytes: int         # weights used after the last layer (final norm, head)
+    pre_grad_bytes: int
+    post_grad_bytes: int
+    pre_max_grad_tensor_bytes: int
+    post_max_grad_tensor_bytes: int
+    pre_forward: Region           # step start -> first layer
+    post_forward: Region          # last layer -> loss ready
+    post_backward: Region         # loss -> into the last layer's backward
+    pre_backward: Region          # out of the first layer's backward -> micro-step end
+    input_bytes: Line             # the micro-batch itself (data loader's; counted only on CUDA)
+    layers: tuple[LayerProfile, ...]
+    forward_flops: Line = (0.0, 0.0)   # whole model, one micro-batch
+    backward_flops: Line = (0.0, 0.0)
+    optimizer_flops: float = 0.0
+
+
+@dataclass(frozen=True)
+class Profile:
+    """The profile of one workload on one device type. Plain data; JSON round-trips."""
+
+    workload: str
+    device_type: str
+    param_count: int
+    n_layers: int
+    tokens_per_sample: int | None
+    optimizer: str
+    key: str
+    profile_s: float
+    precisions: dict[str, PrecisionProfile] = field(default_factory=dict)
+
+    def for_precision(self, precision: Precision | str) -> PrecisionProfile:
+        return self.precisions[Precision(precision).value]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Profile":
+        data = json.loads(text)
+        precisions = {name: precision_from_dict(pp) for name, pp in data.pop("precisions").items()}
+        return cls(**data, precisions=precisions)
+
+
+def region_from_dict(d: dict) -> Region:
+    return Region(**{k: tuple(v) for k, v in d.items()})
+
+
+def precision_from_dict(pp: dict) -> PrecisionProfile:
+    """A PrecisionProfile from its ``dataclasses.asdict`` (JSON) form."""
+    pp = dict(pp)
+    layers = tuple(LayerProfile(**{**lp, "forward": region_from_dict(lp["forward"]), "backward": region_from_dict(lp["backward"]),
+                                   "output": tuple(lp["output"]), "forward_flops": tuple(lp["forward_flops"])})
+                   for lp in pp.pop("layers"))
+    regions = {k: region_from_dict(pp[k]) for k in ("pre_forward", "post_forward", "post_backward", "pre_backward")}
+    lines = {k: tuple(pp[k]) for k in ("input_bytes", "forward_flops", "backward_flops")}
+    return PrecisionProfile(**{**pp, **regions, **lines, "layers": layers})
