@@ -31,7 +31,7 @@ from functools import lru_cache
 import numpy as np
 import pandas as pd
 
-from autofit.config import FIELDS, Precision, TrainConfig, stage_bounds
+from autofit.config import FIELDS, PipelineSchedule, Precision, TrainConfig, stage_bounds
 from autofit.errors import ConfigError
 from autofit.profile import Line, PrecisionProfile, Profile, Region
 
@@ -41,7 +41,7 @@ CUDA_CONTEXT_BYTES = 450 * 2**20
 # Reserved exceeds allocated by fragmentation: 5-30% in the field (FACTS.md); 10% until calibrated.
 CUDA_FRAGMENTATION = 0.10
 
-SCHEDULES = ("1F1B", "GPipe")
+SCHEDULES = tuple(PipelineSchedule)  # the one enum, shared with autofit.pipeline
 BREAKDOWN = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "temporary_bytes", "overhead_bytes")
 
 
@@ -240,7 +240,7 @@ def _stage_lines(pp: PrecisionProfile, start: int, end: int, first_stage: bool, 
 
 
 def _pipeline_buffers(pp: PrecisionProfile, start: int, end: int, stage: int, split: int,
-                      k: np.ndarray, b: np.ndarray, schedule: str) -> np.ndarray:
+                      k: np.ndarray, b: np.ndarray, schedule: PipelineSchedule) -> np.ndarray:
     """Bytes torch.distributed.pipelining keeps on a stage for the whole step: one receive
     buffer per micro-batch for the input activation (later stages) and for the output's
     gradient (earlier stages); pending sends keep one more boundary tensor alive (measured
@@ -260,16 +260,17 @@ def _pipeline_buffers(pp: PrecisionProfile, start: int, end: int, stage: int, sp
         c0, c1 = pp.layers[end - 1].output
         boundary = c0 + c1 * b
         out = out + kf * boundary
-        if schedule == "1F1B":
+        if PipelineSchedule(schedule) is PipelineSchedule.ONE_F_ONE_B:
             out = out + np.where(k > split - stage, boundary, 0.0)
     return out
 
 
-def in_flight(stage: int, device_split: int, grad_accum: np.ndarray, schedule: str = "1F1B") -> np.ndarray:
+def in_flight(stage: int, device_split: int, grad_accum: np.ndarray,
+              schedule: PipelineSchedule | str = PipelineSchedule.ONE_F_ONE_B) -> np.ndarray:
     """Micro-batches whose activations stage ``stage`` holds at once (Narayanan et al. SC'21)."""
     if device_split == 1:
         return np.ones_like(grad_accum)
-    if schedule == "GPipe":
+    if PipelineSchedule(schedule) is PipelineSchedule.GPIPE:
         return grad_accum
     return np.minimum(grad_accum, device_split - stage)
 
@@ -279,7 +280,7 @@ def in_flight(stage: int, device_split: int, grad_accum: np.ndarray, schedule: s
 
 
 def estimate_table(profile: Profile, configs: list[TrainConfig], budget_bytes: int | None = None,
-                   schedule: str = "1F1B") -> pd.DataFrame:
+                   schedule: PipelineSchedule | str = PipelineSchedule.ONE_F_ONE_B) -> pd.DataFrame:
     """Score many configs at once. One row per config, in the given order.
 
     Columns: the five config fields, the six breakdown categories (at the largest device's
@@ -333,7 +334,7 @@ def _model_state(profile: Profile, precision: str) -> int:
 
 
 def _score_group(profile: Profile, pp: PrecisionProfile, every: int, split: int, b: np.ndarray,
-                 k: np.ndarray, schedule: str, idx: np.ndarray, out: dict, per_device, phase) -> None:
+                 k: np.ndarray, schedule: PipelineSchedule | str, idx: np.ndarray, out: dict, per_device, phase) -> None:
     cuda = profile.device_type == "cuda"
     n = len(idx)
     best = np.full(n, -np.inf)
@@ -391,7 +392,7 @@ def _score_group(profile: Profile, pp: PrecisionProfile, every: int, split: int,
 
 
 def estimate(profile: Profile, config: TrainConfig, budget_bytes: int | None = None,
-             schedule: str = "1F1B") -> MemoryEstimate:
+             schedule: PipelineSchedule | str = PipelineSchedule.ONE_F_ONE_B) -> MemoryEstimate:
     """The predicted memory of one config.
 
     >>> est = estimate(profile, TrainConfig(precision="amp-bf16", micro_batch=8))  # doctest: +SKIP
