@@ -11,7 +11,14 @@ from torch import nn
 from trial_workloads import mlp_workload
 
 from autofit.config import TrainConfig
-from autofit.training import build_trainee, forward_backward, make_micro_batches, optimizer_step, train_step
+from autofit.training import (
+    apply_config,
+    build_trainee,
+    forward_backward,
+    make_micro_batches,
+    optimizer_step,
+    train_step,
+)
 from autofit.workload import Workload
 
 BATCH = 8
@@ -176,3 +183,35 @@ def test_checkpointing_a_model_whose_layers_do_not_chain_fails_loudly():
         _step(workload, TrainConfig(micro_batch=BATCH, checkpoint_every=2))
     loss, _ = _step(workload, TrainConfig(micro_batch=BATCH, checkpoint_every=1))
     assert loss == pytest.approx(ref_loss, rel=1e-6)
+
+
+def test_apply_config_applies_in_one_fixed_order_and_logs_each_step(caplog):
+    workload = mlp_workload(depth=4)
+    model = workload.model()
+    config = TrainConfig(precision="amp-fp16", micro_batch=2, checkpoint_every=2)
+    with caplog.at_level("DEBUG", logger="autofit.training"):
+        applied = apply_config(model, config, "cpu", layers=workload.layers(model), make_optimizer=workload.optimizer)
+    assert [line.split(":")[0] for line in applied.steps] == ["precision amp-fp16", "checkpoint", "optimizer",
+                                                             "GradScaler for amp-fp16"]
+    assert "autocast to torch.float16 in forward" in applied.steps[0]
+    assert applied.steps[1] == "checkpoint: 4 layers in non-reentrant segments of 2"
+    assert [r.getMessage() for r in caplog.records] == [f"apply {config.short()}: {line}" for line in applied.steps]
+    assert isinstance(applied.scaler, torch.amp.GradScaler)
+    assert applied.optimizer.param_groups[0]["params"] == list(model.parameters())
+
+
+def test_apply_config_casts_before_the_optimizer_is_made():
+    # The optimizer must hold the bf16 parameters (its state is made in their dtype).
+    workload = mlp_workload()
+    model = workload.model()
+    applied = apply_config(model, TrainConfig(precision="bf16", micro_batch=2), None, layers=None,
+                           make_optimizer=workload.optimizer)
+    assert {p.dtype for group in applied.optimizer.param_groups for p in group["params"]} == {torch.bfloat16}
+    assert applied.scaler is None and len(applied.steps) == 2
+
+
+def test_apply_config_refuses_checkpointing_without_layers():
+    workload = mlp_workload()
+    with pytest.raises(WorkloadError, match="checkpoint_every > 0 needs the model's layer list"):
+        apply_config(workload.model(), TrainConfig(micro_batch=2, checkpoint_every=1), None, layers=None,
+                     make_optimizer=None)
