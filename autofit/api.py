@@ -27,14 +27,14 @@ from autofit.apply import TrainingPlan, TrainingRun
 from autofit.budget import parse_budget
 from autofit.config import TrainConfig
 from autofit.memory_model import MemoryEstimate
-from autofit.memory_model import estimate as _estimate_one
+from autofit.memory_model import estimate as estimate_one
 from autofit.memory_model import estimate_table
 from autofit.profile import profile_workload
 from autofit.report import SearchResult
 from autofit.space import SearchSpace
-from autofit.study import MIN_IMPROVEMENT, PATIENCE, TRIAL_TIMEOUT_S, ProgressCallback, SearchProgress, _default_device
-from autofit.study import _resolve_space
-from autofit.study import search as _search
+from autofit.study import (MIN_IMPROVEMENT, PATIENCE, TRIAL_TIMEOUT_S, ProgressCallback, SearchProgress,
+                           default_device, resolve_space)
+from autofit.study import search as study_search
 from autofit.trial import TrialResult, run_trial
 from autofit.workload import Workload, load_workload
 
@@ -63,7 +63,7 @@ def search(workload: Workload | str, budget: str | int = "8GB", *,
     Returns a :class:`SearchResult` (``.best``, ``.table``, ``.apply(model, optimizer)``).
     Raises BudgetError, SpaceError, WorkloadError or StudyError for bad input.
     """
-    return _search(workload, budget, space=space, global_batch=global_batch, trials=trials, timeout_s=timeout_s,
+    return study_search(workload, budget, space=space, global_batch=global_batch, trials=trials, timeout_s=timeout_s,
                    workers=workers, storage=storage, study_name=study, out_dir=out, device=device, devices=devices,
                    seed=seed, patience=patience, min_improvement=min_improvement, trial_timeout_s=trial_timeout_s,
                    progress=progress, command=None)
@@ -85,13 +85,13 @@ def estimate(workload: Workload | str, config: TrainConfig | str | SearchSpace |
     """
     loaded = load_workload(workload)
     budget_bytes = parse_budget(budget) if budget is not None else None
-    device = device or _default_device()
+    device = device or default_device()
     if isinstance(config, str) and "=" in config:
         config = TrainConfig.parse(config)
     if isinstance(config, TrainConfig):
         profile = profile_workload(loaded, [config.precision], device_type=device)
-        return _estimate_one(profile, config, budget_bytes)
-    space = _resolve_space(config, global_batch)
+        return estimate_one(profile, config, budget_bytes)
+    space = resolve_space(config, global_batch)
     profile = profile_workload(loaded, list(space.precision), device_type=device)
     return estimate_table(profile, space.configs(), budget_bytes)
 
@@ -107,5 +107,5 @@ def measure(workload: Workload | str, config: TrainConfig | str, *, budget: str 
     if isinstance(config, str):
         config = TrainConfig.parse(config)
     budget_bytes = parse_budget(budget) if budget is not None else None
-    return run_trial(workload, config, device=device or _default_device(), budget_bytes=budget_bytes,
+    return run_trial(workload, config, device=device or default_device(), budget_bytes=budget_bytes,
                      measure_steps=steps, timeout_s=timeout_s)

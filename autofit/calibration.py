@@ -28,6 +28,7 @@ import numpy as np
 import pandas as pd
 
 from autofit.config import TrainConfig
+from autofit.records import TrialRecord, TrialStatus
 
 # Before any trial a config must fit with this margin on top of the estimate; it shrinks as
 # PRIOR_WEIGHT / (PRIOR_WEIGHT + trials) once trials run. The estimator is built from a profile
@@ -49,12 +50,15 @@ class Observation:
     """One real trial, as calibration sees it: what was predicted before it ran and what it measured."""
 
     config: TrainConfig
-    status: str                                  # ok, oom, error, timeout
+    status: TrialStatus                          # ok, oom, error, timeout
     predicted_peak_bytes: float
     predicted_step_time_s: float                 # the uncalibrated prior
     measured_peak_bytes: float | None = None
     measured_step_time_s: float | None = None
     budget_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "status", TrialStatus(self.status))  # "ok" and TrialStatus.OK alike
 
 
 @dataclass(frozen=True)
@@ -172,21 +176,35 @@ def relative_error(predicted: float | None, measured: float | None) -> float | N
     return (predicted - measured) / measured
 
 
+def observations(records: list[TrialRecord], budget_bytes: int) -> list[Observation]:
+    """What calibration needs from every real trial that finished (ok, oom, error, timeout)."""
+    out = []
+    for r in records:
+        if not r.status.ran or "peak_bytes" not in r.prediction:
+            continue
+        out.append(Observation(
+            config=r.config, status=r.status, predicted_peak_bytes=float(r.prediction["peak_bytes"]),
+            predicted_step_time_s=float(r.prediction.get("prior_step_time_s") or math.nan),
+            measured_peak_bytes=r.measurement.get("peak_bytes"), measured_step_time_s=r.measurement.get("step_time_s"),
+            budget_bytes=budget_bytes))
+    return out
+
+
 def calibrate(observations: list[Observation], device_type: str = "cpu") -> Calibration:
     """The calibration after ``observations`` (real trials of one workload on one device).
 
     Trials with status ``error`` or ``timeout`` say nothing about memory or time and are only counted.
     """
     prior = Calibration.prior(device_type)
-    ok = [o for o in observations if o.status == "ok" and o.measured_peak_bytes and o.predicted_peak_bytes > 0]
+    ok = [o for o in observations if o.status is TrialStatus.OK and o.measured_peak_bytes and o.predicted_peak_bytes > 0]
     ratios = [o.measured_peak_bytes / o.predicted_peak_bytes for o in ok]
     peak_ratio = float(np.median(ratios)) if ratios else 1.0
     # Under-predictions after the central correction; an oom is at least budget / prediction.
     residuals = [r / peak_ratio - 1.0 for r in ratios]
     for o in observations:
-        if o.status == "oom" and o.budget_bytes and o.predicted_peak_bytes > 0:
+        if o.status is TrialStatus.OOM and o.budget_bytes and o.predicted_peak_bytes > 0:
             residuals.append(o.budget_bytes / (o.predicted_peak_bytes * peak_ratio) - 1.0)
-    n = len(ratios) + sum(o.status == "oom" for o in observations)
+    n = len(ratios) + sum(o.status is TrialStatus.OOM for o in observations)
     shrinking_prior = prior.peak_margin * PRIOR_WEIGHT / (PRIOR_WEIGHT + n)
     observed = max([0.0] + residuals) + (MARGIN_SLACK if residuals else 0.0)
     peak_margin = max(shrinking_prior, observed)

@@ -414,9 +414,9 @@ def export_study(out_dir: str | Path, target: str, *, storage: str | None = None
     """
     from autofit.errors import StudyError
     from autofit.report import best_record, settings_of
-    from autofit.study import open_study
+    from autofit.study import load_snapshot
 
-    study = open_study(out_dir, storage=storage)
+    study = load_snapshot(out_dir, storage=storage)
     best = best_record(study)
     settings = settings_of(study)
     if best.get("config") is None:

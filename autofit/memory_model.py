@@ -414,3 +414,8 @@ def estimate(profile: Profile, config: TrainConfig, budget_bytes: int | None = N
         per_device_peak_bytes=tuple(row["per_device_peak_bytes"]), peak_phase=str(row["peak_phase"]),
         budget_bytes=budget_bytes, fits=None if budget_bytes is None else bool(row["fits"]), notes=tuple(notes),
     )
+
+
+def clear_caches() -> None:
+    """Forget the per-stage walks cached across calls (``autofit bench`` times a cold first call)."""
+    _stage_lines.cache_clear()

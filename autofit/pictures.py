@@ -22,9 +22,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from autofit.records import TrialStatus
+
 PICTURES = ("throughput_vs_peak", "predicted_vs_measured", "memory_breakdown", "best_so_far")
-REAL = ("complete", "oom", "error", "timeout")
-STATUS_COLOURS = {"complete": "#2a9d3f", "oom": "#d62728", "error": "#7f3fbf", "timeout": "#ff7f0e",
+REAL = tuple(s.value for s in TrialStatus if s.ran)  # real trials that finished
+STATUS_COLOURS = {"ok": "#2a9d3f", "oom": "#d62728", "error": "#7f3fbf", "timeout": "#ff7f0e",
                   "pruned": "#b0b0b0"}
 CATEGORY_LABELS = {"params_bytes": "weights", "grads_bytes": "gradients", "optimizer_bytes": "optimizer state",
                    "activations_bytes": "activations", "temporary_bytes": "temporaries", "overhead_bytes": "overhead"}
@@ -72,7 +74,7 @@ def throughput_vs_peak(table: pd.DataFrame, budget_bytes: int, best: int | None,
         peak = np.where(np.isnan(_num(rows["measured_peak_bytes"])), _num(rows["predicted_peak_bytes"]),
                         _num(rows["measured_peak_bytes"]))
         rate = np.nan_to_num(_num(rows["samples_per_s"]), nan=0.0)
-        ax.scatter(peak / size, rate, s=36, color=STATUS_COLOURS[status], marker="o" if status == "complete" else "x",
+        ax.scatter(peak / size, rate, s=36, color=STATUS_COLOURS[status], marker="o" if status == "ok" else "x",
                    zorder=3, label=f"{status} ({len(rows)})")
     ax.axvline(budget_bytes / size, color="black", linestyle="--", linewidth=1, label="budget")
     if best is not None and (table["number"] == best).any():
@@ -133,7 +135,7 @@ def memory_breakdown(table: pd.DataFrame, breakdowns: dict[int, tuple[dict, dict
     """Stacked bars of the top configs' peak composition, predicted beside measured."""
     from autofit.config import FIELDS, TrainConfig
 
-    done = table[(table["status"] == "complete") & table["number"].isin(list(breakdowns))]
+    done = table[(table["status"] == "ok") & table["number"].isin(list(breakdowns))]
     top = done.assign(_r=_num(done["samples_per_s"])).sort_values("_r", ascending=False).head(TOP_BREAKDOWN)
     fig = _figure(max(7.5, 1.9 * len(top) + 2.5), 5.2)
     ax = fig.add_subplot()
@@ -177,16 +179,16 @@ def best_so_far(table: pd.DataFrame, title: str):
     real = table[table["status"].isin(REAL)].copy()
     started = pd.to_datetime(table["started"], errors="coerce").min()
     real["t"] = (pd.to_datetime(real["finished"], errors="coerce") - started).dt.total_seconds()
-    done = real[(real["status"] == "complete") & real["t"].notna()].sort_values("t")
+    done = real[(real["status"] == "ok") & real["t"].notna()].sort_values("t")
     if done.empty or pd.isna(started):
         ax.text(0.5, 0.5, "no completed trial yet", ha="center", va="center", transform=ax.transAxes)
     else:
         rates = _num(done["samples_per_s"])
-        ax.scatter(done["t"], rates, s=18, color=STATUS_COLOURS["complete"], alpha=0.6, label="each completed trial")
+        ax.scatter(done["t"], rates, s=18, color=STATUS_COLOURS["ok"], alpha=0.6, label="each completed trial")
         best = np.fmax.accumulate(np.nan_to_num(rates, nan=0.0))
         ax.step(np.r_[0.0, done["t"].to_numpy()], np.r_[0.0, best], where="post", color="black", linewidth=1.5,
                 label="best so far")
-        failed = real[real["status"] != "complete"]
+        failed = real[real["status"] != "ok"]
         if not failed.empty:
             ax.scatter(failed["t"], np.zeros(len(failed)), s=24, marker="x", color=STATUS_COLOURS["oom"],
                        label=f"oom / error / timeout ({len(failed)})")

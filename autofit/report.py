@@ -1,8 +1,8 @@
 """Result tables of a search, always rebuilt from the study's storage (never edited by hand).
 
-- ``trials.csv``: one row per trial: number, status (``complete``, ``pruned``, ``oom``,
-  ``error``, ``timeout``; ``running`` and ``failed`` for a study in progress or interrupted),
-  why it was pruned, the five config fields, predicted and measured peak bytes, samples/s,
+- ``trials.csv``: one row per trial: number, status (a :class:`autofit.records.TrialStatus`:
+  ``ok``, ``oom``, ``error``, ``timeout``, ``pruned``; ``running`` and ``interrupted`` for a
+  study in progress or interrupted), why it was pruned, the five config fields, predicted and measured peak bytes, samples/s,
   step time, and the prediction errors;
 - ``best.json``: the best config (the fastest trial that ran ok under the budget), its
   measurements, and the command that measures it again;
@@ -11,7 +11,9 @@
 - ``calibration.json``: the calibration the next planning step would use.
 
 Since everything comes from the storage, ``autofit report DIR`` works on any study, including
-one that is still running.
+one that is still running. Every function here reads a :class:`autofit.records.StudySnapshot`
+(the study's :class:`autofit.records.TrialRecord` values and what the search stored beside them;
+:func:`autofit.study.storage.snapshot` makes one), never the storage itself.
 """
 
 from __future__ import annotations
@@ -23,16 +25,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import optuna
 import pandas as pd
-from optuna.trial import FrozenTrial, TrialState
 
 from autofit.budget import format_budget, format_bytes
-from autofit.calibration import Calibration, calibrate
+from autofit.calibration import Calibration, calibrate, observations
 from autofit.config import FIELDS, TrainConfig
-from autofit.study import (REASON_KINDS, _write_atomic, config_of, observations, redact, trial_status)
+from autofit.files import write_atomic
+from autofit.records import PruneReason, StudySnapshot, TrialRecord, TrialStatus, best_of
+from autofit.study.planner import SLOW_FACTOR
+from autofit.study.settings import JOURNAL_NAME, redact
 
-STATUSES = ("complete", "pruned", "oom", "error", "timeout", "running", "failed")
+STATUSES = tuple(s.value for s in TrialStatus)
+RAN = tuple(s.value for s in TrialStatus if s.ran)  # real trials that finished
 COLUMNS = (
     "number", "status", "reason_kind", "reason", *FIELDS,
     "predicted_peak_bytes", "calibrated_peak_bytes", "measured_peak_bytes", "peak_error",
@@ -43,21 +47,22 @@ COLUMNS = (
 
 # What each prune reason means, for the summary.
 REASONS = {
-    "invalid": "cannot run at all (e.g. more stages than layers)",
-    "devices": "a device split over the devices a worker has: estimated, never run (more with --devices or GPUs)",
-    "duplicate": "a checkpoint interval of at least a stage's layers: the same run as a smaller interval",
-    "over_budget": "the calibrated peak, with its safety margin, is over the budget",
-    "too_slow": "predicted under 1/20 of the best predicted throughput, or a trial longer than the trial limit",
-    "dominated": "checkpointing the budget does not need: the same config with less of it fits and is faster",
+    PruneReason.INVALID: "cannot run at all (e.g. more stages than layers)",
+    PruneReason.DEVICES: "a device split over the devices a worker has: estimated, never run (more with --devices "
+                         "or GPUs)",
+    PruneReason.DUPLICATE: "a checkpoint interval of at least a stage's layers: the same run as a smaller interval",
+    PruneReason.OVER_BUDGET: "the calibrated peak, with its safety margin, is over the budget",
+    PruneReason.TOO_SLOW: f"predicted under 1/{SLOW_FACTOR:g} of the best predicted throughput, or a trial longer "
+                          "than the trial limit",
+    PruneReason.DOMINATED: "checkpointing the budget does not need: the same config with less of it fits and is faster",
 }
 
 
-def _status(trial: FrozenTrial) -> str:
-    status = trial_status(trial)
-    return {"ok": "complete", "waiting": "running", "interrupted": "failed"}.get(status, status)
+def _when(value) -> str | None:
+    return value.isoformat(timespec="seconds") if value else None
 
 
-def trials_table(study: optuna.Study) -> pd.DataFrame:
+def trials_table(study: StudySnapshot) -> pd.DataFrame:
     """One row per trial of ``study`` (columns :data:`COLUMNS`), in trial order.
 
     Errors are relative, ``(predicted - measured) / measured``: negative is an under-prediction.
@@ -65,18 +70,12 @@ def trials_table(study: optuna.Study) -> pd.DataFrame:
     ``prior_step_time_error`` that of the uncalibrated time model.
     """
     rows = []
-    for t in study.get_trials(deepcopy=False):
-        config = config_of(t.params)
-        if config is None:
-            continue
-        predicted = t.user_attrs.get("predicted") or {}
-        measured = t.user_attrs.get("measured") or {}
-        errors = t.user_attrs.get("errors") or {}
+    for r in study.records:
+        predicted, measured, errors = r.prediction, r.measurement, r.errors
         rows.append({
-            "number": t.number, "status": _status(t),
-            "reason_kind": t.user_attrs.get("reason_kind") if t.state == TrialState.PRUNED else None,
-            "reason": t.user_attrs.get("reason") if t.state == TrialState.PRUNED else None,
-            **config.to_dict(),
+            "number": r.number, "status": r.status.value,
+            "reason_kind": None if r.prune_reason is None else r.prune_reason.value, "reason": r.reason,
+            **r.config.to_dict(),
             "predicted_peak_bytes": predicted.get("peak_bytes"),
             "calibrated_peak_bytes": predicted.get("calibrated_peak_bytes"),
             "measured_peak_bytes": measured.get("peak_bytes"),
@@ -89,9 +88,8 @@ def trials_table(study: optuna.Study) -> pd.DataFrame:
             "samples_per_s": measured.get("samples_per_s"),
             "tokens_per_s": measured.get("tokens_per_s"),
             "trial_wall_s": measured.get("wall_s"),
-            "error": measured.get("error") or (t.user_attrs.get("status") if t.state == TrialState.FAIL else None),
-            "started": t.datetime_start.isoformat(timespec="seconds") if t.datetime_start else None,
-            "finished": t.datetime_complete.isoformat(timespec="seconds") if t.datetime_complete else None,
+            "error": measured.get("error") or ("interrupted" if r.status is TrialStatus.INTERRUPTED else None),
+            "started": _when(r.started), "finished": _when(r.finished),
         })
     table = pd.DataFrame(rows, columns=list(COLUMNS))
     for name in ("predicted_peak_bytes", "calibrated_peak_bytes", "measured_peak_bytes"):
@@ -108,23 +106,21 @@ def select(table: pd.DataFrame, *, status: str | None = None, top: int | None = 
     return table.head(top) if top else table
 
 
-def settings_of(study: optuna.Study) -> dict:
+def settings_of(study: StudySnapshot) -> dict:
     """The search settings stored on the study (workload, budget, device, space, command...)."""
-    return dict(study.user_attrs.get("settings") or {})
+    return dict(study.settings)
 
 
-def calibration_of(study: optuna.Study) -> Calibration:
+def calibration_of(study: StudySnapshot) -> Calibration:
     """The calibration from the study's real trials so far."""
-    settings = settings_of(study)
-    trials = study.get_trials(deepcopy=False)
-    return calibrate(observations(trials, settings.get("budget_bytes") or 0), settings.get("device_type", "cpu"))
+    settings = study.settings
+    return calibrate(observations(list(study.records), settings.get("budget_bytes") or 0),
+                     settings.get("device_type", "cpu"))
 
 
-def best_trial(study: optuna.Study) -> FrozenTrial | None:
+def best_trial(study: StudySnapshot) -> TrialRecord | None:
     """The fastest trial that ran ok under the budget (Optuna's best feasible trial), or None."""
-    feasible = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-                if t.user_attrs.get("status", "ok") == "ok" and all(v <= 0 for v in t.constraints.values())]
-    return max(feasible, key=lambda t: (t.value, -t.number), default=None)
+    return best_of(list(study.records))
 
 
 def measure_command(settings: dict, config: TrainConfig) -> str:
@@ -137,7 +133,7 @@ def measure_command(settings: dict, config: TrainConfig) -> str:
     return shlex.join(parts)
 
 
-def best_record(study: optuna.Study) -> dict:
+def best_record(study: StudySnapshot) -> dict:
     """What ``best.json`` holds: the best config, its measurements and predictions, how to reproduce it."""
     settings = settings_of(study)
     budget = settings.get("budget_bytes")
@@ -150,9 +146,8 @@ def best_record(study: optuna.Study) -> dict:
     trial = best_trial(study)
     if trial is None:
         return {**record, "config": None, "reason": "no trial ran ok under the budget yet"}
-    config = config_of(trial.params)
-    measured = trial.user_attrs.get("measured") or {}
-    predicted = trial.user_attrs.get("predicted") or {}
+    config = trial.config
+    measured, predicted = dict(trial.measurement), dict(trial.prediction)
     return {
         **record, "trial": trial.number, "config": config.to_dict(), "short": config.short(),
         "measured": measured, "predicted": predicted,
@@ -195,51 +190,51 @@ def _duration(seconds: float) -> str:
     return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
-def wall_seconds(study: optuna.Study) -> float:
+def wall_seconds(study: StudySnapshot) -> float:
     """The study's wall time: the sum over the search commands that ran it."""
-    return float(sum(run.get("wall_s", 0.0) for run in study.user_attrs.get("runs", [])))
+    return float(sum(run.get("wall_s", 0.0) for run in study.runs))
 
 
 def counts(table: pd.DataFrame) -> dict:
     """Real trials by status, configs pruned (never ran) by reason, configs not tried."""
     by_status = table["status"].value_counts().to_dict()
-    ran = table[table["status"].isin(["complete", "oom", "error", "timeout", "running"])]
+    ran = table[table["status"].isin([*RAN, TrialStatus.RUNNING.value])]
     ran_keys = set(map(tuple, ran[list(FIELDS)].astype(str).to_numpy()))
-    pruned = table[table["status"] == "pruned"].copy()
+    pruned = table[table["status"] == TrialStatus.PRUNED.value].copy()
     pruned["_key"] = list(map(tuple, pruned[list(FIELDS)].astype(str).to_numpy()))
     pruned = pruned[~pruned["_key"].isin(ran_keys)].drop_duplicates("_key", keep="last")
     return {
-        "real": int(sum(by_status.get(s, 0) for s in ("complete", "oom", "error", "timeout"))),
+        "real": int(sum(by_status.get(s, 0) for s in RAN)),
         "by_status": {s: int(by_status.get(s, 0)) for s in STATUSES if by_status.get(s)},
         "pruned": int(len(pruned)),
         "pruned_by_reason": {k: int(v) for k, v in pruned["reason_kind"].value_counts().reindex(
-            [k for k in REASON_KINDS if k in set(pruned["reason_kind"])]).items()},
+            [k.value for k in PruneReason if k.value in set(pruned["reason_kind"])]).items()},
         "pruned_examples": {k: str(g.iloc[0]["reason"]) for k, g in pruned.groupby("reason_kind")},
     }
 
 
-def summary_markdown(study: optuna.Study, table: pd.DataFrame | None = None, *, top: int = 10) -> str:
+def summary_markdown(study: StudySnapshot, table: pd.DataFrame | None = None, *, top: int = 10) -> str:
     """``summary.md``: best and top configs, pruning, calibration, prediction errors, environment."""
     table = trials_table(study) if table is None else table
     settings = settings_of(study)
-    versions = study.user_attrs.get("versions") or {}
+    versions = study.versions
     budget = settings.get("budget_bytes")
     n_configs = _n_configs(settings)
     c = counts(table)
     not_tried = max(0, n_configs - c["pruned"] - len({tuple(r) for r in table[table["status"].isin(
-        ["complete", "oom", "error", "timeout", "running"])][list(FIELDS)].astype(str).to_numpy()}))
-    runs = study.user_attrs.get("runs", [])
+        [*RAN, TrialStatus.RUNNING.value])][list(FIELDS)].astype(str).to_numpy()}))
+    runs = study.runs
     out = [f"# Search summary: {study.study_name}\n"]
     out.append(f"- workload: `{settings.get('workload_name')}` (`--model {settings.get('workload_source')}`)")
     out.append(f"- budget: {format_budget(budget) if budget else '?'} per device")
     out.append(f"- device: {settings.get('device_type')}, {settings.get('devices')} per worker"
-               + _rates_text(study.user_attrs.get("device_rates")))
+               + _rates_text(study.device_rates))
     out.append(f"- space: `{_shown_path((settings.get('space') or {}).get('source'))}`: {n_configs} configs")
     status_text = ", ".join(f"{v} {k}" for k, v in c["by_status"].items() if k != "pruned")
     out.append(f"- real trials: {c['real']} ({status_text or 'none'})")
     out.append(f"- pruned by the estimate: {c['pruned']} of {n_configs} configs"
                + (f" ({100 * c['pruned'] / n_configs:.0f}%)" if n_configs else ""))
-    out.append(f"- not tried: {not_tried} (the search stopped first: {study.user_attrs.get('stop_reason') or 'running'})")
+    out.append(f"- not tried: {not_tried} (the search stopped first: {study.stop_reason or 'running'})")
     out.append(f"- wall time: {_duration(wall_seconds(study))} over {len(runs)} search command(s)")
     if settings.get("command"):
         out.append(f"- command: `{settings['command']}`")
@@ -258,7 +253,7 @@ def summary_markdown(study: optuna.Study, table: pd.DataFrame | None = None, *, 
                    f"the budget (predicted {_bytes(p.get('peak_bytes'))})")
         out.append(f"- reproduce: `{best['reproduce']}`\n")
     out.append(f"## Top {top} configs\n")
-    ran = select(table[table["status"] == "complete"], top=top)
+    ran = select(table[table["status"] == TrialStatus.OK.value], top=top)
     out.append(_md_table(pd.DataFrame({
         "trial": ran["number"], "config": [TrainConfig.from_dict({f: r[f] for f in FIELDS}).short()
                                            for _, r in ran.iterrows()],
@@ -269,7 +264,7 @@ def summary_markdown(study: optuna.Study, table: pd.DataFrame | None = None, *, 
     out.append("\n## Pruned by the estimate (never ran)\n")
     out.append(_md_table(pd.DataFrame({
         "reason": list(c["pruned_by_reason"]), "configs": list(c["pruned_by_reason"].values()),
-        "meaning": [REASONS.get(k, "") for k in c["pruned_by_reason"]],
+        "meaning": [REASONS[PruneReason(k)] for k in c["pruned_by_reason"]],
         "example": [c["pruned_examples"][k] for k in c["pruned_by_reason"]],
     })))
     calibration = calibration_of(study)
@@ -282,7 +277,7 @@ def summary_markdown(study: optuna.Study, table: pd.DataFrame | None = None, *, 
                    "are corrected by a fit of these ratios (a precision effect plus a micro-batch effect)")
     out.append(f"- from {calibration.n_trials} real trials\n")
     out.append("## Prediction error of every real trial\n")
-    real = table[table["status"].isin(["complete", "oom", "error", "timeout"])]
+    real = table[table["status"].isin(RAN)]
     out.append(_md_table(pd.DataFrame({
         "trial": real["number"], "status": real["status"],
         "config": [TrainConfig.from_dict({f: r[f] for f in FIELDS}).short() for _, r in real.iterrows()],
@@ -334,16 +329,16 @@ def _n_configs(settings: dict) -> int:
         return 0
 
 
-def write_reports(study: optuna.Study, out_dir: str | Path) -> dict[str, Path]:
+def write_reports(study: StudySnapshot, out_dir: str | Path) -> dict[str, Path]:
     """Write ``trials.csv``, ``best.json``, ``summary.md`` and ``calibration.json`` to ``out_dir`` (atomically)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     table = trials_table(study)
     paths = {name: out_dir / name for name in ("trials.csv", "best.json", "summary.md", "calibration.json")}
-    _write_atomic(paths["trials.csv"], table.to_csv(index=False))
-    _write_atomic(paths["best.json"], json.dumps(best_record(study), indent=2) + "\n")
-    _write_atomic(paths["summary.md"], summary_markdown(study, table))
-    _write_atomic(paths["calibration.json"], json.dumps(calibration_of(study).to_dict(), indent=2) + "\n")
+    write_atomic(paths["trials.csv"], table.to_csv(index=False))
+    write_atomic(paths["best.json"], json.dumps(best_record(study), indent=2) + "\n")
+    write_atomic(paths["summary.md"], summary_markdown(study, table))
+    write_atomic(paths["calibration.json"], json.dumps(calibration_of(study).to_dict(), indent=2) + "\n")
     return paths
 
 
@@ -358,7 +353,7 @@ class SearchResult:
       measurements (``samples_per_s``, ``peak_bytes``, ``step_time_s``, ...);
       ``best_predicted``: what the estimate said before it ran.
     - ``table``: every trial (:func:`trials_table`); ``n_configs``, ``n_pruned`` (configs the
-      estimate pruned and that never ran), ``n_real`` (real trials: complete, oom, error, timeout).
+      estimate pruned and that never ran), ``n_real`` (real trials: ok, oom, error, timeout).
     - ``stop_reason``, ``wall_s`` (this search command), ``calibration``.
     - ``study_name``, ``storage`` (URL without password, or the journal path), ``out_dir``.
 
@@ -399,22 +394,22 @@ class SearchResult:
         return self.plan(device_type).run(model, optimizer, layers)
 
 
-def search_result(study: optuna.Study, out_dir: str | Path, wall_s: float | None = None) -> SearchResult:
+def search_result(study: StudySnapshot, out_dir: str | Path, wall_s: float | None = None) -> SearchResult:
     """The :class:`SearchResult` of a study, from its storage."""
     settings = settings_of(study)
     table = trials_table(study)
     c = counts(table)
     trial = best_trial(study)
-    storage = settings.get("storage") or str(Path(out_dir) / "study.journal")
+    storage = settings.get("storage") or str(Path(out_dir) / JOURNAL_NAME)
     return SearchResult(
         study_name=study.study_name, storage=redact(storage), out_dir=Path(out_dir),
         workload=settings.get("workload_name", ""), device=settings.get("device_type", "cpu"),
         budget_bytes=settings.get("budget_bytes", 0),
-        best=config_of(trial.params) if trial else None,
-        best_measured=dict(trial.user_attrs.get("measured") or {}) if trial else None,
-        best_predicted=dict(trial.user_attrs.get("predicted") or {}) if trial else None,
+        best=trial.config if trial else None,
+        best_measured=dict(trial.measurement) if trial else None,
+        best_predicted=dict(trial.prediction) if trial else None,
         best_trial=trial.number if trial else None,
         n_configs=_n_configs(settings), n_pruned=c["pruned"], n_real=c["real"],
-        pruned_by_reason=c["pruned_by_reason"], stop_reason=study.user_attrs.get("stop_reason") or "running",
+        pruned_by_reason=c["pruned_by_reason"], stop_reason=study.stop_reason or "running",
         wall_s=wall_seconds(study) if wall_s is None else wall_s, calibration=calibration_of(study), table=table,
     )

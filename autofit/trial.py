@@ -26,7 +26,6 @@ workload's prints never reach our stdout), and it kills its process group if we 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 import json
 import os
@@ -37,23 +36,12 @@ from dataclasses import dataclass, field
 
 from autofit import procs
 from autofit.config import TrainConfig
+from autofit.records import TrialStatus  # re-exported: a trial ends ok, oom, error or timeout
 from autofit.schedule import MeasureSchedule
 from autofit.tracker import CATEGORIES
 from autofit.workload import Workload
 
 _MAX_ERROR_CHARS = 2000
-
-
-class TrialStatus(str, enum.Enum):
-    """How a trial ended. Only ``ok`` carries measurements."""
-
-    OK = "ok"
-    OOM = "oom"          # over the memory budget (or the device's memory)
-    ERROR = "error"      # the workload raised, crashed or exited without a result
-    TIMEOUT = "timeout"  # past the wall-clock limit; killed
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ def test_search_then_rerun_then_report(tmp_path):
 
     again = _autofit(*args, cwd=tmp_path)  # the same command: resumes, runs nothing new
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "trials     2 real (2 complete)" in again.stdout
+    assert "trials     2 real (2 ok)" in again.stdout
     assert "peak " in again.stdout and "of 64.00 MB (61.04 MiB)" in again.stdout
     assert "stopped    trial limit" in again.stdout and "wall time" in again.stdout
     # plain progress lines on a pipe, one per event

@@ -13,7 +13,7 @@ from autofit.errors import StudyError
 from autofit.report import COLUMNS, best_record, counts, search_result, select, summary_markdown, trials_table
 from autofit.report import write_reports
 from autofit.space import space_from_dict
-from autofit.study import StudySettings, _create_or_load, distributions, open_study, space_to_dict
+from autofit.study import StudySettings, create_or_load, distributions, load_snapshot, open_study, space_to_dict
 
 BUDGET = 1_000_000
 SPACE = {"precision": ["fp32", "amp-bf16"], "micro_batch": [2, 4], "global_batch": 4, "device_split": [1, 2]}
@@ -43,7 +43,7 @@ def study_dir(tmp_path):
     settings = StudySettings(workload_name="tiny", workload_source="tiny.py:make", budget_bytes=BUDGET,
                              budget_text="1MB", space=space_to_dict(space), device_type="cpu", devices=1,
                              study_name="report-test", out_dir=str(tmp_path / "study"), command="autofit search ...")
-    study = _create_or_load(settings)
+    study = create_or_load(settings)
     dists = distributions(space)
     c = lambda prec, mb, split=1: TrainConfig(prec, mb, 4 // mb, 0, split)  # noqa: E731
     rows = [
@@ -62,19 +62,19 @@ def study_dir(tmp_path):
 
 
 def test_trials_table_has_one_row_per_trial_with_statuses_and_errors(study_dir):
-    table = trials_table(open_study(study_dir))
+    table = trials_table(load_snapshot(study_dir))
     assert list(table.columns) == list(COLUMNS)
-    assert table["status"].tolist() == ["pruned", "complete", "complete", "oom", "complete", "timeout"]
+    assert table["status"].tolist() == ["pruned", "ok", "ok", "oom", "ok", "timeout"]
     assert table.loc[0, "reason_kind"] == "devices" and table.loc[0, "reason"] == "needs 2 devices"
     assert table.loc[1, "measured_peak_bytes"] == 600_000 and table.loc[1, "predicted_peak_bytes"] == 500_000
     assert table.loc[1, "peak_error"] == pytest.approx(-1 / 6)
     assert table.loc[4, "samples_per_s"] == 20.0 and table.loc[4, "step_time_s"] == pytest.approx(0.2)
-    assert select(table, status="complete")["number"].tolist() == [2, 4, 1]  # fastest first
+    assert select(table, status="ok")["number"].tolist() == [2, 4, 1]  # fastest first
     assert select(table, top=2)["number"].tolist() == [2, 4]
 
 
 def test_best_is_the_fastest_trial_that_ran_ok_under_the_budget(study_dir):
-    best = best_record(open_study(study_dir))
+    best = best_record(load_snapshot(study_dir))
     assert best["trial"] == 4  # 30 samples/s went over the budget; 20 is the best that fits
     assert best["config"] == TrainConfig("fp32", 2, 2).to_dict()
     assert best["peak_fraction_of_budget"] == pytest.approx(0.4)
@@ -83,7 +83,7 @@ def test_best_is_the_fastest_trial_that_ran_ok_under_the_budget(study_dir):
 
 
 def test_summary_and_files(study_dir):
-    study = open_study(study_dir)
+    study = load_snapshot(study_dir)
     c = counts(trials_table(study))
     assert c["real"] == 5 and c["pruned"] == 1 and c["pruned_by_reason"] == {"devices": 1}
     text = summary_markdown(study)
@@ -126,4 +126,4 @@ def test_a_study_cannot_be_resumed_with_another_budget(study_dir):
     settings = StudySettings.from_json(json.dumps({
         **{k: v for k, v in open_study(study_dir).user_attrs["settings"].items()}, "budget_bytes": 2 * BUDGET}))
     with pytest.raises(StudyError, match="another budget_bytes"):
-        _create_or_load(dataclasses.replace(settings, out_dir=str(study_dir)))
+        create_or_load(dataclasses.replace(settings, out_dir=str(study_dir)))

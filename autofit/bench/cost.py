@@ -72,7 +72,7 @@ def _default_space_scoring(quick: bool, progress) -> list[dict]:
     The profile comes from the cache when there is one (its cost is the profiling rows'); the
     time is the first ``estimate_table`` call, before its per-structure cache is warm.
     """
-    from autofit.memory_model import _stage_lines, estimate_table
+    from autofit.memory_model import clear_caches, estimate_table
     from autofit.profile import profile_workload
     from autofit.space import load_space
     from autofit.workload import load_workload
@@ -85,7 +85,7 @@ def _default_space_scoring(quick: bool, progress) -> list[dict]:
     # precisions would cost half a minute of profiling with a cold cache)
     for name in (("gpt-tiny",) if quick else tuple(BUILTINS)):
         profile = profile_workload(load_workload(name), list(space.precision), device_type="cpu")
-        _stage_lines.cache_clear()
+        clear_caches()
         start = time.perf_counter()
         estimate_table(profile, configs, budget_bytes=8 * 10**9)
         wall = time.perf_counter() - start

@@ -331,26 +331,19 @@ class NotAvailable(Exception):
 def autofit_search(problem: Problem, oracle: Oracle, seed: int = 0, first_use_s: float = 0.0) -> TrainConfig | None:
     """autofit's search (:func:`autofit.study.search`, defaults as shipped) over the problem's grid.
 
-    Its trials go through ``oracle`` (its ``run_trial`` is swapped for one that asks the
-    oracle), so a live oracle runs them for real and a replay oracle answers from the grid;
-    everything else -- estimate, time model, calibration, Optuna storage, reports -- runs for
-    real and is timed. ``first_use_s`` is charged to the clock: profiling the workload on fake
-    tensors and probing the device with cold caches, measured once per workload (the runs
-    themselves find both cached).
+    Its trials go through ``oracle`` (passed to the search as its ``trial_runner``), so a live
+    oracle runs them for real and a replay oracle answers from the grid; everything else --
+    estimate, time model, calibration, Optuna storage, reports -- runs for real and is timed.
+    ``first_use_s`` is charged to the clock: profiling the workload on fake tensors and probing
+    the device with cold caches, measured once per workload (the runs themselves find both cached).
     """
     import tempfile
-    from unittest import mock
 
-    try:
-        from autofit import study
-    except ImportError as exc:
-        raise NotAvailable(f"autofit.study is not available in this checkout ({exc})") from None
-    if not hasattr(study, "search") or not hasattr(study, "run_trial"):
-        raise NotAvailable("autofit.study has no search() with a run_trial to drive")
     from autofit.space import SearchSpace
+    from autofit.study import search
     from autofit.trial import TrialResult, TrialStatus
 
-    def run_trial(workload, config, *, device="cpu", budget_bytes=None, **_kwargs):
+    def run_trial(workload, config, *, device, budget_bytes, timeout_s):
         outcome = oracle.run(config)
         if outcome.result is not None:
             return outcome.result
@@ -365,8 +358,9 @@ def autofit_search(problem: Problem, oracle: Oracle, seed: int = 0, first_use_s:
         oracle.charge(first_use_s, "cold profile and device probe")
     space = SearchSpace(precision=problem.precisions, micro_batch=problem.micro_batches,
                         checkpoint_every=problem.checkpoints, device_split=(1,), global_batch=problem.global_batch)
-    with tempfile.TemporaryDirectory(prefix="autofit-bench-study-") as out, mock.patch.object(study, "run_trial", run_trial):
-        result = study.search(problem.workload, problem.budget_bytes, space=space, out_dir=out, device="cpu", seed=seed)
+    with tempfile.TemporaryDirectory(prefix="autofit-bench-study-") as out:
+        result = search(problem.workload, problem.budget_bytes, space=space, out_dir=out, device="cpu", seed=seed,
+                        trial_runner=run_trial)
     stop = getattr(result, "stop_reason", None)
     if stop:
         oracle.notes.append(f"stopped: {stop}")

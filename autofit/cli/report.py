@@ -17,7 +17,7 @@ from autofit.report import (
     trials_table,
     write_reports,
 )
-from autofit.study import open_study
+from autofit.study import load_snapshot
 
 
 def add_parser(subparsers) -> None:
@@ -37,7 +37,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    study = open_study(args.dir, storage=args.storage)
+    study = load_snapshot(args.dir, storage=args.storage)
     table = trials_table(study)
     if not args.no_write:
         try:

@@ -10,6 +10,7 @@ import sys
 
 from autofit.budget import format_budget, format_bytes
 from autofit.cli._args import MODEL_HELP, add_hf_options, model_spec, positive
+from autofit.report import RAN
 from autofit.study import PATIENCE, TRIAL_TIMEOUT_S, SearchProgress, search
 from autofit.workloads import DEFAULT_WORKLOAD
 
@@ -113,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _summary(result) -> None:
-    by_status = result.table[result.table["status"].isin(["complete", "oom", "error", "timeout"])]["status"]
+    by_status = result.table[result.table["status"].isin(RAN)]["status"]
     statuses = ", ".join(f"{n} {s}" for s, n in by_status.value_counts().items())
     reasons = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in result.pruned_by_reason.items())
     print(f"study      {result.study_name} ({result.out_dir})")

@@ -1,0 +1,86 @@
+"""The search: an Optuna study over a search space, pruned by the estimate, confirmed by real trials.
+
+One planning step (every worker, before every trial, from what the storage holds):
+
+1. **calibrate** from the real trials so far (:mod:`autofit.calibration`);
+2. **prune**, with a reason, every config that should not run (recorded as a ``PRUNED`` trial
+   whose user attrs hold the predicted breakdown): ``invalid`` (more stages than layers),
+   ``devices`` (a device split larger than the devices a worker has: estimated, never run),
+   ``duplicate`` (a checkpoint interval at least a stage's length is one segment per stage,
+   the same config as the smallest such interval), ``over_budget`` (calibrated peak with its
+   safety margin over the budget), ``too_slow`` (predicted throughput under 1/SLOW_FACTOR of
+   the best predicted, or a trial predicted to outlast the trial time limit), ``dominated``
+   (the same precision, micro-batch, accumulation and split with less recomputation fits and
+   is predicted faster: checkpointing only trades time for memory). A prune is re-examined at
+   every step: if its reason no longer holds (the config that dominated it ran out of memory,
+   calibration shrank the margin), the config becomes a candidate again;
+3. **stop** when the real-trial limit is reached, the time is up, ``patience`` real trials in a
+   row did not improve the best by ``min_improvement``, the best remaining candidate is
+   predicted below BOUND of the best measured, or no candidate is left;
+4. otherwise **run** the next candidate: first, for each precision not measured yet, its
+   predicted-fastest config (one trial calibrates the whole precision); then the candidate with
+   the highest calibrated predicted throughput; predictions within NEAR of the best are a tie,
+   won by the cheapest trial. It runs in an isolated child
+   (:func:`autofit.trial.run_trial`) under the budget and a time limit sized from its
+   prediction; the objective is measured samples/s, and ``trial.set_constraint`` records the
+   measured peak minus the budget (and whether it failed), so a trial that went over, or
+   failed, is never the best. ``oom``, ``error`` and ``timeout`` are recorded and the search
+   goes on.
+
+The sampler is this planner: each trial's params are the planned config (per-dimension
+categoricals, so Optuna's tables and plots read naturally). No config runs twice: a planning
+step and the ask that follows it hold a lock shared by the workers of one output directory;
+workers on other machines (an RDB ``--storage``) that pick the same config at the same moment
+see the other's trial and prune theirs as a ``duplicate``.
+
+Storage: by default an Optuna journal file, ``<out>/study.journal``, locked with ``flock``
+(released by the kernel when a process dies, so ``kill -9`` never leaves a stale lock). Running
+the same search again resumes it: finished trials are kept; a trial left ``RUNNING`` by a dead
+worker (its process is gone, or its heartbeat is older than STALE_S) is marked ``FAIL`` and its
+config planned again.
+
+Known limitations: on a CPU every worker shares the same cores, so ``workers > 1`` measures
+each config under the others' load (their OpenMP threads are divided between them); a study's
+search space, budget, workload and device are fixed when it is created.
+
+Modules: :mod:`~autofit.study.settings` (what defines a study), :mod:`~autofit.study.storage`
+(the storage, its locks, and the record format: stored trial <-> :class:`autofit.records.TrialRecord`),
+:mod:`~autofit.study.planner` (the rules above: records in, decisions out; no Optuna),
+:mod:`~autofit.study.worker` (the loop each worker runs; its :class:`TrialRunner` is injectable),
+:mod:`~autofit.study.launcher` (several local worker processes), :mod:`~autofit.study.progress`
+(progress events) and :mod:`~autofit.study.run` (:func:`search`). The public names below are
+imported lazily, so ``import autofit.study.planner`` (or the report) pulls in nothing else.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_HOMES = {
+    "autofit.records": ("PruneReason", "StudySnapshot", "TrialRecord", "TrialStatus"),
+    "autofit.study.settings": ("MIN_IMPROVEMENT", "PATIENCE", "TRIAL_TIMEOUT_S", "StudySettings",
+                               "default_study_name", "redact", "space_to_dict"),
+    "autofit.study.storage": ("JOURNAL_NAME", "META_NAME", "ClaimLock", "FlockLock", "config_of", "create_or_load",
+                              "distributions", "load_snapshot", "make_storage", "open_study", "read_records",
+                              "record_of", "snapshot"),
+    "autofit.study.planner": ("BOUND", "NEAR", "SLOW_FACTOR", "TRIAL_STARTUP_S", "Planner", "Prune", "Step"),
+    "autofit.study.progress": ("ProgressCallback", "SearchProgress", "progress_of"),
+    "autofit.study.worker": ("HEARTBEAT_S", "ORPHAN_S", "STALE_S", "TrialRunner", "fail_stale_trials", "is_stale",
+                             "process_start", "run_trial_isolated", "run_worker", "worker_identity"),
+    "autofit.study.launcher": ("run_workers",),
+    "autofit.study.run": ("default_device", "resolve_space", "search"),
+}
+_LAZY = {name: module for module, names in _HOMES.items() for name in names}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'autofit.study' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

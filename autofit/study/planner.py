@@ -1,0 +1,262 @@
+"""The planner: pure policy. Trial records in, decisions out (what to prune and why, what to run, when to stop).
+
+It scores the whole space once (memory estimate and time model), then at every planning step
+reads the study's :class:`autofit.records.TrialRecord` values; it never touches the storage
+(see :mod:`autofit.study` for the rules it applies).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from autofit.budget import format_bytes
+from autofit.calibration import Calibration, calibrate, observations
+from autofit.config import FIELDS, stage_bounds
+from autofit.memory_model import BREAKDOWN, estimate_table
+from autofit.profile import Profile
+from autofit.records import PruneReason, TrialRecord, TrialStatus
+from autofit.schedule import DEFAULT_SCHEDULE, MeasureSchedule
+from autofit.study.settings import StudySettings
+from autofit.time_model import DeviceRates, OpCounts, predict_table
+
+# --- the rules' constants ---------------------------------------------------------------------
+SLOW_FACTOR = 20.0         # pruned: predicted this many times slower than the best predicted
+NEAR = 0.05                # predictions this close are a tie: the cheaper trial runs first
+BOUND = 0.5                # stop: the best candidate is predicted below this fraction of the best measured
+MIN_TRIAL_TIMEOUT_S = 60.0
+TRIAL_TIMEOUT_FACTOR = 4.0  # a trial may take this many times its (calibrated) prediction
+TRIAL_STARTUP_S = 8.0      # interpreter start + imports of a trial child (and of each extra stage)
+# A trial runs DEFAULT_SCHEDULE (autofit.schedule); its time limit is sized from that schedule.
+
+
+@dataclass(frozen=True)
+class Prune:
+    """A config to record as pruned: its index in :attr:`Planner.configs`, why, and its predictions."""
+
+    index: int
+    reason: PruneReason
+    text: str
+    prediction: dict
+
+
+@dataclass(frozen=True)
+class Step:
+    """One planning step: prunes to record, then the config to run (``run`` None: stop, with ``stop``)."""
+
+    prunes: list[Prune]
+    run: int | None
+    prediction: dict | None
+    stop: str | None
+    calibration: Calibration
+
+
+class Planner:
+    """Scores the whole space once (estimate + time model), then plans each step from the records."""
+
+    def __init__(self, settings: StudySettings, profile: Profile, rates: DeviceRates,
+                 counts: OpCounts | None = None, schedule: MeasureSchedule = DEFAULT_SCHEDULE) -> None:
+        self.settings = settings
+        self.schedule = schedule  # what each trial runs: its time limit is sized from it
+        space = settings.search_space()
+        self.configs = space.configs()
+        self.index = {c: i for i, c in enumerate(self.configs)}
+        mem = estimate_table(profile, self.configs, settings.budget_bytes)
+        times = predict_table(profile, self.configs, rates, counts)
+        self.table = mem.join(times.drop(columns=list(FIELDS)))
+        self.n_layers = profile.n_layers
+        self._static = self._static_reasons()
+        rng = np.random.default_rng(settings.seed)
+        self._tiebreak = rng.permutation(len(self.configs))  # seeded order among equal predictions
+
+    # Reasons that do not depend on any measurement.
+    def _static_reasons(self) -> list[tuple[PruneReason, str] | None]:
+        out: list[tuple[PruneReason, str] | None] = [None] * len(self.configs)
+        devices = self.settings.devices
+        ckpts = sorted({c.checkpoint_every for c in self.configs})
+        for i, (c, row) in enumerate(zip(self.configs, self.table.itertuples())):
+            if not row.valid:
+                out[i] = (PruneReason.INVALID, f"cannot run: {row.reason}")
+            elif c.device_split > devices:
+                out[i] = (PruneReason.DEVICES, f"device_split {c.device_split} needs {c.device_split} devices; a "
+                                               f"worker has {devices} ({self.settings.device_type}); estimated only")
+            else:
+                longest = max(e - s for s, e in stage_bounds(self.n_layers, c.device_split))
+                if c.checkpoint_every > longest:
+                    same = [k for k in ckpts if longest <= k < c.checkpoint_every]
+                    if same:
+                        out[i] = (PruneReason.DUPLICATE, f"checkpoint_every {c.checkpoint_every} >= the {longest} "
+                                                         f"layers of a stage is one segment per stage, as "
+                                                         f"checkpoint_every {min(same)}")
+        return out
+
+    def prediction(self, i: int, calibration: Calibration, ratio: float | None = None) -> dict:
+        """What the trial record keeps of config ``i``'s predictions (raw and calibrated).
+        ``ratio``: its calibrated time ratio, when already computed."""
+        row = self.table.iloc[i]
+        if ratio is None:
+            ratio = float(calibration.time_ratios(self.table.iloc[[i]])[0])
+        step = float(row["step_time_s"]) if math.isfinite(row["step_time_s"]) else None
+        out = {
+            "peak_bytes": None if not math.isfinite(row["peak_bytes"]) else int(round(row["peak_bytes"])),
+            "per_device_peak_bytes": [int(b) for b in row["per_device_peak_bytes"]],
+            "peak_phase": row["peak_phase"],
+            **{k: None if not math.isfinite(row[k]) else int(round(row[k])) for k in BREAKDOWN},
+            "calibrated_peak_bytes": None if not math.isfinite(row["peak_bytes"])
+            else int(round(calibration.corrected_peak(row["peak_bytes"]))),
+            "peak_factor": calibration.peak_factor,
+            "prior_step_time_s": step,
+            "step_time_s": None if step is None else step * ratio,
+            "samples_per_s": None if step is None else self.configs[i].samples_per_step / (step * ratio),
+        }
+        out["trial_timeout_s"] = self._trial_timeout(i, ratio)
+        return out
+
+    def trial_seconds(self, i: int, ratio: float) -> float:
+        """Predicted wall time of a trial of config ``i``: process starts, tracked and timed steps."""
+        c, row = self.configs[i], self.table.iloc[i]
+        if c.device_split > 1:  # the pipeline runs every micro-batch of a step
+            step = row["step_time_s"] * ratio
+        else:
+            micro_steps = self.schedule.micro_steps(c.grad_accum)
+            step = (micro_steps * row["micro_step_time_s"] + row["optimizer_step_time_s"]) * ratio
+        return TRIAL_STARTUP_S * c.device_split + self.schedule.step_equivalents() * step
+
+    def _trial_timeout(self, i: int, ratio: float) -> float:
+        seconds = self.trial_seconds(i, ratio)
+        if not math.isfinite(seconds):
+            return self.settings.trial_timeout_s
+        return float(min(self.settings.trial_timeout_s, max(MIN_TRIAL_TIMEOUT_S, TRIAL_TIMEOUT_FACTOR * seconds)))
+
+    def step(self, records: Sequence[TrialRecord], now: float | None = None) -> Step:
+        """Plan from the study's records: what to prune, what to run next, or why to stop."""
+        settings = self.settings
+        n = len(self.configs)
+        calibration = calibrate(observations(list(records), settings.budget_bytes), settings.device_type)
+        claimed = np.zeros(n, dtype=bool)      # a real trial finished or is running
+        failed_run = np.zeros(n, dtype=bool)   # ran and did not come back ok under the budget
+        measured_step = np.full(n, np.nan)     # measured step time of configs that ran ok
+        pruned_before = np.zeros(n, dtype=bool)
+        finished = [r for r in records if r.status.ran]
+        running = sum(r.status is TrialStatus.RUNNING for r in records)
+        for r in records:
+            i = self.index.get(r.config)
+            if i is None:
+                continue
+            claimed[i] |= r.claimed
+            pruned_before[i] |= r.status is TrialStatus.PRUNED
+            if r.status.ran:
+                failed_run[i] = not r.feasible
+                if r.feasible and r.measurement.get("step_time_s"):
+                    measured_step[i] = r.measurement["step_time_s"]
+        # Calibrated predictions.
+        peak = self.table["peak_bytes"].to_numpy(dtype=np.float64)
+        ratio = calibration.time_ratios(self.table)
+        step_s = self.table["step_time_s"].to_numpy(dtype=np.float64) * ratio
+        sps = (self.table["micro_batch"] * self.table["grad_accum"]).to_numpy(dtype=np.float64) / step_s
+        fits = np.nan_to_num(np.asarray(calibration.fits(peak, settings.budget_bytes), dtype=bool), nan=False)
+        reasons = self._reasons(peak, sps, ratio, fits, calibration)
+        # Times are compared on one basis, the calibrated predictions (a measured time against a
+        # sibling's prediction would let noise decide); a config that ran ok is known to fit.
+        known = ~np.isnan(measured_step)
+        self._dominance(reasons, step_s, np.where(known, 0.0, peak), failed_run)
+        # Prunes: every prunable config that has no trial yet (ran configs keep their result).
+        prunes = [Prune(i, reasons[i][0], reasons[i][1], self.prediction(i, calibration, float(ratio[i])))
+                  for i in range(n) if reasons[i] is not None and not claimed[i] and not pruned_before[i]]
+        candidates = [i for i in range(n) if reasons[i] is None and not claimed[i]]
+        stop = self._stop(candidates, finished, running, sps, now)
+        if stop is not None:
+            return Step(prunes, None, None, stop, calibration)
+        chosen = self._choose(candidates, sps, ratio, records)
+        return Step(prunes, chosen, self.prediction(chosen, calibration, float(ratio[chosen])), None, calibration)
+
+    def _reasons(self, peak, sps, ratio, fits, calibration) -> list[tuple[PruneReason, str] | None]:
+        """The static reasons, then over budget, then too slow (against the best predicted that fits)."""
+        settings = self.settings
+        reasons = list(self._static)
+        for i in range(len(reasons)):
+            if reasons[i] is None and not fits[i]:
+                reasons[i] = (PruneReason.OVER_BUDGET,
+                              f"predicted peak {format_bytes(peak[i] * calibration.peak_ratio)} "
+                              f"(x{1 + calibration.peak_margin:.2f} safety margin) over the budget of "
+                              f"{format_bytes(settings.budget_bytes)}")
+        runnable = np.array([r is None for r in reasons])
+        best_predicted = float(np.nanmax(sps[runnable])) if runnable.any() else math.nan
+        for i in range(len(reasons)):
+            if reasons[i] is not None:
+                continue
+            seconds = self.trial_seconds(i, ratio[i])
+            if sps[i] < best_predicted / SLOW_FACTOR:
+                reasons[i] = (PruneReason.TOO_SLOW, f"predicted {sps[i]:.3g} samples/s, under 1/{SLOW_FACTOR:g} of "
+                                                    f"the best predicted {best_predicted:.3g} samples/s")
+            elif seconds > settings.trial_timeout_s:
+                reasons[i] = (PruneReason.TOO_SLOW, f"a trial is predicted to take {seconds:.0f} s, over the "
+                                                    f"{settings.trial_timeout_s:.0f} s trial limit")
+        return reasons
+
+    def _dominance(self, reasons, step_s, peak, failed_run) -> None:
+        """Prune checkpointing that buys memory the budget does not need (see :mod:`autofit.study`)."""
+        groups: dict[tuple, list[int]] = {}
+        for i, c in enumerate(self.configs):
+            groups.setdefault((c.precision, c.micro_batch, c.grad_accum, c.device_split), []).append(i)
+        for members in groups.values():
+            alive = [i for i in members if reasons[i] is None and not failed_run[i]]
+            for b in alive:
+                for a in alive:
+                    if a == b:
+                        continue
+                    faster = step_s[a] < step_s[b] * (1 - 1e-3)
+                    same_time_less_memory = abs(step_s[a] - step_s[b]) <= 1e-3 * step_s[b] and (
+                        peak[a] < peak[b] or (peak[a] == peak[b] and self.configs[a].checkpoint_every
+                                              < self.configs[b].checkpoint_every))
+                    if faster or same_time_less_memory:
+                        ca = self.configs[a]
+                        why = "predicted faster" if faster else "predicted as fast with less memory"
+                        reasons[b] = (PruneReason.DOMINATED, f"checkpoint_every {ca.checkpoint_every} with the same "
+                                                             f"precision, micro-batch and split fits and is {why}")
+                        break
+
+    def _stop(self, candidates: list[int], finished: list[TrialRecord], running: int, sps: np.ndarray,
+              now: float | None) -> str | None:
+        settings = self.settings
+        if not candidates:
+            return "exhausted: every config of the space ran or was pruned"
+        if settings.trials is not None and len(finished) + running >= settings.trials:
+            return f"trial limit: {settings.trials} real trials"
+        if settings.deadline is not None and (now or time.time()) >= settings.deadline:
+            return "timeout: no trial starts after the time limit"
+        ordered = sorted(finished, key=lambda r: (r.finished is None, r.finished, r.number))
+        best, since = None, 0
+        for r in ordered:
+            value = r.value if r.feasible else None
+            if value is not None and (best is None or value > best * (1 + settings.min_improvement)):
+                best, since = value, 0
+            else:
+                since += 1
+                if value is not None and value > best:
+                    best = value
+        if since >= settings.patience:
+            return (f"patience: {since} real trials in a row without improving the best by "
+                    f"{settings.min_improvement:.0%}" + ("" if best is not None else " (none fitted)"))
+        if best is not None:
+            top = max(sps[i] for i in candidates)
+            if top < BOUND * best:
+                return (f"bound: the best remaining config is predicted at {top:.3g} samples/s, under "
+                        f"{BOUND:.0%} of the best measured {best:.3g}")
+        return None
+
+    def _choose(self, candidates: list[int], sps: np.ndarray, ratio: np.ndarray,
+                records: Sequence[TrialRecord]) -> int:
+        """Explore each precision once, then exploit the best prediction; among near-equal
+        predictions (within NEAR, below the model's resolution) take the cheapest trial."""
+        measured = {r.config.precision for r in records if r.claimed}
+        unexplored = [i for i in candidates if self.configs[i].precision not in measured]
+        pool = unexplored or candidates
+        top = max(sps[i] for i in pool)
+        near = [i for i in pool if sps[i] >= top * (1 - NEAR)]
+        return min(near, key=lambda i: (self.trial_seconds(i, ratio[i]), -sps[i], self._tiebreak[i]))
+

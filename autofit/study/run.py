@@ -1,0 +1,164 @@
+"""``search()``: validate the request, create or resume the study, run its workers, write the tables."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import optuna
+
+from autofit.budget import parse_budget
+from autofit.errors import StudyError
+from autofit.profile import profile_workload
+from autofit.space import SearchSpace, load_space, space_from_dict
+from autofit.study import storage as backend  # the module; `storage` is search()'s URL argument
+from autofit.study.launcher import run_workers
+from autofit.study.progress import ProgressCallback, progress_of
+from autofit.study.settings import (MIN_IMPROVEMENT, PATIENCE, TRIAL_TIMEOUT_S, StudySettings, default_study_name,
+                                    space_to_dict)
+from autofit.study.worker import TrialRunner, run_trial_isolated, run_worker
+from autofit.time_model import probe_rates
+from autofit.workload import Workload, load_workload
+
+
+def resolve_space(space: SearchSpace | str | Path | dict | None, global_batch: int | None = None) -> SearchSpace:
+    """A SearchSpace from a SearchSpace, a TOML path or name, a mapping like a TOML file, or None
+    (the default space); ``global_batch`` fixes its global batch. Raises SpaceError."""
+    if isinstance(space, SearchSpace):
+        resolved = space
+    elif isinstance(space, dict):
+        resolved = space_from_dict(dict(space), "<inline>")
+    else:
+        resolved = load_space(space)
+    return resolved.with_global_batch(global_batch) if global_batch is not None else resolved
+
+
+def default_device() -> str:
+    """``"cuda"`` when PyTorch sees a GPU, else ``"cpu"`` (no CUDA context is created)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _visible_gpus() -> list[str]:
+    import torch
+
+    count = torch.cuda.device_count()  # no CUDA context: trials run in children
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [v.strip() for v in visible.split(",") if v.strip()] if visible else [str(i) for i in range(count)]
+    return ids[:count]
+
+
+def _devices(device: str, workers: int, devices: int | None) -> tuple[int, list[list[str]]]:
+    """Devices per worker and, on CUDA, each worker's GPU ids."""
+    if device != "cuda":
+        return devices or 1, []
+    gpus = _visible_gpus()
+    if not gpus:
+        raise StudyError("--device cuda: no CUDA GPU is visible to this PyTorch")
+    per_worker = len(gpus) // workers
+    if per_worker < 1:
+        raise StudyError(f"{workers} workers need at least {workers} GPUs; {len(gpus)} are visible")
+    slices = [gpus[w * per_worker:(w + 1) * per_worker] for w in range(workers)]
+    return (min(devices, per_worker) if devices else per_worker), slices
+
+
+def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | str | Path | dict | None = None,
+           global_batch: int | None = None, trials: int | None = None, timeout_s: float | None = None,
+           workers: int = 1, storage: str | None = None, study_name: str | None = None,
+           out_dir: str | Path | None = None, device: str | None = None, devices: int | None = None, seed: int = 0,
+           patience: int = PATIENCE, min_improvement: float = MIN_IMPROVEMENT,
+           trial_timeout_s: float = TRIAL_TIMEOUT_S, progress: ProgressCallback | None = None,
+           command: str | None = None, trial_runner: TrialRunner | None = None):
+    """Search ``space`` for the fastest config of ``workload`` whose measured peak fits ``budget``.
+
+    - ``workload``: a Workload or a ``--model`` spec; ``budget``: ``"8GB"`` or bytes.
+    - ``space``: a SearchSpace, a TOML path or name in ``search_spaces/``, or a mapping as in a
+      TOML file (default: ``search_spaces/default.toml``); ``global_batch`` fixes the global batch.
+    - ``trials``: real trials in the study at most (pruned configs are free); ``timeout_s``: no
+      trial starts after this many seconds; ``patience``/``min_improvement``: stop after that
+      many real trials in a row without improving the best by that fraction.
+    - ``workers``: local worker processes on one study (each with its own GPUs when there are
+      several); ``storage``: an Optuna storage URL (e.g. ``postgresql://...``) instead of the
+      journal file in ``out_dir`` (default ``results/<study_name>``); ``study_name`` (default
+      ``<workload>-<budget>``). Running the same search again resumes it.
+    - ``device``: ``"cpu"`` or ``"cuda"`` (default: cuda when available); ``devices``: devices a
+      worker has (default: 1 on the CPU, its share of the visible GPUs on CUDA); device splits
+      above it are estimated, never run. On the CPU, ``devices=N`` runs splits up to N as
+      pipeline stage processes sharing the CPU.
+    - ``progress``: called with a :class:`SearchProgress` after every step (the library never prints).
+    - ``trial_runner``: runs each real trial (a :class:`autofit.study.worker.TrialRunner`;
+      default: an isolated child process). Only with ``workers=1``: other processes cannot
+      receive it.
+
+    Returns a :class:`autofit.report.SearchResult`; the tables ``trials.csv``, ``best.json`` and
+    ``summary.md`` are written to ``out_dir``. Raises BudgetError, SpaceError, WorkloadError or
+    StudyError for bad input (StudyError also when ``out_dir`` holds a study of another budget,
+    workload, device or space); KeyboardInterrupt after marking running trials interrupted.
+    """
+    from autofit.report import search_result, write_reports  # the report reads what the search wrote
+
+    started_wall = time.time()
+    started = time.monotonic()
+    budget_bytes = parse_budget(budget)
+    loaded = load_workload(workload)
+    resolved = resolve_space(space, global_batch)
+    device = device or default_device()
+    if device not in ("cpu", "cuda"):
+        raise StudyError(f"device {device!r}: expected cpu or cuda")
+    if not isinstance(workers, int) or workers < 1:
+        raise StudyError(f"workers must be a positive integer, got {workers!r}")
+    if trials is not None and trials < 1:
+        raise StudyError(f"trials must be a positive integer, got {trials!r}")
+    if workers > 1 and loaded.source is None:
+        raise StudyError("workers > 1 needs a workload that other processes can load: pass a --model spec or "
+                         "autofit.load_workload('path/to/file.py:function')")
+    if workers > 1 and trial_runner is not None:
+        raise StudyError("a trial_runner runs in this process only: use workers=1 with it")
+    devices, gpu_slices = _devices(device, workers, devices)
+    name = study_name or default_study_name(loaded.name, budget_bytes)
+    out = Path(out_dir) if out_dir is not None else Path("results") / name
+    settings = StudySettings(
+        workload_name=loaded.name, workload_source=loaded.source, budget_bytes=budget_bytes,
+        budget_text=budget if isinstance(budget, str) else f"{budget}B", space=space_to_dict(resolved),
+        device_type=device, devices=devices, study_name=name, out_dir=str(out), storage=storage, seed=seed,
+        trials=trials, deadline=None if timeout_s is None else started_wall + timeout_s, patience=patience,
+        min_improvement=min_improvement, trial_timeout_s=trial_timeout_s, command=command,
+    )
+    profile = profile_workload(loaded, list(resolved.precision), device_type=device)  # user errors surface here
+    study = backend.create_or_load(settings)
+    emit = progress or (lambda event: None)
+    emit(progress_of(backend.read_records(study), f"study {name} in {out}", started))
+    stop = None
+    try:
+        if workers == 1:
+            stop = run_worker(settings, loaded, profile=profile, rates=probe_rates(device), progress=progress,
+                              started=started, runner=trial_runner or run_trial_isolated)
+        else:
+            stop = run_workers(settings, workers, gpu_slices, study, emit, started)
+    finally:
+        _record_run(study, settings, started_wall, workers, stop)
+        try:
+            write_reports(backend.snapshot(study), out)
+        except Exception:  # noqa: BLE001 -- never hide the search's own outcome behind a report error
+            if stop is not None:
+                raise
+    result = search_result(backend.snapshot(study), out, wall_s=time.time() - started_wall)
+    emit(progress_of(backend.read_records(study), f"done: {result.stop_reason}", started, done=True))
+    return result
+
+
+def _record_run(study: optuna.Study, settings: StudySettings, started_wall: float, workers: int,
+                stop: str | None) -> None:
+    """Append this invocation to the study's ``runs`` (wall time, workers, why it stopped)."""
+    try:
+        with backend.ClaimLock(Path(settings.out_dir)):
+            runs = list(study.user_attrs.get("runs", []))
+            runs.append({"started": started_wall, "wall_s": time.time() - started_wall, "workers": workers,
+                         "host": socket.gethostname(), "stop_reason": stop or "interrupted",
+                         "command": settings.command})
+            study.set_user_attr("runs", runs)
+    except Exception:  # noqa: BLE001 -- bookkeeping must not mask the search's own outcome
+        pass

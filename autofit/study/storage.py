@@ -1,0 +1,316 @@
+"""Where a study lives: an Optuna storage (a journal file by default), its locks, and the record format.
+
+A trial is stored as an Optuna trial: its params are the five config fields (one categorical
+each), its value the measured samples/s, its constraints the measured peak over the budget
+and whether it failed. The rest is in user attrs, read and written only here:
+
+- ``status``: a :class:`autofit.records.TrialStatus` value (``ok``, ``oom``, ``error``,
+  ``timeout``, ``pruned``, ``running``, ``interrupted``);
+- ``reason_kind`` (a :class:`autofit.records.PruneReason` value), ``reason``: why it was pruned;
+- ``predicted``: the estimate and time model before it ran (raw and calibrated);
+- ``measured``: the TrialResult's numbers; ``errors``: relative prediction errors;
+- ``worker``: who ran it; ``heartbeat``: when its worker last wrote.
+
+:func:`record_of` turns a stored trial into a :class:`autofit.records.TrialRecord`, the only
+form the planner and the report see. Journals written by autofit 0.1 read the same way.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import socket
+from pathlib import Path
+
+import optuna
+from optuna.distributions import CategoricalDistribution
+from optuna.storages import JournalStorage
+from optuna.storages.journal import JournalFileBackend
+from optuna.trial import FrozenTrial, TrialState, create_trial
+
+from autofit.config import FIELDS, TrainConfig
+from autofit.errors import AutofitError, StudyError
+from autofit.files import write_atomic
+from autofit.records import PruneReason, StudySnapshot, TrialRecord, TrialStatus
+from autofit.space import SearchSpace
+from autofit.study.settings import JOURNAL_NAME, StudySettings, redact
+
+META_NAME = "study.json"
+CLAIM_LOCK_NAME = ".autofit-claim.lock"
+JOURNAL_LOCK_NAME = ".autofit-journal.lock"
+
+
+class FlockLock:
+    """The journal's lock as an ``flock``: the kernel releases it when its holder dies.
+
+    Optuna's journal calls only ``acquire`` and ``release`` on its lock (the interface of its
+    ``BaseJournalFileLock``, which is not public)."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = str(path)
+        self._fd: int | None = None
+
+    def acquire(self) -> bool:
+        fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        self._fd = fd
+        return True
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+
+class ClaimLock:
+    """Held around a planning step and its ask: local workers never pick the same config."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self._path = Path(out_dir) / CLAIM_LOCK_NAME
+
+    def __enter__(self) -> "ClaimLock":
+        self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+
+
+def make_storage(out_dir: Path, storage: str | None):
+    """The study's storage: ``storage`` (an Optuna URL) or the journal file in ``out_dir``."""
+    if storage:
+        return storage
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return JournalStorage(JournalFileBackend(str(out_dir / JOURNAL_NAME), lock_obj=FlockLock(out_dir / JOURNAL_LOCK_NAME)))
+
+
+def quiet_optuna() -> None:
+    """Optuna logs every trial at INFO on stderr; the library never prints (the CLI reports progress)."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def open_study(out_dir: str | Path, storage: str | None = None, study_name: str | None = None) -> optuna.Study:
+    """Load an existing study from its output directory (``study.json``) for reading.
+
+    ``storage`` overrides the URL recorded there (which is stored without its password).
+    Raises StudyError when the directory holds no study or the storage cannot be read.
+    """
+    out_dir = Path(out_dir)
+    meta_path = out_dir / META_NAME
+    meta = {}
+    if meta_path.is_file():
+        try:
+            meta = json.loads(meta_path.read_text())
+        except ValueError:
+            raise StudyError(f"{meta_path}: not valid JSON") from None
+    elif not (out_dir / JOURNAL_NAME).is_file() and storage is None:
+        raise StudyError(f"{out_dir}: no study here (no {META_NAME} or {JOURNAL_NAME}); run `autofit search --out {out_dir}`")
+    url = storage or meta.get("storage")
+    if url and "***" in url:
+        raise StudyError(f"{out_dir}: the study is in {url}; pass the storage URL with its password (--storage)")
+    name = study_name or meta.get("study_name")
+    quiet_optuna()
+    try:
+        backend = make_storage(out_dir, url)
+        if name is None:
+            names = optuna.get_all_study_names(storage=backend)
+            if len(names) != 1:
+                raise StudyError(f"{out_dir}: {len(names)} studies in the storage; name one (--study)")
+            name = names[0]
+        return optuna.load_study(study_name=name, storage=backend)
+    except StudyError:
+        raise
+    except Exception as exc:  # bad files, a database driver's own errors (connection refused, ...)
+        raise StudyError(f"{out_dir}: cannot read study {name!r} ({type(exc).__name__}: {exc})") from None
+
+
+def _identity(settings: StudySettings) -> dict:
+    configs = sorted(c.short() for c in settings.search_space().configs())
+    return {"workload": settings.workload_name, "budget_bytes": settings.budget_bytes,
+            "device_type": settings.device_type,
+            "space": hashlib.sha256("\n".join(configs).encode()).hexdigest()[:16]}
+
+
+def create_or_load(settings: StudySettings) -> optuna.Study:
+    """Create the study of ``settings`` (or open it to resume). Raises StudyError when the
+    storage cannot be opened or holds a study of another workload, budget, device or space."""
+    out_dir = Path(settings.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    quiet_optuna()
+    storage = make_storage(out_dir, settings.storage)
+    try:
+        study = optuna.create_study(storage=storage, study_name=settings.study_name, direction="maximize",
+                                    load_if_exists=True)
+    except Exception as exc:
+        raise StudyError(f"cannot create or open study {settings.study_name!r} in "
+                         f"{redact(settings.storage) or out_dir / JOURNAL_NAME}: {type(exc).__name__}: {exc}") from None
+    identity = _identity(settings)
+    found = study.user_attrs.get("identity")
+    if found is None:
+        study.set_user_attr("identity", identity)
+        study.set_user_attr("settings", json.loads(settings.to_json()) | {"storage": redact(settings.storage)})
+        study.set_user_attr("versions", _versions())
+    elif found != identity:
+        diff = ", ".join(f"{k} {found.get(k)!r} (now {v!r})" for k, v in identity.items() if found.get(k) != v)
+        raise StudyError(f"study {settings.study_name!r} in {out_dir} was created with another {diff}; "
+                         "pass --study NAME or --out DIR to start a new study")
+    meta = {"study_name": settings.study_name, "storage": redact(settings.storage), "journal": None
+            if settings.storage else JOURNAL_NAME}
+    write_atomic(out_dir / META_NAME, json.dumps(meta, indent=2) + "\n")
+    return study
+
+
+def _versions() -> dict:
+    import platform
+
+    import torch
+
+    from autofit import __version__
+
+    return {"autofit": __version__, "torch": torch.__version__, "optuna": optuna.__version__,
+            "python": platform.python_version(), "platform": platform.platform(), "host": socket.gethostname(),
+            "cpu_count": os.cpu_count(),
+            "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "CUDA_VISIBLE_DEVICES")
+                    if k in os.environ}}
+
+
+def distributions(space: SearchSpace) -> dict[str, CategoricalDistribution]:
+    """One categorical per config field, over the values the space's configs take."""
+    configs = space.configs()
+    out = {}
+    for name in FIELDS:
+        values = list(dict.fromkeys(getattr(c, name) for c in configs))
+        if name in ("precision", "split_mode"):
+            out[name] = CategoricalDistribution([v.value for v in values])
+        else:
+            out[name] = CategoricalDistribution(sorted(values))
+    return out
+
+
+def config_of(params: dict) -> TrainConfig | None:
+    """The TrainConfig of a trial's params (None when they are not a config)."""
+    try:
+        # params from before split_mode existed lack it: TrainConfig's default (pipeline) applies
+        return TrainConfig.from_dict({f: params[f] for f in FIELDS if f in params})
+    except (KeyError, AutofitError):
+        return None
+
+
+# --- reading records --------------------------------------------------------------------------
+
+
+def _status(trial: FrozenTrial) -> TrialStatus:
+    if trial.state == TrialState.COMPLETE:
+        try:
+            status = TrialStatus(trial.user_attrs.get("status", "ok"))
+        except ValueError:
+            return TrialStatus.ERROR
+        return status if status.ran else TrialStatus.ERROR
+    if trial.state == TrialState.PRUNED:
+        return TrialStatus.PRUNED
+    if trial.state in (TrialState.RUNNING, TrialState.WAITING):
+        return TrialStatus.RUNNING
+    return TrialStatus.INTERRUPTED  # FAIL: its worker died or was stopped
+
+
+def record_of(trial: FrozenTrial) -> TrialRecord | None:
+    """The record of a stored trial (None when its params are not a config)."""
+    config = config_of(trial.params)
+    if config is None:
+        return None
+    attrs = trial.user_attrs
+    status = _status(trial)
+    prune_reason = None
+    if status is TrialStatus.PRUNED and attrs.get("reason_kind"):
+        try:
+            prune_reason = PruneReason(attrs["reason_kind"])
+        except ValueError:  # a reason a newer autofit wrote: its text still says why
+            pass
+    return TrialRecord(
+        number=trial.number, config=config, status=status, prediction=attrs.get("predicted") or {},
+        measurement=attrs.get("measured") or {}, errors=attrs.get("errors") or {}, prune_reason=prune_reason,
+        reason=attrs.get("reason") if status is TrialStatus.PRUNED else None, value=trial.value,
+        constraints=trial.constraints, started=trial.datetime_start, finished=trial.datetime_complete,
+        worker=attrs.get("worker") or {}, heartbeat=attrs.get("heartbeat"))
+
+
+def read_records(study: optuna.Study) -> list[TrialRecord]:
+    """Every trial of ``study`` whose params are a config, as records, in trial order."""
+    return [r for r in map(record_of, study.get_trials(deepcopy=False)) if r is not None]
+
+
+def snapshot(study: optuna.Study) -> StudySnapshot:
+    """The study as the report reads it (records, settings, runs, stop reason, versions, rates)."""
+    attrs = study.user_attrs
+    return StudySnapshot(study_name=study.study_name, records=read_records(study), settings=attrs.get("settings") or {},
+                         runs=attrs.get("runs") or (), stop_reason=attrs.get("stop_reason"),
+                         versions=attrs.get("versions") or {}, device_rates=attrs.get("device_rates"))
+
+
+def load_snapshot(out_dir: str | Path, storage: str | None = None, study_name: str | None = None) -> StudySnapshot:
+    """:func:`open_study` then :func:`snapshot`. Raises StudyError as :func:`open_study` does."""
+    return snapshot(open_study(out_dir, storage, study_name))
+
+
+# --- writing records ----------------------------------------------------------------------------
+
+
+def add_pruned(study: optuna.Study, config: TrainConfig, dists: dict, reason: PruneReason, text: str,
+               prediction: dict) -> None:
+    """Record ``config`` as pruned by the estimate (a PRUNED trial holding the predicted breakdown)."""
+    study.add_trial(create_trial(
+        state=TrialState.PRUNED, params=config.to_dict(), distributions=dists,
+        user_attrs={"status": TrialStatus.PRUNED.value, "reason_kind": reason.value, "reason": text,
+                    "predicted": prediction}))
+
+
+def sign_claim(trial: optuna.Trial, worker: dict, prediction: dict) -> None:
+    """Mark a freshly asked trial as this worker's, with what it is predicted to do."""
+    trial.set_user_attr("worker", worker)
+    trial.set_user_attr("predicted", prediction)
+    trial.set_user_attr("status", TrialStatus.RUNNING.value)
+
+
+def prune_claimed(study: optuna.Study, trial: optuna.Trial, reason: PruneReason, text: str) -> None:
+    """Close a claimed trial as pruned (e.g. another machine claimed the same config at once)."""
+    trial.set_user_attr("status", TrialStatus.PRUNED.value)
+    trial.set_user_attr("reason_kind", reason.value)
+    trial.set_user_attr("reason", text)
+    study.tell(trial, state=TrialState.PRUNED)
+
+
+def mark_interrupted(study: optuna.Study, trial: optuna.Trial | int) -> None:
+    """Close a running trial as interrupted (FAIL): its config is planned again."""
+    if isinstance(trial, optuna.Trial):
+        trial.set_user_attr("status", TrialStatus.INTERRUPTED.value)
+    study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
+
+
+def heartbeat(trial: optuna.Trial, now: float) -> None:
+    trial.set_user_attr("heartbeat", now)
+
+
+def tell_result(study: optuna.Study, trial: optuna.Trial, result, prediction: dict, measured: dict, errors: dict,
+                budget_bytes: int) -> None:
+    """Record a finished real trial: its measurements, status, errors, constraints and value.
+
+    The constraints make a trial that went over the budget, or failed, never the best: an oom
+    went over by definition; an error or timeout measured nothing.
+    """
+    trial.set_user_attr("measured", measured)
+    trial.set_user_attr("status", TrialStatus(result.status).value)
+    trial.set_user_attr("errors", errors)
+    if result.ok:
+        over = float(result.peak_bytes - budget_bytes) if result.peak_bytes is not None else 0.0
+        failed = 0.0
+    else:
+        over = 1.0 if TrialStatus(result.status) is TrialStatus.OOM else 0.0
+        failed = 1.0
+    trial.set_constraint("peak_over_budget_bytes", over)
+    trial.set_constraint("failed", failed)
+    study.tell(trial, float(result.samples_per_s) if result.ok else 0.0)

@@ -1,0 +1,254 @@
+"""The worker loop: plan under the claim lock, record prunes, claim a config, run its trial, record it.
+
+Several workers (processes, machines) may run on one study. The trial itself is run by a
+:class:`TrialRunner`, by default :func:`run_trial_isolated` (an isolated child process,
+:func:`autofit.trial.run_trial`); the bench passes its own to replay measured trials.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Protocol
+
+import optuna
+from optuna.distributions import CategoricalDistribution
+from optuna.samplers import BaseSampler
+
+from autofit.budget import format_bytes
+from autofit.calibration import relative_error
+from autofit.config import TrainConfig
+from autofit.profile import Profile, profile_workload
+from autofit.records import PruneReason, TrialRecord, TrialStatus
+from autofit.study import storage
+from autofit.schedule import DEFAULT_SCHEDULE
+from autofit.study.planner import Planner
+from autofit.study.progress import ProgressCallback, progress_of
+from autofit.study.settings import StudySettings
+from autofit.time_model import DeviceRates, op_counts, probe_rates
+from autofit.trial import TrialResult, run_trial
+from autofit.workload import Workload
+
+HEARTBEAT_S = 30.0         # a running trial's worker writes a heartbeat this often
+STALE_S = 600.0            # a RUNNING trial without a heartbeat for this long belongs to a dead worker
+ORPHAN_S = 60.0            # a RUNNING trial no worker signed within this long was orphaned at birth
+MEASURED_KEYS = ("peak_bytes", "per_device_peak_bytes", "peak_reserved_bytes", "breakdown", "samples_per_s",
+                 "tokens_per_s", "step_time_s", "micro_step_time_s", "optimizer_step_time_s", "error", "wall_s")
+
+
+class TrialRunner(Protocol):
+    """Runs one trial of ``config`` and returns its :class:`autofit.trial.TrialResult` (never raises for
+    the trial's sake). ``workload`` is a Workload or its ``--model`` spec."""
+
+    def __call__(self, workload: Workload | str, config: TrainConfig, *, device: str, budget_bytes: int,
+                 timeout_s: float) -> TrialResult: ...
+
+
+def run_trial_isolated(workload: Workload | str, config: TrainConfig, *, device: str, budget_bytes: int,
+                       timeout_s: float) -> TrialResult:
+    """The default :class:`TrialRunner`: :func:`autofit.trial.run_trial` of the schedule the planner sizes
+    time limits from (:data:`autofit.schedule.DEFAULT_SCHEDULE`)."""
+    return run_trial(workload, config, device=device, budget_bytes=budget_bytes, timeout_s=timeout_s,
+                     schedule=DEFAULT_SCHEDULE)
+
+
+class PlannedSampler(BaseSampler):
+    """Samples exactly the planned config: every field is a relative param set before ``ask``."""
+
+    def __init__(self, dists: dict[str, CategoricalDistribution]) -> None:
+        self.dists = dists
+        self.pending: dict | None = None
+
+    def infer_relative_search_space(self, study, trial):
+        return dict(self.dists)
+
+    def sample_relative(self, study, trial, search_space):
+        return dict(self.pending or {})
+
+    def sample_independent(self, study, trial, param_name, param_distribution):
+        raise RuntimeError(f"autofit's planner sets every param; {param_name!r} was not planned")
+
+
+# --- workers that died --------------------------------------------------------------------------
+
+
+def process_start(pid: int) -> str | None:
+    """The start time of process ``pid`` in clock ticks (``/proc``), or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rfind(b")") + 2:].split()[19].decode()  # field 22: start time in clock ticks
+    except (OSError, IndexError):
+        return None
+
+
+def worker_identity() -> dict:
+    """This process as a trial's ``worker``: host, pid and start time (so a reused pid is told apart)."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "start": process_start(os.getpid())}
+
+
+def is_stale(record: TrialRecord, now: float) -> bool:
+    """Whether a running trial's worker is dead: gone from this host, silent for STALE_S
+    elsewhere, or never signed it within ORPHAN_S."""
+    worker = record.worker
+    started = record.started.timestamp() if record.started else now
+    if not worker:  # its worker died between creating it and signing it (a moment, under the lock)
+        return now - started > ORPHAN_S
+    if worker.get("host") == socket.gethostname() and worker.get("pid"):
+        start = process_start(int(worker["pid"]))
+        return start is None or (worker.get("start") is not None and start != worker["start"])
+    beat = record.heartbeat or started
+    return now - float(beat) > STALE_S
+
+
+def fail_stale_trials(study: optuna.Study, records: list[TrialRecord]) -> list[int]:
+    """Mark running trials of dead workers interrupted (FAIL); their configs are planned again."""
+    now = time.time()
+    failed = []
+    for r in records:
+        if r.status is TrialStatus.RUNNING and is_stale(r, now):
+            try:
+                storage.mark_interrupted(study, r.number)
+                failed.append(r.number)
+            except (RuntimeError, ValueError):
+                pass  # finished by its worker meanwhile
+    return failed
+
+
+class _Heartbeat:
+    """Writes ``heartbeat`` (time.time()) on the running trial every HEARTBEAT_S seconds."""
+
+    def __init__(self, trial: optuna.Trial) -> None:
+        self._trial = trial
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="autofit-heartbeat", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                storage.heartbeat(self._trial, time.time())
+            except Exception:  # noqa: BLE001 -- a missed heartbeat only delays recovery
+                pass
+
+    def __enter__(self) -> "_Heartbeat":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+# --- recording a trial -----------------------------------------------------------------------------
+
+
+def _errors(prediction: dict, result: TrialResult) -> dict:
+    return {
+        "peak": relative_error(prediction.get("peak_bytes"), result.peak_bytes),
+        "calibrated_peak": relative_error(prediction.get("calibrated_peak_bytes"), result.peak_bytes),
+        "step_time": relative_error(prediction.get("step_time_s"), result.step_time_s),
+        "prior_step_time": relative_error(prediction.get("prior_step_time_s"), result.step_time_s),
+    }
+
+
+def _describe(number: int, config: TrainConfig, result: TrialResult) -> str:
+    if result.ok:
+        return (f"trial {number} {config.short()}: {result.samples_per_s:.2f} samples/s, peak "
+                f"{format_bytes(result.peak_bytes)} ({result.wall_s:.0f} s)")
+    return f"trial {number} {config.short()}: {result.status.value}: {result.error} ({result.wall_s:.0f} s)"
+
+
+def _claimed_elsewhere(records: list[TrialRecord], number: int, config: TrainConfig) -> int | None:
+    for r in records:
+        if r.number < number and r.config == config and (r.status.ran or r.status is TrialStatus.RUNNING):
+            return r.number
+    return None
+
+
+def _prune_summary(prunes) -> str:
+    kinds: dict[str, int] = {}
+    for p in prunes:
+        kinds[p.reason.value] = kinds.get(p.reason.value, 0) + 1
+    return "pruned by the estimate: " + ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in kinds.items())
+
+
+# --- the loop ------------------------------------------------------------------------------------
+
+
+def run_worker(settings: StudySettings, workload: Workload, *, profile: Profile | None = None,
+               rates: DeviceRates | None = None, progress: ProgressCallback | None = None,
+               started: float | None = None, runner: TrialRunner = run_trial_isolated) -> str:
+    """Plan, prune and run trials of one study until a stop rule holds. Returns the stop reason.
+
+    ``runner`` runs each trial (default: an isolated child process). Several workers
+    (processes, machines) may run on one study at once. Raises StudyError when the study
+    cannot be opened; KeyboardInterrupt marks the running trial interrupted and propagates.
+    """
+    started = time.monotonic() if started is None else started
+    out_dir = Path(settings.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    space = settings.search_space()
+    profile = profile or profile_workload(workload, list(space.precision), device_type=settings.device_type)
+    rates = rates or probe_rates(settings.device_type)
+    planner = Planner(settings, profile, rates, op_counts(workload))
+    dists = storage.distributions(space)
+    sampler = PlannedSampler(dists)
+    storage.quiet_optuna()
+    study = optuna.load_study(study_name=settings.study_name, storage=storage.make_storage(out_dir, settings.storage),
+                              sampler=sampler)
+    lock = storage.ClaimLock(out_dir)
+    emit = progress or (lambda event: None)
+    if "device_rates" not in study.user_attrs:
+        study.set_user_attr("device_rates", rates.to_dict())
+    calibrated_on = None
+    while True:
+        with lock:
+            records = storage.read_records(study)
+            if fail_stale_trials(study, records):
+                records = storage.read_records(study)
+            step = planner.step(records)
+            if step.calibration.n_trials != calibrated_on:  # kept with the study as it is learned
+                calibrated_on = step.calibration.n_trials
+                study.set_user_attr("calibration", step.calibration.to_dict())
+            for p in step.prunes:
+                storage.add_pruned(study, planner.configs[p.index], dists, p.reason, p.text, p.prediction)
+            if step.prunes:
+                emit(progress_of(storage.read_records(study), _prune_summary(step.prunes), started))
+            if step.run is None:
+                study.set_user_attr("stop_reason", step.stop)
+                break
+            config = planner.configs[step.run]
+            sampler.pending = config.to_dict()
+            trial = study.ask(fixed_distributions=dists)
+            sampler.pending = None
+            predicted = step.prediction
+            storage.sign_claim(trial, worker_identity(), predicted)
+        config = storage.config_of(trial.params) or config  # a trial someone enqueued by hand was popped instead
+        duplicate = _claimed_elsewhere(storage.read_records(study), trial.number, config)
+        if duplicate is not None:
+            storage.prune_claimed(study, trial, PruneReason.DUPLICATE,
+                                  f"claimed at the same time by trial {duplicate} (another machine)")
+            continue
+        emit(progress_of(storage.read_records(study),
+                         f"trial {trial.number} {config.short()}: running (predicted {predicted['samples_per_s']:.3g} "
+                         f"samples/s, limit {predicted['trial_timeout_s']:.0f} s)", started))
+        try:
+            with _Heartbeat(trial):
+                result = runner(workload if workload.source is None else workload.source, config,
+                                device=settings.device_type, budget_bytes=settings.budget_bytes,
+                                timeout_s=predicted["trial_timeout_s"])
+        except BaseException:
+            try:
+                storage.mark_interrupted(study, trial)
+            finally:
+                raise
+        data = result.to_dict()
+        measured = {k: data[k] for k in MEASURED_KEYS}
+        storage.tell_result(study, trial, result, predicted, measured, _errors(predicted, result),
+                            settings.budget_bytes)
+        emit(progress_of(storage.read_records(study), _describe(trial.number, config, result), started))
+    emit(progress_of(storage.read_records(study), f"stopped: {step.stop}", started))
+    return step.stop
