@@ -118,26 +118,22 @@ class _Walk:
 
     def __init__(self) -> None:
         self.live: Line = (0.0, 0.0)       # above weights + state (+ all grads for later steps)
-        self.grads: float = 0.0
+        self.grads: float = 0.0            # gradients made so far in this micro-step (within live)
         self.peaks: list[Line] = []
         self.grads_at: list[float] = []
         self.acts_at: list[Line] = []
         self.phases: list[str] = []
 
-    def region(self, peak: Line, delta: Line, phase: str, grads: float = 0.0) -> None:
-        self.peaks.append(_add(self.live, peak))
-        self.grads_at.append(self.grads + grads)
-        self.acts_at.append(self.live)
-        self.phases.append(phase)
+    def region(self, peaks: tuple[Line, ...], delta: Line, phase: str, grads: float = 0.0,
+               held: Line = (0.0, 0.0)) -> None:
+        """A region starting at the current live bytes (plus ``held``, alive only during it)."""
+        for peak in peaks:  # each a lower bound of the region's peak; the envelope is the peak
+            self.peaks.append(_add(_add(self.live, held), peak))
+            self.grads_at.append(self.grads + grads)
+            self.acts_at.append((self.live[0] - self.grads, self.live[1]))  # live counts the gradients made so far
+            self.phases.append(phase)
         self.live = _add(self.live, delta)
         self.grads += grads
-
-    def point(self, delta: Line, phase: str) -> None:
-        self.live = _add(self.live, delta)
-        self.peaks.append(self.live)
-        self.grads_at.append(self.grads)
-        self.acts_at.append(self.live)
-        self.phases.append(phase)
 
 
 def _walk_stage(pp: PrecisionProfile, start: int, end: int, first_stage: bool, last_stage: bool,
@@ -147,10 +143,10 @@ def _walk_stage(pp: PrecisionProfile, start: int, end: int, first_stage: bool, l
     layers = pp.layers
 
     def fwd(r: Region):
-        return r.peak, r.delta
+        return r.peaks, r.delta
 
     def bwd(r: Region):
-        return (r.peak_nongrad, r.delta_nongrad) if later else (r.peak, r.delta)
+        return (r.peaks_nongrad, r.delta_nongrad) if later else (r.peaks, r.delta)
 
     # forward
     if first_stage:  # a later stage's input lives in the pipeline's receive buffers (see _pipeline_buffers)
@@ -158,25 +154,26 @@ def _walk_stage(pp: PrecisionProfile, start: int, end: int, first_stage: bool, l
     segments = [(s, min(s + every, end)) for s in range(start, end, every)] if every else []
     # Under autocast, the half-precision weight copies are cached until the autocast region
     # ends, even in checkpointed segments that keep nothing else: the batch-independent part
-    # of a layer's forward (its weight casts) stays until the end of the forward.
+    # of a layer's forward (its weight casts) stays until the end of the forward. The profile
+    # (not checkpointed) saw the copies its backward needs (``saved``: what the layer's
+    # backward frees that does not grow with the batch) outlive the region; the others (e.g.
+    # bias copies) were freed at its end, in ``post_forward``. Checkpointed, the saved ones
+    # are freed too; a segment's recomputation builds them all again and frees the others.
     amp = Precision(pp.precision).is_amp
     cache = [max(0.0, layers[i].forward.delta[0]) if amp and every else 0.0 for i in range(len(layers))]
+    saved = [min(cache[i], max(0.0, -layers[i].backward.delta_nongrad[0])) for i in range(len(layers))]
     if every:
         for s, e in segments:
             for i in range(s, e):
                 held_in_segment = layers[i - 1].output if i > s else (0.0, 0.0)
-                w.peaks.append(_add(_add(w.live, held_in_segment), layers[i].forward.peak))
-                w.grads_at.append(w.grads)
-                w.acts_at.append(w.live)
-                w.phases.append("forward")
-                w.live = _add(w.live, (cache[i], 0.0))
+                w.region(layers[i].forward.peaks, (cache[i], 0.0), "forward", held=held_in_segment)
             w.live = _add(w.live, layers[e - 1].output)  # only the segment's output survives
     else:
         for i in range(start, end):
             w.region(*fwd(layers[i].forward), "forward")
     if last_stage:
         w.region(*fwd(pp.post_forward), "forward")
-    w.live = _add(w.live, (-sum(cache[start:end]), 0.0))  # autocast exits: its cache is freed
+    w.live = _add(w.live, (-sum(saved[start:end]), 0.0))  # autocast exits: its cache is freed
     held = w.live
     # backward
     if last_stage:  # an earlier stage's output gradient arrives in a receive buffer
@@ -191,7 +188,8 @@ def _walk_stage(pp: PrecisionProfile, start: int, end: int, first_stage: bool, l
             if layers[e - 1].output_saved:
                 w.live = _add(w.live, layers[e - 1].output, -1.0)
             for i in range(s, e):  # recompute the segment's forward, saving its activations
-                w.region(layers[i].forward.peak, layers[i].forward.delta, "backward")
+                w.region(layers[i].forward.peaks, layers[i].forward.delta, "backward")
+            w.live = _add(w.live, (-sum(cache[s:e]) + sum(saved[s:e]), 0.0))  # recompute's autocast exits
             if not layers[e - 1].output_saved:
                 w.live = _add(w.live, layers[e - 1].output, -1.0)
             for i in reversed(range(s, e)):

@@ -36,7 +36,7 @@ from autofit.profile_data import LayerProfile, Line, PrecisionProfile, Profile, 
 from autofit.training import build_trainee, forward_backward, to_device
 from autofit.workload import Workload
 
-PROFILE_VERSION = 5
+PROFILE_VERSION = 6
 # Micro-batch sizes profiled; every per-sample quantity is fitted as a line through them.
 PROFILE_BATCHES = (2, 4)
 # The CUDA caching allocator rounds every block up to 512 bytes (FACTS.md).
@@ -63,6 +63,7 @@ class _Timeline(TorchDispatchMode):
         self.grad_live = 0
         self.peak = 0
         self.peak_nongrad = 0
+        self.trace: list[tuple[int, int]] = []  # (live, live without grads) after every op
         self._storages: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._grad_ids: dict[int, int] = {}  # id(storage) -> bytes, for gradients alive now
 
@@ -100,6 +101,7 @@ class _Timeline(TorchDispatchMode):
         self.peak_nongrad = self.live - self.grad_live
 
     def _observe(self) -> None:
+        self.trace.append((self.live, self.live - self.grad_live))
         self.peak = max(self.peak, self.live)
         self.peak_nongrad = max(self.peak_nongrad, self.live - self.grad_live)
 
@@ -120,22 +122,26 @@ class _Recorder:
 
     def __init__(self, timeline: _Timeline) -> None:
         self.t = timeline
-        self.marks: list[tuple[str, int, int, int, int]] = []  # name, live, nongrad, peak, peak_nongrad
+        # name, live, nongrad, peak, peak_nongrad, index of the mark's own point in the trace
+        self.marks: list[tuple[str, int, int, int, int, int]] = []
 
     def mark(self, name: str) -> None:
         t = self.t
         t._observe()
-        self.marks.append((name, t.live, t.live - t.grad_live, t.peak, t.peak_nongrad))
+        self.marks.append((name, t.live, t.live - t.grad_live, t.peak, t.peak_nongrad, len(t.trace) - 1))
         t.reset_peaks()
 
-    def region(self, start: str, end: str) -> tuple[int, int, int, int]:
-        """(delta, peak above start, delta without grads, peak without grads above start)."""
+    def region(self, start: str, end: str) -> tuple:
+        """(delta, peak above start, delta without grads, peak without grads above start,
+        the live bytes above start after every op, the same without grads)."""
         names = [m[0] for m in self.marks]
         i, j = names.index(start), names.index(end)
         live0, ng0 = self.marks[i][1], self.marks[i][2]
         peak = max(m[3] for m in self.marks[i + 1:j + 1])
         peak_ng = max(m[4] for m in self.marks[i + 1:j + 1])
-        return self.marks[j][1] - live0, peak - live0, self.marks[j][2] - ng0, peak_ng - ng0
+        points = self.t.trace[self.marks[i][5]:self.marks[j][5] + 1]
+        return (self.marks[j][1] - live0, peak - live0, self.marks[j][2] - ng0, peak_ng - ng0,
+                [live - live0 for live, _ in points], [ng - ng0 for _, ng in points])
 
 
 # --------------------------------------------------------------------------------------
@@ -316,7 +322,7 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
         "static_param_bytes": _tensor_bytes(params + buffers, round_bytes),
         "grad_bytes": _tensor_bytes(grads.values(), round_bytes),
         "optimizer_bytes": _tensor_bytes(state, round_bytes),
-        "opt_region": reg("end", "opt"),
+        "opt_region": reg("end", "opt")[:4],
         "pre_param_bytes": _tensor_bytes(pre_t, round_bytes),
         "post_param_bytes": _tensor_bytes(post_t, round_bytes),
         "pre_grad_bytes": _tensor_bytes([t for t in pre_t if id(t) in grads], round_bytes),
@@ -357,8 +363,18 @@ def _flops_line(flops: float) -> Line:
     return (0.0, flops / PROFILE_BATCHES[-1])
 
 
+def _steepest(points1: list[int], points2: list[int]) -> Line:
+    """The line of the op whose live bytes grow fastest with the micro-batch (ties: the higher).
+    The two runs execute the same ops in the same order, so points pair up one to one;
+    if they do not, the fitted peak is all that can be said."""
+    if len(points1) != len(points2) or not points1:
+        return _line(max(points1, default=0), max(points2, default=0))
+    return max((_line(a, b) for a, b in zip(points1, points2)), key=lambda line: (line[1], line[0]))
+
+
 def _region_lines(r1: tuple, r2: tuple) -> Region:
-    return Region(*(_line(a, b) for a, b in zip(r1, r2)))
+    lines = [_line(a, b) for a, b in zip(r1[:4], r2[:4])]
+    return Region(*lines, steep=_steepest(r1[4], r2[4]), steep_nongrad=_steepest(r1[5], r2[5]))
 
 
 def profile_precision(workload: Workload, precision: Precision, device_type: str = "cpu") -> PrecisionProfile:

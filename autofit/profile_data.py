@@ -22,12 +22,29 @@ class Region:
     ``delta_*`` is the change of live bytes from start to end, ``peak_*`` the highest point
     above the start. ``*_nongrad`` is the same for live bytes minus parameter gradients,
     which is what a later accumulation micro-step sees (its gradients already exist).
+
+    The highest point may be set by a different operator at a larger micro-batch than at the
+    two profiled ones (a batch-independent peak, e.g. gradients being accumulated, at small b;
+    a per-sample one, e.g. the loss's backward, at large b). ``peak`` is the line through the
+    peaks at the profiled sizes; ``steep*`` is the line of the operator whose live bytes grow
+    fastest with b, which sets the peak for large b. The region's peak is at least the larger
+    of the two.
     """
 
     delta: Line
     peak: Line
     delta_nongrad: Line
     peak_nongrad: Line
+    steep: Line = (0.0, 0.0)
+    steep_nongrad: Line = (0.0, 0.0)
+
+    @property
+    def peaks(self) -> tuple[Line, Line]:
+        return (self.peak, self.steep)
+
+    @property
+    def peaks_nongrad(self) -> tuple[Line, Line]:
+        return (self.peak_nongrad, self.steep_nongrad)
 
 
 @dataclass(frozen=True)
