@@ -28,7 +28,7 @@ class Roles:
     depth: str
     width: str
     heads: str
-    ffn: str
+    ffn: str | None    # None: the model derives it from the width itself
     seq: str
     kv_heads: str | None = None
 
@@ -81,7 +81,7 @@ class Family:
             if out[r.heads] % group:
                 raise SizeError(f"{r.heads}={out[r.heads]} is not a multiple of the base grouping {group}")
             out[r.kv_heads] = out[r.heads] // group
-        if r.ffn not in varied and width != base[r.width]:
+        if r.ffn and r.ffn not in varied and width != base[r.width]:
             out[r.ffn] = int(round(width * base[r.ffn] / base[r.width]))
         return out
 
@@ -94,38 +94,90 @@ class Family:
                 self.roles.width: [head_size * k for k in DEFAULT_HEAD_MULTIPLES]}
 
 
-def gpt_family(preset: str) -> Family:
-    """The built-in decoder family with ``preset`` (a key of ``autofit.workloads.gpt.PRESETS``) as base."""
-    from autofit.workloads.gpt import PRESETS
+def gpt_family(spec: str) -> Family:
+    """The built-in decoder family based on ``spec``: a preset of ``autofit.workloads.gpt.PRESETS``,
+    optionally with GPTConfig overrides (``gpt2+dropout=0.0``). Raises WorkloadError for a bad spec."""
+    from autofit.workloads.gpt import GPTConfig, preset_from_spec
 
-    cfg = PRESETS[preset][0]
+    preset, _, fixed = spec.partition("+")
+    cfg = GPTConfig(**{k: v for k, v in preset_from_spec(spec).meta.items() if k != "kind"})
     base = {"n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "n_head": cfg.n_head, "n_kv_head": cfg.kv_heads,
             "ffn_hidden": cfg.ffn_width, "seq_len": cfg.seq_len, "vocab_size": cfg.vocab_size}
+    overrides = dict(item.partition("=")[::2] for item in filter(None, fixed.split(",")))
+    preset_cfg = GPTConfig(**{k: v for k, v in preset_from_spec(preset).meta.items() if k != "kind"})
 
     def make_spec(values: dict) -> str:
-        # Only what differs from the preset, and nothing the preset's own rules derive.
-        changed = {k: v for k, v in values.items() if v != base[k]}
+        # What differs from the preset (the family's own overrides first), and nothing the
+        # preset's rules derive.
+        changed = {k: v for k, v in values.items() if v != getattr(preset_cfg, k, None)}
         derived = dataclasses.replace(cfg, n_embd=values["n_embd"], n_head=values["n_head"], n_kv_head=None,
                                       ffn_hidden=None, seq_len=values["seq_len"])
         if changed.get("n_kv_head") == derived.kv_heads and cfg.n_kv_head is None:
             del changed["n_kv_head"]
         if changed.get("ffn_hidden") == derived.ffn_width and cfg.ffn_hidden is None:
             del changed["ffn_hidden"]
-        order = [f for f in GPT_ROLES_ORDER if f in changed]
-        return preset + "".join(f"{'+' if i == 0 else ','}{k}={changed[k]}" for i, k in enumerate(order))
+        items = {**{k: v for k, v in overrides.items() if k not in values},
+                 **{k: changed[k] for k in GPT_ROLES_ORDER if k in changed}}
+        return preset + "".join(f"{'+' if i == 0 else ','}{k}={v}" for i, (k, v) in enumerate(items.items()))
 
-    return Family(name=preset, base=base, roles=GPT_ROLES, make_spec=make_spec, extra_fields=("vocab_size",))
+    return Family(name=spec, base=base, roles=GPT_ROLES, make_spec=make_spec, extra_fields=("vocab_size",))
+
+
+# Hugging Face config fields by role, first match wins (GPT-2's configs answer to these names too).
+HF_ROLE_FIELDS = {"depth": ("num_hidden_layers",), "width": ("hidden_size",), "heads": ("num_attention_heads",),
+                  "kv_heads": ("num_key_value_heads",), "ffn": ("intermediate_size", "n_inner")}
+
+
+def hf_family(text: str) -> Family:
+    """An ``hf:SPEC[#seq_len=N]`` model as a family: its config's layers, hidden size, heads,
+    key/value heads and intermediate size, plus the sequence length, are the size fields.
+
+    Raises WorkloadError for a spec :func:`autofit.workload.load_workload` refuses, SizeError
+    for a config without layers, hidden size or heads."""
+    from autofit.hf.spec import split_spec
+    from autofit.workload import load_workload
+
+    workload = load_workload(text)
+    config = workload.model.config
+    source = workload.source.removeprefix("hf:")
+    spec_part, *options = source.split("#")
+    model, overrides = split_spec(spec_part)
+    names = {}
+    for role, candidates in HF_ROLE_FIELDS.items():
+        found = next((c for c in candidates if isinstance(getattr(config, c, None), int)), None)
+        if found is None and role in ("depth", "width", "heads"):
+            raise SizeError(f"{text}: {type(config).__name__} has no {' or '.join(candidates)}: not a sizable family")
+        names[role] = found
+    base = {field_name: getattr(config, field_name) for field_name in names.values() if field_name}
+    base["seq_len"] = workload.tokens_per_sample
+    roles = Roles(seq="seq_len", **names)
+
+    aliases = getattr(config, "attribute_map", {}) or {}
+
+    def make_spec(values: dict) -> str:
+        changed = {k: str(v) for k, v in values.items() if k != "seq_len" and v != base[k]}
+        shadowed = set(changed) | {aliases.get(k) for k in changed}  # GPT-2's n_layer is num_hidden_layers
+        merged = {**{k: v for k, v in overrides.items() if k not in shadowed}, **changed}
+        query = "&".join(f"{k}={v}" for k, v in merged.items())
+        opts = [o for o in options if not o.startswith("seq_len=")] + [f"seq_len={values['seq_len']}"]
+        return "hf:" + model + (f"?{query}" if query else "") + "".join(f"#{o}" for o in opts)
+
+    return Family(name=text, base=base, roles=roles, make_spec=make_spec)
 
 
 def load_family(name: str | Family) -> Family:
-    """``--family``: a built-in GPT preset name (``autofit models``). Raises SizeError otherwise."""
+    """``--family``: a built-in decoder preset, optionally with overrides (``gpt2+dropout=0.0``), or
+    an ``hf:`` model. Raises SizeError for anything else."""
     if isinstance(name, Family):
         return name
     from autofit.workloads.gpt import PRESETS
 
-    if name in PRESETS:
+    if name.startswith("hf:"):
+        return hf_family(name)
+    if name.partition("+")[0] in PRESETS:
         return gpt_family(name)
-    raise SizeError(f"unknown family {name!r}: expected a built-in decoder preset ({', '.join(PRESETS)})")
+    raise SizeError(f"unknown family {name!r}: expected a built-in decoder preset ({', '.join(PRESETS)}), "
+                    "optionally with +field=value overrides, or hf:MODEL")
 
 
 def parse_vary(items: list[str] | dict | None, family: Family) -> dict:

@@ -161,7 +161,7 @@ def pareto_frontier(param_count: np.ndarray, throughput: np.ndarray, fits: np.nd
 
 
 def size(family: Family | str, budget: str | int = "8GB", *, vary: dict | list[str] | None = None,
-         devices: int | None = None, space: SearchSpace | str | Path | None = None,
+         devices: int | None = None, space: SearchSpace | str | Path | None = None, global_batch: int | None = None,
          min_tokens_per_s: float | None = None, confirm: int = 0, device: str | None = None,
          trial_timeout_s: float = 600.0, progress: Callable[[str], None] | None = None) -> SizeResult:
     """The largest models of ``family`` that fit ``budget`` per device, from the estimate alone.
@@ -172,7 +172,8 @@ def size(family: Family | str, budget: str | int = "8GB", *, vary: dict | list[s
       grid is their product (default: depths 2-48 by widths of 2-64 heads). Fields not varied
       keep the base's value, or its head size and ratios when the width changes.
     - ``devices``: the most devices a config may split over (default 1 on the CPU, the visible
-      GPUs on CUDA); ``space``: a search space (default ``search_spaces/default.toml``).
+      GPUs on CUDA); ``space``: a search space (default ``search_spaces/default.toml``);
+      ``global_batch`` fixes its global batch (as ``autofit estimate --global-batch``).
     - ``min_tokens_per_s``: the answer is the largest shape predicted at least this fast.
     - ``confirm``: real trials of that many of the largest frontier shapes (best config each).
 
@@ -184,6 +185,8 @@ def size(family: Family | str, budget: str | int = "8GB", *, vary: dict | list[s
     budget_text = budget if isinstance(budget, str) else format_budget(budget_bytes)
     grid = parse_vary(vary, fam)
     resolved_space = space if isinstance(space, SearchSpace) else load_space(space)
+    if global_batch is not None:
+        resolved_space = resolved_space.with_global_batch(global_batch)
     device = device or _default_device()
     devices = devices or _device_count(device)
     if devices < 1 or (min_tokens_per_s is not None and min_tokens_per_s < 0) or confirm < 0:

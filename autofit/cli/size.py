@@ -28,6 +28,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--devices", type=positive(int), help="most devices a config may split over (default: 1 on "
                                                          "the CPU, the visible GPUs on CUDA)")
     p.add_argument("--space", help="search-space TOML file or a name in search_spaces/ (default: default)")
+    p.add_argument("--global-batch", type=positive(int), help="fix the global batch (grad_accum = global_batch / "
+                                                               "micro_batch)")
     p.add_argument("--min-tokens-per-s", type=positive(float), help="answer the largest shape predicted at least "
                                                                     "this fast")
     p.add_argument("--confirm", type=positive(int), default=0, metavar="K",
@@ -50,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
             print(message, file=sys.stderr, flush=True)
 
     result = size(args.family, args.budget, vary=args.vary, devices=args.devices, space=args.space,
-                  min_tokens_per_s=args.min_tokens_per_s, confirm=args.confirm, device=args.device,
+                  global_batch=args.global_batch, min_tokens_per_s=args.min_tokens_per_s, confirm=args.confirm, device=args.device,
                   trial_timeout_s=args.trial_timeout, progress=progress)
     if args.out:
         out = Path(args.out)
