@@ -49,7 +49,7 @@ def _compare(family_spec: str, vary: dict, axes: list[str], check: list[dict], r
         np.testing.assert_allclose(got[ok], ref[ok], rtol=rtol, err_msg=family.spec(shape))
         got_t = predict_table(sp.profile, CONFIGS, rates, sp.counts)["step_time_s"].to_numpy()
         ref_t = predict_table(direct, CONFIGS, rates, counts)["step_time_s"].to_numpy()
-        np.testing.assert_allclose(got_t[ok], ref_t[ok], rtol=0.005, err_msg=family.spec(shape))
+        np.testing.assert_allclose(got_t[ok], ref_t[ok], rtol=rtol, err_msg=family.spec(shape))
 
 
 def test_scaled_profiles_match_direct_profiles_across_width_and_depth():
