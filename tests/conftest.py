@@ -27,6 +27,17 @@ def trial_workload_spec():
 
 
 @pytest.fixture
+def write_space():
+    """``write_space(path, precision=["fp32"], micro_batch=[2, 4], ...)`` -> a search-space TOML file."""
+
+    def write(path: Path, **values) -> Path:
+        path.write_text("".join(f"{key} = {value!r}\n".replace("'", '"') for key, value in values.items()))
+        return path
+
+    return write
+
+
+@pytest.fixture
 def one_thread():
     """Run with one intra-op thread: timings on a shared 2-core machine are far steadier."""
     threads = torch.get_num_threads()

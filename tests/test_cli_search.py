@@ -12,15 +12,14 @@ import pytest
 
 from autofit.cli import main
 
-from test_study import TINY, cache_dir, write_space
+from trial_workloads import TINY_LM as TINY
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(autouse=True)
-def _env(monkeypatch, tmp_path_factory):
-    monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(cache_dir(tmp_path_factory)))
-    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+def _env(monkeypatch):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # a loaded shared machine: no spin-waiting
 
 
 def _autofit(*args, cwd):
@@ -30,7 +29,7 @@ def _autofit(*args, cwd):
 
 
 @pytest.mark.slow
-def test_search_then_rerun_then_report(tmp_path):
+def test_search_then_rerun_then_report(tmp_path, write_space):
     space = write_space(tmp_path / "space.toml", precision=["fp32", "amp-bf16"], micro_batch=[2, 4],
                         global_batch=4, checkpoint_every=[0, 1], device_split=[1, 2])
     args = ["search", "--model", TINY, "--budget", "64MB", "--space", str(space), "--trials", "2"]

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.autograd.graph import saved_tensors_hooks
 
 from autofit.config import TrainConfig
@@ -19,15 +18,9 @@ from autofit.workloads.gpt import GPT, PRESETS, Dropout, GPTConfig, gpt_preset, 
 
 SMALL = ("gpt-tiny", "convnet-bn", "lstm-lm")
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models gain nothing from threads, and on a shared 2-core box OpenMP oversubscription
-    # turned a 0.3 s LSTM step into 18 s.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny models gain nothing from threads, and on a shared 2-core box OpenMP oversubscription
+# turned a 0.3 s LSTM step into 18 s.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _gpt_params(*, V, T, L, h, ffn, n_head, n_kv_head, bias, learned_pos, gated, layernorm, tied):
@@ -150,10 +143,8 @@ def test_every_builtin_is_a_workload_with_sizes_in_range():
     assert 1_000_000 <= counts["lstm-lm"] <= 3_000_000
 
 
-def test_list_models_is_fast_and_complete():
-    start = time.perf_counter()
-    rows = list_models()
-    assert time.perf_counter() - start < 2.0
+def test_list_models_is_complete():
+    rows = list_models()  # counts llama-7b's parameters too: it must not build real weights
     assert [row["name"] for row in rows] == list(BUILTINS)
     for row in rows:
         assert set(row) == {"name", "param_count", "description", "kind"}
@@ -161,21 +152,27 @@ def test_list_models_is_fast_and_complete():
 
 
 def test_llama_7b_builds_under_fake_tensor_mode():
-    start = time.perf_counter()
     with FakeTensorMode():
         model = BUILTINS["llama-7b"]().model()
         assert sum(p.numel() for p in model.parameters()) == 6_738_415_616
-    assert time.perf_counter() - start < 10.0
+    assert all(isinstance(p, FakeTensor) for p in model.parameters())  # 27 GB of weights, none real
 
 
 def test_gpt_trains_under_fake_tensor_mode():
     workload = gpt_workload(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
                                       position="rotary", mlp="swiglu", norm="rmsnorm", dropout=0.1), "fake")
-    with FakeTensorMode():
+    with FakeTensorMode() as mode:
         model = workload.model()
-        idx, targets = workload.batch(2)
-        workload.loss(model(idx), targets).backward()
-        workload.optimizer(model.parameters()).step()
+        idx, targets = (mode.from_tensor(t) for t in workload.batch(2))
+        loss = workload.loss(model(idx), targets)
+        loss.backward()
+        optimizer = workload.optimizer(model.parameters())
+        optimizer.step()
+    assert isinstance(loss, FakeTensor) and loss.shape == ()
+    params = list(model.parameters())
+    assert all(isinstance(p.grad, FakeTensor) and p.grad.shape == p.shape for p in params)
+    # AdamW made its state for every parameter, on fake tensors too
+    assert all(optimizer.state[p]["exp_avg_sq"].shape == p.shape for p in params)
 
 
 def test_native_dropout_saves_a_one_byte_mask():

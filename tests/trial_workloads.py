@@ -1,4 +1,7 @@
-"""Tiny workloads for the trial tests, loaded by ``tests/trial_workloads.py:function`` source strings.
+"""Tiny workloads shared by the tests, loaded by ``tests/trial_workloads.py:function`` source strings.
+
+``tiny_lm`` (spec :data:`TINY_LM`) is the search tests' language model; the MLPs are the trial
+tests'.
 
 Some misbehave on purpose (raise, segfault, hang). A workload that sees ``AUTOFIT_TEST_PIDFILE``
 in its environment appends its process id there (and the hang one its grandchild's), so a
@@ -12,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +24,8 @@ from torch import nn
 from autofit.workload import Workload
 
 DIM, CLASSES = 32, 8
+LM_VOCAB, LM_DIM, LM_SEQ = 64, 32, 8
+TINY_LM = f"{Path(__file__).resolve()}:tiny_lm"  # the --model spec of tiny_lm()
 
 
 class Block(nn.Module):
@@ -114,3 +120,46 @@ def noisy() -> Workload:
     """Prints to stdout: must not reach the parent's stdout (the --json contract)."""
     print("hello from the workload")
     return mlp_workload(name="noisy")
+
+
+class LMBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(LM_DIM)
+        self.fc = nn.Linear(LM_DIM, LM_DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, LM_DIM)
+        return x + F.gelu(self.fc(self.norm(x)))
+
+
+class TinyLM(nn.Module):
+    """An embedding, four residual blocks and a head: the profiler can follow gradients into the first block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(LM_VOCAB, LM_DIM)
+        self.blocks = nn.ModuleList(LMBlock() for _ in range(4))
+        self.head = nn.Linear(LM_DIM, LM_VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, LM_VOCAB)
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def tiny_lm_batch(n: int):
+    """``n`` sequences of ``LM_SEQ`` tokens and their next tokens (deterministic per n)."""
+    generator = torch.Generator().manual_seed(n)
+    tokens = torch.randint(0, LM_VOCAB, (n, LM_SEQ + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def tiny_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def tiny_lm() -> Workload:
+    """The search tests' workload: a few hundred KiB, trials dominated by process start."""
+    return Workload(name="tiny-lm", model=TinyLM, batch=tiny_lm_batch, loss=tiny_lm_loss, tokens_per_sample=LM_SEQ)
