@@ -15,6 +15,7 @@ The optimizer is AdamW over the trainable parameters. ``lora="r=8"`` wraps the m
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import re
@@ -115,9 +116,39 @@ def _with_lora(model, lora: dict, task: str):
     if task == "image-cls":  # peft has no task type for it: train the new classifier head too
         config.modules_to_save = ["classifier"]
     try:
-        return peft.get_peft_model(model, config)
+        with _adapters_stay_put(model):
+            return peft.get_peft_model(model, config)
     except ValueError as exc:
         raise WorkloadError(f"--lora: peft cannot adapt {type(model).__name__}: {exc}") from None
+
+
+@contextlib.contextmanager
+def _adapters_stay_put(model):
+    """peft moves each new adapter to its base layer's device and dtype with ``Module.to``; on
+    fake tensors (profiling) ``Module.to`` cannot swap parameters and raises, even when nothing
+    would change. The adapters are created under the model's default device and dtype, so the
+    move is a no-op there: while peft wraps a fake model, ``Module.to`` returns a module that is
+    already on the target device and dtype unchanged."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if not any(isinstance(p, FakeTensor) for p in model.parameters()):
+        yield
+        return
+    original = torch.nn.Module.to
+
+    def to_if_needed(self, *args, **kwargs):
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        tensors = list(self.parameters()) + list(self.buffers())
+        if all((device is None or t.device == device) and (dtype is None or t.dtype == dtype or not t.is_floating_point())
+               for t in tensors):
+            return self
+        return original(self, *args, **kwargs)
+
+    torch.nn.Module.to = to_if_needed
+    try:
+        yield
+    finally:
+        torch.nn.Module.to = original
 
 
 @dataclass(frozen=True)
