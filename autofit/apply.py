@@ -135,7 +135,8 @@ class TrainingRun:
         layers = _layer_list(self.model, self._layers) if self.plan.config.checkpoint_every else []
         before = [("forward" in vars(layer)) for layer in layers]
         self.plan.prepare(self.model, self._layers)
-        self._patched = [layer for layer, had in zip(layers, before) if not had and "forward" in vars(layer)]
+        patched = [layer for layer, had in zip(layers, before) if not had and "forward" in vars(layer)]
+        self._patched = list({id(layer): layer for layer in patched}.values())  # a shared layer once
         self.optimizer.zero_grad(set_to_none=True)
         return self
 

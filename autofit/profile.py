@@ -215,6 +215,20 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
     phase = {"value": "pre"}
     module_phase: dict[int, str] = {}
 
+    # Hooks go on each distinct layer module once and number the calls: a module listed several
+    # times (weight sharing, ModuleList([block] * 4)) is layer i on its i-th call.
+    calls = {"pre": 0, "post": 0}
+    input_grad: list[bool] = [True] * n
+    output_grad: list[bool] = [True] * n
+
+    def numbered(key, hook):
+        def wrapper(module, *args):
+            i = calls[key]
+            calls[key] += 1
+            if i < n:  # a layer module also called outside the layer loop is not a layer call
+                return hook(i)(module, *args)
+        return wrapper
+
     def fwd_pre(i):
         def hook(module, args):
             rec.mark(f"f{i}")
@@ -237,10 +251,12 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
             rec.mark(f"F{i}")
             if i == n - 1:
                 phase["value"] = "post"
-            if out is not None and out.requires_grad:
+            output_grad[i] = out is not None and out.requires_grad
+            if output_grad[i]:
                 out.register_hook(lambda g: rec.mark(f"b{i}"))
             inp = _first_tensor(args)
-            if inp is not None and inp.requires_grad:
+            input_grad[i] = inp is not None and inp.requires_grad
+            if input_grad[i]:
                 inp.register_hook(lambda g: rec.mark(f"B{i}"))
         return hook
 
@@ -249,9 +265,9 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
     def outer_hook(module, args):
         module_phase.setdefault(id(module), phase["value"])
 
-    for i, layer in enumerate(layers):
-        handles.append(layer.register_forward_pre_hook(fwd_pre(i)))
-        handles.append(layer.register_forward_hook(fwd_post(i)))
+    for layer in {id(layer): layer for layer in layers}.values():
+        handles.append(layer.register_forward_pre_hook(numbered("pre", fwd_pre)))
+        handles.append(layer.register_forward_hook(numbered("post", fwd_post)))
     for module in model.modules():
         if id(module) not in layer_ids and module is not model:
             handles.append(module.register_forward_pre_hook(outer_hook))
@@ -269,6 +285,17 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
         rec.mark("loss")
         bwd_counter.__enter__()
 
+    def backward_stops():
+        # Backward ends inside a layer whose input needs no gradient (the first layer fed the raw
+        # input or a frozen embedding's output): its backward runs to the end of the backward
+        # pass, and layers before it (no gradient at all) have an empty one.
+        names = {m[0] for m in rec.marks}
+        for i in reversed(range(n)):
+            if f"b{i}" not in names and not output_grad[i]:
+                rec.mark(f"b{i}")
+            if f"B{i}" not in names and not (input_grad[i] and output_grad[i]):
+                rec.mark(f"B{i}")
+
     with fake_mode:
         timeline.register(params + buffers + state)
         timeline.register([t for t in (inputs, targets) if isinstance(t, torch.Tensor)], counted=False)
@@ -278,6 +305,7 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
             rec.mark("start")
             fwd_counter.__enter__()
             forward_backward(trainee, inputs, targets, before_backward=between_forward_and_backward)
+            backward_stops()
             bwd_counter.__exit__(None, None, None)
             rec.mark("end")
             trainee.optimizer.step()
@@ -290,7 +318,9 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
         per_module = fwd_counter.get_flop_counts()
         fqn = {id(m): name for name, m in model.named_modules()}
         root = type(model).__name__
-        layer_flops = [float(sum(per_module.get(f"{root}.{fqn.get(id(layer), '')}", {}).values())) for layer in layers]
+        uses = {id(layer): sum(other is layer for other in layers) for layer in layers}  # a shared module counts all its calls
+        layer_flops = [float(sum(per_module.get(f"{root}.{fqn.get(id(layer), '')}", {}).values())) / uses[id(layer)]
+                       for layer in layers]
         fwd_flops, bwd_flops = float(fwd_counter.get_total_flops()), float(bwd_counter.get_total_flops())
     names = [m[0] for m in rec.marks]
     missing = [f"b{i}" for i in range(n) if f"b{i}" not in names] + [f"B{i}" for i in range(n) if f"B{i}" not in names]
@@ -304,7 +334,9 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
         return rec.region(a, b)
 
     grads = {id(p): p for p in params if p.requires_grad}
-    layer_params = [list(layer.parameters()) for layer in layers]
+    # A module listed several times owns its weights once: at its first place in the list.
+    first_place = {id(layer): i for i, layer in reversed(list(enumerate(layers)))}
+    layer_params = [list(layer.parameters()) if first_place[id(layer)] == i else [] for i, layer in enumerate(layers)]
     in_layers = {id(p) for ps in layer_params for p in ps}
     owner_phase: dict[int, set] = {}
     for module in model.modules():
@@ -316,7 +348,7 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
     outside = [t for t in params + buffers if id(t) not in in_layers]
     pre_t = [t for t in outside if "pre" in owner_phase.get(id(t), {"pre"})]
     post_t = [t for t in outside if "post" in owner_phase.get(id(t), set()) or "layers" in owner_phase.get(id(t), set())]
-    layer_buffers = [list(layer.buffers()) for layer in layers]
+    layer_buffers = [list(layer.buffers()) if first_place[id(layer)] == i else [] for i, layer in enumerate(layers)]
 
     return {
         "static_param_bytes": _tensor_bytes(params + buffers, round_bytes),

@@ -70,6 +70,16 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return storage_bytes(list(optimizer.state.values()))
 
 
+class _NoHook:
+    """Stands for the hook handle a frozen parameter never gets."""
+
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()
+
+
 @functools.cache
 def _tracker_class():
     # Imported lazily: torch.distributed._tools takes seconds to import (it pulls in dynamo),
@@ -104,6 +114,14 @@ def _tracker_class():
                 if set(self._mod_tracker.parents) - {name} == {"Global"}:
                     self.reset_mod_stats()
             super()._pre_fw_hook(module, inputs)
+
+        def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True):
+            # MemTracker hooks every parameter's gradient, and a frozen one (requires_grad=False:
+            # a LoRA base weight) refuses a hook. It never gets a gradient: mark it as hooked.
+            for param in module.parameters():
+                if not param.requires_grad:
+                    self._param_to_grad_hook_handles.setdefault(param, (_NO_HOOK, _NO_HOOK))
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
         def retag(self, old: set, new) -> None:
             """Move every live storage tracked under a type in ``old`` to type ``new``."""

@@ -20,6 +20,7 @@ each forward and loss, never the backward.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import weakref
 from dataclasses import dataclass
@@ -78,6 +79,7 @@ def checkpoint_layers(layers: nn.ModuleList, every: int) -> None:
     if every <= 0:
         return
     originals = [layer.forward for layer in layers]
+    roles: list[Callable] = list(originals)
     for start in range(0, len(layers), every):
         segment = originals[start:start + every]
         state: dict = {}
@@ -108,9 +110,23 @@ def checkpoint_layers(layers: nn.ModuleList, every: int) -> None:
             tail = _state.get("tail")
             return x if tail is None else (x, *tail)
 
-        layers[start].forward = head_forward
+        roles[start] = head_forward
         for offset in range(1, len(segment)):
-            layers[start + offset].forward = pass_through
+            roles[start + offset] = pass_through
+    for layer in {id(layer): layer for layer in layers}.values():
+        places = [roles[i] for i, other in enumerate(layers) if other is layer]
+        layer.forward = places[0] if len(places) == 1 else _by_call_order(places)
+
+
+def _by_call_order(places: list[Callable]) -> Callable:
+    """The forward of a module listed several times (weight sharing): its k-th call in a model
+    forward plays the role of its k-th place in the layer list. The segments' recomputation
+    calls the original forward, not this one, so it does not advance the count."""
+    calls = itertools.count()
+
+    def forward(*args, **kwargs):
+        return places[next(calls) % len(places)](*args, **kwargs)
+    return forward
 
 
 @dataclass(frozen=True)

@@ -97,3 +97,26 @@ def test_estimate_json_for_an_hf_model(capsys):
     assert code == 0 and data["fits"] is True and data["workload"] == "hf-llama"
     n_params = data["param_count"]
     assert data["model_state_bytes"] >= 8 * n_params  # bf16 weights, grads and AdamW's two states
+
+
+def test_lora_estimate_drops_grads_and_optimizer_state_to_the_adapter():
+    from autofit import TrainConfig
+    from autofit.measure import measure_trial
+    from autofit.memory_model import estimate
+    from autofit.profile import profile_workload
+
+    pytest.importorskip("peft")
+    w = hf_workload("llama?num_hidden_layers=2&hidden_size=128&intermediate_size=256&num_attention_heads=2"
+                    "&vocab_size=4096", seq_len=64, lora="r=4")
+    model = w.model()
+    adapter = [p for n, p in model.named_parameters() if p.requires_grad]
+    assert adapter and all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+    adapter_bytes = 4 * sum(p.numel() for p in adapter)
+    pp = profile_workload(w, ["fp32"], use_cache=False).for_precision("fp32")
+    assert pp.grad_bytes == adapter_bytes
+    assert pp.optimizer_bytes == 2 * adapter_bytes + 4 * len(adapter)  # exp_avg, exp_avg_sq, a step per tensor
+    config = TrainConfig.parse("precision=fp32,micro_batch=4,checkpoint_every=1")
+    predicted = estimate(profile_workload(w, ["fp32"]), config).peak_bytes
+    measured = measure_trial(w, config, measure_steps=1)
+    assert measured["status"] == "ok", measured["error"]
+    assert abs(predicted - measured["peak_bytes"]) / measured["peak_bytes"] <= 0.02

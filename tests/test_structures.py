@@ -1,0 +1,117 @@
+"""Layer structures a new user writes by hand, and frozen parameters: estimated right, not refused.
+
+- an MLP whose first repeated block takes the raw input (no stem: the first layer's input
+  needs no gradient, so backward ends inside it);
+- weight sharing, ``nn.ModuleList([block] * 4)``: one module applied four times (its weights
+  counted once; ``checkpoint_every=2`` segments of the same module);
+- frozen parameters (``requires_grad=False``): no gradient and no optimizer state.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autofit import TrainConfig, Workload
+from autofit.measure import measure_trial
+from autofit.memory_model import estimate
+from autofit.profile import profile_workload
+
+WIDTH = 128
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x)) + x
+
+
+class NoStem(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.head = nn.Linear(WIDTH, 10)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class Shared(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(WIDTH, WIDTH)
+        self.blocks = nn.ModuleList([Block()] * 4)
+        self.head = nn.Linear(WIDTH, 10)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class FrozenStem(Shared):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.stem.requires_grad_(False)
+        self.blocks[0].requires_grad_(False)
+
+
+def _batch(n):
+    return torch.randn(n, WIDTH), torch.randint(0, 10, (n,))
+
+
+def _workload(name, cls):
+    return Workload(name=name, model=cls, batch=_batch, loss=F.cross_entropy)
+
+
+def _error(workload, text):
+    config = TrainConfig.parse(text)
+    predicted = estimate(profile_workload(workload, [config.precision], use_cache=False), config).peak_bytes
+    measured = measure_trial(workload, config, measure_steps=1)
+    assert measured["status"] == "ok", measured["error"]
+    return (predicted - measured["peak_bytes"]) / measured["peak_bytes"]
+
+
+@pytest.mark.parametrize("config", ["precision=fp32,micro_batch=64", "precision=fp32,micro_batch=64,checkpoint_every=2",
+                                    "precision=bf16,micro_batch=32,grad_accum=2,checkpoint_every=1"])
+def test_first_block_fed_the_raw_input(config):
+    assert abs(_error(_workload("mlp-no-stem", NoStem), config)) <= 0.02
+
+
+# Known residuals, within the 8% bound but not 2%: at micro_batch 64 with checkpointing the shared
+# block's estimate is 4.4% low (its weight-gradient temporaries set the peak; from 128 samples on
+# it is within 0.1%); under autocast each checkpointed segment's recomputation casts the shared
+# weights again, which the profile saw only at the block's first use (3.2% low).
+@pytest.mark.parametrize("config", ["precision=fp32,micro_batch=64", "precision=fp32,micro_batch=256,checkpoint_every=2",
+                                    "precision=amp-bf16,micro_batch=256,checkpoint_every=2",
+                                    "precision=fp32,micro_batch=64,checkpoint_every=1"])
+def test_one_block_applied_four_times(config):
+    bound = 0.02 if config.startswith("precision=fp32") and "micro_batch=256" in config or "every" not in config else 0.08
+    assert abs(_error(_workload("mlp-shared", Shared), config)) <= bound
+
+
+def test_shared_weights_count_once():
+    profile = profile_workload(_workload("mlp-shared", Shared), ["fp32"], use_cache=False)
+    pp = profile.for_precision("fp32")
+    block_bytes = 4 * (WIDTH * WIDTH + WIDTH)
+    assert [layer.param_bytes for layer in pp.layers] == [block_bytes, 0, 0, 0]
+    assert pp.static_param_bytes == 4 * profile.param_count == 4 * (2 * (WIDTH * WIDTH + WIDTH) + WIDTH * 10 + 10)
+
+
+def test_frozen_parameters_have_no_gradient_or_optimizer_state():
+    workload = _workload("mlp-frozen", FrozenStem)
+    pp = profile_workload(workload, ["fp32"], use_cache=False).for_precision("fp32")
+    model = FrozenStem()
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert pp.grad_bytes == 4 * trainable < pp.static_param_bytes
+    assert pp.optimizer_bytes == 8 * trainable + 4 * sum(p.requires_grad for p in model.parameters())  # + AdamW steps
+    assert abs(_error(workload, "precision=fp32,micro_batch=64,checkpoint_every=2")) <= 0.02
