@@ -158,7 +158,10 @@ def apply_config(model: nn.Module, config: TrainConfig, device: torch.device | s
     steps = []
     dtype = param_dtype(config.precision)
     if _needs_move(model, dtype, device):  # Module.to cannot swap fake parameters: skip it when a no-op
-        model.to(dtype=dtype) if device is None else model.to(device=torch.device(device), dtype=dtype)
+        if _is_fake(model):
+            _cast_buffers(model, dtype)  # built in place in the right dtype; only buffers made in fp32 remain
+        else:
+            model.to(dtype=dtype) if device is None else model.to(device=torch.device(device), dtype=dtype)
     steps.append(f"precision {config.precision.value}: parameters in {dtype}"
                  + ("" if device is None else f" on {torch.device(device)}")
                  + (f", autocast to {AUTOCAST_DTYPE[config.precision]} in forward" if config.precision.is_amp else ""))
@@ -183,6 +186,21 @@ def _needs_move(model: nn.Module, dtype: torch.dtype, device: torch.device | str
     target = None if device is None else torch.device(device)
     return any((t.is_floating_point() and t.dtype != dtype) or (target is not None and t.device != target)
                for t in [*model.parameters(), *model.buffers()])
+
+
+def _is_fake(model: nn.Module) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return any(isinstance(p, FakeTensor) for p in model.parameters())
+
+
+def _cast_buffers(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast floating buffers a model made in fp32 whatever the default dtype (e.g. a rotary
+    ``inv_freq``), as ``Module.to`` does on real tensors; buffers are reassigned, not swapped."""
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
+                module._buffers[name] = buf.to(dtype)
 
 
 def _device_type(model: nn.Module, device: torch.device | str | None) -> str:
