@@ -9,7 +9,7 @@ import pandas as pd
 from autofit.budget import format_bytes
 from autofit.config import Precision, TrainConfig
 from autofit.memory_model import estimate_table
-from autofit.profile import Profile
+from autofit.profile_data import Profile
 
 
 @dataclass(frozen=True)

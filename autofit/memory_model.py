@@ -33,7 +33,7 @@ import pandas as pd
 
 from autofit.config import FIELDS, PipelineSchedule, Precision, TrainConfig, stage_bounds
 from autofit.errors import ConfigError
-from autofit.profile import Line, PrecisionProfile, Profile, Region
+from autofit.profile_data import Line, PrecisionProfile, Profile, Region
 
 # The CUDA context lives outside the caching allocator: about 300-500 MB with lazy module
 # loading (pytorch #107667, FACTS.md); cuBLAS workspaces add a few MiB.
