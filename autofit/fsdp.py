@@ -33,20 +33,7 @@ cores.
 
 from __future__ import annotations
 
-import base64
-import contextlib
-import io
-import json
-import os
-import select
-import signal
-import socket
-import statistics
-import subprocess
-import sys
-import time
-import traceback
-from datetime import timedelta
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -56,16 +43,27 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from autofit.config import Precision, SplitMode, TrainConfig
-from autofit.tracker import CATEGORIES as BREAKDOWN_KEYS
+from autofit.ranks import (
+    agreed_optimizer_step,
+    cap_cuda_memory,
+    check_budget,
+    combine_results,
+    free_port,
+    join_failure,
+    join_group,
+    launch,
+    leave_group,
+    load_tensors,
+    measure_rank,
+    record_failure,
+    save_tensors,
+)
+from autofit.schedule import MeasureSchedule
 from autofit.tracker import MemoryTracker, optimizer_state_bytes, storage_bytes
-from autofit.training import AUTOCAST_DTYPE, autocast_context, checkpoint_layers, param_dtype, to_device
+from autofit.training import AUTOCAST_DTYPE, apply_config, autocast_context, checkpoint_layers, to_device
 from autofit.workload import Workload, load_workload
 
 __all__ = ["fsdp_units", "measure_fsdp", "rank_child", "run_rank", "shard_model"]
-
-MIN_WARMUP_STEPS = 2   # step 1 creates the optimizer state; step 3 is the first steady one
-MIN_TIMED_STEPS = 3    # a median needs a few samples
-
 
 def fsdp_units(n_layers: int, checkpoint_every: int) -> list[tuple[int, int]]:
     """``[start, end)`` layer ranges that are one FSDP unit each: a layer, or a checkpoint segment."""
@@ -73,14 +71,16 @@ def fsdp_units(n_layers: int, checkpoint_every: int) -> list[tuple[int, int]]:
     return [(s, min(s + k, n_layers)) for s in range(0, n_layers, k)]
 
 
-def shard_model(model: nn.Module, layers: nn.ModuleList, config: TrainConfig, mesh=None) -> nn.Module:
-    """Checkpoint ``layers`` as ``config`` says, then ``fully_shard`` each unit and the root; returns ``model``.
+def shard_model(model: nn.Module, layers: nn.ModuleList, config: TrainConfig, mesh=None,
+                checkpoint: bool = True) -> nn.Module:
+    """Checkpoint ``layers`` as ``config`` says (unless ``checkpoint=False``: already done), then
+    ``fully_shard`` each unit and the root; returns ``model``.
 
     Must run inside an initialized process group (``mesh``: a 1-D DeviceMesh, default all ranks).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    if config.checkpoint_every:
+    if config.checkpoint_every and checkpoint:
         checkpoint_layers(layers, config.checkpoint_every)
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": True}
     if config.precision.is_amp:
@@ -93,6 +93,11 @@ def shard_model(model: nn.Module, layers: nn.ModuleList, config: TrainConfig, me
     return model
 
 
+def _shard_then_optimize(model: nn.Module, workload: Workload, config: TrainConfig) -> torch.optim.Optimizer:
+    shard_model(model, workload.layers(model), config, checkpoint=False)
+    return workload.optimizer(model.parameters())
+
+
 class _Rank:
     """One rank's model, optimizer and pre-made micro-batches."""
 
@@ -101,11 +106,13 @@ class _Rank:
         self.workload, self.config, self.device = workload, config, device
         self.world_size = world_size
         torch.manual_seed(seed)  # every rank builds the same model, as the unsharded run would
-        model = workload.model().to(device=device, dtype=param_dtype(config.precision))
+        model = workload.model()
         model.train()
-        self.model = shard_model(model, workload.layers(model), config)
-        self.optimizer = workload.optimizer(self.model.parameters())
-        self.scaler = torch.amp.GradScaler(device.type) if config.precision is Precision.AMP_FP16 else None
+        # The config's one order (autofit.training.apply_config): cast, checkpoint, then -- between
+        # them and the optimizer, which must see the sharded parameters -- the FSDP units.
+        applied = apply_config(model, config, device, layers=workload.layers(model) if config.checkpoint_every else None,
+                               make_optimizer=lambda _params: _shard_then_optimize(model, workload, config))
+        self.model, self.optimizer, self.scaler = model, applied.optimizer, applied.scaler
         # The job's micro-batches, as an unsharded run of micro_batch × N samples would draw
         # them; this rank keeps its slice. Made once, reused every step, never counted.
         torch.manual_seed(seed + 1)
@@ -128,40 +135,10 @@ class _Rank:
             total += loss.detach().float()
             if on_micro_step is not None:
                 on_micro_step(index)
-        self._optimizer_step()
+        agreed_optimizer_step(self.optimizer, self.scaler, self.device)
         total /= self.config.grad_accum * self.world_size
         dist.all_reduce(total)  # gloo has no AVG: a sum of each rank's share
         return float(total)
-
-    def _optimizer_step(self) -> None:
-        if self.scaler is None:
-            self.optimizer.step()
-            return
-        # Each rank checks only its shards for inf/NaN: all must skip (or take) the step together.
-        self.scaler.unscale_(self.optimizer)
-        found = self.scaler._found_inf_per_device(self.optimizer)  # private, torch >= 1.6
-        flag = torch.zeros(1, device=self.device)
-        for value in found.values():
-            flag += value.to(self.device).reshape(1)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        for value in found.values():
-            value.copy_(flag.reshape(value.shape).to(value.device))
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed_step(r: _Rank) -> tuple[float, float]:
-    dist.barrier()  # start together, so a rank's time is not its wait for the others
-    _sync(r.device)
-    start = time.perf_counter()
-    loss = r.step()
-    _sync(r.device)
-    return time.perf_counter() - start, loss
 
 
 def _cuda_breakdown(r: _Rank, peak_bytes: int) -> dict[str, int]:
@@ -176,19 +153,20 @@ def _cuda_breakdown(r: _Rank, peak_bytes: int) -> dict[str, int]:
 
 
 def run_rank(workload: Workload, config: TrainConfig, *, rank: int, world_size: int, device: torch.device | str,
-             warmup_steps: int = MIN_WARMUP_STEPS, measure_steps: int = 3, budget_bytes: int | None = None,
-             seed: int = 0, collect_params: bool = False) -> dict:
+             warmup_steps: int = 2, measure_steps: int = 3, budget_bytes: int | None = None,
+             seed: int = 0, params_path: str | None = None, steps: MeasureSchedule | None = None) -> dict:
     """Build and measure rank ``rank`` of ``world_size`` inside an initialized process group.
 
-    As :func:`autofit.pipeline.run_stage` does for a stage: ``max(warmup_steps, 2)`` warm-up
-    steps, the peak over ``measure_steps`` steps (CPU: :class:`autofit.tracker.MemoryTracker`,
+    As :func:`autofit.pipeline.run_stage` does for a stage (:func:`autofit.ranks.measure_rank`),
+    following ``steps`` (default ``MeasureSchedule.from_steps(warmup_steps, measure_steps)``):
+    warm-up steps, the peak over the measured steps (CPU: :class:`autofit.tracker.MemoryTracker`,
     which stops the rank as soon as its live bytes pass ``budget_bytes``; CUDA:
     ``max_memory_allocated`` under a memory fraction capped at the budget), then the median
-    wall time of ``max(measure_steps, 3)`` untracked steps started together.
+    wall time of the timed steps, started together.
 
     Never raises for a failing trial; returns a JSON-ready ``{"rank", "status": "ok"|"oom"|"error",
     "error", "peak_bytes", "breakdown", "step_time_s", "losses" (the job's mean loss per step),
-    "params" (rank 0 with collect_params: base64 of torch.save of the full parameters)}``.
+    With ``params_path``, rank 0 writes the full parameters there (:func:`autofit.ranks.save_tensors`).
     """
     device = torch.device(device)
     result: dict[str, Any] = {"rank": rank, "status": "error", "error": None, "peak_bytes": None,
@@ -197,205 +175,62 @@ def run_rank(workload: Workload, config: TrainConfig, *, rank: int, world_size: 
     try:
         config = TrainConfig.from_dict(config) if isinstance(config, dict) else config
         if device.type == "cuda":
-            torch.cuda.set_device(device)
-            if budget_bytes is not None:
-                # Caps the caching allocator only; the CUDA context and NCCL are outside it (FACTS.md).
-                total = torch.cuda.get_device_properties(device).total_memory
-                torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), device)
+            cap_cuda_memory(device, budget_bytes)
         r = _Rank(workload, config, rank, world_size, device, seed)
-        losses: list = result["losses"]
-        warmup_steps, measure_steps = max(warmup_steps, MIN_WARMUP_STEPS), max(measure_steps, 1)
-        if device.type == "cpu":
+
+        def step() -> float:
+            active = tracker is not None and tracker.active
+            return r.step((lambda _index: tracker.step_boundary()) if active else None)
+
+        def make_tracker() -> MemoryTracker:
+            nonlocal tracker
             tracker = MemoryTracker(r.model, r.optimizer, inputs=r.micro_batches, budget_bytes=budget_bytes)
-            boundary = lambda _index: tracker.step_boundary()  # noqa: E731
-            with tracker:
-                for _ in range(warmup_steps):
-                    losses.append(r.step(boundary))
-                tracker.reset_peak()
-                for _ in range(measure_steps):
-                    losses.append(r.step(boundary))
-            result["peak_bytes"] = tracker.peak_bytes
-            result["breakdown"] = tracker.peak_breakdown()
-        else:
-            for _ in range(warmup_steps):
-                losses.append(r.step())
-            _sync(device)
-            torch.cuda.reset_peak_memory_stats(device)
-        times = []
-        for _ in range(max(measure_steps, MIN_TIMED_STEPS)):
-            elapsed, loss = _timed_step(r)
-            times.append(elapsed)
-            losses.append(loss)
-        result["step_time_s"] = statistics.median(times)
-        if device.type == "cuda":  # nothing slows CUDA steps down: the timed steps are the measured ones
-            result["peak_bytes"] = torch.cuda.max_memory_allocated(device)
-            result["breakdown"] = _cuda_breakdown(r, result["peak_bytes"])
-        if collect_params:
-            full = {name: p.full_tensor().detach().cpu() if hasattr(p, "full_tensor") else p.detach().cpu()
+            return tracker
+
+        measure_rank(result, steps or MeasureSchedule.from_steps(warmup_steps, measure_steps), device, step,
+                     make_tracker=make_tracker, cuda_breakdown=lambda peak_bytes: _cuda_breakdown(r, peak_bytes))
+        if params_path is not None:
+            full = {name: p.full_tensor() if hasattr(p, "full_tensor") else p
                     for name, p in r.model.named_parameters()}  # all-gathers: every rank takes part
             if rank == 0:
-                buffer = io.BytesIO()
-                torch.save(full, buffer)
-                result["params"] = base64.b64encode(buffer.getvalue()).decode()
-        if budget_bytes is not None and result["peak_bytes"] > budget_bytes:
-            result["status"] = "oom"
-            result["error"] = f"rank {rank} peaked at {result['peak_bytes']} bytes, over the budget of {budget_bytes} bytes"
-        else:
-            result["status"] = "ok"
+                save_tensors(full, params_path)
+        check_budget(result, budget_bytes, "rank")
     except Exception as exc:  # a trial failure is a result, never an escaping exception
-        chain = _cause_chain(exc)
-        if tracker is not None and tracker.exceeded_bytes is not None:
-            result["status"] = "oom"
-            result["error"] = (f"rank {rank}: live tensor bytes reached {tracker.exceeded_bytes} "
-                               f"(over the budget of {budget_bytes} bytes)")
-        else:
-            oom = any(isinstance(e, (torch.OutOfMemoryError, MemoryError)) for e in chain)
-            result["status"] = "oom" if oom else "error"
-            result["error"] = f"rank {rank}: {type(chain[-1]).__name__}: {_last_line(chain[-1])}"
-            result["peer_failed"] = any(isinstance(e, dist.DistError) for e in chain)
-        result["traceback"] = traceback.format_exc(limit=8)
+        record_failure(result, exc, label="rank", tracker=tracker, budget_bytes=budget_bytes)
     return result
-
-
-def _cause_chain(exc: BaseException) -> list[BaseException]:
-    chain, seen = [], set()
-    while exc is not None and id(exc) not in seen:
-        chain.append(exc)
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return chain
-
-
-def _last_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    return lines[-1] if lines else ""
 
 
 # --------------------------------------------------------------------------- processes
 
 
-def rank_child(request: dict, send=None) -> dict:
-    """A rank process's whole life: join the group, run the rank, leave. ``request`` is JSON."""
-    rank, world_size, device_type = request["rank"], request["world_size"], request["device_type"]
-    backend = "nccl" if device_type == "cuda" else "gloo"
+def rank_child(request: dict, send=None, workload: Workload | None = None) -> dict:
+    """A rank process's whole life (an :mod:`autofit.procs` child): join the group, run the rank, leave."""
+    rank, options = request["rank"], request["options"]
     try:
-        workload = request["workload"]
-        workload = load_workload(workload) if isinstance(workload, str) else workload
-        device = torch.device(f"cuda:{rank}") if device_type == "cuda" else torch.device("cpu")
-        if device.type == "cuda":
-            torch.cuda.set_device(device)  # before NCCL binds this process to a GPU
-        else:  # the ranks share this machine's cores, as they would share nothing on real devices
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{request['port']}", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=request["pg_timeout_s"]))
+        device = join_group(request, spawned=workload is None)
+        workload = workload or load_workload(request["workload"])
     except Exception as exc:
-        return {"rank": rank, "status": "error", "error": f"rank {rank}: {type(exc).__name__}: {_last_line(exc)}"}
+        return join_failure(exc, rank, "rank")
     try:
-        return run_rank(workload, request["config"], rank=rank, world_size=world_size, device=device,
-                        **request["options"])
+        return run_rank(workload, request["config"], rank=rank, world_size=request["world_size"], device=device,
+                        budget_bytes=options["budget_bytes"], seed=options["seed"],
+                        params_path=options["params_dir"] and str(Path(options["params_dir"]) / "rank-0.npz"),
+                        steps=MeasureSchedule.from_dict(options["steps"]))
     finally:
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class _RankProcess:
-    """A spawned rank: a fresh interpreter in its own process group, its JSON result on a pipe."""
-
-    def __init__(self, request: dict) -> None:
-        self.rank = request["rank"]
-        self.read_fd, write_fd = os.pipe()
-        env = dict(os.environ)
-        package_root = str(Path(__file__).resolve().parent.parent)  # so the rank imports this autofit
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-        code = ("import ctypes,json,os,signal,sys;"
-                "ctypes.CDLL('libc.so.6').prctl(1, signal.SIGKILL);"  # PR_SET_PDEATHSIG: die with the parent
-                "from autofit.fsdp import rank_child;"
-                "out = json.dumps(rank_child(json.loads(sys.argv[2]))).encode();"
-                "f = os.fdopen(int(sys.argv[1]), 'wb'); f.write(out); f.close()")
-        try:
-            self.popen = subprocess.Popen([sys.executable, "-c", code, str(write_fd), json.dumps(request)],
-                                          pass_fds=(write_fd,), stdin=subprocess.DEVNULL, env=env,
-                                          start_new_session=True)
-        finally:
-            os.close(write_fd)
-        self.data = bytearray()
-        self.result: dict | None = None
-
-    def read(self) -> None:
-        chunk = os.read(self.read_fd, 1 << 20)
-        if chunk:
-            self.data.extend(chunk)
-            return
-        os.close(self.read_fd)
-        self.read_fd = -1
-        try:
-            self.result = json.loads(bytes(self.data))
-        except ValueError:
-            code = self.popen.wait(5.0)
-            how = f"killed by signal {signal.Signals(-code).name}" if code and code < 0 else f"exited with code {code}"
-            self.result = {"rank": self.rank, "status": "error", "error": f"rank {self.rank} process {how} without a result"}
-
-    def kill(self) -> None:
-        if self.popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.popen.pid, signal.SIGKILL)
-        self.popen.wait()
-        if self.read_fd >= 0:
-            os.close(self.read_fd)
-            self.read_fd = -1
-
-
-def _collect(procs: list[_RankProcess], timeout_s: float) -> bool:
-    """Read every rank's result; False when ``timeout_s`` passed first."""
-    deadline = time.monotonic() + timeout_s
-    failed_at = None
-    while any(p.result is None for p in procs):
-        now = time.monotonic()
-        if now > deadline:
-            return False
-        if failed_at is not None and now - failed_at > 2.0:  # the others are blocked on the failed one
-            return True
-        fds = {p.read_fd: p for p in procs if p.result is None}
-        for fd in select.select(list(fds), [], [], 0.1)[0]:
-            fds[fd].read()
-            if fds[fd].result is not None and fds[fd].result["status"] != "ok" and failed_at is None:
-                failed_at = time.monotonic()
-    return True
+        leave_group()
 
 
 def combine_rank_results(results: list[dict], world_size: int) -> dict:
     """Merge per-rank results into :func:`measure_fsdp`'s result: the largest rank's peak, the slowest rank's time."""
-    by_rank = {r["rank"]: r for r in results}
-    combined: dict[str, Any] = {"status": "ok", "error": None, "per_device_peak_bytes": [], "peak_bytes": None,
-                                "breakdown": None, "per_device_breakdown": [], "step_time_s": None, "losses": []}
-    failed = [by_rank[r] for r in sorted(by_rank) if by_rank[r]["status"] != "ok"]
-    missing = [r for r in range(world_size) if r not in by_rank]
-    if failed or missing:
-        failed.sort(key=lambda r: (r["status"] != "oom", bool(r.get("peer_failed"))))  # the cause, not its echo
-        combined["status"] = failed[0]["status"] if failed else "error"
-        combined["error"] = failed[0]["error"] if failed else f"rank(s) {missing} returned no result"
-        return combined
-    ordered = [by_rank[r] for r in range(world_size)]
-    combined["per_device_peak_bytes"] = [int(r["peak_bytes"]) for r in ordered]
-    combined["peak_bytes"] = max(combined["per_device_peak_bytes"])
-    combined["per_device_breakdown"] = [r["breakdown"] for r in ordered]
-    combined["breakdown"] = max(ordered, key=lambda r: r["peak_bytes"])["breakdown"]
-    combined["step_time_s"] = max(r["step_time_s"] for r in ordered)
-    combined["losses"] = ordered[0]["losses"]
-    if "params" in ordered[0]:
-        combined["params"] = torch.load(io.BytesIO(base64.b64decode(ordered[0]["params"])), weights_only=True)
+    combined, ordered = combine_results(results, world_size, "rank")
+    if ordered is not None:
+        combined["losses"] = ordered[0]["losses"]
     return combined
 
 
 def measure_fsdp(workload: Workload | str, config: TrainConfig, *, device_type: str, warmup_steps: int = 2,
                  measure_steps: int = 3, budget_bytes: int | None = None, seed: int = 0, timeout_s: float = 600.0,
-                 collect_params: bool = False) -> dict:
+                 collect_params: bool = False, steps: MeasureSchedule | None = None) -> dict:
     """Run ``config`` as ``config.device_split`` FSDP ranks, one process each, and measure it.
 
     The workload must be loadable by name in a fresh interpreter (a built-in or a
@@ -423,23 +258,22 @@ def measure_fsdp(workload: Workload | str, config: TrainConfig, *, device_type: 
         return {**base, "error": f"unknown device_type {device_type!r}: expected cpu or cuda"}
     if device_type == "cuda" and torch.cuda.device_count() < world_size:
         return {**base, "error": f"fsdp over {world_size} ranks needs {world_size} GPUs, found {torch.cuda.device_count()}"}
-    options = {"warmup_steps": warmup_steps, "measure_steps": measure_steps, "budget_bytes": budget_bytes,
-               "seed": seed, "collect_params": collect_params}
-    port = _free_port()
-    procs: list[_RankProcess] = []
-    try:
-        for rank in range(world_size):
-            procs.append(_RankProcess({"rank": rank, "world_size": world_size, "port": port, "workload": source,
-                                       "config": config.to_dict(), "device_type": device_type,
-                                       "pg_timeout_s": max(30.0, timeout_s), "options": options}))
-        finished = _collect(procs, timeout_s)
-    finally:
-        for proc in procs:
-            proc.kill()
-    results = [p.result for p in procs if p.result is not None]
-    if not finished and all(r["status"] == "ok" for r in results):
-        return {**base, "status": "timeout", "error": f"ranks did not finish within {timeout_s:g} s"}
-    return combine_rank_results(results, world_size)
+    steps = steps or MeasureSchedule.from_steps(warmup_steps, measure_steps)
+    with tempfile.TemporaryDirectory(prefix="autofit-fsdp-") as params_dir:
+        options = {"budget_bytes": budget_bytes, "seed": seed, "steps": steps.to_dict(),
+                   "params_dir": params_dir if collect_params else None}
+        port = free_port()
+        requests = [{"rank": rank, "world_size": world_size, "port": port, "device_type": device_type,
+                     "pg_timeout_s": max(30.0, timeout_s), "config": config.to_dict(), "options": options}
+                    for rank in range(world_size)]
+        results, timed_out = launch("autofit.fsdp:rank_child", requests, source,
+                                    timeout_s=timeout_s, label="rank")
+        if timed_out and all(r["status"] == "ok" for r in results.values()):
+            return {**base, "status": "timeout", "error": f"ranks did not finish within {timeout_s:g} s"}
+        combined = combine_rank_results(list(results.values()), world_size)
+        if collect_params and combined["status"] == "ok":
+            combined["params"] = load_tensors(Path(params_dir) / "rank-0.npz")
+    return combined
 
 
 def is_fsdp(config: TrainConfig) -> bool:

@@ -182,14 +182,17 @@ class MemoryTracker:
         self.input_bytes = storage_bytes(self._inputs)
         self._tracker.track_external(*_tensors(list(overhead)))
         self.budget_bytes = budget_bytes
+        self.active = False  # inside ``with tracker:``
         if budget_bytes is not None:
             self._tracker.limit_bytes = budget_bytes + self.input_bytes
 
     def __enter__(self) -> "MemoryTracker":
         self._tracker.__enter__()
+        self.active = True
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
+        self.active = False
         self._tracker.__exit__(*exc_info)
 
     def step_boundary(self) -> None:

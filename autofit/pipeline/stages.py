@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from autofit.config import PipelineSchedule, Precision, TrainConfig, stage_bounds
-from autofit.errors import ConfigError
+from autofit.ranks import last_line, root_cause
 from autofit.training import apply_config, autocast_context, make_micro_batches, param_dtype, to_device
 from autofit.workload import Workload
 
@@ -248,38 +248,3 @@ def build_stage(workload: Workload, config: TrainConfig, *, rank: int, world_siz
     target_mbs = [to_device(y, device, float_dtype) for _, y in micro_batches] if rank == world_size - 1 else None
     return Stage(rank, world_size, (lo, hi), device, module, pipeline_stage, pipe_schedule, schedule_name,
                  optimizer, scaler, replicated, raw_losses, arg_mbs, target_mbs)
-
-
-# --------------------------------------------------------------------------- failures
-
-
-def cause_chain(exc: BaseException) -> list[BaseException]:
-    chain, seen = [], set()
-    while exc is not None and id(exc) not in seen:
-        chain.append(exc)
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return chain
-
-
-def root_cause(exc: BaseException) -> BaseException:
-    # The schedule wraps stage failures ("[Stage 0] failed to run forward"); report the origin.
-    chain = cause_chain(exc)
-    for e in chain:
-        if isinstance(e, (SplitError, ConfigError, torch.OutOfMemoryError, MemoryError)):
-            return e
-    return chain[-1]
-
-
-_PEER_FAILURE_TEXT = ("connection closed by peer", "connection reset by peer", "broken pipe", "socket timeout")
-
-
-def is_peer_failure(exc: BaseException) -> bool:
-    # A stage blocked on a send/recv to a stage that died fails too; that is not the cause.
-    return any(isinstance(e, dist.DistError) or any(t in str(e).lower() for t in _PEER_FAILURE_TEXT)
-               for e in cause_chain(exc))
-
-
-def last_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    return lines[-1] if lines else ""

@@ -9,19 +9,22 @@ run by :func:`autofit.schedule.run_steps`, as a single-device trial's do.
 from __future__ import annotations
 
 import inspect
-import statistics
-import time
-import traceback
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from autofit.config import TrainConfig
-from autofit.pipeline.stages import Schedule, Stage, build_stage, cause_chain, is_peer_failure, last_line, root_cause
-from autofit.schedule import MeasureSchedule, run_steps
+from autofit.pipeline.stages import Schedule, SplitError, Stage, build_stage
+from autofit.ranks import (
+    agreed_optimizer_step,
+    cap_cuda_memory,
+    check_budget,
+    measure_rank,
+    record_failure,
+    save_tensors,
+)
+from autofit.schedule import MeasureSchedule
 from autofit.tracker import MemoryTracker, optimizer_state_bytes, storage_bytes
 from autofit.workload import Workload
 
@@ -49,32 +52,13 @@ def _sync_replicated_grads(stage: Stage) -> None:
         dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
 
 
-def _optimizer_step(stage: Stage) -> None:
-    scaler = stage.scaler
-    if scaler is None:
-        stage.optimizer.step()
-        return
-    # Every stage must skip (or take) the step together, and update its scale the same way:
-    # an inf/NaN on any stage counts on all of them.
-    scaler.unscale_(stage.optimizer)
-    found = scaler._found_inf_per_device(stage.optimizer)  # private, torch >= 1.6
-    flag = torch.zeros(1, device=stage.device)
-    for value in found.values():
-        flag += value.to(stage.device).reshape(1)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    for value in found.values():
-        value.copy_(flag.reshape(value.shape).to(value.device))
-    scaler.step(stage.optimizer)
-    scaler.update()
-
-
 def _train_step(stage: Stage) -> float | None:
     """One optimizer step over ``grad_accum`` micro-batches; the mean loss on the last stage."""
     stage.optimizer.zero_grad(set_to_none=True)
     stage.raw_losses.clear()
     _run_schedule(stage)
     _sync_replicated_grads(stage)
-    _optimizer_step(stage)
+    agreed_optimizer_step(stage.optimizer, stage.scaler, stage.device)
     if stage.index != stage.num_stages - 1:
         return None
     # The first step also computes a loss for the schedule's shape inference: keep the last n.
@@ -113,17 +97,6 @@ def _cuda_breakdown(stage: Stage, peak_bytes: int) -> dict[str, int]:
             "temporary_bytes": 0, "overhead_bytes": overhead}
 
 
-def _timed_step(stage: Stage) -> tuple[float, float | None]:
-    dist.barrier()  # start together, so a stage's time is not its wait for the others
-    if stage.device.type == "cuda":
-        torch.cuda.synchronize(stage.device)
-    start = time.perf_counter()
-    loss = _train_step(stage)
-    if stage.device.type == "cuda":
-        torch.cuda.synchronize(stage.device)
-    return time.perf_counter() - start, loss
-
-
 def run_stage(workload: Workload, config: TrainConfig, *, rank: int, world_size: int, device: torch.device | str,
               warmup_steps: int = 2, measure_steps: int = 3, budget_bytes: int | None = None,
               schedule: Schedule | str = Schedule.ONE_F_ONE_B, seed: int = 0,
@@ -148,7 +121,7 @@ def run_stage(workload: Workload, config: TrainConfig, *, rank: int, world_size:
     "ok"|"oom"|"error", "error", "peak_bytes", "breakdown", "step_time_s", "losses" (last
     stage only: the mean loss of every step run), "layers": [start, end], "schedule",
     "activation_recv_bytes", "grad_recv_bytes"}``. With ``params_path`` the stage's final
-    parameters are written there (:func:`save_params`).
+    parameters are written there (:func:`autofit.ranks.save_tensors`).
     """
     device = torch.device(device)
     result: dict[str, Any] = {"rank": rank, "status": "error", "error": None, "peak_bytes": None,
@@ -158,22 +131,17 @@ def run_stage(workload: Workload, config: TrainConfig, *, rank: int, world_size:
     try:
         config = TrainConfig.from_dict(config) if isinstance(config, dict) else config
         if device.type == "cuda":
-            torch.cuda.set_device(device)
-            if budget_bytes is not None:
-                # Caps the caching allocator only; the CUDA context and NCCL are outside it (FACTS.md).
-                total = torch.cuda.get_device_properties(device).total_memory
-                torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), device)
+            cap_cuda_memory(device, budget_bytes)
         stage = build_stage(workload, config, rank=rank, world_size=world_size, device=device,
-                             schedule=schedule, seed=seed)
+                            schedule=schedule, seed=seed)
         result["layers"] = list(stage.bounds)
         result["schedule"] = stage.schedule_name.value
-        losses: list = result["losses"]
-        steps = steps or MeasureSchedule.from_steps(warmup_steps, measure_steps)
 
-        def step() -> None:
-            losses.append(_train_step(stage))
-            if tracker is not None:
+        def step() -> float | None:
+            loss = _train_step(stage)
+            if tracker is not None and tracker.active:
                 tracker.step_boundary()
+            return loss
 
         def make_tracker() -> MemoryTracker:
             # The pre-made micro-batches are the data loader's, never counted; the receive
@@ -184,70 +152,19 @@ def run_stage(workload: Workload, config: TrainConfig, *, rank: int, world_size:
                                     budget_bytes=budget_bytes)
             return tracker
 
-        if device.type == "cpu":
-            # Step 1 runs untracked: the schedule first infers the shapes it sends with an extra
-            # forward and an autograd.grad that the tracker's module hooks break.
-            run_steps(steps, step, tracker=make_tracker, untracked_steps=1)
-            result["peak_bytes"] = tracker.peak_bytes
-            result["breakdown"] = tracker.peak_breakdown()
-        else:
-            run_steps(steps, step)
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-        times = []
-        for _ in range(steps.timed_steps):
-            elapsed, loss = _timed_step(stage)
-            times.append(elapsed)
-            losses.append(loss)
-        result["step_time_s"] = statistics.median(times)
-        if device.type == "cuda":
-            # On CUDA nothing slows the steps down, so the timed steps are also the measured ones.
-            result["peak_bytes"] = torch.cuda.max_memory_allocated(device)
-            result["breakdown"] = _cuda_breakdown(stage, result["peak_bytes"])
+        # Step 1 runs untracked: the schedule first infers the shapes it sends with an extra
+        # forward and an autograd.grad that the tracker's module hooks break.
+        measure_rank(result, steps or MeasureSchedule.from_steps(warmup_steps, measure_steps), device, step,
+                     make_tracker=make_tracker, untracked_steps=1,
+                     cuda_breakdown=lambda peak_bytes: _cuda_breakdown(stage, peak_bytes))
         activation_recv, grad_recv = _recv_buffers(stage)
         result["activation_recv_bytes"] = storage_bytes(activation_recv)
         result["grad_recv_bytes"] = storage_bytes(grad_recv)
         if rank != world_size - 1:
             result["losses"] = []
         if params_path is not None:
-            save_params(stage.module.inner, params_path)
-        if budget_bytes is not None and result["peak_bytes"] > budget_bytes:
-            result["status"] = "oom"
-            result["error"] = (f"stage {rank} peaked at {result['peak_bytes']} bytes, over the budget "
-                               f"of {budget_bytes} bytes")
-        else:
-            result["status"] = "ok"
-    except BaseException as exc:  # a trial failure is a result, never an escaping exception
-        if isinstance(exc, KeyboardInterrupt):
-            raise
-        cause = root_cause(exc)
-        if tracker is not None and tracker.exceeded_bytes is not None:
-            # Checked by state, not by exception type: the schedule wraps what the stage raised.
-            result["status"] = "oom"
-            result["error"] = (f"stage {rank}: live tensor bytes reached {tracker.exceeded_bytes} "
-                               f"(over the budget of {budget_bytes} bytes)")
-        else:
-            oom = any(isinstance(e, (torch.OutOfMemoryError, MemoryError)) for e in cause_chain(exc))
-            result["status"] = "oom" if oom else "error"
-            result["error"] = f"stage {rank}: {type(cause).__name__}: {last_line(cause)}"
-            result["peer_failed"] = is_peer_failure(exc)
-        result["traceback"] = traceback.format_exc(limit=8)
+            save_tensors(dict(stage.module.inner.named_parameters()), params_path)
+        check_budget(result, budget_bytes, "stage")
+    except Exception as exc:  # a trial failure is a result, never an escaping exception
+        record_failure(result, exc, label="stage", tracker=tracker, budget_bytes=budget_bytes, preferred=(SplitError,))
     return result
-
-
-
-def save_params(module: torch.nn.Module, path: str) -> None:
-    """Write ``module``'s parameters to ``path`` as an ``.npz`` of float32 arrays (exact for fp32 and
-    bf16), their dtypes in ``__dtypes__``: read back by :func:`load_params` without unpickling anything."""
-    named = {name: p.detach().cpu() for name, p in module.named_parameters()}
-    arrays = {name: t.float().numpy() for name, t in named.items()}
-    arrays["__dtypes__"] = np.array([f"{name}={str(t.dtype).removeprefix('torch.')}" for name, t in named.items()])
-    with open(path, "wb") as f:
-        np.savez(f, **arrays)
-
-
-def load_params(path: str | Path) -> dict[str, torch.Tensor]:
-    """The parameters :func:`save_params` wrote, in their own dtypes."""
-    with np.load(path, allow_pickle=False) as data:
-        dtypes = dict(entry.split("=", 1) for entry in data["__dtypes__"].tolist())
-        return {name: torch.from_numpy(data[name]).to(getattr(torch, dtype)) for name, dtype in dtypes.items()}
