@@ -15,12 +15,19 @@ are laid end to end again for any config, as PyTorch would run it:
 
 Every quantity is a line ``c0 + c1·b`` in the micro-batch b, so for one structure (precision,
 checkpoint interval, split) the peak is the upper envelope of a few dozen lines, evaluated for
-all micro-batches and accumulation counts at once with numpy.
+all micro-batches and accumulation counts at once with numpy. A region contributes two lines
+(its peak at the profiled sizes and its steepest operator), since the operator that sets a
+region's peak can change with b. ``tests/test_memory_model_golden.py`` checks the result
+byte for byte against hand arithmetic on a stack of Linear layers.
 
 Known limitations: the forward peak inside a checkpointed segment is bounded by the
-un-checkpointed layer's peak (a slight over-estimate); pipeline runtime buffers are modelled
-as one received activation and one received gradient per micro-batch; the CUDA overhead is a
-documented constant until a search calibrates it.
+un-checkpointed layer's peak (a slight over-estimate); a region whose peak changes operator
+twice beyond the profiled sizes is under-estimated between the changes; pipeline runtime
+buffers are modelled as one received activation and one received gradient per micro-batch;
+the CUDA overhead is a documented constant until a search calibrates it. The profile runs on
+fake tensors, so a CPU kernel that keeps a larger storage than its meta kernel says is missed
+(``F.mse_loss`` on the CPU returns its 0-dim mean in the b x n buffer of the unreduced loss);
+each accumulation micro-step's detached loss (a few bytes) is not counted.
 """
 
 from __future__ import annotations
