@@ -68,7 +68,9 @@ def advise(profile: Profile, budget_bytes: int, precisions: list[Precision] | No
         smallest = fitting.sort_values(["device_split", "peak_bytes"]).iloc[0]["config"]
         for prec in precisions:
             per_prec = fitting[fitting.precision == prec.value]
-            if not per_prec.empty and int(per_prec.device_split.min()) > fewest:
+            if per_prec.empty:  # said, not left out: this precision fits nowhere
+                lines.append(f"at {prec.value}: nothing fits even split across {max(_splits(profile.n_layers))} devices")
+            elif int(per_prec.device_split.min()) > fewest:
                 lines.append(f"at {prec.value}: at least {int(per_prec.device_split.min())} devices")
     else:
         lines.append(f"nothing fits even split across {max(_splits(profile.n_layers))} devices: "
@@ -83,3 +85,15 @@ def fitting_summary(table: pd.DataFrame) -> dict:
         "valid": int(table["valid"].sum()),
         "fit": int(table["fits"].sum()) if table["fits"].notna().all() else None,
     }
+
+
+def advise_workload(workload, budget_bytes: int, device_type: str = "cpu") -> Advice:
+    """:func:`advise` over every precision for ``workload`` (a Workload or a ``--model`` spec),
+    profiling it first (from the profile cache when it is there). What ``autofit search`` says
+    when nothing in its space ran under the budget. Raises WorkloadError when the workload
+    cannot be loaded or profiled."""
+    from autofit.profile import profile_workload
+    from autofit.workload import load_workload
+
+    profile = profile_workload(load_workload(workload), list(Precision), device_type=device_type)
+    return advise(profile, budget_bytes, list(Precision))
