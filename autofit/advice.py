@@ -97,3 +97,17 @@ def advise_workload(workload, budget_bytes: int, device_type: str = "cpu") -> Ad
 
     profile = profile_workload(load_workload(workload), list(Precision), device_type=device_type)
     return advise(profile, budget_bytes, list(Precision))
+
+
+def nothing_fits(settings) -> tuple[str, ...]:
+    """What would fit, for a search (its stored ``settings``) in which no trial ran ok under the
+    budget: :func:`advise_workload`'s lines, or one line saying why there is no advice."""
+    from autofit.errors import AutofitError
+
+    spec, budget = settings.get("workload_source"), settings.get("budget_bytes")
+    if not spec or not budget:
+        return ("no advice: the study does not record a loadable workload (--model spec) and budget",)
+    try:
+        return advise_workload(spec, int(budget), settings.get("device_type") or "cpu").lines
+    except AutofitError as exc:
+        return (f"no advice: {exc}",)

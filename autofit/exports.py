@@ -413,21 +413,19 @@ def export_study(out_dir: str | Path, target: str, *, storage: str | None = None
     and budget come from the study. Raises StudyError when the study has no best config yet.
     """
     from autofit.errors import StudyError
-    from autofit.report import best_record, settings_of
+    from autofit.report import best_record
     from autofit.study import load_snapshot
 
     study = load_snapshot(out_dir, storage=storage)
     best = best_record(study)
-    settings = settings_of(study)
-    if best.get("config") is None:
-        if override is None:
-            raise StudyError(f"study {study.study_name}: no config ran under the budget yet; nothing to export "
-                             "(pass --config to export one anyway)")
-        base = TrainConfig()
-    else:
-        base = TrainConfig.from_dict(best["config"])
+    settings = study.settings
+    if best.get("config") is None and override is None:
+        raise StudyError(f"study {study.study_name}: no config ran under the budget yet; nothing to export "
+                         "(pass --config to export one anyway)")
+    base = TrainConfig.from_dict(best["config"]) if best.get("config") else TrainConfig()
     config = TrainConfig.parse(override, base=base) if override else base
-    extra = {"study": study.study_name, "trial": best.get("trial"), "measured": best.get("measured"),
-             "predicted": best.get("predicted")} if config == base and best.get("config") else {"study": study.study_name}
+    extra = {"study": study.study_name}
+    if best.get("config") and config == base:  # what was measured belongs only to the config that ran
+        extra.update(trial=best.get("trial"), measured=best.get("measured"), predicted=best.get("predicted"))
     return export(config, target, workload=settings.get("workload_source"), budget=settings.get("budget_bytes"),
-                  device=settings.get("device_type", "cuda"), extra=extra)
+                  device=settings.get("device_type"), extra=extra)

@@ -114,3 +114,41 @@ def page(title: str, summary_md: str, pictures: dict[str, bytes], exports: dict[
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>{html.escape(title)}</title><style>{STYLE}</style></head><body>\n"
             + "\n".join(body) + "\n</body></html>\n")
+
+
+def best_exports(config, settings) -> dict[str, str]:
+    """The best config in every target's form (torchrun only for a pipeline split); a target that
+    fails to export says why in place of its text."""
+    from autofit.errors import AutofitError
+    from autofit.exports import TARGETS, export
+
+    out = {}
+    for target in TARGETS:
+        if target == "torchrun" and (config.device_split < 2 or config.split_mode.value != "pipeline"):
+            continue
+        try:
+            out[target] = export(config, target, workload=settings.get("workload_source"),
+                                 budget=settings.get("budget_bytes"), device=settings.get("device_type")).text
+        except AutofitError as exc:
+            out[target] = f"(not exported: {exc})"
+    return out
+
+
+def write_page(study, table, summary_md: str, out_dir) -> dict:
+    """Write the pictures (``<name>.png``) and ``report.html`` of ``study`` (a StudySnapshot) to ``out_dir``."""
+    from pathlib import Path
+
+    from autofit import pictures
+    from autofit.files import write_atomic
+    from autofit.records import best_of
+
+    best = best_of(list(study.records))
+    settings = study.settings
+    pngs = pictures.render(table, pictures.breakdowns_of(study.records), settings.get("budget_bytes") or 0,
+                           best.number if best else None, study.study_name)
+    paths = pictures.write(pngs, out_dir)
+    exports = best_exports(best.config, settings) if best else {}
+    paths["report.html"] = Path(out_dir) / "report.html"
+    write_atomic(paths["report.html"], page(f"autofit: {study.study_name}", summary_md, pngs, exports))
+    return paths
+

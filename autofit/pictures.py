@@ -16,7 +16,6 @@ directly (no pyplot), so nothing here touches a caller's backend or needs a disp
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
@@ -140,7 +139,7 @@ def memory_breakdown(table: pd.DataFrame, breakdowns: dict[int, tuple[dict, dict
     fig = _figure(max(7.5, 1.9 * len(top) + 2.5), 5.2)
     ax = fig.add_subplot()
     if top.empty:
-        ax.text(0.5, 0.5, "no completed trial yet", ha="center", va="center", transform=ax.transAxes)
+        ax.text(0.5, 0.5, "no trial ran ok yet", ha="center", va="center", transform=ax.transAxes)
         ax.set_axis_off()
         ax.set_title(f"{title}: memory at the peak of the top configs")
         return fig
@@ -181,10 +180,10 @@ def best_so_far(table: pd.DataFrame, title: str):
     real["t"] = (pd.to_datetime(real["finished"], errors="coerce") - started).dt.total_seconds()
     done = real[(real["status"] == "ok") & real["t"].notna()].sort_values("t")
     if done.empty or pd.isna(started):
-        ax.text(0.5, 0.5, "no completed trial yet", ha="center", va="center", transform=ax.transAxes)
+        ax.text(0.5, 0.5, "no trial ran ok yet", ha="center", va="center", transform=ax.transAxes)
     else:
         rates = _num(done["samples_per_s"])
-        ax.scatter(done["t"], rates, s=18, color=STATUS_COLOURS["ok"], alpha=0.6, label="each completed trial")
+        ax.scatter(done["t"], rates, s=18, color=STATUS_COLOURS["ok"], alpha=0.6, label="each trial that ran ok")
         best = np.fmax.accumulate(np.nan_to_num(rates, nan=0.0))
         ax.step(np.r_[0.0, done["t"].to_numpy()], np.r_[0.0, best], where="post", color="black", linewidth=1.5,
                 label="best so far")
@@ -231,8 +230,11 @@ def write(pngs: dict[str, bytes], out_dir: str | Path) -> dict[str, Path]:
     return paths
 
 
-def finite(value) -> bool:
-    try:
-        return value is not None and math.isfinite(float(value))
-    except (TypeError, ValueError):
-        return False
+def breakdowns_of(records) -> dict[int, tuple[dict, dict]]:
+    """Per trial that ran ok and measured one: (predicted, measured) peak composition by category."""
+    out = {}
+    for r in records:
+        measured = r.measurement.get("breakdown") or {}
+        if r.status.value == "ok" and any(v is not None for v in measured.values()):
+            out[r.number] = ({k: r.prediction.get(k) for k in CATEGORY_LABELS}, dict(measured))
+    return out

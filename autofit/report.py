@@ -27,6 +27,7 @@ from typing import Any
 
 import pandas as pd
 
+from autofit.advice import nothing_fits
 from autofit.budget import format_budget, format_bytes
 from autofit.calibration import Calibration, calibrate, observations
 from autofit.config import FIELDS, TrainConfig
@@ -243,6 +244,10 @@ def summary_markdown(study: StudySnapshot, table: pd.DataFrame | None = None, *,
     out.append("## Best config\n")
     if best.get("config") is None:
         out.append("No trial ran ok under the budget.\n")
+        if study.stop_reason:  # the search is over: say what would fit (the estimate's extremes)
+            out.append("## What would fit\n")
+            out.extend(f"- {line}" for line in nothing_fits(settings))
+            out.append("")
     else:
         m, p = best["measured"], best["predicted"]
         out.append(f"`{best['short']}` (trial {best['trial']})\n")
@@ -329,16 +334,22 @@ def _n_configs(settings: dict) -> int:
         return 0
 
 
-def write_reports(study: StudySnapshot, out_dir: str | Path) -> dict[str, Path]:
-    """Write ``trials.csv``, ``best.json``, ``summary.md`` and ``calibration.json`` to ``out_dir`` (atomically)."""
+def write_reports(study: StudySnapshot, out_dir: str | Path, *, html: bool = False) -> dict[str, Path]:
+    """Write ``trials.csv``, ``best.json``, ``summary.md`` and ``calibration.json`` to ``out_dir`` (atomically);
+    with ``html``, also the pictures (``*.png``) and ``report.html`` (:mod:`autofit.html_report`)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     table = trials_table(study)
     paths = {name: out_dir / name for name in ("trials.csv", "best.json", "summary.md", "calibration.json")}
+    summary = summary_markdown(study, table)
     write_atomic(paths["trials.csv"], table.to_csv(index=False))
     write_atomic(paths["best.json"], json.dumps(best_record(study), indent=2) + "\n")
-    write_atomic(paths["summary.md"], summary_markdown(study, table))
+    write_atomic(paths["summary.md"], summary)
     write_atomic(paths["calibration.json"], json.dumps(calibration_of(study).to_dict(), indent=2) + "\n")
+    if html:
+        from autofit.html_report import write_page
+
+        paths.update(write_page(study, table, summary, out_dir))
     return paths
 
 
@@ -356,8 +367,11 @@ class SearchResult:
       estimate pruned and that never ran), ``n_real`` (real trials: ok, oom, error, timeout).
     - ``stop_reason``, ``wall_s`` (this search command), ``calibration``.
     - ``study_name``, ``storage`` (URL without password, or the journal path), ``out_dir``.
+    - ``advice``: when no trial ran under the budget, what would fit (fewest devices, precision,
+      checkpoint interval, or that the model state alone is over the budget).
 
-    Apply ``best`` to your own training loop with :meth:`apply` or :meth:`plan`.
+    Apply ``best`` to your own training loop with :meth:`apply` or :meth:`plan`; hand it to your
+    trainer with :meth:`export`.
     """
 
     study_name: str
@@ -378,6 +392,19 @@ class SearchResult:
     wall_s: float
     calibration: Calibration
     table: pd.DataFrame
+    workload_source: str | None = None
+    advice: tuple[str, ...] = ()  # when nothing ran under the budget: what would fit
+
+    def export(self, target: str):
+        """The best config in ``target``'s form (:func:`autofit.exports.export`: ``hf``, ``accelerate``,
+        ``lightning``, ``deepspeed``, ``torchrun``, ``json``). Raises StudyError when there is none."""
+        from autofit.errors import StudyError
+        from autofit.exports import export
+
+        if self.best is None:
+            raise StudyError(f"study {self.study_name}: no config ran under the budget; nothing to export")
+        return export(self.best, target, workload=self.workload_source, budget=self.budget_bytes, device=self.device,
+                      extra={"study": self.study_name, "trial": self.best_trial, "measured": self.best_measured})
 
     def plan(self, device_type: str | None = None):
         """A :class:`autofit.apply.TrainingPlan` of the best config. Raises StudyError when there is none."""
@@ -412,4 +439,6 @@ def search_result(study: StudySnapshot, out_dir: str | Path, wall_s: float | Non
         n_configs=_n_configs(settings), n_pruned=c["pruned"], n_real=c["real"],
         pruned_by_reason=c["pruned_by_reason"], stop_reason=study.stop_reason or "running",
         wall_s=wall_seconds(study) if wall_s is None else wall_s, calibration=calibration_of(study), table=table,
+        workload_source=settings.get("workload_source"),
+        advice=nothing_fits(settings) if trial is None and study.stop_reason else (),
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -17,6 +18,8 @@ import optuna
 import pytest
 
 import autofit
+from autofit.cli import main
+from autofit.pictures import PICTURES
 from autofit.study import open_study
 
 SPACE = {"precision": ["fp32", "amp-bf16"], "micro_batch": [2, 4], "global_batch": 4, "checkpoint_every": [0, 1],
@@ -86,3 +89,84 @@ def test_the_study_loads_in_optuna_itself(finished):
     assert isinstance(study, optuna.Study) and study.best_trial.number == finished.best_trial
     frame = study.trials_dataframe()
     assert {"params_precision", "params_micro_batch", "user_attrs_measured"} <= set(frame.columns)
+
+
+def _self_contained(page: str) -> None:
+    """Every image is a data URI; no link, script, stylesheet, import or URL reference."""
+    sources = re.findall(r"""\bsrc\s*=\s*["']([^"']*)""", page, flags=re.I)
+    assert sources and all(src.startswith("data:image/png;base64,") for src in sources)
+    for pattern in (r"\bhref\s*=", r"<link\b", r"<script\b", r"<iframe\b", r"url\(", r"@import", r"srcset"):
+        assert not re.search(pattern, page, flags=re.I), pattern
+
+
+def test_pictures_and_report_html_are_written_by_the_search(finished):
+    for name in PICTURES:
+        data = (finished.out_dir / f"{name}.png").read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 10_000
+    page = (finished.out_dir / "report.html").read_text()
+    _self_contained(page)
+    assert page.count("<img ") == len(PICTURES)
+    assert finished.best.short() in page  # the summary's best config ...
+    assert "training_arguments" in page and "train_micro_batch_size_per_gpu" in page  # ... and its exports
+    assert "Prediction error of every real trial" in page  # the tables
+
+
+def test_report_html_renders_headless_in_chromium(finished, tmp_path):
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("chromium is not installed (apt-get install chromium; .ci/run installs it)")
+    shot = tmp_path / "report.png"
+    page = (finished.out_dir / "report.html").resolve()
+    # every host unresolvable: nothing can leave the machine; --v=1 logs each URL the browser loads
+    proc = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                           "--disable-background-networking", "--host-resolver-rules=MAP * ~NOTFOUND",
+                           "--enable-logging=stderr", "--v=1", "--window-size=1280,2400", f"--screenshot={shot}",
+                           page.as_uri()], capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "HOME": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert shot.read_bytes().startswith(b"\x89PNG") and shot.stat().st_size > 50_000
+    files = set(re.findall(r"FileURLLoader::Start: (\S+)", proc.stderr))
+    assert files == {page.as_uri()}  # the page loaded nothing else from disk ...
+    requested = re.findall(r"NotifyBeforeURLRequest: (\S+)", proc.stderr)
+    # ... nor from the network (Chromium's own background checks, to Google's hosts, aside)
+    assert [u for u in requested if not re.match(r"https?://[^/]*(google\.com|googleapis\.com|gvt1\.com)/", u)] == []
+    assert "Uncaught" not in proc.stderr
+
+
+def test_report_html_flag_rewrites_the_page_from_storage(finished, capsys):
+    for name in PICTURES:
+        (finished.out_dir / f"{name}.png").unlink()
+    (finished.out_dir / "report.html").unlink()
+    assert main(["report", str(finished.out_dir), "--html", "--top", "1"]) == 0
+    assert "report.html" in capsys.readouterr().err
+    assert all((finished.out_dir / f"{name}.png").exists() for name in PICTURES)
+    _self_contained((finished.out_dir / "report.html").read_text())
+
+
+def test_export_from_the_study_and_from_the_result(finished, capsys):
+    assert main(["export", str(finished.out_dir), "--to", "json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["config"] == finished.best.to_dict() and record["trial"] == finished.best_trial
+    assert record["measured"]["samples_per_s"] == pytest.approx(finished.best_measured["samples_per_s"])
+    hf = finished.export("hf").kwargs
+    assert hf["per_device_train_batch_size"] == finished.best.micro_batch
+    assert hf["gradient_accumulation_steps"] == finished.best.grad_accum
+    assert main(["export", str(finished.out_dir), "--to", "hf", "--config", "micro_batch=1"]) == 0
+    assert json.loads(capsys.readouterr().out)["training_arguments"]["per_device_train_batch_size"] == 1
+    assert main(["export", str(finished.out_dir), "--to", "hf", "--model", "gpt2"]) == 2  # the study says the model
+
+
+def test_a_search_where_nothing_fits_says_what_would(tmp_path, capsys):
+    out = tmp_path / "tiny-budget"
+    space = tmp_path / "space.toml"
+    space.write_text('precision = ["fp32"]\nmicro_batch = [1, 2]\ngrad_accum = [1]\ncheckpoint_every = [0]\n'
+                     'device_split = [1]\n')
+    assert main(["search", "--budget", "5MB", "--model", "gpt-tiny", "--space", str(space), "--out", str(out)]) == 1
+    terminal = capsys.readouterr().out
+    assert "what fits" in terminal and "weights + gradients + optimizer state alone are" in terminal
+    assert "nothing fits even split across 4 devices" in terminal
+    summary = (out / "summary.md").read_text()
+    assert "## What would fit" in summary and "use a smaller model or a larger budget" in summary
+    page = (out / "report.html").read_text()
+    assert "What would fit" in page and "alone are" in page
+    _self_contained(page)

@@ -8,6 +8,7 @@ import sys
 
 from autofit.budget import format_bytes
 from autofit.cli._args import positive
+from autofit.errors import ConfigError
 from autofit.report import (
     STATUSES,
     best_record,
@@ -23,7 +24,7 @@ from autofit.study import load_snapshot
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "report", help="print a study's trials, best config and summary (from its storage)",
-        description="Rebuild trials.csv, best.json and summary.md of a study from its storage and print the trials, "
+        description="Rebuild trials.csv, best.json and summary.md (with --html also the pictures and report.html) of a study from its storage and print the trials, "
                     "fastest first. Works on any study directory, including one whose search is still running.",
     )
     p.add_argument("dir", help="the study's output directory (autofit search --out)")
@@ -32,6 +33,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--storage", help="the storage URL when the study is in a database (its password is not saved)")
     p.add_argument("--summary", action="store_true", help="print summary.md instead of the trials table")
     p.add_argument("--no-write", action="store_true", help="print only; do not rewrite the tables in DIR")
+    p.add_argument("--html", action="store_true",
+                   help="also rewrite the pictures (*.png) and report.html, one self-contained page")
     p.add_argument("--json", action="store_true", help="print JSON: the selected trials and the best config")
     p.set_defaults(run=run)
 
@@ -39,9 +42,13 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     study = load_snapshot(args.dir, storage=args.storage)
     table = trials_table(study)
+    if args.html and args.no_write:
+        raise ConfigError("--html writes report.html; it cannot go with --no-write")
     if not args.no_write:
         try:
-            write_reports(study, args.dir)
+            written = write_reports(study, args.dir, html=args.html)
+            if args.html:
+                sys.stderr.write(f"autofit: wrote {written['report.html']}\n")
         except OSError as exc:  # a read-only directory: still print
             sys.stderr.write(f"autofit: note: tables not rewritten ({exc})\n")
     shown = select(table, status=args.status, top=args.top)

@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
             "study": result.study_name, "out_dir": str(result.out_dir), "storage": result.storage,
             "workload": result.workload, "device": result.device, "budget_bytes": result.budget_bytes,
             "best": None if result.best is None else result.best.to_dict(), "best_trial": result.best_trial,
-            "best_measured": result.best_measured, "best_predicted": result.best_predicted,
+            "best_measured": result.best_measured, "best_predicted": result.best_predicted, "advice": list(result.advice),
             "n_configs": result.n_configs, "n_pruned": result.n_pruned, "pruned_by_reason": result.pruned_by_reason,
             "n_real": result.n_real, "stop_reason": result.stop_reason, "wall_s": result.wall_s,
             "calibration": result.calibration.to_dict(),
@@ -122,6 +122,8 @@ def _summary(result) -> None:
     print(f"budget     {format_budget(result.budget_bytes)} per device")
     if result.best is None:
         print("best       none: no trial ran under the budget")
+        for i, line in enumerate(result.advice):
+            print(f"{'what fits' if i == 0 else '':<10} {line}")
     else:
         m = result.best_measured
         print(f"best       {result.best.short()}   (trial {result.best_trial})")
@@ -138,3 +140,6 @@ def _summary(result) -> None:
     print(f"stopped    {result.stop_reason}")
     print(f"wall time  {_duration(result.wall_s)}")
     print(f"tables     {result.out_dir}/trials.csv, best.json, summary.md  (autofit report {result.out_dir})")
+    print(f"pictures   {result.out_dir}/report.html (one page: summary, exports, pictures, tables)")
+    if result.best is not None:
+        print(f"export     autofit export {result.out_dir} --to hf|accelerate|lightning|deepspeed|json")

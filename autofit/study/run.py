@@ -141,7 +141,7 @@ def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | 
     finally:
         _record_run(study, settings, started_wall, workers, stop)
         try:
-            write_reports(backend.snapshot(study), out)
+            write_reports(backend.snapshot(study), out, html=True)
         except Exception:  # noqa: BLE001 -- never hide the search's own outcome behind a report error
             if stop is not None:
                 raise
