@@ -66,6 +66,10 @@ class Workload:
     meta: dict = field(default_factory=dict)
     # How to rebuild this workload in another process (the --model spec); set by load_workload.
     source: str | None = None
+    # Optional: cut the model by hand into pipeline stage ``rank`` of ``bounds`` (for models the
+    # tracer cannot capture): ``split(model, bounds, rank, example_input) -> (stage_module, replicated)``
+    # where ``replicated`` lists ``{rank: parameter name}`` for weights held on several stages.
+    split: Callable | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:

@@ -120,3 +120,38 @@ def test_lora_estimate_drops_grads_and_optimizer_state_to_the_adapter():
     measured = measure_trial(w, config, measure_steps=1)
     assert measured["status"] == "ok", measured["error"]
     assert abs(predicted - measured["peak_bytes"]) / measured["peak_bytes"] <= 0.02
+
+
+def test_two_stage_split_matches_unsplit_loss_and_update():
+    """Hand-cut stages of a Llama (gloo, two processes): the same losses and parameters as unsplit."""
+    import torch
+
+    from autofit import TrainConfig
+    from autofit.pipeline import measure_split
+    from autofit.training import build_trainee, make_micro_batches, train_step
+
+    w = hf_workload("hf:" + TINY_LLAMA, seq_len=16)
+    config = TrainConfig(micro_batch=2, grad_accum=4, device_split=2)
+    result = measure_split(w, config, device_type="cpu", budget_bytes=None, collect_params=True,
+                           warmup_steps=2, measure_steps=1)
+    assert result["status"] == "ok", result["error"]
+    torch.manual_seed(0)
+    trainee = build_trainee(w, TrainConfig(micro_batch=2, grad_accum=4))
+    torch.manual_seed(1)
+    micro_batches = make_micro_batches(w, config, torch.device("cpu"))
+    losses = [float(train_step(trainee, micro_batches)) for _ in range(len(result["losses"]))]
+    assert result["losses"] == pytest.approx(losses, rel=1e-4)
+    reference = dict(trainee.model.named_parameters())
+    assert set(result["params"]) == set(reference)
+    for name, value in result["params"].items():
+        torch.testing.assert_close(value, reference[name].detach(), rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_model_that_cannot_be_cut_is_refused_with_the_reason():
+    from autofit.hf.stages import cut_stage
+
+    bert = hf_workload("bert?num_hidden_layers=2&hidden_size=32&num_attention_heads=2&intermediate_size=64"
+                       "&vocab_size=50", seq_len=8, task="causal-lm")
+    import torch
+    with pytest.raises(WorkloadError, match="cannot be split into pipeline stages"):
+        cut_stage(bert.model(), [(0, 1), (1, 2)], 0, torch.zeros(1, 8, dtype=torch.long))

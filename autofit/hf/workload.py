@@ -26,6 +26,7 @@ import torch
 
 from autofit.errors import WorkloadError
 from autofit.hf.spec import PREFIX, parse_value, require_transformers, resolve_config
+from autofit.hf.stages import cut_stage
 from autofit.workload import Workload
 
 TASKS = ("causal-lm", "seq-cls", "image-cls")
@@ -277,6 +278,7 @@ def hf_workload(spec: str, *, seq_len: int | None = None, task: str | None = Non
         meta={"kind": "huggingface", "task": task, "model_type": config.model_type,
               "seq_len": seq_len, "lora": lora_text},
         source=PREFIX + spec + "".join(f"#{k}={v}" for k, v in options.items()),
+        split=cut_stage if task == "causal-lm" and not lora_kwargs else None,
     )
 
 

@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_map_only
 
 from autofit.config import PipelineSchedule, Precision, TrainConfig, stage_bounds
 from autofit.ranks import last_line, root_cause
+from autofit.errors import WorkloadError
 from autofit.training import apply_config, autocast_context, make_micro_batches, param_dtype, to_device
 from autofit.workload import Workload
 
@@ -200,7 +201,13 @@ def build_stage(workload: Workload, config: TrainConfig, *, rank: int, world_siz
 
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    stage_module, replicated_spec = _trace_stage(model, layers_fqn, all_bounds, example_args, rank)
+    if workload.split is not None:  # cut by hand (a model the tracer cannot capture)
+        try:
+            stage_module, replicated_spec = workload.split(model, all_bounds, rank, example_args[0])
+        except WorkloadError as exc:
+            raise SplitError(str(exc)) from exc
+    else:
+        stage_module, replicated_spec = _trace_stage(model, layers_fqn, all_bounds, example_args, rank)
     del model, layers
     gc.collect()
 
