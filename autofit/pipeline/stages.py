@@ -21,8 +21,8 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from autofit.config import PipelineSchedule, Precision, TrainConfig, stage_bounds
-from autofit.ranks import last_line, root_cause
 from autofit.errors import WorkloadError
+from autofit.ranks import last_line, root_cause
 from autofit.training import apply_config, autocast_context, make_micro_batches, param_dtype, to_device
 from autofit.workload import Workload
 
