@@ -6,7 +6,8 @@
   (``use_cache=False``), the 7B preset included;
 - the trial runner: a trial's wall time split into process start and model build (a trial that
   goes over its budget at the first operator) against the measured steps;
-- the memory tracker: the same training steps with and without it.
+- the memory tracker: the same training steps with and without it;
+- sizing: ``autofit size``'s default grid of shapes times the default space, from the estimate alone.
 """
 
 from __future__ import annotations
@@ -93,6 +94,24 @@ def _default_space_scoring(quick: bool, progress) -> list[dict]:
         rows.append({"kind": "estimator", "item": f"default space ({len(configs)} configs), {name}",
                      "metric": "score_s", "value": wall, "unit": "s", "note": "first call, cold per-structure cache"})
     return rows
+
+
+def _size_scoring(quick: bool, progress) -> list[dict]:
+    """``autofit size``'s default grid (13 depths x 14 widths) times the default space, from the estimate alone."""
+    from autofit.sizing import size
+
+    family = "gpt-tiny" if quick else "gpt2"
+    result = size(family, "8GB", device="cpu")
+    t = result.timing
+    progress(f"cost: autofit size {family} 8GB: {t['shapes']} shapes x {t['configs_per_shape']} configs in "
+             f"{t['total_s']:.1f} s ({t['score_s']:.1f} s scoring)")
+    item = f"autofit size --family {family} --budget 8GB: {t['shapes']} shapes x {t['configs_per_shape']} configs"
+    note = (f"{t['profiled']} one-layer profiles (from the cache when warm), {t['interpolated']} widths "
+            "interpolated; answer " + (result.top["spec"] if result.top else "none"))
+    return [{"kind": "size", "item": item, "metric": "total_s", "value": t["total_s"], "unit": "s", "note": note},
+            {"kind": "size", "item": item, "metric": "profile_s", "value": t["profile_s"], "unit": "s", "note": ""},
+            {"kind": "size", "item": item, "metric": "score_s", "value": t["score_s"], "unit": "s",
+             "note": f"{t['configs_scored']:,} configs: estimate_table + predict_table per shape"}]
 
 
 def _profile_times(quick: bool, progress) -> list[dict]:
@@ -198,6 +217,7 @@ def run_cost(out_dir: Path, env: dict, *, quick: bool = False,
     rows = _estimator_rate(progress)
     rows += _profile_times(quick, progress)
     rows += _default_space_scoring(quick, progress)
+    rows += _size_scoring(quick, progress)
     rows += _trial_overhead(quick, progress)
     rows += _tracker_slowdown(quick, progress)
     res = CostResults(rows, time.perf_counter() - started)
@@ -226,7 +246,7 @@ def write_cost(out_dir: Path, env: dict, res: CostResults) -> list[Path]:
     rep.add(f"Suite wall time: {res.wall_s / 60:.1f} min. Wall-clock times on a machine shared with other "
             "processes: compare within one run, not across runs.")
     titles = {"estimator": "Estimator throughput", "profile": "Profiling on fake tensors (cold cache)",
-              "trial": "Trial runner overhead", "tracker": "Memory tracker slowdown"}
+              "size": "Sizing: shapes x configs from the estimate alone", "trial": "Trial runner overhead", "tracker": "Memory tracker slowdown"}
     for kind, title in titles.items():
         rows = [[r["item"], r["metric"], _fmt(r["value"], r["unit"]), r["unit"], r["note"]]
                 for r in res.rows if r["kind"] == kind]
