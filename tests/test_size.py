@@ -185,6 +185,7 @@ def test_cli_json_and_out(tmp_path, capsys):
     assert data["top"]["spec"].startswith("gpt-tiny")
     assert json.loads((out / "size.json").read_text())["top"] == data["top"]
     assert (out / "shapes.csv").read_text().count("\n") == 5
+    assert "answer: " in (out / "summary.md").read_text()
     pytest.importorskip("matplotlib")
     assert (out / "frontier.png").stat().st_size > 0
 

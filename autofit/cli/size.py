@@ -65,12 +65,16 @@ def run(args: argparse.Namespace) -> int:
             plot_frontier(result, out / "frontier.png")
         except ImportError:
             progress("matplotlib is not installed: no frontier.png")
+    lines = _summary(result, args.top)
+    if args.out:
+        (out / "summary.md").write_text(f"# autofit size --family {result.family} --budget {result.budget_text}\n\n"
+                                        "```\n" + "\n".join(_summary(result, 0)) + "\n```\n")
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
         return 0
-    _print(result, args.top)
+    print("\n".join(lines))
     if args.out:
-        print(f"\nwritten: {args.out}/size.json, shapes.csv, frontier.png")
+        print(f"\nwritten: {args.out}/size.json, shapes.csv, summary.md, frontier.png")
     return 0
 
 
@@ -78,7 +82,9 @@ def _rate(value) -> str:
     return "-" if value is None or value != value else f"{value:,.0f}"
 
 
-def _print(result, top: int) -> None:
+def _summary(result, top: int) -> list[str]:
+    lines: list[str] = []
+    print = lines.append  # noqa: A001 -- the same text goes to stdout and to summary.md
     t = result.timing
     fields = list(result.fields)
     print(f"family     {result.family} (varied: {', '.join(fields)})")
@@ -91,7 +97,7 @@ def _print(result, top: int) -> None:
     fits = table[table["fits"]]
     print(f"fit        {len(fits)} of {len(table)} shapes fit at least one config")
     measured = "measured_status" in table
-    print()
+    print("")
     head = "  ".join(f"{f:>8}" for f in fields)
     extra = f"  {'measured peak':>13}  {'tok/s':>8}  status" if measured else ""
     print(f"{head}  {'params':>13}  {'best predicted config':<34} {'peak':>10}  {'tok/s':>8}  frontier{extra}")
@@ -107,19 +113,20 @@ def _print(result, top: int) -> None:
         print(line)
     if len(shown) < len(fits):
         print(f"... {len(fits) - len(shown)} more fitting shapes (--top 0 shows all)")
-    print()
+    print("")
     print("frontier (largest model at each predicted throughput):")
     for row in result.frontier.to_dict("records"):
         print(f"  {int(row['param_count']):>13,} params  {_rate(row['tokens_per_s']):>8} tok/s  {row['spec']}")
     top_row = result.top
-    print()
+    print("")
     if top_row is None:
         floor = f" at {result.min_tokens_per_s:,.0f} tokens/s or more" if result.min_tokens_per_s else ""
         print(f"Nothing in the grid fits {format_budget(result.budget_bytes)}{floor}: try smaller shapes "
               "(--vary) or more devices (--devices).")
-        return
+        return lines
     config = top_row["config"]
     print(f"answer: {top_row['spec']} ({int(top_row['param_count']):,} parameters) with {config.short()}, "
           f"predicted peak {format_bytes(top_row['peak_bytes'])}")
     cfg = ",".join(f"{k}={v}" for k, v in config.to_dict().items())
     print(f"  check it: autofit measure --model {top_row['spec']} --config {cfg} --budget {result.budget_text}")
+    return lines
