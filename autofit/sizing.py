@@ -37,7 +37,7 @@ from autofit.config import TrainConfig
 from autofit.family import Family, SizeError, load_family, parse_vary
 from autofit.memory_model import estimate_table
 from autofit.scaling import ShapeProfile, shape_profiles
-from autofit.space import SearchSpace, load_space
+from autofit.space import SearchSpace, builtin_spaces, load_space
 from autofit.time_model import predict_table, probe_rates
 
 SHAPE_COLUMNS = ("spec", "param_count", "fits", "reason", "config", "peak_bytes", "step_time_s", "samples_per_s",
@@ -213,7 +213,7 @@ def size(family: Family | str, budget: str | int = "8GB", *, vary: dict | list[s
               "profile_s": info["profile_s"], "profiled": info["profiled"], "interpolated": info["interpolated"],
               "score_s": score_s, "total_s": time.perf_counter() - started}
     result = SizeResult(family=fam.name, budget_bytes=budget_bytes, budget_text=budget_text, device_type=device,
-                        devices=devices, space=resolved_space.source, fields=tuple(grid),
+                        devices=devices, space=_space_label(resolved_space.source), fields=tuple(grid),
                         min_tokens_per_s=min_tokens_per_s, table=table, timing=timing)
     if confirm:
         result = confirm_top(result, confirm, trial_timeout_s, progress)
@@ -232,6 +232,12 @@ def _finish_table(table: pd.DataFrame, fields: list[str]) -> pd.DataFrame:
     table["frontier"] = pareto_frontier(params, throughput.fillna(-np.inf).to_numpy(), table["fits"].to_numpy())
     table = table.assign(_p=params).sort_values(["fits", "_p"], ascending=[False, False], kind="stable")
     return table.drop(columns="_p").reset_index(drop=True)[fields + list(SHAPE_COLUMNS)]
+
+
+def _space_label(source: str) -> str:
+    """A built-in space by its name (no machine path in written results), any other by its path."""
+    builtin = {str(f): name for name, f in builtin_spaces().items()}
+    return builtin.get(source, source)
 
 
 def _default_device() -> str:

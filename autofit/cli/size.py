@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
             progress("matplotlib is not installed: no frontier.png")
     lines = _summary(result, args.top)
     if args.out:
-        (out / "summary.md").write_text(f"# autofit size --family {result.family} --budget {result.budget_text}\n\n"
+        (out / "summary.md").write_text(f"# {_command(args)}\n\n"
                                         "```\n" + "\n".join(_summary(result, 0)) + "\n```\n")
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
@@ -76,6 +76,18 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         print(f"\nwritten: {args.out}/size.json, shapes.csv, summary.md, frontier.png")
     return 0
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The command line that reproduces this run (its options, not --json/--out/--top)."""
+    parts = ["autofit size", f"--family {args.family}", f"--budget {args.budget}"]
+    parts += [f"--vary {v}" for v in args.vary or []]
+    for flag in ("devices", "space", "global_batch", "min_tokens_per_s", "device"):
+        if getattr(args, flag) is not None:
+            parts.append(f"--{flag.replace('_', '-')} {getattr(args, flag)}")
+    if args.confirm:
+        parts.append(f"--confirm {args.confirm}")
+    return " ".join(parts)
 
 
 def _rate(value) -> str:
