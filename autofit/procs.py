@@ -50,7 +50,7 @@ from pathlib import Path
 __all__ = ["MAX_MESSAGE_BYTES", "STDERR_TAIL_BYTES", "Child", "child_env", "die_with_parent", "exit_text",
            "fork", "pump", "spawn"]
 
-MAX_MESSAGE_BYTES = 1 << 20  # a message is a small result; more than this is not one
+MAX_MESSAGE_BYTES = 64 << 20  # results are small (a profile: ~100 KB); more than this is not a result
 STDERR_TAIL_BYTES = 8192
 _REAP_GRACE_S = 2.0          # after SIGKILL, how long to wait for the group's members to go
 _PARENT_POLL_S = 0.5
@@ -340,7 +340,7 @@ def spawn(entry: str, request: dict, *, timeout_s: float | None = None, new_grou
     """
     if ":" not in entry:
         raise ValueError(f"entry must be 'package.module:function', got {entry!r}")
-    payload = json.dumps(request)
+    payload = json.dumps(request).encode()
     message_r, message_w = os.pipe()
     stderr_r, stderr_w = (None, None) if log_path is not None else os.pipe()
     log = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115 -- closed below
@@ -348,8 +348,8 @@ def spawn(entry: str, request: dict, *, timeout_s: float | None = None, new_grou
     try:
         popen = subprocess.Popen(
             [sys.executable, "-c", "from autofit.procs import child_main; child_main()", entry, str(message_w),
-             str(os.getpid()), payload],
-            pass_fds=(message_w,), stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+             str(os.getpid())],
+            pass_fds=(message_w,), stdin=subprocess.PIPE, stdout=out, stderr=out,
             env=env if env is not None else child_env(),
             start_new_session=new_group)  # its own session and group, set before exec: no race
     except BaseException:
@@ -363,8 +363,19 @@ def spawn(entry: str, request: dict, *, timeout_s: float | None = None, new_grou
                 os.close(fd)
         if log is not None:
             log.close()
+    # The request goes on the child's stdin (no size limit, unlike an argument), from a thread:
+    # more than a pipe's buffer would block us until the child reads it.
+    threading.Thread(target=_write_and_close, args=(popen.stdin, payload), name="autofit-request",
+                     daemon=True).start()
     return Child(popen.pid, message_r, stderr_r, new_group=new_group, timeout_s=timeout_s, echo_stderr=echo_stderr,
                  log_path=log_path, popen=popen)
+
+
+def _write_and_close(pipe, data: bytes) -> None:
+    with contextlib.suppress(OSError):  # a child that died first does not read it
+        pipe.write(data)
+    with contextlib.suppress(OSError):
+        pipe.close()
 
 
 def fork(function: Callable[[dict, Send], dict | None], request: dict, *, timeout_s: float | None = None,
@@ -408,8 +419,12 @@ def fork(function: Callable[[dict, Send], dict | None], request: dict, *, timeou
 
 
 def child_main() -> None:
-    """Entry point of a spawned child: ``python -c '...; child_main()' ENTRY MESSAGE_FD PARENT_PID REQUEST_JSON``."""
-    entry, fd, parent_pid, request = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
+    """Entry point of a spawned child: ``python -c '...; child_main()' ENTRY MESSAGE_FD PARENT_PID``, the request on stdin."""
+    entry, fd, parent_pid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    request = json.loads(sys.stdin.buffer.read())
+    devnull = os.open(os.devnull, os.O_RDONLY)  # stdin is spent: a workload reading it gets EOF, as before
+    os.dup2(devnull, 0)
+    os.close(devnull)
     module_name, _, name = entry.partition(":")
 
     def call(request: dict, send: Send) -> dict | None:

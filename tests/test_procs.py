@@ -125,3 +125,20 @@ def test_exit_text():
     assert procs.exit_text(0) == "exited with status 0"
     assert procs.exit_text(3 << 8) == "exited with status 3"
     assert procs.exit_text(signal.SIGKILL) == "killed by signal SIGKILL"
+
+
+def test_a_request_larger_than_an_argument_or_a_pipe_buffer_arrives_whole():
+    value = "x" * (1 << 20)  # 1 MiB: over Linux's 128 KiB per argument and the 64 KiB pipe buffer
+    child, finished = _run("procs_entries:echo", {"value": value})
+    assert finished and child.last_message()["echo"] == value
+
+
+def test_log_path_receives_the_childs_output(tmp_path):
+    log = tmp_path / "child.log"
+    child = procs.spawn("procs_entries:raising", {}, timeout_s=60, env=ENV, log_path=log)
+    try:
+        assert child.wait()
+    finally:
+        child.kill()
+    assert "the last line of the message" in log.read_text()
+    assert child.failure() == "exited with status 1: the last line of the message"
