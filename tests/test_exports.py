@@ -86,8 +86,49 @@ def test_lightning_trainer_accepts_the_arguments(precision, expected, tmp_path):
     assert trainer.accumulate_grad_batches == 2
     assert trainer.precision == expected  # on the CPU Lightning turns 16-mixed into bf16-mixed ...
     assert exp.extra == {"datamodule": {"batch_size": 16}}
-    # ... and the export says so rather than let it happen silently
+    # ... and the export says so rather than let it happen silently, with the code that keeps fp16
     assert any(n.setting == "precision=amp-fp16" for n in exp.notes) == (precision == "amp-fp16")
+    if precision == "amp-fp16":
+        import torch
+        from lightning.pytorch.plugins import MixedPrecision
+
+        exact = lightning.Trainer(plugins=[MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))],
+                                  accelerator="cpu", logger=False, enable_checkpointing=False,
+                                  enable_progress_bar=False, enable_model_summary=False)
+        assert exact.precision == "16-mixed"
+
+
+def test_the_exact_checkpoint_code_runs_on_a_transformers_model():
+    # What a note gives for checkpoint_every=2: checkpoint_layers on the decoder layers. Same loss and
+    # gradients, and each layer's forward runs twice (once more in backward): checkpointed.
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from autofit.training import checkpoint_layers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 64, (2, 16))
+    calls = []
+    # a pre-hook: recomputation stops early, after the last saved tensor, before a post-hook would run
+    model.model.layers[1].mlp.register_forward_pre_hook(lambda *_: calls.append(1))
+
+    def step():
+        model.zero_grad()
+        calls.clear()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()], len(calls)
+
+    loss, grads, plain_calls = step()
+    note = next(n for n in export("checkpoint_every=2", "hf", device="cpu").notes if n.setting == "checkpoint_every=2")
+    assert "checkpoint_layers(model.model.layers, 2)" in " ".join(note.code)
+    checkpoint_layers(model.model.layers, 2)
+    ckpt_loss, ckpt_grads, ckpt_calls = step()
+    assert (plain_calls, ckpt_calls) == (1, 2)
+    assert torch.allclose(loss, ckpt_loss) and all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, ckpt_grads))
 
 
 @pytest.mark.parametrize("config", [
