@@ -146,6 +146,7 @@ def _profile_times(quick: bool, progress) -> list[dict]:
 
 
 def _trial_overhead(quick: bool, progress) -> list[dict]:
+    from autofit.schedule import DEFAULT_SCHEDULE as schedule
     from autofit.trial import run_trial
 
     rows = []
@@ -160,15 +161,16 @@ def _trial_overhead(quick: bool, progress) -> list[dict]:
     if not quick:
         cases.append(("convnet-bn", TrainConfig(Precision.FP32, 8, 3)))
     for name, config in cases:
-        floor = run_trial(name, config, budget_bytes=1, warmup_steps=2, measure_steps=1, timeout_s=240)
-        full = run_trial(name, config, warmup_steps=2, measure_steps=1, timeout_s=240)
-        timed = 3 * (full.step_time_s or 0.0)   # MIN_TIMED_STEPS untracked optimizer steps
+        floor = run_trial(name, config, budget_bytes=1, schedule=schedule, timeout_s=240)
+        full = run_trial(name, config, schedule=schedule, timeout_s=240)
+        timed = schedule.timed_steps * (full.step_time_s or 0.0)   # the untracked optimizer steps
         progress(f"cost: trial {name} {config.short()}: {full.wall_s:.1f} s in all, {floor.wall_s:.1f} s to die at "
                  f"the first operator, {timed:.2f} s of timed steps")
         item = f"{name} `{config.short()}`"
         rows += [
             {"kind": "trial", "item": item, "metric": "trial_wall_s", "value": full.wall_s, "unit": "s",
-             "note": "run_trial: 2 warm-up + 1 tracked step, then 3 timed steps"},
+             "note": f"run_trial: {schedule.warmup_steps} warm-up + {schedule.measured_steps} tracked step, "
+                     f"then {schedule.timed_steps} timed steps"},
             {"kind": "trial", "item": item, "metric": "start_and_build_s", "value": floor.wall_s, "unit": "s",
              "note": f"the same trial with a 1-byte budget (status {floor.status.value}): process start, imports, "
                      "model and optimizer build, batches"},

@@ -48,12 +48,12 @@ from autofit.bench.strategies import (
     optuna_tpe,
 )
 from autofit.config import Precision, TrainConfig
+from autofit.schedule import DEFAULT_SCHEDULE
 
 MiB = 2**20
 
 # Trial settings shared by the grid, the live runs and (through the grid) the replays.
-WARMUP_STEPS = 2
-MEASURE_STEPS = 1
+SCHEDULE = DEFAULT_SCHEDULE  # the steps of a study's trial (autofit.schedule), so grid and search measure alike
 TRIAL_TIMEOUT_S = 240.0
 TARGET_FRACTION = 0.95
 
@@ -174,7 +174,7 @@ def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) 
     predicted = estimate_table(profile, configs)["peak_bytes"].tolist()
     trials = []
     for i, config in enumerate(configs):
-        r = run_trial(cell.workload, config, device="cpu", warmup_steps=WARMUP_STEPS, measure_steps=MEASURE_STEPS,
+        r = run_trial(cell.workload, config, device="cpu", schedule=SCHEDULE,
                       timeout_s=TRIAL_TIMEOUT_S)
         trials.append(r)
         progress(f"grid {cell.workload} [{i + 1}/{len(configs)}] {config.short()}: {r.status.value} "
@@ -191,8 +191,8 @@ def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) 
         points[config] = GridPoint(config, r.status.value, r.peak_bytes, best, step, r.wall_s, pred, r.error,
                                    r.samples_per_s, other)
     progress(f"grid {cell.workload}: second throughput sample of {len(second)} configs done")
-    floor = run_trial(cell.workload, configs[0], device="cpu", budget_bytes=1, warmup_steps=WARMUP_STEPS,
-                      measure_steps=MEASURE_STEPS, timeout_s=TRIAL_TIMEOUT_S)
+    floor = run_trial(cell.workload, configs[0], device="cpu", budget_bytes=1, schedule=SCHEDULE,
+                      timeout_s=TRIAL_TIMEOUT_S)
     progress(f"grid {cell.workload}: a trial over its budget at the first operator took {floor.wall_s:.1f} s "
              f"({floor.status.value})")
     return Grid(cell, points, floor.wall_s, problem.param_count, time.perf_counter() - started, first_use_s)
@@ -235,8 +235,8 @@ class LiveOracle(Oracle):
     def _run(self, config: TrainConfig) -> Outcome:
         from autofit.trial import run_trial
 
-        r = run_trial(self.workload, config, device="cpu", budget_bytes=self.budget_bytes, warmup_steps=WARMUP_STEPS,
-                      measure_steps=MEASURE_STEPS, timeout_s=TRIAL_TIMEOUT_S)
+        r = run_trial(self.workload, config, device="cpu", budget_bytes=self.budget_bytes, schedule=SCHEDULE,
+                      timeout_s=TRIAL_TIMEOUT_S)
         self.progress(f"live {self.label}: {config.short()} {r.status.value} {seconds(r.samples_per_s)} samples/s "
                       f"({r.wall_s:.1f} s)")
         return Outcome(config, r.status.value, r.samples_per_s, r.peak_bytes, r.wall_s, r.step_time_s, r)
@@ -533,7 +533,8 @@ def write_search(out_dir: Path, env: dict, res: SearchResults, strategies: tuple
 
     rep = Report("Search: autofit against its peers", env)
     rep.add(f"Suite wall time: {res.wall_s / 60:.1f} min. Grids measured with `run_trial` "
-            f"(warm-up {WARMUP_STEPS}, measured {MEASURE_STEPS} step(s), timed steps 3), one config at a time. "
+            f"(warm-up {SCHEDULE.warmup_steps}, measured {SCHEDULE.measured_steps} step(s), timed steps "
+            f"{SCHEDULE.timed_steps}), one config at a time. "
             f"Replayed figures: {res.seeds} seeds per strategy and cell (median [min–max]); deterministic "
             "strategies give the same figures for every seed. Live figures: one real run per strategy on "
             f"{res.live_cell[0]} @ {res.live_cell[1] / MiB:.0f} MiB (seed 0) — "
