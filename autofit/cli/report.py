@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     c = counts(table)
     print(f"study {study.study_name}: {len(table)} trials, {c['real']} real, {c['pruned']} configs pruned")
-    print(f"{'#':>4} {'status':<8} {'precision':<9} {'mb':>4} {'ga':>4} {'ckpt':>4} {'split':>5} "
+    print(f"{'#':>4} {'status':<11} {'precision':<9} {'mb':>4} {'ga':>4} {'ckpt':>4} {'split':>5} "
           f"{'pred peak':>11} {'peak':>11} {'err':>7} {'samples/s':>11} {'step':>9}  reason")
     for r in shown.itertuples():
         err = "" if r.peak_error is None or r.peak_error != r.peak_error else f"{100 * r.peak_error:+.1f}%"
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         peak = "" if _na(r.measured_peak_bytes) else format_bytes(r.measured_peak_bytes)
         pred = "" if _na(r.predicted_peak_bytes) else format_bytes(r.predicted_peak_bytes)
         reason = r.reason if isinstance(r.reason, str) else (r.error if isinstance(r.error, str) else "")
-        print(f"{r.number:>4} {r.status:<8} {r.precision:<9} {r.micro_batch:>4} {r.grad_accum:>4} "
+        print(f"{r.number:>4} {r.status:<11} {r.precision:<9} {r.micro_batch:>4} {r.grad_accum:>4} "
               f"{r.checkpoint_every:>4} {r.device_split:>5} {pred:>11} {peak:>11} {err:>7} {sps:>11} {step:>9}  "
               f"{reason[:70]}")
     best = best_record(study)

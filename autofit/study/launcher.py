@@ -1,80 +1,80 @@
-"""Several local workers on one study: start them as processes, report progress from the storage, wait.
+"""Several local workers on one study: :mod:`autofit.procs` children, progress read from the storage.
 
-Each worker is ``python -m autofit.study.launcher SETTINGS_JSON PARENT_PID``: it runs
-:func:`autofit.study.worker.run_worker` and interrupts itself when the search process is gone
-(its running trial is then marked interrupted).
+Each worker is a :func:`autofit.procs.spawn` child running :func:`worker_entry` (the study's
+settings as its JSON request): it runs :func:`autofit.study.worker.run_worker` and sends one
+message, ``{"stop_reason": ...}`` or, for a user error, ``{"error": ...}``. Its stderr goes to
+``<out>/worker-<i>.log``. Like every procs child it dies, with what it started, when the search
+process is gone; a trial it left running is marked interrupted by the next worker on the study
+(its process is gone) and planned again.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import optuna
 
+from autofit import procs
 from autofit.errors import AutofitError, StudyError
 from autofit.study import storage
 from autofit.study.progress import ProgressCallback, progress_of
 from autofit.study.settings import StudySettings
-from autofit.workload import load_workload
 
 STOP_GRACE_S = 15.0        # after Ctrl-C, workers get this long to mark their trials before a kill
+POLL_S = 1.0               # how often progress is read from the storage
 
 
 def worker_env(settings: StudySettings, workers: int, gpus: list[str]) -> dict:
     """A worker's environment: this autofit importable, its GPUs, a fair share of the CPU cores."""
-    env = dict(os.environ)
-    package_root = str(Path(__file__).resolve().parent.parent.parent)  # so the worker imports this autofit
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    extra = {}
     if settings.device_type == "cuda":
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        extra["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     elif "OMP_NUM_THREADS" not in os.environ:
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
-    return env
+        extra["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
+    return procs.child_env(extra)
 
 
 def run_workers(settings: StudySettings, workers: int, gpu_slices: list[list[str]], study: optuna.Study,
                 emit: ProgressCallback, started: float) -> str:
     """Start ``workers`` worker processes on the study, report progress from the storage, wait for them.
 
-    Each worker's stderr goes to ``<out>/worker-<i>.log``; a worker that fails makes this raise
-    StudyError with its last line (after the others finished).
+    Returns the stop reason. A worker that fails makes this raise StudyError with its error
+    (after the others finished); KeyboardInterrupt interrupts the workers (they mark their
+    running trials) and propagates.
     """
     out_dir = Path(settings.out_dir)
-    procs, logs = [], []
-    for w in range(workers):
-        env = worker_env(settings, workers, gpu_slices[w] if gpu_slices else [])
-        log_path = out_dir / f"worker-{w}.log"
-        logs.append(log_path)
-        with open(log_path, "w") as log:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "autofit.study.launcher", settings.to_json(), str(os.getpid())],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
-                start_new_session=True))  # a terminal's Ctrl-C reaches this process, which forwards it
+    children = []
     try:
-        _watch(procs, study, workers, emit, started)
+        for w in range(workers):
+            log_path = out_dir / f"worker-{w}.log"
+            log_path.write_text("")  # this run's log only
+            children.append(procs.spawn(
+                "autofit.study.launcher:worker_entry", {"settings": settings.to_json()},
+                env=worker_env(settings, workers, gpu_slices[w] if gpu_slices else []), log_path=log_path))
+        _watch(children, study, workers, emit, started)
     except BaseException:
-        _stop(procs)
+        _stop(children)
         raise
     errors = []
-    for p, log_path in zip(procs, logs):
-        if p.returncode != 0:
-            lines = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
-            errors.append(lines[-1] if lines else f"exited with status {p.returncode}")
+    for child in children:
+        child.kill()  # reaps it (it is done)
+        message = child.last_message() or {}
+        if "error" in message:
+            errors.append(message["error"])
+        elif "stop_reason" not in message:
+            errors.append(child.failure())
     if errors:
-        raise StudyError(f"a worker failed: {errors[0].removeprefix('autofit: error: ')} (see {logs[0].parent}/worker-*.log)")
+        raise StudyError(f"a worker failed: {errors[0]} (see {out_dir}/worker-*.log)")
     return study.user_attrs.get("stop_reason") or "workers finished"
 
 
-def _watch(procs, study: optuna.Study, workers: int, emit: ProgressCallback, started: float) -> None:
+def _watch(children: list[procs.Child], study: optuna.Study, workers: int, emit: ProgressCallback,
+           started: float) -> None:
     seen = None
-    while any(p.poll() is None for p in procs):
-        time.sleep(1.0)
+    while not all(child.done for child in children):
+        procs.pump(children, POLL_S)
         records = storage.read_records(study)
         snapshot = tuple((r.number, r.status) for r in records)
         if snapshot != seen:
@@ -84,46 +84,23 @@ def _watch(procs, study: optuna.Study, workers: int, emit: ProgressCallback, sta
             emit(progress_of(records, message, started))
 
 
-def _stop(procs) -> None:
-    """Interrupt the workers (they mark their running trials), then kill what is left."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGINT)
-    deadline = time.monotonic() + STOP_GRACE_S
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+def _stop(children: list[procs.Child]) -> None:
+    """Interrupt the workers (each marks its running trial interrupted), then kill what is left."""
+    for child in children:
+        child.signal(signal.SIGINT)
+    for child in children:
+        child.extend_deadline(STOP_GRACE_S)
+        child.wait()
+        child.kill()
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """In a worker: when the search process is gone, interrupt ourselves (the running trial is marked interrupted)."""
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(0.5)
-        os.kill(os.getpid(), signal.SIGINT)
-
-    threading.Thread(target=watch, name="autofit-parent-watch", daemon=True).start()
-
-
-def worker_main(argv: list[str]) -> int:
-    """A worker process: ``argv`` is ``[SETTINGS_JSON, PARENT_PID]``. Returns its exit status."""
+def worker_entry(request: dict, send: procs.Send) -> dict:
+    """A worker process (a procs child): run the study of ``request["settings"]`` until it stops."""
     from autofit.study.worker import run_worker
+    from autofit.workload import load_workload
 
-    settings = StudySettings.from_json(argv[0])
-    die_with_parent(int(argv[1]))
+    settings = StudySettings.from_json(request["settings"])
     try:
-        run_worker(settings, load_workload(settings.workload_source))
-    except KeyboardInterrupt:
-        return 130
+        return {"stop_reason": run_worker(settings, load_workload(settings.workload_source))}
     except AutofitError as exc:
-        sys.stderr.write(f"autofit: error: {exc}\n")
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(worker_main(sys.argv[1:]))
-
+        return {"error": str(exc)}
