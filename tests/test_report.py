@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import json
+from pathlib import Path
 
 import pytest
 from optuna.trial import TrialState, create_trial
@@ -127,3 +129,26 @@ def test_a_study_cannot_be_resumed_with_another_budget(study_dir):
         **{k: v for k, v in open_study(study_dir).user_attrs["settings"].items()}, "budget_bytes": 2 * BUDGET}))
     with pytest.raises(StudyError, match="another budget_bytes"):
         create_or_load(dataclasses.replace(settings, out_dir=str(study_dir)))
+
+
+def test_a_journal_written_by_autofit_0_1_reads_the_same(tmp_path):
+    """results/examples/gpt-tiny-8GB was written by autofit 0.1 (user attrs, no split_mode param)."""
+    import shutil
+
+    import pandas as pd
+
+    example = Path(__file__).resolve().parent.parent / "results" / "examples" / "gpt-tiny-8GB"
+    shutil.copy(example / "study.journal", tmp_path / "study.journal")  # reading takes a lock file beside it
+    shutil.copy(example / "study.json", tmp_path / "study.json")
+    study = load_snapshot(tmp_path)
+    statuses = [r.status.value for r in study.records]
+    assert len(statuses) == 315 and statuses.count("pruned") == 308 and statuses.count("ok") == 7
+    assert {r.prune_reason.value for r in study.records if r.prune_reason} == {"devices", "dominated"}
+    best = json.loads((example / "best.json").read_text())
+    assert best_record(study)["trial"] == best["trial"] == 309
+    assert best_record(study)["measured"]["samples_per_s"] == best["measured"]["samples_per_s"]
+    # the committed table, rebuilt from the journal (columns added since are not compared)
+    table = pd.read_csv(io.StringIO(trials_table(study).to_csv(index=False)))
+    committed = pd.read_csv(example / "trials.csv")
+    committed["status"] = committed["status"].replace({"complete": "ok", "failed": "interrupted"})  # 0.1's words
+    pd.testing.assert_frame_equal(table[list(committed.columns)], committed, check_dtype=False)

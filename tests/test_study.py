@@ -1,9 +1,9 @@
-"""The study: planning rules on synthetic trials (fast), calibration, then real searches that are
-killed and resumed, and two workers sharing one study.
+"""The study: planning rules on synthetic records (fast), calibration, records read from storage
+(including a journal written by autofit 0.1), a search through an injected trial runner, then
+real searches that are killed and resumed, and two workers sharing one study.
 
-``tiny_lm`` below is the workload of every search test (this file's path + ``:tiny_lm`` is its
-``--model`` spec): an embedding, four residual blocks and a head, so that the profiler can
-follow gradients into the first block.
+The workload of every search test is ``tiny_lm`` (tests/trial_workloads.py, spec ``TINY``): an
+embedding, four residual blocks and a head.
 """
 
 from __future__ import annotations
@@ -18,76 +18,20 @@ from pathlib import Path
 
 import optuna
 import pytest
-import torch
-import torch.nn.functional as F
 from optuna.trial import TrialState
-from torch import nn
 
 from autofit.calibration import PRIOR_MARGIN, Calibration, Observation, TimePoint, calibrate
 from autofit.calibration import relative_error
 from autofit.config import TrainConfig
-from autofit.workload import Workload
+
+from trial_workloads import TINY_LM as TINY
 
 REPO = Path(__file__).resolve().parent.parent
-TINY = f"{Path(__file__).resolve()}:tiny_lm"
-VOCAB, DIM, SEQ = 64, 32, 8
-
-
-class _Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.fc = nn.Linear(DIM, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, DIM)
-        return x + F.gelu(self.fc(self.norm(x)))
-
-
-class _TinyLM(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(_Block() for _ in range(4))
-        self.head = nn.Linear(DIM, VOCAB)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, VOCAB)
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-def _batch(n: int):
-    generator = torch.Generator().manual_seed(n)
-    tokens = torch.randint(0, VOCAB, (n, SEQ + 1), generator=generator)
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-def tiny_lm() -> Workload:
-    """The search tests' workload: a few hundred KiB, trials dominated by process start."""
-    return Workload(name="tiny-lm", model=_TinyLM, batch=_batch,
-                    loss=lambda logits, targets: F.cross_entropy(logits.flatten(0, 1), targets.flatten()),
-                    tokens_per_sample=SEQ)
-
-
-def cache_dir(tmp_path_factory) -> Path:
-    """One profile/rates cache for the whole test session (profiling costs seconds)."""
-    return tmp_path_factory.getbasetemp() / "autofit-cache"
 
 
 @pytest.fixture(autouse=True)
-def _env(monkeypatch, tmp_path_factory):
-    monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(cache_dir(tmp_path_factory)))
+def _env(monkeypatch):
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # a loaded shared machine: no spin-waiting
-
-
-def write_space(path: Path, **values) -> Path:
-    lines = []
-    for key, value in values.items():
-        lines.append(f"{key} = {value!r}".replace("'", '"'))
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 # --- planning on synthetic trials ----------------------------------------------------------------
@@ -98,13 +42,11 @@ from autofit.study import Planner, StudySettings, space_to_dict  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def tiny_profile(tmp_path_factory):
+def tiny_profile():
     from autofit.profile import profile_workload
     from autofit.workload import load_workload
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("AUTOFIT_CACHE_DIR", str(cache_dir(tmp_path_factory)))
-        return profile_workload(load_workload(TINY), ["fp32", "amp-bf16"], device_type="cpu")
+    return profile_workload(load_workload(TINY), ["fp32", "amp-bf16"], device_type="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -353,6 +295,65 @@ def test_calibration_round_trips_and_relative_error():
     assert relative_error(None, 100) is None and relative_error(1.0, None) is None
 
 
+# --- a search through an injected trial runner (no child processes) ---------------------------------
+
+
+class FakeRunner:
+    """Answers trials without running them: fp32 at micro-batch 4 runs out of memory, everything else
+    fits at 1 MB, and amp-bf16 is three times as fast as fp32."""
+
+    def __init__(self, interrupt_at: int | None = None) -> None:
+        self.calls = []
+        self.interrupt_at = interrupt_at
+
+    def __call__(self, workload, config, *, device, budget_bytes, timeout_s):
+        from autofit.trial import TrialResult, TrialStatus as Status
+
+        self.calls.append((config, device, budget_bytes, timeout_s))
+        if len(self.calls) == self.interrupt_at:
+            raise KeyboardInterrupt
+        if config.precision.value == "fp32" and config.micro_batch == 4:
+            return TrialResult("tiny-lm", config, device, Status.OOM, error="over the budget", wall_s=1.0)
+        rate = (30.0 if config.precision.value == "amp-bf16" else 10.0) * config.micro_batch
+        return TrialResult("tiny-lm", config, device, Status.OK, peak_bytes=10**6, per_device_peak_bytes=[10**6],
+                           samples_per_s=rate, step_time_s=4 / rate, wall_s=1.0, budget_bytes=budget_bytes)
+
+
+SMALL_SPACE = {"precision": ["fp32", "amp-bf16"], "micro_batch": [2, 4], "global_batch": 4, "checkpoint_every": [0, 1]}
+
+
+def test_a_search_runs_its_trials_through_the_injected_runner(tmp_path):
+    from autofit.study import load_snapshot, search
+
+    runner = FakeRunner()
+    result = search(TINY, "64MB", space=SMALL_SPACE, out_dir=tmp_path / "s", device="cpu", patience=10,
+                    trial_runner=runner)
+    configs = [c for c, *_ in runner.calls]
+    assert configs and len(configs) == len(set(configs)), "a config ran twice"
+    assert all(device == "cpu" and budget == 64_000_000 and 0 < limit <= 180 for _, device, budget, limit in runner.calls)
+    records = {r.config: r for r in load_snapshot(tmp_path / "s").records if r.status.ran}
+    assert set(records) == set(configs) and result.n_real == len(configs)
+    fp32_4 = TrainConfig("fp32", 4, 1)
+    if fp32_4 in records:  # what the runner said is what was stored
+        assert records[fp32_4].status.value == "oom" and not records[fp32_4].feasible
+    # the fastest the runner reported among what ran: amp-bf16 (3x) at the largest micro-batch that ran
+    assert result.best.precision.value == "amp-bf16" and result.best_measured["samples_per_s"] == max(
+        r.value for r in records.values() if r.feasible)
+    assert (tmp_path / "s" / "trials.csv").is_file()
+
+
+def test_an_interrupted_trial_is_recorded_interrupted_and_the_interrupt_propagates(tmp_path):
+    from autofit.errors import StudyError
+    from autofit.study import load_snapshot, search
+
+    with pytest.raises(KeyboardInterrupt):
+        search(TINY, "64MB", space=SMALL_SPACE, out_dir=tmp_path / "s", device="cpu", trial_runner=FakeRunner(2))
+    statuses = [r.status.value for r in load_snapshot(tmp_path / "s").records if r.status.value != "pruned"]
+    assert len(statuses) == 2 and statuses[0] in ("ok", "oom") and statuses[1] == "interrupted"
+    with pytest.raises(StudyError, match="trial_runner runs in this process only"):
+        search(TINY, "64MB", space=SMALL_SPACE, out_dir=tmp_path / "t", workers=2, trial_runner=FakeRunner())
+
+
 # --- real searches -----------------------------------------------------------------------------------
 
 
@@ -370,7 +371,7 @@ def _trials_by_state(out: Path):
 
 
 @pytest.mark.slow
-def test_kill_9_mid_search_then_the_same_command_resumes(tmp_path):
+def test_kill_9_mid_search_then_the_same_command_resumes(tmp_path, write_space):
     space = write_space(tmp_path / "space.toml", precision=["fp32"], micro_batch=[4, 8], global_batch=8)
     out = tmp_path / "study"
     command = [sys.executable, "-m", "autofit", "search", "--model", TINY, "--budget", "64MB", "--space", str(space),
