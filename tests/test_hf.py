@@ -155,3 +155,27 @@ def test_a_model_that_cannot_be_cut_is_refused_with_the_reason():
     import torch
     with pytest.raises(WorkloadError, match="cannot be split into pipeline stages"):
         cut_stage(bert.model(), [(0, 1), (1, 2)], 0, torch.zeros(1, 8, dtype=torch.long))
+
+
+def test_builtin_llama_7b_and_default_hf_llama_agree():
+    """Same parameter count, weights, gradients and AdamW state (bf16, built on the meta device);
+    AdamW's only difference is its 4-byte ``step`` per tensor (the built-in fuses q, k, v)."""
+    import torch
+
+    from autofit.workloads import BUILTINS
+
+    def model_state(workload):
+        with torch.device("meta"):
+            params = list(workload.model().to(torch.bfloat16).parameters())
+            optimizer = workload.optimizer(params)
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            optimizer.step()
+        state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+        return (sum(p.numel() for p in params), nbytes(params), nbytes(p.grad for p in params),
+                nbytes(state) - 4 * len(params))
+
+    builtin, hf = model_state(BUILTINS["llama-7b"]()), model_state(hf_workload("llama"))
+    assert builtin == hf
+    assert builtin[0] == 6_738_415_616

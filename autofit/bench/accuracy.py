@@ -37,6 +37,17 @@ from autofit.config import Precision, TrainConfig
 
 MAIN_WORKLOADS = ("gpt-tiny", "convnet-bn")
 EXTRA_WORKLOADS = ("lstm-lm",)
+# Issue 12: tiny configs of four Hugging Face families (three decoders, one vision encoder),
+# built from their transformers config classes; the hf extra must be installed.
+HF_WORKLOADS = (
+    "hf:gpt2?n_layer=4&n_embd=128&n_head=4&vocab_size=2048#seq_len=64",
+    "hf:llama?num_hidden_layers=4&hidden_size=128&intermediate_size=344&num_attention_heads=4&num_key_value_heads=2"
+    "&vocab_size=2048#seq_len=64",
+    "hf:qwen3?num_hidden_layers=4&hidden_size=128&intermediate_size=344&num_attention_heads=4&num_key_value_heads=2"
+    "&head_dim=32&vocab_size=2048#seq_len=64",
+    "hf:vit?num_hidden_layers=4&hidden_size=128&num_attention_heads=4&intermediate_size=512&image_size=64&patch_size=8",
+)
+HF_TARGET_MEDIAN = 0.02
 TARGET_MEDIAN = 0.03
 TARGET_MAX = 0.08
 ANCHORS = ("LLMem (IJCAI 2024): <= 1.6% on one GPU (3.0% multi-GPU); DNNMem (ESEC/FSE 2020): ~15% mean; "
@@ -74,6 +85,15 @@ _CASES = {
         ("fp32", 8, 2, 0, 2), ("amp-bf16", 8, 2, 0, 2),
     ],
 }
+_HF_DECODER_CASES = [
+    ("fp32", 4), ("fp32", 4, 1, 1), ("fp32", 4, 1, 2), ("amp-bf16", 4), ("amp-bf16", 4, 1, 1), ("amp-bf16", 4, 2, 2),
+    ("bf16", 4, 2), ("bf16", 4, 1, 2), ("amp-fp16", 2), ("amp-fp16", 2, 1, 1),
+    ("fp32", 2, 2, 0, 2), ("amp-bf16", 2, 2, 1, 2),
+]
+_HF_ENCODER_CASES = [("fp32", 8), ("fp32", 8, 1, 1), ("fp32", 8, 1, 2), ("amp-bf16", 8, 2), ("amp-bf16", 8, 1, 2),
+                     ("bf16", 8), ("bf16", 8, 2, 1), ("amp-fp16", 4)]
+_CASES.update({w: _HF_ENCODER_CASES if w.startswith("hf:vit") else _HF_DECODER_CASES for w in HF_WORKLOADS})
+
 _QUICK_CASES = {
     "gpt-tiny": [("fp32", 4), ("amp-bf16", 4, 2, 1), ("bf16", 4), ("amp-fp16", 1), ("fp32", 2, 2, 0, 2)],
     "convnet-bn": [("fp32", 16, 1, 1), ("amp-bf16", 16, 2), ("bf16", 16)],
@@ -84,7 +104,14 @@ _QUICK_CASES = {
 def cases(quick: bool = False, workloads: tuple[str, ...] | None = None) -> dict[str, list[TrainConfig]]:
     """The configs measured per workload."""
     table = _QUICK_CASES if quick else _CASES
-    return {w: [_c(*args) for args in table[w]] for w in (workloads or tuple(table))}
+    names = workloads or tuple(w for w in table if not w.startswith("hf:") or _has_transformers())
+    return {w: [_c(*args) for args in table[w]] for w in names}
+
+
+def _has_transformers() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformers") is not None
 
 
 @dataclass
@@ -210,6 +237,13 @@ def write_accuracy(out_dir: Path, env: dict, res: AccuracyResults) -> list[Path]
     rep.add(f"**Issue 3 target** (median |error| ≤ {pct(TARGET_MEDIAN, 0)}, largest ≤ {pct(TARGET_MAX, 0)}, on "
             f"{' and '.join(main)}, {n_main} configs): **{verdict}** — median {pct(main_stats.median, 2)}, largest "
             f"{pct(main_stats.max, 2)}.\n\nAnchors: {ANCHORS}")
+    hf = tuple(w for w in HF_WORKLOADS if any(r.workload == w for r in res.rows))
+    if hf:
+        hs = res.stats(hf)
+        hf_verdict = "PASS" if hs.n and hs.median <= HF_TARGET_MEDIAN and hs.max <= TARGET_MAX else "FAIL"
+        rep.add(f"**Issue 12 target** (Hugging Face models: median |error| ≤ {pct(HF_TARGET_MEDIAN, 0)}, largest ≤ "
+                f"{pct(TARGET_MAX, 0)}, {hs.n} measured configs of {len(hf)} families): **{hf_verdict}** — median "
+                f"{pct(hs.median, 2)}, largest {pct(hs.max, 2)}.")
     covered = [r for r in res.rows if r.workload in main]
     rep.add("Coverage of the target set: " + ", ".join(
         f"{p.value} {sum(r.config.precision is p for r in covered)}" for p in Precision)
@@ -303,6 +337,7 @@ def write_accuracy(out_dir: Path, env: dict, res: AccuracyResults) -> list[Path]
 
 __all__ = [
     "ANCHORS",
+    "HF_WORKLOADS",
     "MAIN_WORKLOADS",
     "TARGET_MAX",
     "TARGET_MEDIAN",
