@@ -10,17 +10,23 @@ How the config is applied (:func:`shard_model`), as torchtitan's ``apply_fsdp`` 
 
 - every layer of ``workload.layers(model)`` is its own FSDP unit, then the root (embeddings,
   final norm, head: whatever is outside the layers); ``reshard_after_forward=True`` frees a
-  layer's gathered weights after its forward and gathers them again for its backward (FSDP2
-  keeps the root's gathered, as it is needed again first);
+  layer's gathered weights after its forward and gathers them again for its backward (the
+  root's too: measured on torch 2.13, FSDP2 reshards the root after its forward as well);
 - with ``checkpoint_every = k > 1`` each checkpoint segment of k layers is one FSDP unit
   (``fully_shard([layer_i, ..., layer_i+k-1])``), because the segment's recomputation runs
   its layers' forwards inside one checkpoint;
-- ``amp-bf16`` / ``amp-fp16``: ``MixedPrecisionPolicy(param_dtype=half, reduce_dtype=float32)``
-  -- the all-gathers move half-precision weights and gradients are reduced in fp32, which is how
-  FSDP users run mixed precision -- *and* ``torch.autocast`` around forward and loss, so the
-  operators autocast keeps in fp32 (softmax, norms, the loss) still run in fp32, as in the
-  unsharded AMP run; ``amp-fp16`` also uses a GradScaler whose inf check is agreed on by all
-  ranks. ``bf16``: the parameters themselves are bf16; ``fp32``: no policy.
+- ``amp-bf16`` / ``amp-fp16``: ``torch.autocast`` around forward and loss over fp32 gathered
+  weights, exactly as on one device (autofit's amp precisions are autocast over fp32 weights,
+  gradients and optimizer state), and no ``MixedPrecisionPolicy``. That policy is the usual
+  FSDP way to get *bf16 compute* (torchtitan: ``param_dtype=bf16, reduce_dtype=fp32``, no
+  autocast), but it is a different precision, not AMP: every module then computes in bf16
+  (embeddings, norms and the residual stream too), so losses and activations are not those of
+  the one-device amp run. Its middle road does not run on the CPU: the policy on the layers with
+  ``cast_forward_inputs=False`` gives layer norm bf16 weights and fp32 inputs, which the CPU
+  kernel refuses ("mixed dtype (CPU)"). So here amp gathers fp32 weights (twice the bytes of a
+  bf16 gather; the memory model counts them so) and matches the unsharded amp run's numerics.
+  ``amp-fp16`` also uses a GradScaler whose inf check all ranks agree on. ``bf16``: the
+  parameters themselves are bf16; ``fp32``: plain.
 
 Processes: one per rank, rendezvous on 127.0.0.1; gloo on the CPU, NCCL on CUDA with rank i on
 ``cuda:i``. :func:`run_rank` is the per-process body and also runs under ``torchrun``
@@ -43,6 +49,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from autofit.config import Precision, SplitMode, TrainConfig
+from autofit.fsdp_memory import fsdp_units
 from autofit.ranks import (
     agreed_optimizer_step,
     cap_cuda_memory,
@@ -60,16 +67,10 @@ from autofit.ranks import (
 )
 from autofit.schedule import MeasureSchedule
 from autofit.tracker import MemoryTracker, optimizer_state_bytes, storage_bytes
-from autofit.training import AUTOCAST_DTYPE, apply_config, autocast_context, checkpoint_layers, to_device
+from autofit.training import Trainee, apply_config, checkpoint_layers, forward_backward, to_device
 from autofit.workload import Workload, load_workload
 
 __all__ = ["fsdp_units", "measure_fsdp", "rank_child", "run_rank", "shard_model"]
-
-def fsdp_units(n_layers: int, checkpoint_every: int) -> list[tuple[int, int]]:
-    """``[start, end)`` layer ranges that are one FSDP unit each: a layer, or a checkpoint segment."""
-    k = checkpoint_every if checkpoint_every > 1 else 1
-    return [(s, min(s + k, n_layers)) for s in range(0, n_layers, k)]
-
 
 def shard_model(model: nn.Module, layers: nn.ModuleList, config: TrainConfig, mesh=None,
                 checkpoint: bool = True) -> nn.Module:
@@ -78,18 +79,15 @@ def shard_model(model: nn.Module, layers: nn.ModuleList, config: TrainConfig, me
 
     Must run inside an initialized process group (``mesh``: a 1-D DeviceMesh, default all ranks).
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     if config.checkpoint_every and checkpoint:
         checkpoint_layers(layers, config.checkpoint_every)
-    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": True}
-    if config.precision.is_amp:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=AUTOCAST_DTYPE[config.precision],
-                                                   reduce_dtype=torch.float32)
+    # amp-*: no MixedPrecisionPolicy -- see the module docstring for why autocast over fp32 gathers.
     for start, end in fsdp_units(len(layers), config.checkpoint_every):
         unit = layers[start] if end - start == 1 else [layers[i] for i in range(start, end)]
-        fully_shard(unit, **kwargs)
-    fully_shard(model, **kwargs)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
     return model
 
 
@@ -127,12 +125,10 @@ class _Rank:
         """One optimizer step over the rank's micro-batches; the job's mean loss (all ranks)."""
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.device)
+        trainee = Trainee(self.workload, self.config, self.model, self.optimizer, self.scaler, self.device)
         for index, (inputs, targets) in enumerate(self.micro_batches):
-            with autocast_context(self.config.precision, self.device.type):
-                loss = self.workload.loss(self.model(inputs), targets)
-            scaled = loss / self.config.grad_accum
-            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-            total += loss.detach().float()
+            # the one-device micro-step itself: autocast, loss / grad_accum, scaling, backward
+            total += forward_backward(trainee, inputs, targets).float()
             if on_micro_step is not None:
                 on_micro_step(index)
         agreed_optimizer_step(self.optimizer, self.scaler, self.device)

@@ -38,8 +38,9 @@ from functools import lru_cache
 import numpy as np
 import pandas as pd
 
-from autofit.config import FIELDS, PipelineSchedule, Precision, TrainConfig, stage_bounds
+from autofit.config import FIELDS, PipelineSchedule, Precision, SplitMode, TrainConfig, stage_bounds
 from autofit.errors import ConfigError
+from autofit.fsdp_memory import FSDP_EXTRA_COLUMNS, score_fsdp
 from autofit.profile_data import Line, PrecisionProfile, Profile, Region
 
 # The CUDA context lives outside the caching allocator: about 300-500 MB with lazy module
@@ -301,8 +302,14 @@ def estimate_table(profile: Profile, configs: list[TrainConfig], budget_bytes: i
     phase = np.empty(n, dtype=object)
     valid = np.ones(n, dtype=bool)
     reason = np.full(n, "", dtype=object)
-    for (precision, every, split), members in _structures(configs).items():
+    extra = {name: np.full(n, np.nan) for name in FSDP_EXTRA_COLUMNS}
+    for (precision, every, split, mode), members in _structures(configs).items():
         idx = np.array(members, dtype=np.int64)
+        if mode is SplitMode.FSDP and split > 1:
+            _score_fsdp_group(profile, profile.for_precision(precision), every, split,
+                              cols["micro_batch"][idx].astype(np.float64), cols["grad_accum"][idx].astype(np.int64),
+                              idx, out, extra, per_device, phase)
+            continue
         if split > profile.n_layers:
             valid[idx] = False
             reason[idx] = f"device_split {split} > {profile.n_layers} layers"
@@ -316,6 +323,8 @@ def estimate_table(profile: Profile, configs: list[TrainConfig], budget_bytes: i
     table = pd.DataFrame({f: cols[f] for f in FIELDS})
     for k in BREAKDOWN + ("peak_bytes",):
         table[k] = out[k]
+    for name in FSDP_EXTRA_COLUMNS:  # fsdp rows only: all shards, and the whole weights at the peak
+        table[name] = extra[name]
     table["model_state_bytes"] = [_model_state(profile, p) for p in cols["precision"]] if n else []
     table["per_device_peak_bytes"] = per_device
     table["peak_phase"] = phase
@@ -325,12 +334,25 @@ def estimate_table(profile: Profile, configs: list[TrainConfig], budget_bytes: i
     return table
 
 
-def _structures(configs: list[TrainConfig]) -> dict[tuple[Precision, int, int], list[int]]:
-    """Config indices grouped by what fixes the peak's lines: (precision, checkpoint interval, split)."""
-    groups: dict[tuple[Precision, int, int], list[int]] = {}
+def _structures(configs: list[TrainConfig]) -> dict[tuple[Precision, int, int, SplitMode], list[int]]:
+    """Config indices grouped by what fixes the peak's lines: (precision, checkpoint interval, split, mode)."""
+    groups: dict[tuple[Precision, int, int, SplitMode], list[int]] = {}
     for i, c in enumerate(configs):
-        groups.setdefault((c.precision, c.checkpoint_every, c.device_split), []).append(i)
+        groups.setdefault((c.precision, c.checkpoint_every, c.device_split, c.split_mode), []).append(i)
     return groups
+
+
+def _score_fsdp_group(profile: Profile, pp: PrecisionProfile, every: int, ranks: int, b: np.ndarray, k: np.ndarray,
+                      idx: np.ndarray, out: dict, extra: dict, per_device, phase) -> None:
+    # Every rank holds the same; rank 0 (the largest optimizer-state shard) stands for all.
+    scored = score_fsdp(pp, ranks, min(every, profile.n_layers), b, k, cuda=profile.device_type == "cuda",
+                        context_bytes=CUDA_CONTEXT_BYTES, fragmentation=CUDA_FRAGMENTATION)
+    for name in BREAKDOWN + ("peak_bytes",):
+        out[name][idx] = scored[name]
+    for name in FSDP_EXTRA_COLUMNS:
+        extra[name][idx] = scored[name]
+    per_device[idx] = [(int(round(p)),) * ranks for p in scored["peak_bytes"]]
+    phase[idx] = scored["phase"]
 
 
 def _model_state(profile: Profile, precision: str) -> int:

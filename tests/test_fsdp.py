@@ -40,9 +40,9 @@ def test_fsdp_matches_unsharded_loss_and_update(ranks, precision, checkpoint_eve
     assert result["status"] == "ok", result["error"]
     assert len(result["per_device_peak_bytes"]) == ranks
     ref_losses, ref_params = reference(config)
-    # fp32: the same sums in another order. amp-bf16: FSDP gathers bf16 weights (MixedPrecisionPolicy)
-    # where the unsharded run casts them per op; norms' weights round to bf16 once more.
-    tol = dict(rtol=1e-5, atol=1e-6) if precision == "fp32" else dict(rtol=2e-3, atol=2e-3)
+    # The same sums in another order (each rank's samples, then a reduce-scatter); under amp-bf16
+    # the per-rank matmuls round to bf16 on smaller batches.
+    tol = dict(rtol=1e-5, atol=1e-6) if precision == "fp32" else dict(rtol=1e-3, atol=1e-4)
     assert len(result["losses"]) == N_STEPS
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses), **tol)
     assert set(result["params"]) == set(ref_params)
