@@ -36,7 +36,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from autofit.profile import Line, PrecisionProfile
+from autofit.profile_data import Line, PrecisionProfile, Region
 
 # Columns of a line's constant parts: sharded+gathered params, shard+whole grads, optimizer state, buffers.
 _PARAMS, _GRADS, _OPT, _TEMP = range(4)
@@ -90,84 +90,120 @@ class _Timeline:
         self.phases.append(phase)
 
 
+    def peaks(self, live: Line, region: Region, phase: str, **parts: float) -> None:
+        """A region's highest point above ``live``: at the profiled sizes, and its steepest operator's."""
+        for peak in region.peaks:
+            self.at(_plus(live, peak), phase, **parts)
+
+
 def _plus(a: Line, b: Line, scale: float = 1.0) -> Line:
     return (a[0] + scale * b[0], a[1] + scale * b[1])
 
 
+_NOTHING = Region((0.0, 0.0), (0.0, 0.0), (0.0, 0.0), (0.0, 0.0))
+
+
+def _output_regions(pp: PrecisionProfile) -> tuple[Region, Region, Region, Region]:
+    """(head forward, loss forward, loss backward, head backward); without the cut, all after the
+    layers counts as head (the root's weights gathered: an upper bound)."""
+    if pp.head_forward is None:
+        return pp.post_forward, _NOTHING, _NOTHING, pp.post_backward
+    return pp.head_forward, pp.loss_forward, pp.loss_backward, pp.head_backward
+
+
 def _walk(pp: PrecisionProfile, n_ranks: int, every: int, later: bool, cuda: bool) -> _Timeline:
-    """One micro-step of rank 0, region by region (see the module docstring for each term)."""
+    """One micro-step of rank 0, region by region (see the module docstring for each term).
+
+    FSDP2 keeps the last all-gather's buffer until the next gather is copied out ("held"), so
+    a unit's size is alive twice while it computes; in backward the previous unit's prefetched
+    gather is alive beside them. Region peaks are taken with their own
+    gradients (FSDP makes whole gradients as one device does); live bytes advance without them
+    (FSDP turns them into shards at the unit's post-backward).
+    """
     layers = pp.layers
     n = len(layers)
     units = fsdp_units(n, every)
-    unit_of = {i: u for u, (s, e) in enumerate(units) for i in range(s, e)}
     w = [float(sum(layers[i].grad_bytes for i in range(s, e))) for s, e in units]  # whole weights = grads' size
     root = float(pp.grad_bytes - sum(w))
     grad_total = float(pp.grad_bytes)
-    shard = grad_total / n_ranks
-    base = np.array([shard + pp.static_param_bytes - grad_total, 0.0, pp.optimizer_bytes / n_ranks, 0.0])
+    base = np.array([grad_total / n_ranks + pp.static_param_bytes - grad_total, 0.0, pp.optimizer_bytes / n_ranks, 0.0])
     t = _Timeline(base)
-    g_sh = shard if later else 0.0  # gradient shards alive (later micro-steps: all, accumulating)
+    g_sh = grad_total / n_ranks if later else 0.0  # gradient shards (later micro-steps: all, accumulating)
     live: Line = (0.0, 0.0)
+    head_fwd, loss_fwd, loss_bwd, head_bwd = _output_regions(pp)
     amp_cache = [0.0] * n  # autocast's weight copies kept to the end of forward in checkpointed segments
     if every and pp.precision.startswith("amp"):
         amp_cache = [max(0.0, l.forward.delta[0]) for l in layers]
 
-    def nxt(u: int) -> float:
+    def w_at(u: int) -> float:
         return w[u] if 0 <= u < len(w) else 0.0
 
-    # forward
-    t.at(live, "forward", gathered=2 * root, grads=g_sh)  # the root's all-gather, copied out
-    t.at(_plus(live, pp.pre_forward.peak), "forward", gathered=root, grads=g_sh)
+    # forward: the root, then each unit gathered (copied out of its buffer, which stays held)
+    t.at(live, "forward", gathered=2 * root, grads=g_sh)
+    t.peaks(live, pp.pre_forward, "forward", gathered=2 * root, grads=g_sh)
     live = _plus(live, pp.pre_forward.delta)
+    held = root
     for u, (s, e) in enumerate(units):
-        ahead = nxt(u + 1) if cuda else 0.0
-        t.at(live, "forward", gathered=root + 2 * w[u] + ahead, grads=g_sh)
+        ahead = w_at(u + 1) if cuda else 0.0  # CUDA issues the next gather while this unit computes
+        t.at(live, "forward", gathered=root + held + 2 * w[u], grads=g_sh)
+        held = w[u]
+        gathered = root + w[u] + held + ahead
         if every:  # one checkpointed segment: only its output survives
-            held: Line = (0.0, 0.0)
+            kept: Line = (0.0, 0.0)
             for i in range(s, e):
-                t.at(_plus(_plus(live, held), layers[i].forward.peak), "forward", gathered=root + w[u] + ahead, grads=g_sh)
-                held = layers[i].output
+                t.peaks(_plus(live, kept), layers[i].forward, "forward", gathered=gathered, grads=g_sh)
+                kept = layers[i].output
                 live = _plus(live, (amp_cache[i], 0.0))
             live = _plus(live, layers[e - 1].output)
         else:
-            t.at(_plus(live, layers[s].forward.peak), "forward", gathered=root + w[u] + ahead, grads=g_sh)
+            t.peaks(live, layers[s].forward, "forward", gathered=gathered, grads=g_sh)
             live = _plus(live, layers[s].forward.delta)
-    t.at(_plus(live, pp.post_forward.peak), "forward", gathered=root, grads=g_sh)
-    live = _plus(live, pp.post_forward.delta)
+    t.peaks(live, head_fwd, "forward", gathered=root + held, grads=g_sh)
+    live = _plus(live, head_fwd.delta)
+    # the root's post-forward frees its weights and the held buffer; the loss runs without them
+    t.peaks(live, loss_fwd, "forward", grads=g_sh)
+    live = _plus(live, loss_fwd.delta)
     live = _plus(live, (-sum(amp_cache), 0.0))  # autocast exits
-    # backward: the head first, with the last unit's all-gather prefetched
+    t.peaks(live, loss_bwd, "backward", grads=g_sh)
+    live = _plus(live, loss_bwd.delta_nongrad)
+    # the output's gradient: the root gathered again, the last unit's gather prefetched
     last = len(units) - 1
-    root_grads = float(pp.post_grad_bytes)
-    t.at(_plus(live, pp.post_backward.peak_nongrad), "backward", gathered=root + w[last],
-         grads=g_sh + root_grads)
-    live = _plus(live, pp.post_backward.delta_nongrad)
+    t.at(live, "backward", gathered=max(2 * root, root + w[last]), grads=g_sh)
+    t.peaks(live, head_bwd, "backward", gathered=root + w[last], grads=g_sh)
+    live = _plus(live, head_bwd.delta_nongrad)
+    # The root's whole gradients made in the head's backward live until the root's post-backward
+    # at the end. (A weight tied to the embedding is not among them: autograd sums its two uses
+    # before accumulating, so the head's part is in the live bytes already.)
+    root_grads = max(0.0, head_bwd.delta[0] - head_bwd.delta_nongrad[0])
     for u in reversed(range(len(units))):
         s, e = units[u]
-        prefetch = nxt(u - 1)
-        # copy-out of this unit's gather, then the previous unit's gather issued
-        t.at(live, "backward", gathered=root + max(2 * w[u], w[u] + prefetch), grads=g_sh + root_grads)
+        prefetch = w_at(u - 1)
+        # copy-out of this unit's (prefetched) gather, whose buffer is then held (measured on
+        # torch 2.13: from the second unit of the backward on), and the previous unit's gather issued
+        held = w[u] if u < last else 0.0
+        t.at(live, "backward", gathered=root + 2 * w[u] + w_at(u + 1) * (u + 1 < last), grads=g_sh + root_grads)
+        gathered = root + w[u] + held + prefetch
         if every:
             if layers[e - 1].output_saved:
                 live = _plus(live, layers[e - 1].output, -1.0)
             for i in range(s, e):  # recomputation under the gathered unit
-                t.at(_plus(live, layers[i].forward.peak), "backward", gathered=root + w[u] + prefetch,
-                     grads=g_sh + root_grads)
+                t.peaks(live, layers[i].forward, "backward", gathered=gathered, grads=g_sh + root_grads)
                 live = _plus(live, layers[i].forward.delta)
             if not layers[e - 1].output_saved:
                 live = _plus(live, layers[e - 1].output, -1.0)
         whole = 0.0
         for i in reversed(range(s, e)):
+            t.peaks(live, layers[i].backward, "backward", gathered=gathered, grads=g_sh + root_grads + whole)
             whole += layers[i].grad_bytes
-            t.at(_plus(live, layers[i].backward.peak_nongrad), "backward", gathered=root + w[u] + prefetch,
-                 grads=g_sh + root_grads + whole)
             live = _plus(live, layers[i].backward.delta_nongrad)
-        # post-backward: reshard, copy the whole gradients into the reduce-scatter buffer
-        t.at(live, "backward", gathered=root + prefetch, grads=g_sh + root_grads + w[u], temp=w[u] + w[u] / n_ranks)
+        # post-backward: reshard, then the whole gradients copied into the reduce-scatter buffer
+        t.at(live, "backward", gathered=root + held + prefetch, grads=g_sh + root_grads + w[u],
+             temp=w[u] + w[u] / n_ranks)
         if not later:
             g_sh += w[u] / n_ranks
-    t.at(_plus(live, pp.pre_backward.peak_nongrad), "backward", gathered=root, grads=g_sh + root)
+    t.peaks(live, pp.pre_backward, "backward", gathered=root + held, grads=g_sh + root_grads)
     live = _plus(live, pp.pre_backward.delta_nongrad)
-    t.at(live, "backward", gathered=0.0, grads=g_sh + root, temp=root + root / n_ranks)  # the root's reduce-scatter
+    t.at(live, "backward", grads=g_sh + root, temp=root + root / n_ranks)  # the root's reduce-scatter
     return t
 
 

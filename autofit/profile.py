@@ -32,11 +32,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 from autofit import procs
 from autofit.config import Precision, TrainConfig
 from autofit.errors import WorkloadError
-from autofit.profile_data import LayerProfile, Line, PrecisionProfile, Profile, Region, precision_from_dict
+from autofit.profile_data import OUTPUT_REGIONS, LayerProfile, Line, PrecisionProfile, Profile, Region, precision_from_dict
 from autofit.training import build_trainee, forward_backward, to_device
 from autofit.workload import Workload
 
-PROFILE_VERSION = 6
+PROFILE_VERSION = 7
 # Micro-batch sizes profiled; every per-sample quantity is fitted as a line through them.
 PROFILE_BATCHES = (2, 4)
 # The CUDA caching allocator rounds every block up to 512 bytes (FACTS.md).
@@ -268,6 +268,16 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
     for layer in {id(layer): layer for layer in layers}.values():
         handles.append(layer.register_forward_pre_hook(numbered("pre", fwd_pre)))
         handles.append(layer.register_forward_hook(numbered("post", fwd_post)))
+
+    def model_out(module, args, output):
+        # Where the model's own forward ends and its output's gradient arrives: FSDP gathers and
+        # frees the root's weights there, while the loss (outside the model) runs without them.
+        rec.mark("out")
+        out = _first_tensor(output)
+        if out is not None and out.requires_grad:
+            out.register_hook(lambda g: rec.mark("dout"))
+
+    handles.append(model.register_forward_hook(model_out))
     for module in model.modules():
         if id(module) not in layer_ids and module is not model:
             handles.append(module.register_forward_pre_hook(outer_hook))
@@ -364,6 +374,7 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
         "pre_forward": reg("start", "f0"),
         "post_forward": reg(f"F{n - 1}", "loss"),
         "post_backward": reg("loss", f"b{n - 1}"),
+        **_model_output_regions(rec, n),
         "pre_backward": reg("B0", "end"),
         "forward_flops": fwd_flops,
         "backward_flops": bwd_flops,
@@ -402,6 +413,15 @@ def _steepest(points1: list[int], points2: list[int]) -> Line:
     if len(points1) != len(points2) or not points1:
         return _line(max(points1, default=0), max(points2, default=0))
     return max((_line(a, b) for a, b in zip(points1, points2)), key=lambda line: (line[1], line[0]))
+
+
+def _model_output_regions(rec: "_Recorder", n: int) -> dict:
+    """The after-layers regions cut at the model's output (None where it has no gradient)."""
+    names = {m[0] for m in rec.marks}
+    if not {"out", "dout"} <= names:
+        return {}
+    return {"head_forward": rec.region(f"F{n - 1}", "out"), "loss_forward": rec.region("out", "loss"),
+            "loss_backward": rec.region("loss", "dout"), "head_backward": rec.region("dout", f"b{n - 1}")}
 
 
 def _region_lines(r1: tuple, r2: tuple) -> Region:
@@ -449,6 +469,7 @@ def profile_precision(workload: Workload, precision: Precision, device_type: str
         pre_forward=_region_lines(r1["pre_forward"], r2["pre_forward"]),
         post_forward=_region_lines(r1["post_forward"], r2["post_forward"]),
         post_backward=_region_lines(r1["post_backward"], r2["post_backward"]),
+        **{k: _region_lines(r1[k], r2[k]) for k in OUTPUT_REGIONS if k in r1 and k in r2},
         pre_backward=_region_lines(r1["pre_backward"], r2["pre_backward"]),
         input_bytes=_line(r1["input_bytes"], r2["input_bytes"]),
         layers=tuple(layers),

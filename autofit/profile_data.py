@@ -10,9 +10,12 @@ from dataclasses import asdict, dataclass, field
 
 from autofit.config import Precision
 
-__all__ = ["LayerProfile", "Line", "PrecisionProfile", "Profile", "Region", "precision_from_dict", "region_from_dict"]
+__all__ = ["OUTPUT_REGIONS", "LayerProfile", "Line", "PrecisionProfile", "Profile", "Region", "precision_from_dict", "region_from_dict"]
 
 Line = tuple[float, float]  # (bytes at b=0, bytes per sample): value(b) = c0 + c1 * b
+
+
+OUTPUT_REGIONS = ("head_forward", "loss_forward", "loss_backward", "head_backward")
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,11 @@ class PrecisionProfile:
     forward_flops: Line = (0.0, 0.0)   # whole model, one micro-batch
     backward_flops: Line = (0.0, 0.0)
     optimizer_flops: float = 0.0
+    # post_forward and post_backward cut at the model's output (None when it has no gradient):
+    head_forward: Region | None = None    # last layer -> model output (final norm, head)
+    loss_forward: Region | None = None    # model output -> loss ready
+    loss_backward: Region | None = None   # loss -> the output's gradient
+    head_backward: Region | None = None   # the output's gradient -> into the last layer's backward
 
 
 @dataclass(frozen=True)
@@ -125,5 +133,6 @@ def precision_from_dict(pp: dict) -> PrecisionProfile:
                                    "output": tuple(lp["output"]), "forward_flops": tuple(lp["forward_flops"])})
                    for lp in pp.pop("layers"))
     regions = {k: region_from_dict(pp[k]) for k in ("pre_forward", "post_forward", "post_backward", "pre_backward")}
+    regions.update({k: region_from_dict(pp[k]) for k in OUTPUT_REGIONS if pp.get(k) is not None})
     lines = {k: tuple(pp[k]) for k in ("input_bytes", "forward_flops", "backward_flops")}
     return PrecisionProfile(**{**pp, **regions, **lines, "layers": layers})

@@ -1,0 +1,66 @@
+"""The FSDP rank memory model: hand-checked terms on a real profile, and one measured run."""
+
+from __future__ import annotations
+
+import pytest
+
+from autofit.config import TrainConfig
+from autofit.fsdp import measure_fsdp
+from autofit.fsdp_memory import fsdp_units, rank_lines
+from autofit.memory_model import estimate_table
+from autofit.profile import profile_workload
+from autofit.workload import load_workload
+
+SPEC = "tests/fsdp_workloads.py:tiny_decoder"
+
+
+@pytest.fixture(scope="module")
+def profile():
+    return profile_workload(load_workload(SPEC), ["fp32", "amp-bf16"], use_cache=False)
+
+
+def fsdp(**kw) -> TrainConfig:
+    return TrainConfig(split_mode="fsdp", **kw)
+
+
+def test_units_are_layers_or_checkpoint_segments():
+    assert fsdp_units(5, 0) == fsdp_units(5, 1) == [(i, i + 1) for i in range(5)]
+    assert fsdp_units(5, 2) == [(0, 2), (2, 4), (4, 5)]
+
+
+def test_shards_are_one_nth_of_the_model_state(profile):
+    pp = profile.for_precision("fp32")
+    for ranks in (2, 4):
+        lines = rank_lines(pp, ranks, 0, False)
+        buffers = pp.static_param_bytes - pp.grad_bytes  # not sharded (none in this model)
+        expected = (pp.grad_bytes + pp.grad_bytes + pp.optimizer_bytes) / ranks + buffers
+        assert lines.shard_bytes == pytest.approx(expected)
+        # the optimizer step: shards of weights, gradients, state and the step's temporaries
+        assert lines.optimizer_line.sum() == pytest.approx(expected + pp.optimizer_peak_bytes / ranks)
+
+
+def test_more_ranks_less_memory_and_columns(profile):
+    configs = [TrainConfig(micro_batch=2), fsdp(micro_batch=2, device_split=2), fsdp(micro_batch=2, device_split=4)]
+    table = estimate_table(profile, configs)
+    _, two, four = table.peak_bytes
+    assert four < two
+    assert table.gathered_bytes.isna()[0] and table.shard_bytes.notna()[1:].all()
+    assert table.shard_bytes[2] == pytest.approx(table.shard_bytes[1] / 2)  # no buffers, SGD: weights + grads
+    assert table.per_device_peak_bytes[2] == (round(four),) * 4
+
+
+def test_fsdp_is_not_limited_by_the_layer_count(profile):
+    row = estimate_table(profile, [fsdp(device_split=8)]).iloc[0]  # 3 layers, 8 ranks
+    assert row.valid and row.peak_bytes > 0
+
+
+@pytest.mark.parametrize("config", [
+    fsdp(micro_batch=2, device_split=2),
+    fsdp(precision="amp-bf16", micro_batch=2, grad_accum=2, checkpoint_every=1, device_split=2),
+])
+def test_estimate_matches_each_ranks_measured_peak(profile, config):
+    measured = measure_fsdp(SPEC, config, device_type="cpu", warmup_steps=2, measure_steps=1, timeout_s=120)
+    assert measured["status"] == "ok", measured["error"]
+    predicted = estimate_table(profile, [config]).iloc[0].peak_bytes
+    for peak in measured["per_device_peak_bytes"]:
+        assert abs(predicted - peak) / peak <= 0.08
