@@ -131,6 +131,8 @@ def best_exports(config, settings) -> dict[str, str]:
                                  budget=settings.get("budget_bytes"), device=settings.get("device_type")).text
         except AutofitError as exc:
             out[target] = f"(not exported: {exc})"
+        except Exception as exc:  # noqa: BLE001 -- the user's workload runs here; a finished search keeps its page
+            out[target] = f"(not exported: {type(exc).__name__}: {exc})"
     return out
 
 

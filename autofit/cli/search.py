@@ -140,6 +140,6 @@ def _summary(result) -> None:
     print(f"stopped    {result.stop_reason}")
     print(f"wall time  {_duration(result.wall_s)}")
     print(f"tables     {result.out_dir}/trials.csv, best.json, summary.md  (autofit report {result.out_dir})")
-    print(f"pictures   {result.out_dir}/report.html (one page: summary, exports, pictures, tables)")
+    print(f"report     {result.out_dir}/report.html (summary, exports, pictures, tables; the pictures also as *.png)")
     if result.best is not None:
         print(f"export     autofit export {result.out_dir} --to hf|accelerate|lightning|deepspeed|json")
