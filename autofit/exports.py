@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from autofit.budget import format_budget, format_bytes, parse_budget
-from autofit.config import Precision, SplitMode, TrainConfig
+from autofit.config import FIELDS, Precision, SplitMode, TrainConfig
 from autofit.errors import AutofitError, ConfigError
 
 TARGETS = ("hf", "accelerate", "lightning", "deepspeed", "torchrun", "json")
@@ -353,6 +353,20 @@ def _render(target: str, kwargs: Any, extra: dict, comment: list[str]) -> str:
 # --- entry points ---------------------------------------------------------------------------------
 
 
+def _together(config: TrainConfig, notes: list[Note]) -> list[Note]:
+    """With two or more inexact settings: the config the target's own settings give with none of
+    the notes' code, all nearest settings at once (its peak is what running the export as-is risks)."""
+    nearest = [n.nearest_config for n in notes if n.nearest_config is not None and n.nearest_config != config]
+    if len(nearest) < 2:
+        return []
+    changes: dict = {}
+    for other in nearest:
+        changes.update({f: getattr(other, f) for f in FIELDS if getattr(other, f) != getattr(config, f)})
+    combined = dataclasses.replace(config, **changes)
+    return [Note("all together", "the export as it is, without the code of the notes above",
+                 nearest=combined.short(), nearest_config=combined)]
+
+
 def _peaks(notes: list[Note], ctx: Context) -> list[Note]:
     """Fill each note's nearest-setting peak from autofit's estimate (one profile for all)."""
     wanted = [n.nearest_config for n in notes if n.nearest_config is not None]
@@ -400,7 +414,7 @@ def export(config: TrainConfig | str | dict, target: str, *, workload: Any = Non
     ctx = Context(device_type=device, budget_bytes=parse_budget(budget) if budget is not None else None,
                   model_spec=spec, workload=None if isinstance(workload, str) else workload, extra=extra or {})
     kwargs, extra_out, notes = _BUILDERS[target](config, ctx)
-    notes = _peaks(notes, ctx)
+    notes = _peaks(notes + _together(config, notes), ctx)
     comment = [n.text() for n in notes]
     return Export(target, config, kwargs, extra_out, tuple(notes), _render(target, kwargs, extra_out, comment))
 

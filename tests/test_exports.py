@@ -37,7 +37,7 @@ def test_hf_training_arguments(precision, every, tmp_path):
     if every == 1:
         assert args.gradient_checkpointing_kwargs == {"use_reentrant": False}
     # what it cannot say is in the comment field, never dropped
-    kinds = {note.setting.split("=")[0] for note in exp.notes}
+    kinds = {note.setting.split("=")[0] for note in exp.notes} - {"all together"}
     assert ("precision" in kinds) == (precision == "bf16")
     assert ("checkpoint_every" in kinds) == (every == 2)
     assert json.loads(exp.text)["comment"] == exp.comment()
@@ -54,6 +54,10 @@ def test_hf_notes_give_the_nearest_setting_and_its_estimated_peak():
         assert note.nearest_peak_bytes == autofit.estimate("gpt-tiny", note.nearest_config, device="cpu").peak_bytes
         assert "fits the 1.00 GB" in note.text() and note.code
     assert any("checkpoint_layers(" in line for line in ckpt.code)
+    # both at once: what the TrainingArguments give as they are, and its peak
+    together = by_setting["all together"]
+    assert together.nearest_config == TrainConfig.parse("precision=amp-bf16,micro_batch=8,grad_accum=2,checkpoint_every=1")
+    assert together.nearest_peak_bytes == autofit.estimate("gpt-tiny", together.nearest_config, device="cpu").peak_bytes
 
 
 @pytest.mark.parametrize("precision,mixed", [("fp32", "no"), ("amp-fp16", "fp16"), ("amp-bf16", "bf16"),
