@@ -170,3 +170,5 @@ def test_a_search_where_nothing_fits_says_what_would(tmp_path, capsys):
     page = (out / "report.html").read_text()
     assert "What would fit" in page and "alone are" in page
     _self_contained(page)
+    assert main(["export", str(out), "--to", "hf"]) == 2  # nothing to export, said in one line
+    assert "no config ran under the budget yet" in capsys.readouterr().err
