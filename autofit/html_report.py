@@ -24,7 +24,6 @@ code, pre { font-family: ui-monospace, "SFMono-Regular", Menlo, monospace; font-
 pre { background: #f6f8fa; padding: .8em; overflow-x: auto; white-space: pre-wrap; }
 img { max-width: 100%; border: 1px solid #eee; margin: .5em 0 1.5em; }
 details { margin: .4em 0; } summary { cursor: pointer; font-weight: 600; }
-.advice { background: #fff4e5; border-left: 4px solid #f0a020; padding: .5em 1em; }
 """
 
 PICTURE_CAPTIONS = {
@@ -79,12 +78,11 @@ def markdown_to_html(text: str) -> str:
 
 
 def _sections(summary_md: str) -> tuple[str, str, str]:
-    """(the summary before the best config, the best config section, everything after it)."""
+    """(the summary before the best config, the best config section and what would fit, the rest)."""
     parts = re.split(r"(?m)^(?=## )", summary_md)
-    head = parts[0]
-    best = next((p for p in parts[1:] if p.startswith("## Best config")), "")
-    rest = "".join(p for p in parts[1:] if p is not best)
-    return head, best, rest
+    first = ("## Best config", "## What would fit")  # the answer, or what would fit when there is none
+    best = "".join(p for p in parts[1:] if p.startswith(first))
+    return parts[0], best, "".join(p for p in parts[1:] if not p.startswith(first))
 
 
 def _exports_html(exports: dict[str, str]) -> str:
