@@ -186,7 +186,8 @@ def _seconds(value: Any) -> str:
     return "" if _missing(value) else (f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.3f} s")
 
 
-def _duration(seconds: float) -> str:
+def duration_text(seconds: float) -> str:
+    """``1m15s`` or ``42s``."""
     minutes, secs = divmod(int(round(seconds)), 60)
     return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
@@ -236,7 +237,7 @@ def summary_markdown(study: StudySnapshot, table: pd.DataFrame | None = None, *,
     out.append(f"- pruned by the estimate: {c['pruned']} of {n_configs} configs"
                + (f" ({100 * c['pruned'] / n_configs:.0f}%)" if n_configs else ""))
     out.append(f"- not tried: {not_tried} (the search stopped first: {study.stop_reason or 'running'})")
-    out.append(f"- wall time: {_duration(wall_seconds(study))} over {len(runs)} search command(s)")
+    out.append(f"- wall time: {duration_text(wall_seconds(study))} over {len(runs)} search command(s)")
     if settings.get("command"):
         out.append(f"- command: `{settings['command']}`")
     out.append("")

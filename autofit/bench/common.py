@@ -139,29 +139,26 @@ def median_and_spread(values: Sequence[float | None]) -> tuple[float, float, flo
 # Formatting and writing
 
 
+def missing(x: float | None) -> bool:
+    """None or NaN: shown as ``-`` in the tables."""
+    return x is None or (isinstance(x, float) and math.isnan(x))
+
+
 def pct(x: float | None, digits: int = 1) -> str:
     """A fraction as a percentage, ``-`` when missing."""
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "-"
-    return f"{100 * x:.{digits}f}%"
+    return "-" if missing(x) else f"{100 * x:.{digits}f}%"
 
 
 def signed_pct(x: float | None, digits: int = 2) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "-"
-    return f"{100 * x:+.{digits}f}%"
+    return "-" if missing(x) else f"{100 * x:+.{digits}f}%"
 
 
 def mib(n_bytes: float | None) -> str:
-    if n_bytes is None or (isinstance(n_bytes, float) and math.isnan(n_bytes)):
-        return "-"
-    return f"{n_bytes / 2**20:.1f}"
+    return "-" if missing(n_bytes) else f"{n_bytes / 2**20:.1f}"
 
 
 def seconds(x: float | None, digits: int = 1) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "-"
-    return f"{x:.{digits}f}"
+    return "-" if missing(x) else f"{x:.{digits}f}"
 
 
 def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], align: str | None = None) -> str:

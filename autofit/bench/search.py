@@ -27,16 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from autofit.bench.common import (
-    Report,
-    markdown_table,
-    median_and_spread,
-    mib,
-    pct,
-    seconds,
-    try_plot,
-    write_csv,
-)
+from autofit.bench.common import mib, pct, seconds
+from autofit.bench.search_tables import AUTOFIT_NAME, losses, write_search
 from autofit.bench.strategies import (
     PEERS,
     Oracle,
@@ -367,7 +359,7 @@ def autofit_search(problem: Problem, oracle: Oracle, seed: int = 0, first_use_s:
     return result.best
 
 
-AUTOFIT = Strategy("autofit", autofit_search, "throughput", False,
+AUTOFIT = Strategy(AUTOFIT_NAME, autofit_search, "throughput", False,
                    "autofit's search as shipped: estimate prunes, time model orders, real trials confirm")
 STRATEGIES: tuple[Strategy, ...] = (AUTOFIT,) + PEERS
 
@@ -432,236 +424,8 @@ def run_search_suite(out_dir: Path, env: dict, *, quick: bool = False, seeds: in
     return results
 
 
-# --------------------------------------------------------------------------------------
-# Tables
-
-
-def _summary(runs: list[RunResult]) -> dict:
-    frac = median_and_spread([r.fraction for r in runs])
-    wall = median_and_spread([r.wall_s for r in runs])
-    trials = median_and_spread([r.trials for r in runs])
-    ooms = median_and_spread([r.oom_trials for r in runs])
-    reached = [r.time_to_target_s for r in runs if r.time_to_target_s is not None]
-    t95 = median_and_spread(reached)
-    return {"fraction": frac, "wall": wall, "trials": trials, "ooms": ooms, "t95": t95,
-            "reached": len(reached), "n": len(runs)}
-
-
-def _spread(triple, fmt) -> str:
-    med, lo, hi = triple
-    if math.isnan(med):
-        return "-"
-    return fmt(med) if lo == hi else f"{fmt(med)} [{fmt(lo)}–{fmt(hi)}]"
-
-
-def _count(x: float) -> str:
-    return f"{x:.0f}" if float(x).is_integer() else f"{x:.1f}"
-
-
-def losses(runs: list[RunResult], strategies: tuple[Strategy, ...]) -> list[str]:
-    """Plain statements of every figure on which autofit is worse than a peer: replayed medians, then live runs."""
-    out = []
-    for mode in ("replay", "live"):
-        keys = sorted({(r.workload, r.budget_bytes) for r in runs if r.mode == mode})
-        for workload, budget in keys:
-            where = f"{workload} @ {budget / MiB:.0f} MiB" + (" (live)" if mode == "live" else "")
-            what = "medians" if mode == "replay" else "one live run each"
-            cell = [r for r in runs if r.mode == mode and r.workload == workload and r.budget_bytes == budget]
-            mine = [r for r in cell if r.strategy == AUTOFIT.name]
-            if not mine:
-                continue
-            if any(r.error and math.isnan(r.fraction) for r in mine):
-                out.append(f"{where}: autofit's search did not run ({mine[0].error}); every figure is a loss until it does.")
-                continue
-            a = _summary(mine)
-            for s in strategies:
-                theirs_runs = [r for r in cell if r.strategy == s.name]
-                if s.name == AUTOFIT.name or not theirs_runs:
-                    continue
-                b = _summary(theirs_runs)
-                cmp = [("best throughput found", a["fraction"][0], b["fraction"][0], True, pct),
-                       ("wall time (s)", a["wall"][0], b["wall"][0], False, seconds),
-                       ("real trials", a["trials"][0], b["trials"][0], False, _count),
-                       ("OOM trials", a["ooms"][0], b["ooms"][0], False, _count)]
-                if a["reached"] and b["reached"]:
-                    cmp.append(("time to 95% (s)", a["t95"][0], b["t95"][0], False, seconds))
-                elif b["reached"] and not a["reached"]:
-                    out.append(f"{where}: {s.name} reaches 95% of the optimum; autofit does not.")
-                for name, mine_v, theirs, higher_better, fmt in cmp:
-                    worse = mine_v < theirs - 1e-9 if higher_better else mine_v > theirs + 1e-9
-                    if worse:
-                        context = "" if higher_better else (f", finding {pct(a['fraction'][0])} of the optimum against "
-                                                            f"{pct(b['fraction'][0])}")
-                        out.append(f"{where}: autofit loses to {s.name} on {name}: {fmt(mine_v)} vs {fmt(theirs)} "
-                                   f"({what}{context}).")
-    return out
-
-
-def _autofit_time(runs: list[RunResult], cell: Cell, budget: int) -> str:
-    mine = [r for r in runs if r.mode == "replay" and r.strategy == AUTOFIT.name and r.workload == cell.workload
-            and r.budget_bytes == budget and not math.isnan(r.wall_s)]
-    if not mine:
-        return ""
-    med = lambda xs: median_and_spread(xs)[0]
-    trials, extra = med([r.trials_s for r in mine]), med([r.extra_s for r in mine])
-    own = med([r.wall_s - r.trials_s - r.extra_s for r in mine])
-    return (f"autofit's wall time (medians): {seconds(extra)} s first use + {seconds(trials)} s of trials + "
-            f"{seconds(own)} s of its own work (estimate, time model, calibration, Optuna storage, reports).")
-
-
-def _after_table(stops: list[str], time_text: str) -> str:
-    parts = (["autofit " + "; ".join(stops) + "."] if stops else []) + ([time_text] if time_text else [])
-    return "\n\n" + " ".join(parts) if parts else ""
-
-
-def write_search(out_dir: Path, env: dict, res: SearchResults, strategies: tuple[Strategy, ...]) -> list[Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    files = []
-    grid_rows = []
-    for grid in res.grids:
-        for p in grid.points.values():
-            row = {"workload": grid.cell.workload, **p.config.to_dict(), "status": p.status,
-                   "measured_peak_bytes": p.peak_bytes, "predicted_peak_bytes": p.predicted_peak_bytes,
-                   "samples_per_s": p.samples_per_s, "trial_samples_per_s": p.trial_samples_per_s,
-                   "second_samples_per_s": p.second_samples_per_s, "step_time_s": p.step_time_s, "trial_wall_s": p.wall_s,
-                   "error": p.error or ""}
-            for b in grid.cell.budgets_mib:
-                row[f"fits_{b}MiB"] = p.status == "ok" and p.peak_bytes is not None and p.peak_bytes <= b * MiB
-            grid_rows.append(row)
-    files.append(write_csv(out_dir / "search_grid.csv", grid_rows))
-    files.append(write_csv(out_dir / "search_runs.csv", [r.row() for r in res.runs]))
-
-    rep = Report("Search: autofit against its peers", env)
-    rep.add(f"Suite wall time: {res.wall_s / 60:.1f} min. Grids measured with `run_trial` "
-            f"(warm-up {SCHEDULE.warmup_steps}, measured {SCHEDULE.measured_steps} step(s), timed steps "
-            f"{SCHEDULE.timed_steps}), one config at a time. "
-            f"Replayed figures: {res.seeds} seeds per strategy and cell (median [min–max]); deterministic "
-            "strategies give the same figures for every seed. Live figures: one real run per strategy on "
-            f"{res.live_cell[0]} @ {res.live_cell[1] / MiB:.0f} MiB (seed 0) — "
-            + (", ".join(sorted({r.strategy for r in res.runs if r.mode == "live"})) or "none") + ".")
-    rep.add("How a replayed trial is charged: a config that fits costs the grid's measured trial wall time; one "
-            "over the budget costs the wall time of a trial that went over at its first operator plus one step of "
-            "that config. Answers are scored by the grid's throughput of the answered config over the grid's best "
-            "config that fits (0 when the answer does not fit or there is none). *Time to 95%*: the strategy's "
-            "clock when the config it would answer at that point first reached 95% of the optimum.")
-    rep.add("Settings the batch-size finders and DeepSpeed leave alone, at the tools' own defaults: precision "
-            "fp32 (a HF Trainer without `bf16`/`fp16`, Lightning's `32-true`, DeepSpeed without a `bf16` section), no "
-            "checkpointing. They keep the global batch (accumulation = global batch / micro-batch). amp-fp16 is not in the grids, to keep them affordable: "
-            "on CPUs without native fp16 kernels a step is ~1000x slower (FACTS.md); where the CPU has them (this "
-            "machine's matmul probe shows avx512_fp16 rates) it measures close to fp32.")
-    for s in strategies:
-        rep.add(f"- **{s.name}**: {s.description}")
-    for grid in res.grids:
-        cell = grid.cell
-        title = (f"## {cell.workload}: global batch {cell.global_batch}, micro-batches "
-                 f"{', '.join(map(str, cell.micro_batches))}, precisions {', '.join(p.value for p in cell.precisions)}, "
-                 f"checkpointing {', '.join(map(str, cell.checkpoints))}")
-        measured = (f"{len(grid.points)} configs measured in {grid.wall_s / 60:.1f} min "
-                    f"(median trial {seconds(median_and_spread([p.wall_s for p in grid.points.values()])[0])} s; "
-                    f"a trial that dies at its first operator: {grid.oom_floor_s:.1f} s). autofit's clock is charged "
-                    f"{grid.first_use_s:.1f} s per run for its first use on this workload: profiling on fake tensors "
-                    "and probing the device, both with cold caches.")
-        lines = [title, "", measured]
-        pairs = [(p.trial_samples_per_s, p.second_samples_per_s) for p in grid.points.values()
-                 if p.trial_samples_per_s and p.second_samples_per_s]
-        if pairs:
-            diffs = [abs(a / b - 1) for a, b in pairs]
-            lines.append(f"Measurement noise: the trial's throughput and a second sample of the same config differ by "
-                         f"{pct(median_and_spread(diffs)[0], 0)} (median) and up to {pct(max(diffs), 0)}; the ground "
-                         "truth is the larger of the two (load from other processes only ever slows a step).")
-        bad = [p for p in grid.points.values() if p.status != "ok"]
-        if bad:
-            lines.append("Grid configs that did not run: " + "; ".join(f"{p.config.short()}: {p.status} ({p.error})" for p in bad))
-        rep.add("\n".join(lines))
-        for budget_mib in cell.budgets_mib:
-            budget = budget_mib * MiB
-            best = grid.optimum(budget)
-            feasible = grid.feasible(budget)
-            pruned_wrong = [p for p in grid.points.values() if p.status == "ok" and p.predicted_peak_bytes is not None
-                            and p.predicted_peak_bytes > budget >= p.peak_bytes]
-            fits_wrong = [p for p in grid.points.values() if p.status == "ok" and p.predicted_peak_bytes is not None
-                          and p.predicted_peak_bytes <= budget < p.peak_bytes]
-            head = [f"### {cell.workload} @ {budget_mib} MiB",
-                    "",
-                    f"{len(feasible)} of {len(grid.points)} configs fit (measured). Optimum: "
-                    + (f"`{best.config.short()}` at {best.samples_per_s:.1f} samples/s, {mib(best.peak_bytes)} MiB."
-                       if best else "none fits."),
-                    f"The estimate on this grid: {len(fits_wrong)} false fit(s), {len(pruned_wrong)} false prune(s)"
-                    + (": " + "; ".join(f"`{p.config.short()}` predicted {mib(p.predicted_peak_bytes)} measured "
-                                        f"{mib(p.peak_bytes)} MiB" for p in fits_wrong + pruned_wrong)
-                       if fits_wrong or pruned_wrong else "."), ""]
-            rows = []
-            for s in strategies:
-                mine = [r for r in res.runs if r.mode == "replay" and r.strategy == s.name and r.workload == cell.workload
-                        and r.budget_bytes == budget]
-                if not mine:
-                    continue
-                if all(r.error and math.isnan(r.fraction) for r in mine):
-                    rows.append([s.name, f"**not available**: {mine[0].error}", "-", "-", "-", "-", "-", "FAIL"])
-                    continue
-                sm = _summary(mine)
-                answers = sorted({r.answer.short() if r.answer else "none" for r in mine})
-                rows.append([s.name, _spread(sm["fraction"], pct), _spread(sm["wall"], seconds),
-                             _spread(sm["trials"], _count), _spread(sm["ooms"], _count),
-                             (_spread(sm["t95"], seconds) + (f" ({sm['reached']}/{sm['n']} reached)"
-                                                             if sm["reached"] < sm["n"] else ""))
-                             if sm["reached"] else "never",
-                             ", ".join(f"`{a}`" for a in answers[:3]) + (" ..." if len(answers) > 3 else ""),
-                             "replay" + (f" ({sm['n']} seeds)" if sm["n"] > 1 else "")])
-            stops = sorted({n for r in res.runs if r.strategy == AUTOFIT.name and r.workload == cell.workload
-                            and r.budget_bytes == budget for n in r.notes if n.startswith("stopped:")})
-            rep.add("\n".join(head) + markdown_table(
-                ["strategy", "best found / optimum", "wall time (s)", "real trials", "OOM trials", "time to 95% (s)",
-                 "answer(s)", "figures"], rows, "lrrrrrll")
-                + _after_table(stops, _autofit_time(res.runs, cell, budget)))
-    live = [r for r in res.runs if r.mode == "live"]
-    if live:
-        rows = []
-        for r in live:
-            replay = next((x for x in res.runs if x.mode == "replay" and x.strategy == r.strategy and x.seed == 0
-                           and x.workload == r.workload and x.budget_bytes == r.budget_bytes), None)
-            if r.error and math.isnan(r.fraction):
-                rows.append([r.strategy, f"**not available**: {r.error}", "-", "-", "-", "-", "-", "-"])
-                continue
-            rows.append([r.strategy, f"`{r.answer.short()}`" if r.answer else "none", pct(r.fraction),
-                         seconds(r.wall_s), r.trials, r.oom_trials, seconds(r.time_to_target_s) if r.time_to_target_s
-                         else "never",
-                         (f"{seconds(replay.wall_s)} s, {replay.trials} trials, {pct(replay.fraction)}" if replay else "-")
-                         + (f"; error: {r.error}" if r.error else "")])
-        rep.add(f"## Live runs: {res.live_cell[0]} @ {res.live_cell[1] / MiB:.0f} MiB, seed 0\n\n"
-                "Every trial real, isolated and budget-enforced, timed by the wall clock. The last column is the same "
-                "strategy and seed replayed against the grid: where they differ, the machine's noise (other "
-                "processes share its two cores) or a config near the budget measured differently.\n\n"
-                + markdown_table(["strategy", "answer", "best found / optimum (grid)", "wall time (s)", "real trials",
-                                  "OOM trials", "time to 95% (s)", "replay of the same run"], rows, "llrrrrrl"))
-    lost = losses(res.runs, strategies)
-    rep.add("## Where autofit loses\n\n" + ("\n".join(f"- {line}" for line in lost) if lost
-                                             else "Nowhere: on every figure autofit's median is at least as good as each peer's."))
-    files.append(rep.write(out_dir / "search.md"))
-    plot = try_plot(out_dir / "search.png", lambda plt: _plot(plt, res, strategies))
-    if plot:
-        files.append(plot)
-    return files
-
-
-def _plot(plt, res: SearchResults, strategies):
-    keys = sorted({(r.workload, r.budget_bytes) for r in res.runs if r.mode == "replay"})
-    fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.8), squeeze=False)
-    for ax, (workload, budget) in zip(axes[0], keys):
-        for s in strategies:
-            mine = [r for r in res.runs if r.mode == "replay" and r.strategy == s.name and r.workload == workload
-                    and r.budget_bytes == budget and not math.isnan(r.fraction)]
-            if mine:
-                ax.scatter([r.wall_s for r in mine], [r.fraction for r in mine], label=s.name, s=18)
-        ax.set_title(f"{workload} @ {budget / MiB:.0f} MiB")
-        ax.set_xlabel("wall time (s)")
-        ax.set_ylabel("best found / optimum")
-        ax.set_ylim(-0.05, 1.05)
-    axes[0][-1].legend(fontsize=7)
-    return fig
-
-
 __all__ = [
+    "AUTOFIT",
     "CELLS",
     "QUICK_CELLS",
     "STRATEGIES",
@@ -674,5 +438,7 @@ __all__ = [
     "RunResult",
     "measure_grid",
     "run_search_suite",
+    "losses",
     "search_budgets",
+    "write_search",
 ]

@@ -10,7 +10,7 @@ import sys
 
 from autofit.budget import format_budget, format_bytes
 from autofit.cli._args import MODEL_HELP, add_hf_options, model_spec, positive
-from autofit.report import RAN
+from autofit.report import RAN, duration_text
 from autofit.study import PATIENCE, TRIAL_TIMEOUT_S, SearchProgress, search
 from autofit.workloads import DEFAULT_WORKLOAD
 
@@ -79,11 +79,6 @@ class _Progress:
             self.width = 0
 
 
-def _duration(seconds: float) -> str:
-    minutes, secs = divmod(int(round(seconds)), 60)
-    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
-
-
 def run(args: argparse.Namespace) -> int:
     command = shlex.join(["autofit", *sys.argv[1:]]) if sys.argv and sys.argv[0] else None
     progress = None if args.json else _Progress()
@@ -138,7 +133,7 @@ def _summary(result) -> None:
     print(f"pruned     {result.n_pruned} of {result.n_configs} configs by the estimate" + (f" ({reasons})" if reasons else ""))
     print(f"trials     {result.n_real} real" + (f" ({statuses})" if statuses else ""))
     print(f"stopped    {result.stop_reason}")
-    print(f"wall time  {_duration(result.wall_s)}")
+    print(f"wall time  {duration_text(result.wall_s)}")
     print(f"tables     {result.out_dir}/trials.csv, best.json, summary.md  (autofit report {result.out_dir})")
     print(f"report     {result.out_dir}/report.html (summary, exports, pictures, tables; the pictures also as *.png)")
     if result.best is not None:
