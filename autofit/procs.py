@@ -259,14 +259,20 @@ class Child:
         return f"{exit_text(status)}: {last}" if last else f"{exit_text(status)} without a result"
 
     def _peek_status(self) -> int | None:
-        # Its pipes close as it dies, a moment before it can be reaped: give it that moment.
-        end = time.monotonic() + _REAP_GRACE_S
-        while not self.exited() and time.monotonic() < end:
+        """How it exited, without reaping it (its group may still need killing: :meth:`kill` reaps)."""
+        end = time.monotonic() + _REAP_GRACE_S  # its pipes close as it dies, a moment before it exits
+        while True:
+            try:
+                info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                return None
+            if info is not None:
+                if info.si_code == os.CLD_EXITED:
+                    return (info.si_status & 0xFF) << 8
+                return info.si_status & 0x7F  # killed (or dumped core) by this signal
+            if time.monotonic() >= end:
+                return None
             time.sleep(0.01)
-        if not self.exited():
-            return None
-        self._reap()
-        return self.wait_status
 
     # --- signals, kill, reap -----------------------------------------------------------------
 

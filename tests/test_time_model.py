@@ -12,21 +12,15 @@ from autofit.config import TrainConfig
 from autofit.time_model import DeviceRates, op_counts, predict_table, probe_rates
 from autofit.workload import load_workload
 
-from test_study import TINY, cache_dir
-
-
-@pytest.fixture(autouse=True)
-def _env(monkeypatch, tmp_path_factory):
-    monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(cache_dir(tmp_path_factory)))
+from trial_workloads import TINY_LM as TINY
 
 
 @pytest.fixture(scope="module")
-def profile(tmp_path_factory):
+def profile():
     from autofit.profile import profile_workload
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("AUTOFIT_CACHE_DIR", str(cache_dir(tmp_path_factory)))
-        return profile_workload(load_workload(TINY), ["fp32", "amp-bf16"], device_type="cpu")
+    # The session's profile cache (conftest.profile_cache) is shared with the study tests.
+    return profile_workload(load_workload(TINY), ["fp32", "amp-bf16"], device_type="cpu")
 
 
 def compute_only(fp32=1e11, bf16=5e10) -> DeviceRates:
