@@ -176,6 +176,12 @@ def relative_error(predicted: float | None, measured: float | None) -> float | N
     return (predicted - measured) / measured
 
 
+def measured_peak(measurement: dict) -> float | None:
+    """The measured peak to compare with the estimate: on CUDA what the card held (reserved + context,
+    as the estimate predicts it), else the live tensor bytes."""
+    return measurement.get("peak_card_bytes") or measurement.get("peak_bytes")
+
+
 def observations(records: list[TrialRecord], budget_bytes: int) -> list[Observation]:
     """What calibration needs from every real trial that finished (ok, oom, error, timeout)."""
     out = []
@@ -185,7 +191,7 @@ def observations(records: list[TrialRecord], budget_bytes: int) -> list[Observat
         out.append(Observation(
             config=r.config, status=r.status, predicted_peak_bytes=float(r.prediction["peak_bytes"]),
             predicted_step_time_s=float(r.prediction.get("prior_step_time_s") or math.nan),
-            measured_peak_bytes=r.measurement.get("peak_bytes"), measured_step_time_s=r.measurement.get("step_time_s"),
+            measured_peak_bytes=measured_peak(r.measurement), measured_step_time_s=r.measurement.get("step_time_s"),
             budget_bytes=budget_bytes))
     return out
 

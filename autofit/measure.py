@@ -34,6 +34,7 @@ from typing import Any, Callable
 import torch
 
 from autofit.config import SplitMode, TrainConfig
+from autofit.cuda_memory import context_bytes_now, fallback_overhead, warm_up_kernels
 from autofit.schedule import MeasureSchedule, run_steps
 from autofit.tracker import CATEGORIES as BREAKDOWN_KEYS
 from autofit.tracker import MemoryTracker, optimizer_state_bytes, storage_bytes
@@ -52,9 +53,12 @@ def measure_trial(workload: Workload, config: TrainConfig, *, device: str = "cpu
     ``optimizer_step_time_s`` and ``error`` (None unless the status is not ok).
 
     Exceeding ``budget_bytes`` is ``status: "oom"``: on the CPU live tensor bytes are checked
-    after every operator; on CUDA the caching allocator is capped at the budget with
-    ``torch.cuda.set_per_process_memory_fraction`` (which does not cover the CUDA context,
-    a few hundred MB outside any budget -- FACTS.md) and ``torch.OutOfMemoryError`` is caught.
+    after every operator; on CUDA the budget is enforced as a card of that size would: the caching
+    allocator is capped at the budget less the CUDA context (``set_per_process_memory_fraction``;
+    the context lies outside the allocator), ``torch.OutOfMemoryError`` is caught, and a run whose
+    ``max_memory_reserved`` + context exceeds the budget is ``oom`` too. On CUDA the result also
+    has ``context_bytes`` (NVML's per-process figure less reserved, else the device probe's),
+    ``context_measured`` and ``peak_card_bytes`` (reserved + context: what the estimate predicts).
 
     The steps run are ``schedule``; without one, ``MeasureSchedule.from_steps(warmup_steps, measure_steps)``.
     Raises ValueError for ``measure_steps < 1``, and whatever the workload raises (the trial
@@ -101,11 +105,15 @@ def _measure_cuda(workload: Workload, config: TrainConfig, device: str, budget_b
     if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.set_device(dev)
+    warm_up_kernels(dev)  # the context grows as kernel modules load lazily: measure it grown
+    expected = expected_context_bytes(dev)
     if budget_bytes is not None:
-        # Caps the caching allocator's reserved bytes; the CUDA context (~300-500 MB) and
-        # other libraries' memory are outside it (FACTS.md). A budget above the card is the card.
+        # The card holds the context too: the caching allocator gets the budget less the context
+        # (as large as the device probe saw it after a warm-up: lazily loaded kernels make it grow).
+        # A budget above the card is the card.
         total = torch.cuda.get_device_properties(dev).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), dev)
+        cap = max(budget_bytes - expected, 1)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), dev)
     trainee = build_trainee(workload, config, dev)
     batches = trial_micro_batches(workload, config, dev, schedule)
     run_steps(schedule, lambda: train_step(trainee, batches))
@@ -116,6 +124,12 @@ def _measure_cuda(workload: Workload, config: TrainConfig, device: str, budget_b
                                                           sync=lambda: torch.cuda.synchronize(dev))
     peak_bytes = torch.cuda.max_memory_allocated(dev)
     reserved_bytes = torch.cuda.max_memory_reserved(dev)
+    measured, _how = context_bytes_now(dev)
+    context = measured if measured is not None else expected
+    card_bytes = reserved_bytes + context
+    if budget_bytes is not None and card_bytes > budget_bytes:
+        return _failed("oom", f"reserved {reserved_bytes} + context {context} = {card_bytes} bytes: over the "
+                              f"budget of {budget_bytes} bytes (the card would not hold it)")
     model = trainee.model
     params = storage_bytes(list(model.parameters()) + list(model.buffers()))
     grads = storage_bytes([p.grad for p in model.parameters() if p.grad is not None])
@@ -127,7 +141,21 @@ def _measure_cuda(workload: Workload, config: TrainConfig, device: str, budget_b
         "activations_bytes": max(0, peak_bytes - params - grads - state - inputs),
         "temporary_bytes": 0, "overhead_bytes": inputs,
     }
-    return _result(workload, config, peak_bytes, reserved_bytes, breakdown, t_micro, t_optimizer)
+    out = _result(workload, config, peak_bytes, reserved_bytes, breakdown, t_micro, t_optimizer)
+    out.update(context_bytes=int(context), context_measured=measured is not None, peak_card_bytes=int(card_bytes))
+    return out
+
+
+def expected_context_bytes(device: torch.device) -> int:
+    """The context this process will hold: the larger of what it holds now and what the device probe
+    measured after its warm-up (cached on disk); the fallback constant when neither is known."""
+    from autofit.time_model import cached_rates
+
+    now, _ = context_bytes_now(device)
+    rates = cached_rates("cuda")
+    probed = rates.memory_overhead() if rates is not None else None
+    known = [x for x in (now, probed.context_bytes if probed else None) if x is not None]
+    return max(known) if known else fallback_overhead().context_bytes
 
 
 def time_micro_and_optimizer_steps(trainee, micro_batches: list, repeats: int,

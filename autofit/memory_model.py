@@ -11,7 +11,10 @@ are laid end to end again for any config, as PyTorch would run it:
   on the last), and under 1F1B up to ``min(grad_accum, p - s)`` micro-batches in flight
   (GPipe: all ``grad_accum``);
 - the optimizer step: weights + gradients + state + the step's own temporaries;
-- on CUDA: the context and allocator reserve that ``max_memory_allocated`` does not see.
+- on CUDA: the cuBLAS workspaces (allocated, but no tensor of the model), the allocator's
+  fragmentation (reserved over allocated) and the context, which ``max_memory_reserved`` does not
+  see: the estimate is what the card holds, ``max_memory_reserved`` + context
+  (:class:`autofit.cuda_memory.CudaOverhead`, measured on the device where there is one).
 
 Every quantity is a line ``c0 + c1·b`` in the micro-batch b, so for one structure (precision,
 checkpoint interval, split) the peak is the upper envelope of a few dozen lines, evaluated for
@@ -24,7 +27,7 @@ Known limitations: the forward peak inside a checkpointed segment is bounded by 
 un-checkpointed layer's peak (a slight over-estimate); a region whose peak changes operator
 twice beyond the profiled sizes is under-estimated between the changes; pipeline runtime
 buffers are modelled as one received activation and one received gradient per micro-batch;
-the CUDA overhead is a documented constant until a search calibrates it. The profile runs on
+the CUDA fragmentation is a constant share (10%) until a search calibrates it. The profile runs on
 fake tensors, so a CPU kernel that keeps a larger storage than its meta kernel says is missed
 (``F.mse_loss`` on the CPU returns its 0-dim mean in the b x n buffer of the unreduced loss);
 each accumulation micro-step's detached loss (a few bytes) is not counted.
@@ -39,15 +42,15 @@ import numpy as np
 import pandas as pd
 
 from autofit.config import FIELDS, PipelineSchedule, Precision, SplitMode, TrainConfig, stage_bounds
+from autofit.cuda_memory import FALLBACK_CONTEXT_BYTES, FRAGMENTATION, CudaOverhead, fallback_overhead
 from autofit.errors import ConfigError
 from autofit.fsdp_memory import FSDP_EXTRA_COLUMNS, score_fsdp
 from autofit.profile_data import Line, PrecisionProfile, Profile, Region
 
-# The CUDA context lives outside the caching allocator: about 300-500 MB with lazy module
-# loading (pytorch #107667, FACTS.md); cuBLAS workspaces add a few MiB.
-CUDA_CONTEXT_BYTES = 450 * 2**20
-# Reserved exceeds allocated by fragmentation: 5-30% in the field (FACTS.md); 10% until calibrated.
-CUDA_FRAGMENTATION = 0.10
+# Fallbacks, used only where the device cannot be measured (autofit.cuda_memory measures both on
+# the device in use: the device probe child, cached with its rates).
+CUDA_CONTEXT_BYTES = FALLBACK_CONTEXT_BYTES
+CUDA_FRAGMENTATION = FRAGMENTATION
 
 SCHEDULES = tuple(PipelineSchedule)  # the one enum, shared with autofit.pipeline
 BREAKDOWN = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "temporary_bytes", "overhead_bytes")
@@ -286,8 +289,12 @@ def in_flight(stage: int, device_split: int, grad_accum: np.ndarray,
 
 
 def estimate_table(profile: Profile, configs: list[TrainConfig], budget_bytes: int | None = None,
-                   schedule: PipelineSchedule | str = PipelineSchedule.ONE_F_ONE_B) -> pd.DataFrame:
+                   schedule: PipelineSchedule | str = PipelineSchedule.ONE_F_ONE_B,
+                   overhead: CudaOverhead | None = None) -> pd.DataFrame:
     """Score many configs at once. One row per config, in the given order.
+
+    ``overhead``: the CUDA device's measured context and workspace (``DeviceRates.memory_overhead()``);
+    None on CUDA means the fallback constants (:func:`autofit.cuda_memory.fallback_overhead`).
 
     Columns: the five config fields, the six breakdown categories (at the largest device's
     peak), ``model_state_bytes``, ``peak_bytes``, ``per_device_peak_bytes`` (a tuple),
@@ -306,7 +313,7 @@ def estimate_table(profile: Profile, configs: list[TrainConfig], budget_bytes: i
     for (precision, every, split, mode), members in _structures(configs).items():
         idx = np.array(members, dtype=np.int64)
         if mode is SplitMode.FSDP and split > 1:
-            _score_fsdp_group(profile, profile.for_precision(precision), every, split,
+            _score_fsdp_group(profile, profile.for_precision(precision), overhead or fallback_overhead(), every, split,
                               cols["micro_batch"][idx].astype(np.float64), cols["grad_accum"][idx].astype(np.int64),
                               idx, out, extra, per_device, phase)
             continue
@@ -317,7 +324,7 @@ def estimate_table(profile: Profile, configs: list[TrainConfig], budget_bytes: i
             per_device[idx] = [()] * len(idx)
             continue
         pp = profile.for_precision(precision)
-        _score_group(profile, pp, min(every, profile.n_layers), split,
+        _score_group(profile, pp, overhead or fallback_overhead(), min(every, profile.n_layers), split,
                      cols["micro_batch"][idx].astype(np.float64), cols["grad_accum"][idx].astype(np.int64),
                      schedule, idx, out, per_device, phase)
     table = pd.DataFrame({f: cols[f] for f in FIELDS})
@@ -342,11 +349,13 @@ def _structures(configs: list[TrainConfig]) -> dict[tuple[Precision, int, int, S
     return groups
 
 
-def _score_fsdp_group(profile: Profile, pp: PrecisionProfile, every: int, ranks: int, b: np.ndarray, k: np.ndarray,
-                      idx: np.ndarray, out: dict, extra: dict, per_device, phase) -> None:
-    # Every rank holds the same; rank 0 (the largest optimizer-state shard) stands for all.
+def _score_fsdp_group(profile: Profile, pp: PrecisionProfile, cuda_overhead: CudaOverhead, every: int, ranks: int,
+                      b: np.ndarray, k: np.ndarray, idx: np.ndarray, out: dict, extra: dict, per_device, phase) -> None:
+    # Every rank holds the same; rank 0 (the largest optimizer-state shard) stands for all. The
+    # cuBLAS workspace is a block of its own: it goes with the context, outside the fragmentation.
     scored = score_fsdp(pp, ranks, min(every, profile.n_layers), b, k, cuda=profile.device_type == "cuda",
-                        context_bytes=CUDA_CONTEXT_BYTES, fragmentation=CUDA_FRAGMENTATION)
+                        context_bytes=cuda_overhead.context_bytes + cuda_overhead.workspace_bytes,
+                        fragmentation=cuda_overhead.fragmentation)
     for name in BREAKDOWN + ("peak_bytes",):
         out[name][idx] = scored[name]
     for name in FSDP_EXTRA_COLUMNS:
@@ -360,7 +369,8 @@ def _model_state(profile: Profile, precision: str) -> int:
     return pp.static_param_bytes + pp.grad_bytes + pp.optimizer_bytes
 
 
-def _score_group(profile: Profile, pp: PrecisionProfile, every: int, split: int, b: np.ndarray,
+def _score_group(profile: Profile, pp: PrecisionProfile, cuda_overhead: CudaOverhead, every: int, split: int,
+                 b: np.ndarray,
                  k: np.ndarray, schedule: PipelineSchedule | str, idx: np.ndarray, out: dict, per_device, phase) -> None:
     cuda = profile.device_type == "cuda"
     n = len(idx)
@@ -385,7 +395,9 @@ def _score_group(profile: Profile, pp: PrecisionProfile, every: int, split: int,
         peak_opt = np.full(n, float(base + st.grads_bytes + st.optimizer_peak_bytes))
         stage_peak = np.maximum(np.maximum(peak1, peakn), peak_opt)
         input_bytes = (pp.input_bytes[0] + pp.input_bytes[1] * b) if (cuda and s == 0) else 0.0
-        overhead = (CUDA_CONTEXT_BYTES + CUDA_FRAGMENTATION * (stage_peak + input_bytes)) if cuda else np.zeros(n)
+        # The workspaces are allocated blocks of their own (no fragmentation); the context is outside the allocator.
+        overhead = (cuda_overhead.context_bytes + cuda_overhead.workspace_bytes
+                    + cuda_overhead.fragmentation * (stage_peak + input_bytes)) if cuda else np.zeros(n)
         stage_total = stage_peak + input_bytes + overhead
         stage_peaks.append(stage_total)
         # Breakdown at this stage's peak.
@@ -419,7 +431,8 @@ def _score_group(profile: Profile, pp: PrecisionProfile, every: int, split: int,
 
 
 def estimate(profile: Profile, config: TrainConfig, budget_bytes: int | None = None,
-             schedule: PipelineSchedule | str = PipelineSchedule.ONE_F_ONE_B) -> MemoryEstimate:
+             schedule: PipelineSchedule | str = PipelineSchedule.ONE_F_ONE_B,
+             overhead: CudaOverhead | None = None) -> MemoryEstimate:
     """The predicted memory of one config.
 
     >>> est = estimate(profile, TrainConfig(precision="amp-bf16", micro_batch=8))  # doctest: +SKIP
@@ -427,12 +440,14 @@ def estimate(profile: Profile, config: TrainConfig, budget_bytes: int | None = N
 
     Raises ConfigError when the config cannot run (e.g. more stages than layers).
     """
-    row = estimate_table(profile, [config], budget_bytes, schedule).iloc[0]
+    row = estimate_table(profile, [config], budget_bytes, schedule, overhead).iloc[0]
     if not row["valid"]:
         raise ConfigError(f"{config.short()}: {row['reason']}")
     notes = []
     if config.checkpoint_every > profile.n_layers:
         notes.append(f"checkpoint_every {config.checkpoint_every} > {profile.n_layers} layers: one segment of all layers")
+    if profile.device_type == "cuda":
+        notes.append((overhead or fallback_overhead()).note())
     return MemoryEstimate(
         workload=profile.workload, device_type=profile.device_type, config=config,
         param_count=profile.param_count,

@@ -429,16 +429,32 @@ def _region_lines(r1: tuple, r2: tuple) -> Region:
     return Region(*lines, steep=_steepest(r1[4], r2[4]), steep_nongrad=_steepest(r1[5], r2[5]))
 
 
-def profile_precision(workload: Workload, precision: Precision, device_type: str = "cpu") -> PrecisionProfile:
-    """Profile one precision on fake tensors. Raises WorkloadError if the model can't be traced."""
+def _run_fake(workload: Workload, precision: Precision, micro_batch: int, device_type: str, real_batch) -> dict:
+    """One profiled step on fake tensors. On CUDA, a model whose cuDNN kernels refuse fake tensors
+    (an RNN: ``flatten_parameters`` and ``_cudnn_rnn`` call cuDNN with fake pointers and fail with
+    CUDNN_STATUS_BAD_PARAM) is profiled again with cuDNN off: its native kernels have fake
+    implementations. They save each step's gates where cuDNN keeps a reserve buffer (which torch's
+    fake kernel sizes as 0 anyway), so the profile is that of the native kernels; the trials on the
+    device measure the real one and calibration corrects the estimate."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    count_flops = micro_batch == PROFILE_BATCHES[-1]
+    try:
+        return _run_once(workload, precision, micro_batch, device_type, FakeTensorMode(), real_batch, count_flops)
+    except Exception as exc:
+        if device_type != "cuda" or "cudnn" not in f"{type(exc).__name__} {exc}".lower():
+            raise
+    with torch.backends.cudnn.flags(enabled=False):
+        return _run_once(workload, precision, micro_batch, device_type, FakeTensorMode(), real_batch, count_flops)
+
+
+def profile_precision(workload: Workload, precision: Precision, device_type: str = "cpu") -> PrecisionProfile:
+    """Profile one precision on fake tensors. Raises WorkloadError if the model can't be traced."""
     runs = {}
     real_batches = {b: workload.batch(b) for b in PROFILE_BATCHES}
     for b in PROFILE_BATCHES:
         try:
-            runs[b] = _run_once(workload, precision, b, device_type, FakeTensorMode(), real_batches[b],
-                                count_flops=b == PROFILE_BATCHES[-1])
+            runs[b] = _run_fake(workload, precision, b, device_type, real_batches[b])
         except WorkloadError:
             raise
         except Exception as exc:

@@ -29,7 +29,7 @@ import pandas as pd
 
 from autofit.advice import nothing_fits
 from autofit.budget import format_budget, format_bytes
-from autofit.calibration import Calibration, calibrate, observations
+from autofit.calibration import Calibration, calibrate, measured_peak, observations
 from autofit.config import FIELDS, TrainConfig
 from autofit.files import write_atomic
 from autofit.records import PruneReason, StudySnapshot, TrialRecord, TrialStatus, best_of
@@ -79,7 +79,7 @@ def trials_table(study: StudySnapshot) -> pd.DataFrame:
             **r.config.to_dict(),
             "predicted_peak_bytes": predicted.get("peak_bytes"),
             "calibrated_peak_bytes": predicted.get("calibrated_peak_bytes"),
-            "measured_peak_bytes": measured.get("peak_bytes"),
+            "measured_peak_bytes": measured_peak(measured),  # on CUDA reserved + context, as predicted
             "peak_error": errors.get("peak"),
             "predicted_step_time_s": predicted.get("step_time_s"),
             "step_time_s": measured.get("step_time_s"),
@@ -152,7 +152,7 @@ def best_record(study: StudySnapshot) -> dict:
     return {
         **record, "trial": trial.number, "config": config.to_dict(), "short": config.short(),
         "measured": measured, "predicted": predicted,
-        "peak_fraction_of_budget": measured.get("peak_bytes") / budget if budget and measured.get("peak_bytes") else None,
+        "peak_fraction_of_budget": measured_peak(measured) / budget if budget and measured_peak(measured) else None,
         "reproduce": measure_command(settings, config),
     }
 

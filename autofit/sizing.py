@@ -130,7 +130,7 @@ def score_shape(sp: ShapeProfile, configs: list[TrainConfig], budget_bytes: int,
     usable = [c for c in configs if c.device_split <= min(devices, profile.n_layers)]
     if not usable:
         return {**row, "fits": False, "reason": f"no config of the space runs on {devices} device(s)"}
-    mem = estimate_table(profile, usable, budget_bytes)
+    mem = estimate_table(profile, usable, budget_bytes, overhead=rates.memory_overhead())
     ok = (mem["valid"] & mem["fits"].astype(bool)).to_numpy()
     if not ok.any():
         return {**row, "fits": False, "reason": "no config of the space fits"}

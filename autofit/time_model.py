@@ -47,7 +47,7 @@ from autofit import procs
 from autofit.config import FIELDS, Precision, TrainConfig, stage_bounds
 from autofit.profile import Profile, cache_dir
 
-RATES_VERSION = 2
+RATES_VERSION = 3  # 3: the CUDA probe also measures the context and the cuBLAS workspace
 # The dtype of the matmuls each precision runs (autocast runs matmuls in its low-precision dtype).
 MATMUL_DTYPE = {Precision.FP32: "float32", Precision.AMP_BF16: "bfloat16", Precision.BF16: "bfloat16",
                 Precision.AMP_FP16: "float16"}
@@ -90,6 +90,14 @@ class DeviceRates:
     op_latency_s: float
     probe_s: float
     torch_version: str
+    # CUDA only (autofit.cuda_memory): the card's bytes outside the tensors, measured by the probe child
+    cuda_overhead: dict | None = None
+
+    def memory_overhead(self):
+        """The measured :class:`autofit.cuda_memory.CudaOverhead` (None on the CPU or when not measured)."""
+        from autofit.cuda_memory import CudaOverhead
+
+        return CudaOverhead(**self.cuda_overhead) if self.cuda_overhead else None
 
     def flops_per_s(self, precision: Precision | str) -> float:
         """Matmul FLOP/s of the dtype ``precision`` computes in."""
@@ -183,7 +191,8 @@ def measure_rates(device_type: str = "cpu", dtypes: tuple[str, ...] = ("float32"
 def _cache_path(device_type: str) -> Path:
     import torch
 
-    threads = os.environ.get("OMP_NUM_THREADS") or str(torch.get_num_threads())
+    # A GPU's rates do not depend on the CPU threads: every process (a trial child too) finds one entry.
+    threads = "" if device_type == "cuda" else (os.environ.get("OMP_NUM_THREADS") or str(torch.get_num_threads()))
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "") if device_type == "cuda" else ""
     ident = repr((RATES_VERSION, torch.__version__, device_type, platform.node(), threads, visible,
                   _device_name(device_type) if device_type == "cpu" else ""))
@@ -363,5 +372,25 @@ def predict(profile: Profile, config: TrainConfig, rates: DeviceRates, counts: O
 
 
 def probe_child(request: dict, send=None) -> dict:
-    """The rate probe in a child process (:mod:`autofit.procs`): the rates as a JSON-ready dict."""
-    return measure_rates(request["device_type"]).to_dict()
+    """The rate probe in a child process (:mod:`autofit.procs`): the rates as a JSON-ready dict.
+
+    On CUDA the context and the cuBLAS workspace are measured first, before any probe tensor exists
+    (:func:`autofit.cuda_memory.measure_overhead`)."""
+    overhead = None
+    if request["device_type"] == "cuda":
+        from autofit.cuda_memory import measure_overhead
+
+        overhead = measure_overhead("cuda").to_dict()
+    rates = measure_rates(request["device_type"]).to_dict()
+    rates["cuda_overhead"] = overhead
+    return rates
+
+
+def cached_rates(device_type: str) -> DeviceRates | None:
+    """The probe's cached rates of this machine's device, or None; never probes (a trial child reads
+    the context the probe measured without starting another process)."""
+    path = _cache_path(device_type)
+    try:
+        return DeviceRates.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError, KeyError):
+        return None

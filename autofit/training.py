@@ -157,9 +157,9 @@ def apply_config(model: nn.Module, config: TrainConfig, device: torch.device | s
     """
     steps = []
     dtype = param_dtype(config.precision)
-    if _needs_move(model, dtype, device):  # Module.to cannot swap fake parameters: skip it when a no-op
+    if _needs_move(model, dtype, device):
         if _is_fake(model):
-            _cast_buffers(model, dtype)  # built in place in the right dtype; only buffers made in fp32 remain
+            cast_fake_in_place(model, dtype)  # Module.to swaps fake parameters, which torch 2.11 refuses
         else:
             model.to(dtype=dtype) if device is None else model.to(device=torch.device(device), dtype=dtype)
     steps.append(f"precision {config.precision.value}: parameters in {dtype}"
@@ -182,25 +182,34 @@ def apply_config(model: nn.Module, config: TrainConfig, device: torch.device | s
     return Applied(optimizer, made_scaler, tuple(steps))
 
 
+def _is_fake(model: nn.Module) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return any(isinstance(t, FakeTensor) for t in [*model.parameters(), *model.buffers()])
+
+
+def cast_fake_in_place(model: nn.Module, dtype: torch.dtype) -> None:
+    """What ``model.to(dtype=dtype)`` does to floating-point parameters and buffers, done by replacing
+    them in their modules instead of swapping tensors (``Module._apply`` must swap fake tensors, and
+    torch 2.11 fails with "Couldn't swap Embedding.weight"). A parameter shared by several modules
+    (tied weights) stays one parameter."""
+    done: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table, make in ((module._parameters, lambda t, old: nn.Parameter(t, requires_grad=old.requires_grad)),
+                            (module._buffers, lambda t, old: t)):
+            for name, old in list(table.items()):
+                if old is None or not old.is_floating_point() or old.dtype == dtype:
+                    continue
+                if id(old) not in done:
+                    with torch.no_grad():
+                        done[id(old)] = make(old.to(dtype), old)
+                table[name] = done[id(old)]
+
+
 def _needs_move(model: nn.Module, dtype: torch.dtype, device: torch.device | str | None) -> bool:
     target = None if device is None else torch.device(device)
     return any((t.is_floating_point() and t.dtype != dtype) or (target is not None and t.device != target)
                for t in [*model.parameters(), *model.buffers()])
-
-
-def _is_fake(model: nn.Module) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return any(isinstance(p, FakeTensor) for p in model.parameters())
-
-
-def _cast_buffers(model: nn.Module, dtype: torch.dtype) -> None:
-    """Cast floating buffers a model made in fp32 whatever the default dtype (e.g. a rotary
-    ``inv_freq``), as ``Module.to`` does on real tensors; buffers are reassigned, not swapped."""
-    for module in model.modules():
-        for name, buf in module._buffers.items():
-            if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
-                module._buffers[name] = buf.to(dtype)
 
 
 def _device_type(model: nn.Module, device: torch.device | str | None) -> str:

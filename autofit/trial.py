@@ -61,6 +61,9 @@ class TrialResult:
     - ``wall_s``: the whole trial, process start included.
     - ``budget_bytes``: the budget it ran under (None: none); ``peak_reserved_bytes``: CUDA's
       ``max_memory_reserved`` (None on the CPU).
+    - CUDA only (None elsewhere): ``context_bytes``, the process's bytes on the card outside the
+      allocator; ``peak_card_bytes``, reserved + context: what the card held, and what the
+      estimate predicts on CUDA.
     """
 
     workload: str
@@ -79,6 +82,14 @@ class TrialResult:
     wall_s: float = 0.0
     budget_bytes: int | None = None
     peak_reserved_bytes: int | None = None
+    context_bytes: int | None = None
+    peak_card_bytes: int | None = None
+
+    @property
+    def judged_peak_bytes(self) -> int | None:
+        """The peak the budget and the estimate are judged on: on CUDA reserved + context (what the card
+        held), elsewhere ``peak_bytes``."""
+        return self.peak_card_bytes if self.peak_card_bytes is not None else self.peak_bytes
 
     @property
     def ok(self) -> bool:

@@ -13,7 +13,7 @@ for part c)::
     # (a Python without pip: unzip instead, for w in .whl/*.whl; do python3 -m zipfile -e $w /tmp/site; done)
 
 Parts, each in its own child processes, each failure recorded in the table and the run going on;
-a global time guard (``--time-limit``, default 420 s) ends the run in time:
+a global time guard (``--time-limit``, default 300 s) ends the run in time (``--parts a,b,c`` runs some):
 
 a. accuracy on CUDA: for the built-ins ``gpt-tiny``, ``gpt-mini``, ``convnet-bn``, ``lstm-lm`` and
    Hugging Face models built from local configs (4 layers, d=256, seq 128): Llama through
@@ -26,8 +26,9 @@ a. accuracy on CUDA: for the built-ins ``gpt-tiny``, ``gpt-mini``, ``convnet-bn`
    of the card (NVML, else ``nvidia-smi``, else ``mem_get_info``; the card's use before the child
    touched CUDA subtracted) less the allocator's reserved bytes. One config per workload runs
    twice: the ground truth's own noise.
-b. an emulated 8 GB card (``8GB`` as ``autofit search --budget`` reads it): the allocator capped
-   with ``set_per_process_memory_fraction`` at 8 GB less the measured context. On ``gpt2``, a
+b. an emulated 8 GB card (``8GB`` as ``autofit search --budget`` reads it), enforced by autofit's own
+   ``measure_trial``: the allocator capped with ``set_per_process_memory_fraction`` at 8 GB less the
+   measured context, and a run whose reserved + context exceeds 8 GB counted as ``oom``. On ``gpt2``, a
    config the estimate puts at 9-16 GB must come back ``oom``; the largest predicted under 8 GB
    and the largest under 80% of it must run with reserved + context within 8 GB. The same over
    and edge configs also go through autofit's own trial runner (``run_trial(..., budget_bytes)``).
@@ -58,6 +59,7 @@ import time
 PROCESS_START = time.monotonic()  # the time guard counts the imports too
 
 import argparse
+import copy
 import csv
 import datetime as dt
 import gc
@@ -88,7 +90,7 @@ CARD_BUDGET = "8GB"
 # Accuracy targets of issue 13 (median and largest |error|).
 TARGET_MEDIAN = 0.02
 TARGET_MAX = 0.08
-DEFAULT_TIME_LIMIT_S = 450.0
+DEFAULT_TIME_LIMIT_S = 300.0  # the run ends within ~10 s of it
 # Share of the time limit by which each part must end (cumulative); estimates come first.
 PART_END = {"estimates": 0.15, "a": 0.45, "b": 0.62, "c": 0.95, "d": 1.0}
 
@@ -152,23 +154,52 @@ def _hf_workload(name: str, build, layers, description: str):
                     meta={"kind": "transformer", "library": "transformers"})
 
 
-def hf_gpt2_workload():
-    """transformers' GPT2LMHeadModel, 4 layers, d=256, 4 heads, seq 128, vocab 8192 (its default dropout 0.1)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+def hf_causal_lm(model_type: str, **config):
+    """(config, builder) of a transformers causal LM from a local config, through the Auto classes.
 
-    cfg = GPT2Config(vocab_size=HF_VOCAB, n_positions=HF_SEQ, n_embd=256, n_layer=4, n_head=4, bos_token_id=0,
-                     eos_token_id=0)
-    return _hf_workload("hf-gpt2-4l-d256", lambda: GPT2LMHeadModel(cfg), lambda m: m.model.transformer.h,
+    ``from transformers import GPT2Config`` failed with transformers 5.17 on the GPU machine
+    ("cannot import name 'GPT2Config' from 'transformers'") while ``transformers.AutoModelForCausalLM``
+    worked there: the Auto classes come first, the model's own module second, and when both fail the
+    error names each cause.
+    """
+    import transformers
+
+    causes = []
+    try:
+        cfg = transformers.AutoConfig.for_model(model_type, **config)
+        # as autofit's hf: spec builds: in torch's default dtype, which autofit sets (fp32 or bf16)
+        return cfg, lambda: transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg),
+                                                                          dtype=torch.get_default_dtype())
+    except Exception as exc:  # noqa: BLE001 -- the next way is tried, and both causes reported
+        causes.append(f"AutoConfig.for_model({model_type!r}): {_first_line(exc)}")
+    try:
+        import importlib
+
+        module = importlib.import_module(f"transformers.models.{model_type}")
+        prefix = {"gpt2": "GPT2", "llama": "Llama"}[model_type]
+        cfg = getattr(module, f"{prefix}Config")(**config)
+        head = getattr(module, f"{prefix}LMHeadModel", None) or getattr(module, f"{prefix}ForCausalLM")
+        return cfg, lambda: head(cfg)
+    except Exception as exc:  # noqa: BLE001
+        causes.append(f"transformers.models.{model_type}: {_first_line(exc)}")
+    raise ImportError(f"transformers {getattr(transformers, '__version__', '?')} from {transformers.__file__} cannot "
+                      f"build {model_type}: " + "; ".join(causes))
+
+
+def hf_gpt2_workload():
+    """transformers' GPT-2 causal LM, 4 layers, d=256, 4 heads, seq 128, vocab 8192 (its default dropout 0.1)."""
+    _, build = hf_causal_lm("gpt2", vocab_size=HF_VOCAB, n_positions=HF_SEQ, n_embd=256, n_layer=4, n_head=4,
+                            bos_token_id=0, eos_token_id=0)
+    return _hf_workload("hf-gpt2-4l-d256", build, lambda m: m.model.transformer.h,
                         "transformers GPT-2, 4 layers, d=256, seq 128, from a local config")
 
 
 def hf_llama_workload():
-    """transformers' LlamaForCausalLM, 4 layers, d=256, 4 heads / 2 kv heads, SwiGLU 688, seq 128, vocab 8192."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=HF_VOCAB, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=HF_SEQ)
-    return _hf_workload("hf-llama-4l-d256", lambda: LlamaForCausalLM(cfg), lambda m: m.model.model.layers,
+    """transformers' Llama causal LM, 4 layers, d=256, 4 heads / 2 kv heads, SwiGLU 688, seq 128, vocab 8192."""
+    _, build = hf_causal_lm("llama", vocab_size=HF_VOCAB, hidden_size=256, intermediate_size=688,
+                            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                            max_position_embeddings=HF_SEQ)
+    return _hf_workload("hf-llama-4l-d256", build, lambda m: m.model.model.layers,
                         "transformers Llama, 4 layers, d=256, seq 128, from a local config")
 
 
@@ -264,30 +295,27 @@ def child_main(request: dict) -> int:
     workload = load_workload(request["spec"])
     budget = request.get("card_budget_bytes")
     if cuda:
+        from autofit.cuda_memory import warm_up_kernels
+        from autofit.measure import expected_context_bytes
+
         torch.cuda.set_device(0)
-        x = torch.ones(256, 256, device="cuda")
-        float((x @ x).sum())  # creates the context and cuBLAS's handle and workspace
-        del x
+        warm_up_kernels(torch.device("cuda", 0))  # the context grows as kernel modules load lazily
         ctx, how = context_bytes(baseline, index)
-        cap = None
-        if budget:
-            # The card holds the context too: the allocator gets the budget less the context.
-            ctx_used = max(ctx or 0, request.get("context_hint_bytes") or 0)
-            total = torch.cuda.get_device_properties(0).total_memory
-            cap = budget - ctx_used
-            torch.cuda.set_per_process_memory_fraction(max(cap, 1) / total, 0)
+        # With a budget, autofit's measure_trial caps the allocator at the budget less this context
+        # (the larger of this process's and the device probe's) and judges reserved + context.
+        cap = budget - expected_context_bytes(torch.device("cuda", 0)) if budget else None
         _emit({"kind": "init", "context_bytes": ctx, "context_method": how, "cap_bytes": cap,
                "device_name": torch.cuda.get_device_name(0)})
     for text in request["configs"]:
         started = time.perf_counter()
         try:
             out = measure_trial(workload, TrainConfig.parse(text), device=request["device"], warmup_steps=2,
-                                measure_steps=3)
+                                measure_steps=3, budget_bytes=budget)
         except Exception as exc:  # noqa: BLE001 - recorded, the next config still runs
             status = "oom" if "out of memory" in str(exc).lower() else "error"
             out = {"status": status, "error": _first_line(exc)}
         row = {"kind": "config", "config": text, "wall_s": time.perf_counter() - started, **out}
-        if cuda:
+        if cuda and row.get("context_bytes") is None:  # measure_trial measured it where it ran
             row["context_bytes"], row["context_method"] = context_bytes(baseline, index)
             gc.collect()
             torch.cuda.empty_cache()
@@ -359,8 +387,11 @@ def fill_errors(row: Row) -> Row:
     return row
 
 
-def estimates(spec: str, configs: list[str], device_type: str) -> dict[str, tuple[int, int] | str]:
-    """config -> (predicted peak, predicted allocated) from autofit's fake-tensor profile, or an error line."""
+def estimates(spec: str, configs: list[str], device_type: str, overhead=None) -> dict[str, tuple[int, int] | str]:
+    """config -> (predicted peak, predicted allocated) from autofit's fake-tensor profile, or an error line.
+
+    ``overhead``: a callable giving the device's measured :class:`autofit.cuda_memory.CudaOverhead`
+    (waited for only once the profile is done), or None (CPU, or the fallback)."""
     from autofit.config import TrainConfig
     from autofit.memory_model import estimate
     from autofit.profile import profile_workload
@@ -372,14 +403,54 @@ def estimates(spec: str, configs: list[str], device_type: str) -> dict[str, tupl
         profile = profile_workload(load_workload(spec), precisions, device_type=device_type)
     except Exception as exc:  # noqa: BLE001
         return dict.fromkeys(configs, f"estimate failed: {_first_line(exc)}")
+    measured = overhead() if overhead is not None and device_type == "cuda" else None
     out: dict[str, tuple[int, int] | str] = {}
     for text, config in parsed.items():
         try:
-            est = estimate(profile, config)
-            out[text] = (int(est.peak_bytes), int(est.peak_bytes - est.overhead_bytes))
+            est = estimate(profile, config, overhead=measured)
+            out[text] = (int(est.peak_bytes), predicted_allocated(est, measured))
         except Exception as exc:  # noqa: BLE001
             out[text] = f"estimate failed: {_first_line(exc)}"
     return out
+
+
+def predicted_allocated(est, overhead) -> int:
+    """What the estimate says ``max_memory_allocated`` will be: its peak less the context and the
+    fragmentation term (the cuBLAS workspaces are allocated, so they stay)."""
+    if est.device_type != "cuda":
+        return int(est.peak_bytes - est.overhead_bytes)
+    from autofit.cuda_memory import fallback_overhead
+
+    o = overhead or fallback_overhead()
+    tensors = (est.peak_bytes - o.context_bytes - o.workspace_bytes) / (1 + o.fragmentation)
+    return int(round(tensors + o.workspace_bytes))
+
+
+OVERHEAD_NOTE: dict = {}  # "cuda" -> the probe's note, for the table's header
+OVERHEAD: dict = {}  # "cuda" -> Future of the device probe's CudaOverhead (started before the estimates)
+
+
+def start_device_probe(device: str, clock: "Clock"):
+    """Measure the context and cuBLAS workspace in autofit's probe child (NVML per process) while the
+    profiles run; cached where the trial children read it. Returns a callable that waits for it."""
+    if device != "cuda":
+        return None
+    from autofit.cuda_memory import fallback_overhead
+    from autofit.time_model import probe_rates
+
+    def probe():
+        try:
+            found = probe_rates("cuda", use_cache=False).memory_overhead()
+        except Exception as exc:  # noqa: BLE001 -- the estimates go on with the fallback, and say so
+            found = fallback_overhead(f"the device probe failed: {_first_line(exc)}")
+        log(clock, f"device probe: {found.note()}")
+        OVERHEAD_NOTE["cuda"] = found.note()
+        return found
+
+    pool = ThreadPoolExecutor(max_workers=1)
+    OVERHEAD["cuda"] = pool.submit(probe)
+    pool.shutdown(wait=False)
+    return lambda: OVERHEAD["cuda"].result(timeout=120)
 
 
 def kill_group(pid: int) -> None:
@@ -460,14 +531,14 @@ def plan(args) -> dict[str, tuple[str, list[str]]]:
 LATE: dict = {}  # estimates still running when part a starts: name -> Future
 
 
-def all_estimates(jobs: dict, device: str, clock: Clock) -> dict[str, dict]:
+def all_estimates(jobs: dict, device: str, clock: Clock, overhead=None) -> dict[str, dict]:
     """Every estimate up front, workloads in parallel (each profile runs in its own processes), so that
     no profiling process starts or ends on the card while a measuring child watches its memory."""
     log(clock, f"estimates: {len(jobs)} workloads on fake tensors ({', '.join(jobs)})")
     if not jobs:
         return {}
     pool = ThreadPoolExecutor(max_workers=len(jobs))
-    futures = {name: pool.submit(estimates, spec, configs, device) for name, (spec, configs) in jobs.items()}
+    futures = {name: pool.submit(estimates, spec, configs, device, overhead) for name, (spec, configs) in jobs.items()}
     wait_futures(list(futures.values()), timeout=max(clock.left("estimates"), 30))
     pool.shutdown(wait=False, cancel_futures=True)
     out = {}
@@ -513,7 +584,7 @@ def part_a(args, clock: Clock, device: str, predicted_all: dict) -> list[Row]:
     return rows
 
 
-def part_b(args, clock: Clock, device: str, context_hint: int | None, predicted: dict) -> list[Row]:
+def part_b(args, clock: Clock, device: str, predicted: dict) -> list[Row]:
     from autofit.budget import parse_budget
 
     budget = parse_budget(CARD_BUDGET)
@@ -529,8 +600,8 @@ def part_b(args, clock: Clock, device: str, context_hint: int | None, predicted:
         return [Row("b", B_MODEL, "-", "error", check="FAIL: no config to test", note=reason)]
     configs = [c for _, c in chosen]
     log(clock, "b. chosen: " + "; ".join(f"{role} {c} ({mib(predicted[c][0])} predicted)" for role, c in chosen))
-    child_rows, why = run_child({"spec": B_MODEL, "configs": configs, "device": device, "card_budget_bytes": budget,
-                                 "context_hint_bytes": context_hint}, clock.left("b") - 5, clock)
+    child_rows, why = run_child({"spec": B_MODEL, "configs": configs, "device": device, "card_budget_bytes": budget},
+                                clock.left("b") - 5, clock)
     init = next((r for r in child_rows if r.get("kind") == "init"), {})
     rows = rows_from_child("b", B_MODEL, configs, predicted, child_rows, why)
     for (role, _), row in zip(chosen, rows):
@@ -549,9 +620,9 @@ def part_b(args, clock: Clock, device: str, context_hint: int | None, predicted:
         log(clock, f"b. autofit's run_trial, {role}: {text} at budget {CARD_BUDGET}")
         res = run_trial(B_MODEL, TrainConfig.parse(text), device=device, budget_bytes=budget, timeout_s=left - 5)
         row = Row("b", B_MODEL, text, res.status.value, allocated_bytes=res.peak_bytes,
-                  reserved_bytes=res.peak_reserved_bytes, context_bytes=init.get("context_bytes"),
+                  reserved_bytes=res.peak_reserved_bytes, context_bytes=res.context_bytes,
                   step_time_s=res.step_time_s, samples_per_s=res.samples_per_s, budget_bytes=budget, wall_s=res.wall_s,
-                  note=f"autofit run_trial, {role} (context from this part's child)" + (
+                  note=f"autofit run_trial, {role} (context measured in its child)" + (
                       f"; {res.error}" if res.error else ""))
         pred = predicted.get(text)
         if isinstance(pred, tuple):
@@ -623,10 +694,12 @@ def part_c(args, clock: Clock, device: str, context: int | None, out_dir: Path) 
     best, m = result.get("best"), result.get("best_measured") or {}
     row = Row("c", B_MODEL, "search: " + (",".join(f"{k}={v}" for k, v in best.items()) if best else "none"),
               "ok" if best else "none", allocated_bytes=m.get("peak_bytes"), reserved_bytes=m.get("peak_reserved_bytes"),
-              context_bytes=context, step_time_s=m.get("step_time_s"), samples_per_s=m.get("samples_per_s"),
+              context_bytes=m.get("context_bytes") or context, step_time_s=m.get("step_time_s"),
+              samples_per_s=m.get("samples_per_s"),
               budget_bytes=result.get("budget_bytes"), wall_s=wall,
               note=f"{result.get('n_real')} real trials ({statuses}), {result.get('n_pruned')} of "
-                   f"{result.get('n_configs')} pruned; stopped: {result.get('stop_reason')}; context from part a")
+                   f"{result.get('n_configs')} pruned; stopped: {result.get('stop_reason')}; context "
+                   + ("measured in the trial" if m.get("context_bytes") else "from part a"))
     pred = (result.get("best_predicted") or {}).get("peak_bytes")
     row.predicted_bytes = int(pred) if pred else None
     fill_errors(row)
@@ -797,11 +870,15 @@ def write_outputs(out_dir: Path, rows: list[Row], env: dict, verdict_line: str, 
         "",
         f"Command: `python3 scripts/gpu_check.py` (see its docstring). {verdict_line}",
         "",
-        "Predicted: autofit's estimate on fake tensors for device type cuda (context and fragmentation included); "
-        "predicted allocated = that less its context and fragmentation terms. Measured by autofit's `measure_trial` "
+        "Predicted: autofit's estimate on fake tensors for device type cuda: tensors + the cuBLAS workspace + 10% "
+        "fragmentation + the context, the workspace and context measured on this device by autofit's probe child "
+        f"({OVERHEAD_NOTE.get('cuda', 'not measured: CPU run')}); predicted allocated = that less its context and "
+        "fragmentation terms. Measured by autofit's `measure_trial` "
         "in a child process: allocated = `max_memory_allocated`, reserved = `max_memory_reserved` over the steps "
-        "after two warm-up steps, context = the process's use of the card (NVML/nvidia-smi, less the card's use "
-        "before the child) less the allocator's reserved bytes. Error = (predicted − measured) / measured; "
+        "after two warm-up steps, context = the process's use of the card (NVML per process; else nvidia-smi less the "
+        "card's use before the child) less the allocator's reserved bytes. Part b caps the allocator at 8 GB less the "
+        "context and counts a run whose reserved + context exceeds 8 GB as oom (autofit's `measure_trial` does both). "
+        "Error = (predicted − measured) / measured; "
         "negative is an under-estimate. On a CPU run the estimate is for device type cpu and allocated is the "
         "CPU tracker's peak.",
         "",
@@ -838,13 +915,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="one tiny config per workload (the CPU plumbing test)")
     parser.add_argument("--workloads", help="comma-separated part-a workloads (default: all; with --quick: "
                         + ",".join(QUICK_WORKLOADS) + f"); known: {','.join(A_WORKLOADS)}")
-    parser.add_argument("--parts", default="abcd", help="which parts to run, e.g. ab (default abcd)")
+    parser.add_argument("--parts", default="abcd", help="which parts to run, e.g. a,b,c or abc (default abcd)")
     parser.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S, help="seconds (default %(default)s)")
     parser.add_argument("--search-trials", type=int, default=SEARCH_TRIALS, help="real trials in part c")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         return child_main(json.loads(args.child))
+    args.parts = args.parts.replace(",", "").replace(" ", "")
     if args.time_limit <= 0 or args.search_trials < 1 or set(args.parts) - set("abcd"):
         parser.error("--time-limit and --search-trials must be positive; --parts letters among a, b, c, d")
     unknown = set((args.workloads or "").split(",")) - set(A_WORKLOADS) - {""}
@@ -861,13 +939,15 @@ def main(argv: list[str] | None = None) -> int:
     log(clock, f"gpu_check on {device}, torch {torch.__version__}, time limit {args.time_limit:.0f} s, out {out_dir}")
     rows: list[Row] = []
     predicted_all: dict = {}
-    run_part("estimates", lambda: predicted_all.update(all_estimates(plan(args), device, clock)) or [], rows, clock)
+    overhead = start_device_probe(device, clock) if not args.quick else None
+    run_part("estimates", lambda: predicted_all.update(all_estimates(plan(args), device, clock, overhead)) or [],
+             rows, clock)
     if "a" in args.parts:
         run_part("a", lambda: part_a(args, clock, device, predicted_all), rows, clock)
     contexts = [r.context_bytes for r in rows if r.part == "a" and r.context_bytes is not None]
     context = max(contexts) if contexts else None
     cuda_only = device == "cuda" and not args.quick
-    for name, func in (("b", lambda: part_b(args, clock, device, context, predicted_all.get("b:" + B_MODEL) or {})),
+    for name, func in (("b", lambda: part_b(args, clock, device, predicted_all.get("b:" + B_MODEL) or {})),
                        ("c", lambda: part_c(args, clock, device, context, out_dir)),
                        ("d", lambda: part_d(args, clock, device))):
         if name not in args.parts:

@@ -10,6 +10,7 @@ from autofit.advice import advise
 from autofit.cli._args import MODEL_HELP, add_hf_options, model_spec
 from autofit.budget import format_budget, format_bytes, parse_budget
 from autofit.config import TrainConfig
+from autofit.cuda_memory import device_overhead
 from autofit.memory_model import BREAKDOWN, estimate, estimate_table
 from autofit.profile import profile_workload
 from autofit.space import load_space
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _one(profile, config: TrainConfig, budget_bytes: int, as_json: bool) -> int:
-    est = estimate(profile, config, budget_bytes)
+    est = estimate(profile, config, budget_bytes, overhead=device_overhead(profile.device_type))
     if as_json:
         print(json.dumps({**est.to_dict(), "workload": profile.workload}, indent=2))
         return 0
@@ -89,7 +90,8 @@ def _one(profile, config: TrainConfig, budget_bytes: int, as_json: bool) -> int:
 
 def _space(profile, space, budget_bytes: int, args) -> int:
     configs = space.configs()
-    table = estimate_table(profile, configs, budget_bytes)
+    overhead = device_overhead(profile.device_type)
+    table = estimate_table(profile, configs, budget_bytes, overhead=overhead)
     table = table[table["valid"]].sort_values("peak_bytes", kind="stable")
     if args.json:
         rows = []
@@ -99,11 +101,14 @@ def _space(profile, space, budget_bytes: int, args) -> int:
                          "per_device_peak_bytes": list(row["per_device_peak_bytes"]),
                          "fits": bool(row["fits"]), **{k: int(round(row[k])) for k in BREAKDOWN}})
         print(json.dumps({"workload": profile.workload, "budget_bytes": budget_bytes, "device_type": profile.device_type,
-                          "space": space.source, "configs": rows}, indent=2))
+                          "space": space.source, "cuda_overhead": overhead and overhead.to_dict(),
+                          "configs": rows}, indent=2))
         return 0
     n_fit = int(table["fits"].sum())
     print(f"workload   {profile.workload} ({profile.param_count:,} parameters, {profile.n_layers} layers, {profile.optimizer})")
     print(f"device     {profile.device_type}    budget {format_budget(budget_bytes)} per device")
+    if overhead is not None:
+        print(f"note       {overhead.note()}")
     print(f"space      {space.source}: {len(configs)} configs, {n_fit} predicted to fit")
     print()
     shown = table if args.top == 0 else table.head(args.top)

@@ -65,7 +65,8 @@ class Planner:
         space = settings.search_space()
         self.configs = space.configs()
         self.index = {c: i for i, c in enumerate(self.configs)}
-        mem = estimate_table(profile, self.configs, settings.budget_bytes)
+        # On CUDA the probe child measured the card's context and cuBLAS workspace (None: the fallbacks).
+        mem = estimate_table(profile, self.configs, settings.budget_bytes, overhead=rates.memory_overhead())
         times = predict_table(profile, self.configs, rates, counts)
         self.table = mem.join(times.drop(columns=list(FIELDS)))
         self.n_layers = profile.n_layers

@@ -306,7 +306,8 @@ def tell_result(study: optuna.Study, trial: optuna.Trial, result, prediction: di
     trial.set_user_attr("status", TrialStatus(result.status).value)
     trial.set_user_attr("errors", errors)
     if result.ok:
-        over = float(result.peak_bytes - budget_bytes) if result.peak_bytes is not None else 0.0
+        peak = result.judged_peak_bytes
+        over = float(peak - budget_bytes) if peak is not None else 0.0
         failed = 0.0
     else:
         over = 1.0 if TrialStatus(result.status) is TrialStatus.OOM else 0.0

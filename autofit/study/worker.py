@@ -35,7 +35,8 @@ from autofit.workload import Workload
 HEARTBEAT_S = 30.0         # a running trial's worker writes a heartbeat this often
 STALE_S = 600.0            # a RUNNING trial without a heartbeat for this long belongs to a dead worker
 ORPHAN_S = 60.0            # a RUNNING trial no worker signed within this long was orphaned at birth
-MEASURED_KEYS = ("peak_bytes", "per_device_peak_bytes", "peak_reserved_bytes", "breakdown", "samples_per_s",
+MEASURED_KEYS = ("peak_bytes", "per_device_peak_bytes", "peak_reserved_bytes", "context_bytes", "peak_card_bytes",
+                 "breakdown", "samples_per_s",
                  "tokens_per_s", "step_time_s", "micro_step_time_s", "optimizer_step_time_s", "error", "wall_s")
 
 
@@ -147,8 +148,8 @@ class _Heartbeat:
 
 def _errors(prediction: dict, result: TrialResult) -> dict:
     return {
-        "peak": relative_error(prediction.get("peak_bytes"), result.peak_bytes),
-        "calibrated_peak": relative_error(prediction.get("calibrated_peak_bytes"), result.peak_bytes),
+        "peak": relative_error(prediction.get("peak_bytes"), result.judged_peak_bytes),
+        "calibrated_peak": relative_error(prediction.get("calibrated_peak_bytes"), result.judged_peak_bytes),
         "step_time": relative_error(prediction.get("step_time_s"), result.step_time_s),
         "prior_step_time": relative_error(prediction.get("prior_step_time_s"), result.step_time_s),
     }
