@@ -158,13 +158,14 @@ def _hf(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note]]:
     p = config.precision
     kwargs: dict = {"per_device_train_batch_size": config.micro_batch,
                     "gradient_accumulation_steps": config.grad_accum,
-                    "bf16": p is Precision.AMP_BF16, "fp16": p is Precision.AMP_FP16}
+                    # pure bf16 has no flag here: its nearest, autocast bf16 (a note gives the exact code)
+                    "bf16": p in (Precision.AMP_BF16, Precision.BF16), "fp16": p is Precision.AMP_FP16}
     if ctx.device_type == "cpu":
         kwargs["use_cpu"] = True
     notes = []
     if p is Precision.BF16:
         notes.append(Note("precision=bf16", "TrainingArguments has no pure-bf16 mode (its bf16=True is autocast "
-                          "over fp32 weights)", _BF16_CODE + ("# and keep bf16=False, fp16=False",),
+                          "over fp32 weights)", _BF16_CODE + ("# and set bf16=False: no autocast over bf16 weights",),
                           "bf16=True (precision=amp-bf16)", dataclasses.replace(config, precision=Precision.AMP_BF16)))
     every = config.checkpoint_every
     if every:
@@ -187,7 +188,8 @@ def _hf(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note]]:
 
 def _accelerate(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note]]:
     p = config.precision
-    mixed = {Precision.FP32: "no", Precision.AMP_FP16: "fp16", Precision.AMP_BF16: "bf16", Precision.BF16: "no"}[p]
+    # pure bf16: its nearest, autocast bf16 (a note gives the exact code)
+    mixed = {Precision.FP32: "no", Precision.AMP_FP16: "fp16", Precision.AMP_BF16: "bf16", Precision.BF16: "bf16"}[p]
     kwargs = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "NO", "mixed_precision": mixed,
               "num_processes": 1, "num_machines": 1, "machine_rank": 0, "use_cpu": ctx.device_type == "cpu",
               "debug": False}
@@ -202,7 +204,7 @@ def _accelerate(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note
                           "grad_accum=1", dataclasses.replace(config, grad_accum=1)))
     if p is Precision.BF16:
         notes.append(Note("precision=bf16", "Accelerate has no pure-bf16 mode (mixed_precision bf16 is autocast "
-                          "over fp32 weights)", _BF16_CODE + ("# with mixed_precision: no",),
+                          "over fp32 weights)", _BF16_CODE + ("# and set mixed_precision: no",),
                           "mixed_precision: bf16 (precision=amp-bf16)",
                           dataclasses.replace(config, precision=Precision.AMP_BF16)))
     if config.checkpoint_every:

@@ -32,7 +32,8 @@ def test_hf_training_arguments(precision, every, tmp_path):
     exp = export(f"precision={precision},micro_batch=8,grad_accum=4,checkpoint_every={every}", "hf", device="cpu")
     args = transformers.TrainingArguments(output_dir=str(tmp_path), **exp.kwargs)
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (8, 4)
-    assert (args.bf16, args.fp16) == (precision == "amp-bf16", precision == "amp-fp16")
+    # pure bf16 has no flag: the nearest, autocast bf16, with a note
+    assert (args.bf16, args.fp16) == (precision in ("amp-bf16", "bf16"), precision == "amp-fp16")
     assert args.gradient_checkpointing is (every == 1)
     if every == 1:
         assert args.gradient_checkpointing_kwargs == {"use_reentrant": False}
@@ -61,7 +62,7 @@ def test_hf_notes_give_the_nearest_setting_and_its_estimated_peak():
 
 
 @pytest.mark.parametrize("precision,mixed", [("fp32", "no"), ("amp-fp16", "fp16"), ("amp-bf16", "bf16"),
-                                             ("bf16", "no")])
+                                             ("bf16", "bf16")])
 def test_accelerate_config_file_loads(precision, mixed, tmp_path):
     pytest.importorskip("accelerate")
     from accelerate.commands.config.config_args import load_config_from_file
