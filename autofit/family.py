@@ -156,8 +156,9 @@ def hf_family(text: str) -> Family:
 
     def make_spec(values: dict) -> str:
         changed = {k: str(v) for k, v in values.items() if k != "seq_len" and v != base[k]}
-        shadowed = set(changed) | {aliases.get(k) for k in changed}  # GPT-2's n_layer is num_hidden_layers
-        merged = {**{k: v for k, v in overrides.items() if k not in shadowed}, **changed}
+        aliased = {aliases.get(k) for k in changed} - {None}  # GPT-2's n_layer is num_hidden_layers
+        merged = {k: v for k, v in overrides.items() if k not in aliased}
+        merged.update(changed)  # in place where the spec had the field: one shape, one spelling
         query = "&".join(f"{k}={v}" for k, v in merged.items())
         opts = [o for o in options if not o.startswith("seq_len=")] + [f"seq_len={values['seq_len']}"]
         return "hf:" + model + (f"?{query}" if query else "") + "".join(f"#{o}" for o in opts)

@@ -196,7 +196,10 @@ def size(family: Family | str, budget: str | int = "8GB", *, vary: dict | list[s
         raise SizeError(f"no valid shape in the grid: {invalid[0]['reason']}")
     configs = resolved_space.configs()
     profiles, info = shape_profiles(fam, shapes, list(grid), list(resolved_space.precision), device, progress)
-    rates = probe_rates(device)
+    try:
+        rates = probe_rates(device)
+    except RuntimeError as exc:  # e.g. --device cuda on a machine without a GPU: no rates to measure
+        raise SizeError(f"the time model needs {device} rates measured on this machine: {exc}") from None
     score_started = time.perf_counter()
     rows = []
     for shape, sp in zip(shapes, profiles):
@@ -252,6 +255,21 @@ def _device_count(device: str) -> int:
     return max(torch.cuda.device_count(), 1) if device == "cuda" else 1
 
 
+def _available_ram_bytes() -> int | None:
+    """RAM a new process can use without swapping (Linux MemAvailable; else free pages; None if unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+
+
 def _cannot_run(row: dict, result: SizeResult) -> str | None:
     """Why this machine cannot run a shape's trial, or None."""
     import torch
@@ -263,9 +281,8 @@ def _cannot_run(row: dict, result: SizeResult) -> str | None:
         if config.device_split > torch.cuda.device_count():
             return f"needs {config.device_split} GPUs; {torch.cuda.device_count()} visible"
         return None
-    try:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
+    available = _available_ram_bytes()
+    if available is None:
         return None
     # The trial builds the model in real memory: weights, gradients, state, activations and the input.
     if row["peak_bytes"] * 1.2 > available:

@@ -142,6 +142,14 @@ def test_confirm_runs_a_real_trial_under_the_budget():
     assert result.table["measured_status"].notna().sum() == 1
 
 
+def test_confirm_says_why_it_cannot_run_a_shape():
+    # about 10B parameters: 160 GB of fp32 training state, more RAM than a test machine has free
+    result = size("gpt2", "1000GB", vary={"n_layer": [48], "n_embd": [4096]}, space="tiny", confirm=1)
+    row = result.table.iloc[0]
+    assert row["fits"] and row["measured_status"] is None
+    assert row["measured_note"].startswith("not run: needs about") and "of RAM" in row["measured_note"]
+
+
 def test_family_specs_load_the_shape_they_name():
     family = load_family("llama-1b")
     shape = family.resolve({"n_layer": 2, "n_embd": 1024})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -80,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _command(args: argparse.Namespace) -> str:
     """The command line that reproduces this run (its options, not --json/--out/--top)."""
-    parts = ["autofit size", f"--family {args.family}", f"--budget {args.budget}"]
+    parts = ["autofit size", f"--family {shlex.quote(args.family)}", f"--budget {args.budget}"]
     parts += [f"--vary {v}" for v in args.vary or []]
     for flag in ("devices", "space", "global_batch", "min_tokens_per_s", "device"):
         if getattr(args, flag) is not None:
@@ -140,5 +141,6 @@ def _summary(result, top: int) -> list[str]:
     print(f"answer: {top_row['spec']} ({int(top_row['param_count']):,} parameters) with {config.short()}, "
           f"predicted peak {format_bytes(top_row['peak_bytes'])}")
     cfg = ",".join(f"{k}={v}" for k, v in config.to_dict().items())
-    print(f"  check it: autofit measure --model {top_row['spec']} --config {cfg} --budget {result.budget_text}")
+    print(f"  check it: autofit measure --model {shlex.quote(top_row['spec'])} --config {cfg} "
+          f"--budget {result.budget_text}")
     return lines
