@@ -98,6 +98,8 @@ def _json_row(row: dict) -> dict:
             v = float(v)
         elif isinstance(v, (np.bool_,)):
             v = bool(v)
+        if v is not None and (k.endswith("_bytes") or k in ("param_count", "n_fit")):
+            v = int(round(v))  # a column with gaps is float in pandas; counts are integers
         out[k] = v.to_dict() if isinstance(v, TrainConfig) else v
     return out
 

@@ -115,6 +115,7 @@ def test_table_frontier_and_json(tiny_result):
     assert front["tokens_per_s"].is_monotonic_decreasing  # more parameters, less throughput along it
     data = json.loads(json.dumps(tiny_result.to_dict()))
     assert data["top"]["config"]["precision"] in ("fp32", "amp-bf16")
+    assert isinstance(data["top"]["peak_bytes"], int) and isinstance(data["top"]["param_count"], int)
     assert len(data["shapes"]) == 35 and data["timing"]["configs_scored"] == 35 * len(load_space("tiny").configs())
 
 
