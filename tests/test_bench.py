@@ -153,9 +153,9 @@ def test_tpe_explores_whole_space_and_respects_trial_budget():
 
 def test_incumbent_by_criterion():
     c = lambda m: TrainConfig(Precision.FP32, m, 1)
-    recs = [st.TrialRecord(st.Outcome(c(8), "ok", 5.0, 1, 1.0), 1.0),
-            st.TrialRecord(st.Outcome(c(16), "ok", 4.0, 1, 1.0), 2.0),
-            st.TrialRecord(st.Outcome(c(32), "oom", None, None, 1.0), 3.0)]
+    recs = [st.OracleRecord(st.Outcome(c(8), "ok", 5.0, 1, 1.0), 1.0),
+            st.OracleRecord(st.Outcome(c(16), "ok", 4.0, 1, 1.0), 2.0),
+            st.OracleRecord(st.Outcome(c(32), "oom", None, None, 1.0), 3.0)]
     assert [x.micro_batch for x in st.incumbent(recs, "largest")] == [8, 16, 16]
     assert [x.micro_batch for x in st.incumbent(recs, "throughput")] == [8, 8, 8]
 

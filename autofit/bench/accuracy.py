@@ -34,6 +34,7 @@ from autofit.bench.common import (
     write_csv,
 )
 from autofit.config import Precision, TrainConfig
+from autofit.records import TrialStatus
 
 MAIN_WORKLOADS = ("gpt-tiny", "convnet-bn")
 EXTRA_WORKLOADS = ("lstm-lm",)
@@ -118,7 +119,7 @@ def _has_transformers() -> bool:
 class AccuracyRow:
     workload: str
     config: TrainConfig
-    status: str
+    status: TrialStatus
     predicted_peak_bytes: float | None
     measured_peak_bytes: int | None
     predicted_per_device: tuple = ()
@@ -129,9 +130,12 @@ class AccuracyRow:
     job_s: float | None = None
     error: str | None = None
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "status", TrialStatus(self.status))
+
     @property
     def error_rel(self) -> float:
-        return relative_error(self.predicted_peak_bytes, self.measured_peak_bytes) if self.status == "ok" else math.nan
+        return relative_error(self.predicted_peak_bytes, self.measured_peak_bytes) if self.status is TrialStatus.OK else math.nan
 
     def to_dict(self) -> dict:
         return {"workload": self.workload, **self.config.to_dict(), "status": self.status,
@@ -215,7 +219,7 @@ def run_accuracy(out_dir: Path, env: dict, *, quick: bool = False, workloads: tu
 
 def safety(rows: list[AccuracyRow], budget_bytes: int) -> tuple[list[AccuracyRow], list[AccuracyRow]]:
     """(false fits, false prunes) at ``budget_bytes`` among measured rows."""
-    ok = [r for r in rows if r.status == "ok" and r.measured_peak_bytes is not None]
+    ok = [r for r in rows if r.status is TrialStatus.OK and r.measured_peak_bytes is not None]
     fits = [r for r in ok if r.predicted_peak_bytes <= budget_bytes < r.measured_peak_bytes]
     prunes = [r for r in ok if r.measured_peak_bytes <= budget_bytes < r.predicted_peak_bytes]
     return fits, prunes
@@ -255,7 +259,7 @@ def write_accuracy(out_dir: Path, env: dict, res: AccuracyResults) -> list[Path]
     for g in groups + ([main] if len(main) > 1 else []):
         s = res.stats(g)
         members = [r for r in res.rows if r.workload in g]
-        not_ok = sum(r.status != "ok" for r in members)
+        not_ok = sum(r.status is not TrialStatus.OK for r in members)
         target = ("PASS" if s.n and s.median <= TARGET_MEDIAN and s.max <= TARGET_MAX else "FAIL") \
             if set(g) <= set(MAIN_WORKLOADS) else "reported (not a target)"
         rows.append([" + ".join(g), len(members), s.n, not_ok, pct(s.median, 2), pct(s.p95, 2), pct(s.max, 2),
@@ -263,7 +267,7 @@ def write_accuracy(out_dir: Path, env: dict, res: AccuracyResults) -> list[Path]
     rep.add("## Summary\n\n" + markdown_table(
         ["workload", "configs", "measured", "did not run", "median abs. error", "p95", "max", "mean signed error",
          "under-estimates", "median ≤ 3% and max ≤ 8%"], rows, "lrrrrrrrrl"))
-    stage_errors = [(r, i, relative_error(p, m)) for r in res.rows if r.status == "ok" and r.config.device_split > 1
+    stage_errors = [(r, i, relative_error(p, m)) for r in res.rows if r.status is TrialStatus.OK and r.config.device_split > 1
                     and len(r.predicted_per_device) == len(r.measured_per_device)
                     for i, (p, m) in enumerate(zip(r.predicted_per_device, r.measured_per_device))]
     if stage_errors:
@@ -279,8 +283,8 @@ def write_accuracy(out_dir: Path, env: dict, res: AccuracyResults) -> list[Path]
         members = [r for r in res.rows if r.workload == w]
         for b in budgets:
             fits, prunes = safety(members, b)
-            fits_in = sum(1 for r in members if r.status == "ok" and r.measured_peak_bytes <= b)
-            srows.append([w, f"{b / 2**20:.0f} MiB", sum(r.status == "ok" for r in members), fits_in, len(fits),
+            fits_in = sum(1 for r in members if r.status is TrialStatus.OK and r.measured_peak_bytes <= b)
+            srows.append([w, f"{b / 2**20:.0f} MiB", sum(r.status is TrialStatus.OK for r in members), fits_in, len(fits),
                           len(prunes), "; ".join(f"`{r.config.short()}`" for r in fits + prunes) or "-"])
     if srows:
         rep.add("## False fits and false prunes at the search suite's budgets\n\n"
@@ -323,7 +327,7 @@ def write_accuracy(out_dir: Path, env: dict, res: AccuracyResults) -> list[Path]
         if r.config.device_split > 1:
             per_dev = (" / ".join(mib(x) for x in r.predicted_per_device) + " vs "
                        + " / ".join(mib(x) for x in r.measured_per_device))
-        full.append([r.workload, f"`{r.config.short()}`", r.status if r.status == "ok" else f"**{r.status}**: {r.error}",
+        full.append([r.workload, f"`{r.config.short()}`", r.status if r.status is TrialStatus.OK else f"**{r.status}**: {r.error}",
                      mib(r.predicted_peak_bytes), mib(r.measured_peak_bytes), signed_pct(r.error_rel),
                      per_dev, seconds(r.predicted_step_time_s, 3) if r.predicted_step_time_s else "-",
                      seconds(r.measured_step_time_s, 3) if r.measured_step_time_s else

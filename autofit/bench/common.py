@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import datetime as _dt
+import enum
 import math
 import os
 import platform
@@ -188,6 +189,8 @@ def write_csv(path: Path, rows: Sequence[dict], columns: Sequence[str] | None = 
 
 
 def _csv_value(x: Any) -> Any:
+    if isinstance(x, enum.Enum):
+        return x.value
     if isinstance(x, float) and math.isnan(x):
         return ""
     if isinstance(x, (list, tuple)):

@@ -35,11 +35,12 @@ from autofit.bench.strategies import (
     Outcome,
     Problem,
     Strategy,
-    TrialRecord,
+    OracleRecord,
     incumbent,
     optuna_tpe,
 )
 from autofit.config import Precision, TrainConfig
+from autofit.records import TrialStatus
 from autofit.schedule import DEFAULT_SCHEDULE
 
 MiB = 2**20
@@ -90,7 +91,7 @@ class GridPoint:
     figure and a second, separate sample (other processes' load only ever slows a step down)."""
 
     config: TrainConfig
-    status: str
+    status: TrialStatus
     peak_bytes: int | None
     samples_per_s: float | None
     step_time_s: float | None
@@ -99,6 +100,9 @@ class GridPoint:
     error: str | None = None
     trial_samples_per_s: float | None = None
     second_samples_per_s: float | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "status", TrialStatus(self.status))
 
 
 @dataclass
@@ -114,7 +118,7 @@ class Grid:
 
     def feasible(self, budget_bytes: int) -> list[GridPoint]:
         return [p for p in self.points.values()
-                if p.status == "ok" and p.peak_bytes is not None and p.peak_bytes <= budget_bytes]
+                if p.status is TrialStatus.OK and p.peak_bytes is not None and p.peak_bytes <= budget_bytes]
 
     def optimum(self, budget_bytes: int) -> GridPoint | None:
         feasible = self.feasible(budget_bytes)
@@ -124,7 +128,7 @@ class Grid:
         """Grid throughput of ``config`` over the optimum; 0 for no answer or one that does not fit."""
         best = self.optimum(budget_bytes)
         point = self.points.get(config) if config is not None else None
-        if best is None or point is None or point.status != "ok" or point.peak_bytes > budget_bytes:
+        if best is None or point is None or point.status is not TrialStatus.OK or point.peak_bytes > budget_bytes:
             return 0.0
         return point.samples_per_s / best.samples_per_s
 
@@ -180,7 +184,7 @@ def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) 
         other = second_by_config.get(config, {}).get("samples_per_s")
         best = max([x for x in (r.samples_per_s, other) if x], default=None)
         step = config.samples_per_step / best if best else r.step_time_s
-        points[config] = GridPoint(config, r.status.value, r.peak_bytes, best, step, r.wall_s, pred, r.error,
+        points[config] = GridPoint(config, r.status, r.peak_bytes, best, step, r.wall_s, pred, r.error,
                                    r.samples_per_s, other)
     progress(f"grid {cell.workload}: second throughput sample of {len(second)} configs done")
     floor = run_trial(cell.workload, configs[0], device="cpu", budget_bytes=1, schedule=SCHEDULE,
@@ -206,11 +210,11 @@ class ReplayOracle(Oracle):
         point = self.grid.points.get(config)
         if point is None:
             raise KeyError(f"{config.short()} is not in the measured grid")
-        if point.status != "ok":
+        if point.status is not TrialStatus.OK:
             return Outcome(config, point.status, None, None, point.wall_s)
         if point.peak_bytes > self.budget_bytes:
-            return Outcome(config, "oom", None, None, self.grid.oom_floor_s + (point.step_time_s or 0.0))
-        return Outcome(config, "ok", point.samples_per_s, point.peak_bytes, point.wall_s, point.step_time_s)
+            return Outcome(config, TrialStatus.OOM, None, None, self.grid.oom_floor_s + (point.step_time_s or 0.0))
+        return Outcome(config, TrialStatus.OK, point.samples_per_s, point.peak_bytes, point.wall_s, point.step_time_s)
 
 
 class LiveOracle(Oracle):
@@ -231,7 +235,7 @@ class LiveOracle(Oracle):
                       timeout_s=TRIAL_TIMEOUT_S)
         self.progress(f"live {self.label}: {config.short()} {r.status.value} {seconds(r.samples_per_s)} samples/s "
                       f"({r.wall_s:.1f} s)")
-        return Outcome(config, r.status.value, r.samples_per_s, r.peak_bytes, r.wall_s, r.step_time_s, r)
+        return Outcome(config, r.status, r.samples_per_s, r.peak_bytes, r.wall_s, r.step_time_s, r)
 
 
 # --------------------------------------------------------------------------------------
@@ -254,7 +258,7 @@ class RunResult:
     time_to_target_s: float | None   # clock when the incumbent first reached 95% of the optimum
     error: str | None = None
     live_samples_per_s: float | None = None
-    history: list[TrialRecord] = field(default_factory=list)
+    history: list[OracleRecord] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     extra_s: float = 0.0             # charged for work done elsewhere (autofit's first use)
 
@@ -290,8 +294,8 @@ def score(strategy: Strategy, grid: Grid, budget_bytes: int, seed: int, mode: st
     return RunResult(
         strategy=strategy.name, workload=grid.cell.workload, budget_bytes=budget_bytes, seed=seed, mode=mode,
         answer=answer, fraction=grid.fraction(answer, budget_bytes), wall_s=oracle.clock_s, trials=len(records),
-        oom_trials=sum(r.outcome.status == "oom" for r in records),
-        failed_trials=sum(r.outcome.status in ("error", "timeout") for r in records),
+        oom_trials=sum(r.outcome.status is TrialStatus.OOM for r in records),
+        failed_trials=sum(r.outcome.status in (TrialStatus.ERROR, TrialStatus.TIMEOUT) for r in records),
         time_to_target_s=reached, error=error, live_samples_per_s=live_tput, history=list(records),
         notes=list(oracle.notes), extra_s=oracle.extra_s,
     )
@@ -339,7 +343,7 @@ def autofit_search(problem: Problem, oracle: Oracle, seed: int = 0, first_use_s:
         outcome = oracle.run(config)
         if outcome.result is not None:
             return outcome.result
-        return TrialResult(workload=problem.workload, config=config, device=device, status=TrialStatus(outcome.status),
+        return TrialResult(workload=problem.workload, config=config, device=device, status=outcome.status,
                            peak_bytes=outcome.peak_bytes,
                            per_device_peak_bytes=[outcome.peak_bytes] if outcome.peak_bytes else [],
                            samples_per_s=outcome.samples_per_s, step_time_s=outcome.step_time_s if outcome.ok else None,

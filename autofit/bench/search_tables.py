@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from autofit.bench.common import Report, markdown_table, median_and_spread, mib, pct, seconds, try_plot, write_csv
 from autofit.bench.strategies import Strategy
+from autofit.records import TrialStatus
 from autofit.schedule import DEFAULT_SCHEDULE as SCHEDULE
 
 if TYPE_CHECKING:  # the suite imports this module, not the other way round
@@ -111,7 +112,7 @@ def write_search(out_dir: Path, env: dict, res: SearchResults, strategies: tuple
                    "second_samples_per_s": p.second_samples_per_s, "step_time_s": p.step_time_s, "trial_wall_s": p.wall_s,
                    "error": p.error or ""}
             for b in grid.cell.budgets_mib:
-                row[f"fits_{b}MiB"] = p.status == "ok" and p.peak_bytes is not None and p.peak_bytes <= b * MiB
+                row[f"fits_{b}MiB"] = p.status is TrialStatus.OK and p.peak_bytes is not None and p.peak_bytes <= b * MiB
             grid_rows.append(row)
     files.append(write_csv(out_dir / "search_grid.csv", grid_rows))
     files.append(write_csv(out_dir / "search_runs.csv", [r.row() for r in res.runs]))
@@ -154,7 +155,7 @@ def write_search(out_dir: Path, env: dict, res: SearchResults, strategies: tuple
             lines.append(f"Measurement noise: the trial's throughput and a second sample of the same config differ by "
                          f"{pct(median_and_spread(diffs)[0], 0)} (median) and up to {pct(max(diffs), 0)}; the ground "
                          "truth is the larger of the two (load from other processes only ever slows a step).")
-        bad = [p for p in grid.points.values() if p.status != "ok"]
+        bad = [p for p in grid.points.values() if p.status is not TrialStatus.OK]
         if bad:
             lines.append("Grid configs that did not run: " + "; ".join(f"{p.config.short()}: {p.status} ({p.error})" for p in bad))
         rep.add("\n".join(lines))
@@ -162,9 +163,9 @@ def write_search(out_dir: Path, env: dict, res: SearchResults, strategies: tuple
             budget = budget_mib * MiB
             best = grid.optimum(budget)
             feasible = grid.feasible(budget)
-            pruned_wrong = [p for p in grid.points.values() if p.status == "ok" and p.predicted_peak_bytes is not None
+            pruned_wrong = [p for p in grid.points.values() if p.status is TrialStatus.OK and p.predicted_peak_bytes is not None
                             and p.predicted_peak_bytes > budget >= p.peak_bytes]
-            fits_wrong = [p for p in grid.points.values() if p.status == "ok" and p.predicted_peak_bytes is not None
+            fits_wrong = [p for p in grid.points.values() if p.status is TrialStatus.OK and p.predicted_peak_bytes is not None
                           and p.predicted_peak_bytes <= budget < p.peak_bytes]
             head = [f"### {cell.workload} @ {budget_mib} MiB",
                     "",

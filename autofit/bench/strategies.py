@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from autofit.config import Precision, TrainConfig
+from autofit.records import TrialStatus
 
 
 @dataclass(frozen=True)
@@ -83,20 +84,23 @@ class Outcome:
     """What a strategy sees of one trial."""
 
     config: TrainConfig
-    status: str                       # ok, oom, error, timeout
+    status: TrialStatus               # ok, oom, error, timeout ("ok" and the like are read as one)
     samples_per_s: float | None
     peak_bytes: int | None
     cost_s: float                     # what the trial cost (live: its wall time; replay: the grid's)
     step_time_s: float | None = None
     result: object = None             # the TrialResult, when the trial ran for real
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "status", TrialStatus(self.status))
+
     @property
     def ok(self) -> bool:
-        return self.status == "ok"
+        return self.status is TrialStatus.OK
 
 
 @dataclass
-class TrialRecord:
+class OracleRecord:
     outcome: Outcome
     clock_s: float                    # the strategy's clock when the trial finished
 
@@ -110,7 +114,7 @@ class Oracle(ABC):
     """
 
     def __init__(self) -> None:
-        self.history: list[TrialRecord] = []
+        self.history: list[OracleRecord] = []
         self.notes: list[str] = []
         self._started = time.perf_counter()
         self._in_trials_s = 0.0
@@ -122,7 +126,7 @@ class Oracle(ABC):
         outcome = self._run(config)
         self._in_trials_s += time.perf_counter() - start
         self._charged_s += outcome.cost_s
-        self.history.append(TrialRecord(outcome, self.clock_s))
+        self.history.append(OracleRecord(outcome, self.clock_s))
         return outcome
 
     def charge(self, seconds: float, why: str) -> None:
@@ -379,7 +383,7 @@ PEERS: tuple[Strategy, ...] = (
 )
 
 
-def incumbent(records: list[TrialRecord], criterion: str) -> list[TrainConfig | None]:
+def incumbent(records: list[OracleRecord], criterion: str) -> list[TrainConfig | None]:
     """The config a strategy would answer after each of its trials, by its own criterion."""
     out: list[TrainConfig | None] = []
     best: Outcome | None = None
