@@ -133,3 +133,24 @@ def test_plumbing_on_the_cpu(tmp_path):
                                                                             "d": "skipped"}
     md = (tmp_path / "gpu_check.md").read_text()
     assert "torch " in md and "hf-llama" in md and verdict[0] in md
+
+
+def test_an_estimate_still_profiling_is_waited_for_by_its_part():
+    from concurrent.futures import Future
+
+    done, never = Future(), Future()
+    done.set_result({"c1": (30, 9)})
+    gc.LATE.update({"w-done": done, "w-never": never})
+    try:
+        assert gc.late_estimate("w-done", ["c1"], 1) == {"c1": (30, 9)}
+        late = gc.late_estimate("w-never", ["c1", "c2"], 0.01)
+        assert set(late) == {"c1", "c2"} and all(v.startswith("estimate failed") for v in late.values())
+        assert gc.late_estimate("not-late", ["c1"], 1) == {}
+    finally:
+        gc.LATE.pop("w-done"), gc.LATE.pop("w-never")
+
+
+def test_parts_may_be_given_with_commas():
+    out = subprocess.run([sys.executable, str(SCRIPT), "--parts", "a,x", "--device", "cpu"], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert out.returncode == 2 and "--parts" in out.stderr

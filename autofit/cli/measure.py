@@ -93,6 +93,11 @@ def _summary(result: TrialResult) -> None:
             print("  per device   " + ", ".join(format_bytes(b) for b in result.per_device_peak_bytes))
         if result.peak_reserved_bytes is not None:
             print(f"  {'reserved':<12} {format_bytes(result.peak_reserved_bytes):>12}   (CUDA caching allocator)")
+        if result.peak_card_bytes is not None:
+            card = f"  {'card':<12} {format_bytes(result.peak_card_bytes):>12}   (reserved + context of {format_bytes(result.context_bytes)}"
+            if result.budget_bytes is not None:
+                card += f"; {100 * result.peak_card_bytes / result.budget_bytes:.1f}% of the budget"
+            print(card + ")")
         print()
         rate = f"{result.samples_per_s:,.1f} samples/s"
         if result.tokens_per_s is not None:
