@@ -91,13 +91,21 @@ def context_bytes_now(device=None) -> tuple[int | None, str]:
 
 
 def warm_up_kernels(device) -> None:
-    """Run what a training step runs once, so lazily loaded modules and the cuBLAS handles exist."""
+    """Run what a training step commonly runs, once, so that the lazily loaded kernel modules a trial
+    will load anyway and the cuBLAS handles exist: the probe and every trial run the same warm-up, so
+    the context they measure differs only by the model's own kernels. Everything is freed after."""
     import torch
+    from torch.nn import functional as F
 
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        x = torch.randn(64, 64, device=device, dtype=dtype, requires_grad=True)
-        lin = torch.nn.Linear(64, 64, device=device, dtype=dtype)
-        torch.nn.functional.gelu(lin(x)).softmax(-1).sum().backward()
+        for n in (64, 1024):  # small and large GEMM tiles load different kernels
+            emb = torch.nn.Embedding(100, n, device=device, dtype=dtype)
+            lin = torch.nn.Linear(n, 100, device=device, dtype=dtype)
+            opt = torch.optim.AdamW([*emb.parameters(), *lin.parameters()])
+            tokens = torch.randint(100, (64,), device=device)
+            h = F.dropout(F.layer_norm(emb(tokens), (n,)), 0.1)
+            F.cross_entropy(lin(F.gelu(h)).float(), tokens).backward()
+            opt.step()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         lin = torch.nn.Linear(64, 64, device=device)
         lin(torch.randn(64, 64, device=device)).float().sum().backward()
