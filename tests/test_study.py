@@ -295,6 +295,39 @@ def test_calibration_round_trips_and_relative_error():
     assert relative_error(None, 100) is None and relative_error(1.0, None) is None
 
 
+# --- stored trials as records ---------------------------------------------------------------------
+
+
+def test_stored_trials_read_as_records():
+    from optuna.distributions import CategoricalDistribution
+    from optuna.trial import create_trial
+
+    from autofit.study import record_of
+
+    config = TrainConfig("fp32", 2, 2)
+    dists = {k: CategoricalDistribution([v]) for k, v in config.to_dict().items()}
+
+    def stored(state, **attrs):
+        value = 0.0 if state == TrialState.COMPLETE else None
+        return create_trial(state=state, params=config.to_dict(), distributions=dists, user_attrs=attrs, value=value,
+                            system_attrs={"constraints:peak_over_budget_bytes": 1.0} if value is not None else {})
+
+    oom = record_of(stored(TrialState.COMPLETE, status="oom", measured={"error": "over"}))
+    assert oom.status is TrialStatus.OOM and not oom.feasible and oom.measurement["error"] == "over"
+    pruned = record_of(stored(TrialState.PRUNED, status="pruned", reason_kind="dominated", reason="why"))
+    assert pruned.prune_reason is PruneReason.DOMINATED and pruned.reason == "why"
+    newer = record_of(stored(TrialState.PRUNED, status="pruned", reason_kind="a-reason-from-the-future", reason="t"))
+    assert newer.prune_reason is None and newer.reason == "t"  # the text still says why
+    assert record_of(stored(TrialState.FAIL, status="running")).status is TrialStatus.INTERRUPTED
+    assert record_of(stored(TrialState.WAITING)).status is TrialStatus.RUNNING
+    assert record_of(stored(TrialState.COMPLETE)).status is TrialStatus.OK  # 0.1 wrote no status for some
+    assert record_of(create_trial(state=TrialState.COMPLETE, params={"x": 1},
+                                  distributions={"x": CategoricalDistribution([1])}, value=1.0)) is None
+    # a record is frozen, its mappings too
+    with pytest.raises(TypeError):
+        oom.measurement["error"] = "changed"
+
+
 # --- a search through an injected trial runner (no child processes) ---------------------------------
 
 

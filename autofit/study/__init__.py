@@ -20,9 +20,9 @@ One planning step (every worker, before every trial, from what the storage holds
 4. otherwise **run** the next candidate: first, for each precision not measured yet, its
    predicted-fastest config (one trial calibrates the whole precision); then the candidate with
    the highest calibrated predicted throughput; predictions within NEAR of the best are a tie,
-   won by the cheapest trial. It runs in an isolated child
-   (:func:`autofit.trial.run_trial`) under the budget and a time limit sized from its
-   prediction; the objective is measured samples/s, and ``trial.set_constraint`` records the
+   won by the cheapest trial. It runs through the worker's trial runner (by default an
+   isolated child, :func:`autofit.trial.run_trial` of :data:`autofit.schedule.DEFAULT_SCHEDULE`)
+   under the budget and a time limit sized from its prediction and that schedule; the objective is measured samples/s, and ``trial.set_constraint`` records the
    measured peak minus the budget (and whether it failed), so a trial that went over, or
    failed, is never the best. ``oom``, ``error`` and ``timeout`` are recorded and the search
    goes on.
@@ -36,8 +36,8 @@ see the other's trial and prune theirs as a ``duplicate``.
 Storage: by default an Optuna journal file, ``<out>/study.journal``, locked with ``flock``
 (released by the kernel when a process dies, so ``kill -9`` never leaves a stale lock). Running
 the same search again resumes it: finished trials are kept; a trial left ``RUNNING`` by a dead
-worker (its process is gone, or its heartbeat is older than STALE_S) is marked ``FAIL`` and its
-config planned again.
+worker (its process is gone, or its heartbeat is older than STALE_S) is marked ``FAIL``
+(status ``interrupted``) and its config planned again.
 
 Known limitations: on a CPU every worker shares the same cores, so ``workers > 1`` measures
 each config under the others' load (their OpenMP threads are divided between them); a study's

@@ -194,6 +194,9 @@ def distributions(space: SearchSpace) -> dict[str, CategoricalDistribution]:
 
 def config_of(params: dict) -> TrainConfig | None:
     """The TrainConfig of a trial's params (None when they are not a config)."""
+    missing = [f for f in FIELDS if f not in params]
+    if missing and missing != ["split_mode"]:  # not a config (a trial someone added by hand)
+        return None
     try:
         # params from before split_mode existed lack it: TrainConfig's default (pipeline) applies
         return TrainConfig.from_dict({f: params[f] for f in FIELDS if f in params})
