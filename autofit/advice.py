@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from autofit.budget import format_bytes
-from autofit.config import Precision, TrainConfig
+from autofit.config import Precision, SplitMode, TrainConfig
 from autofit.memory_model import estimate_table
 from autofit.profile_data import Profile
 
@@ -28,6 +28,65 @@ def _splits(n_layers: int) -> list[int]:
     if n_layers not in splits:
         splits.append(n_layers)
     return splits
+
+
+# FSDP ranks are not bounded by the layer count: powers of two up to this many devices are tried.
+MAX_FSDP_RANKS = 1024
+
+
+def fewest_devices(profile: Profile, budget_bytes: int, precisions: list[Precision] | None = None) -> pd.DataFrame:
+    """The fewest devices that fit ``budget_bytes`` each, per split mode and precision, at micro_batch 1.
+
+    One row per (split_mode, precision): ``devices`` (None when nothing fits), the least
+    recomputation that fits at that count (``checkpoint_every``), ``peak_bytes`` per device and
+    its parts -- ``model_state_bytes`` (pipeline: the largest stage's weights, gradients and
+    optimizer state; fsdp: all shards and buffers), ``gathered_bytes`` (fsdp: whole weights of
+    the units being computed at the peak), ``activations_bytes`` and ``other_bytes`` (the rest:
+    temporaries, buffers in flight, on CUDA the context).
+    """
+    precisions = [Precision(p) for p in (precisions or profile.precisions)]
+    fsdp_ranks = [2 ** i for i in range(1, MAX_FSDP_RANKS.bit_length())]
+    candidates = [TrainConfig(prec, 1, 1, every, split)
+                  for prec in precisions for every in (0, 1, 2, 4) for split in _splits(profile.n_layers)]
+    candidates += [TrainConfig(prec, 1, 1, every, ranks, SplitMode.FSDP)
+                   for prec in precisions for every in (0, 1, 2, 4) for ranks in fsdp_ranks]
+    table = estimate_table(profile, candidates, budget_bytes)
+    table["config"] = candidates
+    rows = []
+    for mode in SplitMode:
+        for prec in precisions:
+            group = table[(table.split_mode == mode.value) & (table.precision == prec.value) & table.fits]
+            row = {"split_mode": mode.value, "precision": prec.value, "devices": None, "checkpoint_every": None,
+                   "peak_bytes": None, "model_state_bytes": None, "gathered_bytes": None,
+                   "activations_bytes": None, "other_bytes": None}
+            if not group.empty:
+                best = group.sort_values(["device_split", "checkpoint_every", "peak_bytes"]).iloc[0]
+                state = (best.shard_bytes if mode is SplitMode.FSDP
+                         else best.params_bytes + best.optimizer_bytes + best.grads_bytes)
+                gathered = best.gathered_bytes if mode is SplitMode.FSDP else 0.0
+                row.update(devices=int(best.device_split), checkpoint_every=int(best.checkpoint_every),
+                           peak_bytes=int(round(best.peak_bytes)), model_state_bytes=int(round(state)),
+                           gathered_bytes=int(round(gathered)), activations_bytes=int(round(best.activations_bytes)),
+                           other_bytes=int(round(best.peak_bytes - state - gathered - best.activations_bytes)))
+            rows.append(row)
+    return pd.DataFrame(rows, dtype=object)  # None stays None (not NaN) where nothing fits
+
+
+def fewest_devices_lines(profile: Profile, budget_bytes: int, precisions: list[Precision] | None = None) -> list[str]:
+    """:func:`fewest_devices` as sentences, one per split mode and precision."""
+    lines = []
+    for row in fewest_devices(profile, budget_bytes, precisions).itertuples():
+        if row.devices is None:
+            limit = MAX_FSDP_RANKS if row.split_mode == SplitMode.FSDP.value else max(_splits(profile.n_layers))
+            lines.append(f"{row.split_mode} {row.precision}: does not fit even over {limit} devices")
+            continue
+        parts = (f"shards {format_bytes(row.model_state_bytes)} + gathered weights {format_bytes(row.gathered_bytes)}"
+                 if row.split_mode == SplitMode.FSDP.value
+                 else f"stage weights+gradients+optimizer {format_bytes(row.model_state_bytes)}")
+        lines.append(f"{row.split_mode} {row.precision}: {row.devices} devices, checkpoint_every={row.checkpoint_every}, "
+                     f"micro_batch=1: peak {format_bytes(row.peak_bytes)} per device = {parts} + activations "
+                     f"{format_bytes(row.activations_bytes)} + other {format_bytes(row.other_bytes)}")
+    return lines
 
 
 def advise(profile: Profile, budget_bytes: int, precisions: list[Precision] | None = None) -> Advice:
@@ -75,6 +134,8 @@ def advise(profile: Profile, budget_bytes: int, precisions: list[Precision] | No
     else:
         lines.append(f"nothing fits even split across {max(_splits(profile.n_layers))} devices: "
                      "use a smaller model or a larger budget")
+    lines.append("fewest devices per split mode (pipeline stages, or FSDP ranks sharding the model state):")
+    lines.extend(f"  {line}" for line in fewest_devices_lines(profile, budget_bytes, precisions))
     return Advice(tuple(lines), smallest)
 
 

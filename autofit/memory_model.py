@@ -77,6 +77,8 @@ class MemoryEstimate:
     budget_bytes: int | None = None
     fits: bool | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    shard_bytes: int | None = None      # fsdp: weights, gradients, optimizer state shards and buffers per rank
+    gathered_bytes: int | None = None   # fsdp: whole weights of the units computing at the peak
 
     def to_dict(self) -> dict:
         """JSON-ready; the field names are a public contract."""
@@ -89,6 +91,7 @@ class MemoryEstimate:
             "model_state_bytes": self.model_state_bytes, "peak_bytes": self.peak_bytes,
             "per_device_peak_bytes": list(self.per_device_peak_bytes), "peak_phase": self.peak_phase,
             "fits": self.fits, "notes": list(self.notes),
+            "shard_bytes": self.shard_bytes, "gathered_bytes": self.gathered_bytes,
         })
         return out
 
@@ -455,6 +458,7 @@ def estimate(profile: Profile, config: TrainConfig, budget_bytes: int | None = N
         model_state_bytes=int(row["model_state_bytes"]), peak_bytes=int(round(row["peak_bytes"])),
         per_device_peak_bytes=tuple(row["per_device_peak_bytes"]), peak_phase=str(row["peak_phase"]),
         budget_bytes=budget_bytes, fits=None if budget_bytes is None else bool(row["fits"]), notes=tuple(notes),
+        **{name: None if pd.isna(row[name]) else int(round(row[name])) for name in FSDP_EXTRA_COLUMNS},
     )
 
 

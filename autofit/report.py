@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from autofit.advice import nothing_fits
@@ -32,6 +33,7 @@ from autofit.budget import format_budget, format_bytes
 from autofit.calibration import Calibration, calibrate, measured_peak, observations
 from autofit.config import FIELDS, TrainConfig
 from autofit.files import write_atomic
+from autofit.objective import basis, objective
 from autofit.records import PruneReason, StudySnapshot, TrialRecord, TrialStatus, best_of
 from autofit.study.planner import SLOW_FACTOR
 from autofit.study.settings import JOURNAL_NAME, redact
@@ -42,7 +44,8 @@ COLUMNS = (
     "number", "status", "reason_kind", "reason", *FIELDS,
     "predicted_peak_bytes", "calibrated_peak_bytes", "measured_peak_bytes", "peak_error",
     "predicted_step_time_s", "step_time_s", "step_time_error", "prior_step_time_error",
-    "predicted_samples_per_s", "samples_per_s", "tokens_per_s", "trial_wall_s", "error", "started", "finished",
+    "predicted_samples_per_s", "samples_per_s", "objective", "basis", "tokens_per_s", "trial_wall_s", "error",
+    "started", "finished",
 )
 
 
@@ -71,6 +74,7 @@ def trials_table(study: StudySnapshot) -> pd.DataFrame:
     ``prior_step_time_error`` that of the uncalibrated time model.
     """
     rows = []
+    devices = int(settings_of(study).get("devices") or 1)
     for r in study.records:
         predicted, measured, errors = r.prediction, r.measurement, r.errors
         rows.append({
@@ -87,6 +91,10 @@ def trials_table(study: StudySnapshot) -> pd.DataFrame:
             "prior_step_time_error": errors.get("prior_step_time"),
             "predicted_samples_per_s": predicted.get("samples_per_s"),
             "samples_per_s": measured.get("samples_per_s"),
+            # the search's value (autofit.objective): job samples/s on the worker's devices
+            "objective": None if measured.get("samples_per_s") is None
+            else objective(r.config, measured["samples_per_s"], devices),
+            "basis": basis(r.config, devices),
             "tokens_per_s": measured.get("tokens_per_s"),
             "trial_wall_s": measured.get("wall_s"),
             "error": measured.get("error") or ("interrupted" if r.status is TrialStatus.INTERRUPTED else None),
@@ -99,10 +107,10 @@ def trials_table(study: StudySnapshot) -> pd.DataFrame:
 
 
 def select(table: pd.DataFrame, *, status: str | None = None, top: int | None = None) -> pd.DataFrame:
-    """Rows of ``status`` (any when None), fastest first (then by number); the first ``top`` when given."""
+    """Rows of ``status`` (any when None), best objective first (then by number); the first ``top`` when given."""
     if status is not None:
         table = table[table["status"] == status]
-    table = table.assign(_rank=table["samples_per_s"].fillna(-1.0)).sort_values(
+    table = table.assign(_rank=table["objective"].fillna(-1.0)).sort_values(
         ["_rank", "number"], ascending=[False, True], kind="stable").drop(columns="_rank")
     return table.head(top) if top else table
 
@@ -215,6 +223,49 @@ def counts(table: pd.DataFrame) -> dict:
     }
 
 
+def split_mode_comparison(table: pd.DataFrame) -> pd.DataFrame:
+    """The best ok trial of each way to use the devices: ``one device`` (data-parallel replicas
+    of an unsplit model), ``pipeline`` and ``fsdp``; with its objective and the margin the
+    winner has over it. Ordered best first."""
+    ok = table[table["status"] == TrialStatus.OK.value]
+    kind = np.where(ok["device_split"] <= 1, "one device", ok["split_mode"])
+    rows = []
+    for name in ("one device", "pipeline", "fsdp"):
+        group = ok[kind == name]
+        if not group.empty:
+            best = group.loc[group["objective"].idxmax()]
+            rows.append({"mode": name, "trial": int(best["number"]), "objective": float(best["objective"]),
+                         "basis": best["basis"],
+                         "config": TrainConfig.from_dict({f: getattr(best[f], "item", lambda: best[f])()
+                                                          for f in FIELDS}).short()})
+    frame = pd.DataFrame(rows, columns=["mode", "trial", "objective", "basis", "config"])
+    frame = frame.sort_values("objective", ascending=False, kind="stable").reset_index(drop=True)
+    if not frame.empty:
+        frame["winner_ahead_by"] = frame["objective"].iloc[0] / frame["objective"] - 1.0
+    return frame
+
+
+def split_modes_markdown(table: pd.DataFrame, devices: int) -> list[str]:
+    """The summary's section comparing split modes (empty when fewer than two modes ran ok)."""
+    frame = split_mode_comparison(table)
+    if len(frame) < 2:
+        return []
+    top = frame.iloc[0]
+    lines = ["\n## Split modes\n",
+             f"Objective: job samples/s on {devices} device(s) per worker -- one replica's samples/s times the "
+             "replicas that fit (an unsplit model on every device, a pipeline per device_split devices, FSDP over "
+             "its ranks); configs needing more devices than that are scored per device (autofit.objective).\n",
+             f"**{top['mode']} won**: {top['objective']:.2f} samples/s ({top['config']}), "
+             + ", ".join(f"{100 * r.winner_ahead_by:.1f}% ahead of {r.mode} ({r.objective:.2f})"
+                         for r in frame.iloc[1:].itertuples()) + ".\n"]
+    lines.append(_md_table(pd.DataFrame({
+        "mode": frame["mode"], "best trial": frame["trial"], "config": frame["config"],
+        "objective": [f"{v:.2f} ({b})" for v, b in zip(frame["objective"], frame["basis"])],
+        "winner ahead by": frame["winner_ahead_by"].map(lambda v: f"{100 * v:.1f}%"),
+    })))
+    return lines
+
+
 def summary_markdown(study: StudySnapshot, table: pd.DataFrame | None = None, *, top: int = 10) -> str:
     """``summary.md``: best and top configs, pruning, calibration, prediction errors, environment."""
     table = trials_table(study) if table is None else table
@@ -264,9 +315,11 @@ def summary_markdown(study: StudySnapshot, table: pd.DataFrame | None = None, *,
         "trial": ran["number"], "config": [TrainConfig.from_dict({f: r[f] for f in FIELDS}).short()
                                            for _, r in ran.iterrows()],
         "samples/s": ran["samples_per_s"].map(lambda v: f"{v:.2f}"),
+        "objective": [f"{v:.2f} ({b})" for v, b in zip(ran["objective"], ran["basis"])],
         "step": ran["step_time_s"].map(_seconds), "peak": ran["measured_peak_bytes"].map(_bytes),
         "of budget": ran["measured_peak_bytes"].map(lambda v: "" if _missing(v) else f"{100 * v / budget:.1f}%"),
     })))
+    out.extend(split_modes_markdown(table, int(settings.get("devices") or 1)))
     out.append("\n## Pruned by the estimate (never ran)\n")
     out.append(_md_table(pd.DataFrame({
         "reason": list(c["pruned_by_reason"]), "configs": list(c["pruned_by_reason"].values()),

@@ -64,3 +64,23 @@ def test_estimate_matches_each_ranks_measured_peak(profile, config):
     predicted = estimate_table(profile, [config]).iloc[0].peak_bytes
     for peak in measured["per_device_peak_bytes"]:
         assert abs(predicted - peak) / peak <= 0.08
+
+
+def test_fewest_devices_per_split_mode_with_a_breakdown(profile):
+    from autofit.advice import fewest_devices, fewest_devices_lines
+
+    one_device = estimate_table(profile, [TrainConfig()]).iloc[0].peak_bytes
+    budget = int(one_device * 0.9)  # one device is not enough
+    table = fewest_devices(profile, budget, ["fp32"])
+    assert list(table.split_mode) == ["pipeline", "fsdp"]
+    for row in table.itertuples():
+        assert row.devices is not None and row.devices >= 2 and row.peak_bytes <= budget
+        parts = row.model_state_bytes + row.gathered_bytes + row.activations_bytes + row.other_bytes
+        assert parts == pytest.approx(row.peak_bytes, abs=4)
+    fsdp_row = table[table.split_mode == "fsdp"].iloc[0]
+    # one rank fewer would not fit: the count is the fewest
+    fewer = estimate_table(profile, [fsdp(device_split=fsdp_row.devices // 2, checkpoint_every=c)
+                                     for c in (0, 1, 2, 4)] if fsdp_row.devices > 2 else [TrainConfig()])
+    assert (fewer.peak_bytes > budget).all()
+    lines = fewest_devices_lines(profile, budget, ["fp32"])
+    assert lines[1].startswith(f"fsdp fp32: {fsdp_row.devices} devices") and "gathered weights" in lines[1]

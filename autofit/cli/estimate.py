@@ -78,6 +78,9 @@ def _one(profile, config: TrainConfig, budget_bytes: int, as_json: bool) -> int:
     if len(est.per_device_peak_bytes) > 1:
         print("  per device   " + ", ".join(format_bytes(b) for b in est.per_device_peak_bytes))
     print(f"  model state  {format_bytes(est.model_state_bytes):>12}   (weights + gradients + optimizer state, whole model)")
+    if est.shard_bytes is not None:
+        print(f"  fsdp rank    shards {format_bytes(est.shard_bytes)} + gathered weights at the peak "
+              f"{format_bytes(est.gathered_bytes)} (both inside the breakdown above)")
     for note in est.notes:
         print(f"  note: {note}")
     print()
@@ -96,7 +99,8 @@ def _space(profile, space, budget_bytes: int, args) -> int:
     if args.json:
         rows = []
         for row in table.to_dict("records"):
-            rows.append({**{k: row[k] for k in ("precision", "micro_batch", "grad_accum", "checkpoint_every", "device_split")},
+            rows.append({**{k: row[k] for k in ("precision", "micro_batch", "grad_accum", "checkpoint_every", "device_split",
+                                                "split_mode")},
                          "peak_bytes": int(round(row["peak_bytes"])),
                          "per_device_peak_bytes": list(row["per_device_peak_bytes"]),
                          "fits": bool(row["fits"]), **{k: int(round(row[k])) for k in BREAKDOWN}})
@@ -112,10 +116,10 @@ def _space(profile, space, budget_bytes: int, args) -> int:
     print(f"space      {space.source}: {len(configs)} configs, {n_fit} predicted to fit")
     print()
     shown = table if args.top == 0 else table.head(args.top)
-    print(f"{'precision':<9} {'micro':>5} {'accum':>5} {'ckpt':>4} {'split':>5} {'peak/device':>12}  fits")
+    print(f"{'precision':<9} {'micro':>5} {'accum':>5} {'ckpt':>4} {'split':>5} {'mode':>8} {'peak/device':>12}  fits")
     for row in shown.itertuples():
         print(f"{row.precision:<9} {row.micro_batch:>5} {row.grad_accum:>5} {row.checkpoint_every:>4} "
-              f"{row.device_split:>5} {format_bytes(row.peak_bytes):>12}  {'yes' if row.fits else 'no'}")
+              f"{row.device_split:>5} {row.split_mode:>8} {format_bytes(row.peak_bytes):>12}  {'yes' if row.fits else 'no'}")
     if len(shown) < len(table):
         print(f"... {len(table) - len(shown)} more (--top 0 shows all)")
     if n_fit == 0:

@@ -62,17 +62,19 @@ def run(args: argparse.Namespace) -> int:
         return 0
     c = counts(table)
     print(f"study {study.study_name}: {len(table)} trials, {c['real']} real, {c['pruned']} configs pruned")
-    print(f"{'#':>4} {'status':<11} {'precision':<9} {'mb':>4} {'ga':>4} {'ckpt':>4} {'split':>5} "
-          f"{'pred peak':>11} {'peak':>11} {'err':>7} {'samples/s':>11} {'step':>9}  reason")
+    print(f"{'#':>4} {'status':<11} {'precision':<9} {'mb':>4} {'ga':>4} {'ckpt':>4} {'split':>5} {'mode':>8} "
+          f"{'pred peak':>11} {'peak':>11} {'err':>7} {'samples/s':>11} {'objective':>16} {'step':>9}  reason")
     for r in shown.itertuples():
         err = "" if r.peak_error is None or r.peak_error != r.peak_error else f"{100 * r.peak_error:+.1f}%"
         sps = "" if r.samples_per_s != r.samples_per_s or r.samples_per_s is None else f"{r.samples_per_s:,.2f}"
         step = "" if r.step_time_s != r.step_time_s or r.step_time_s is None else f"{r.step_time_s:.3f}s"
+        goal = "" if _na(r.objective) else f"{r.objective:,.2f} ({r.basis})"
         peak = "" if _na(r.measured_peak_bytes) else format_bytes(r.measured_peak_bytes)
         pred = "" if _na(r.predicted_peak_bytes) else format_bytes(r.predicted_peak_bytes)
         reason = r.reason if isinstance(r.reason, str) else (r.error if isinstance(r.error, str) else "")
         print(f"{r.number:>4} {r.status:<11} {r.precision:<9} {r.micro_batch:>4} {r.grad_accum:>4} "
-              f"{r.checkpoint_every:>4} {r.device_split:>5} {pred:>11} {peak:>11} {err:>7} {sps:>11} {step:>9}  "
+              f"{r.checkpoint_every:>4} {r.device_split:>5} {r.split_mode:>8} {pred:>11} {peak:>11} {err:>7} {sps:>11} "
+              f"{goal:>16} {step:>9}  "
               f"{reason[:70]}")
     best = best_record(study)
     if best.get("config"):

@@ -18,6 +18,7 @@ from autofit.budget import format_bytes
 from autofit.calibration import Calibration, calibrate, observations
 from autofit.config import FIELDS, stage_bounds
 from autofit.memory_model import BREAKDOWN, estimate_table
+from autofit.objective import objective
 from autofit.profile import Profile
 from autofit.records import PruneReason, TrialRecord, TrialStatus
 from autofit.schedule import DEFAULT_SCHEDULE, MeasureSchedule
@@ -114,6 +115,8 @@ class Planner:
             "step_time_s": None if step is None else step * ratio,
             "samples_per_s": None if step is None else self.configs[i].samples_per_step / (step * ratio),
         }
+        out["objective"] = None if step is None else objective(self.configs[i], out["samples_per_s"],
+                                                               self.settings.devices)
         out["trial_timeout_s"] = self._trial_timeout(i, ratio)
         return out
 
@@ -158,7 +161,9 @@ class Planner:
         peak = self.table["peak_bytes"].to_numpy(dtype=np.float64)
         ratio = calibration.time_ratios(self.table)
         step_s = self.table["step_time_s"].to_numpy(dtype=np.float64) * ratio
-        sps = (self.table["micro_batch"] * self.table["grad_accum"]).to_numpy(dtype=np.float64) / step_s
+        # the objective (autofit.objective): job samples/s on the worker's devices, replicas included
+        samples = np.array([objective(c, c.samples_per_step, settings.devices) for c in self.configs], dtype=np.float64)
+        sps = samples / step_s
         fits = np.nan_to_num(np.asarray(calibration.fits(peak, settings.budget_bytes), dtype=bool), nan=False)
         reasons = self._reasons(peak, sps, ratio, fits, calibration)
         # Times are compared on one basis, the calibrated predictions (a measured time against a

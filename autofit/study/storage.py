@@ -33,6 +33,7 @@ from optuna.trial import FrozenTrial, TrialState, create_trial
 from autofit.config import FIELDS, TrainConfig
 from autofit.errors import AutofitError, StudyError
 from autofit.files import write_atomic
+from autofit.objective import objective
 from autofit.records import PruneReason, StudySnapshot, TrialRecord, TrialStatus
 from autofit.space import SearchSpace
 from autofit.study.settings import JOURNAL_NAME, StudySettings, redact
@@ -299,8 +300,9 @@ def heartbeat(trial: optuna.Trial, now: float) -> None:
 
 
 def tell_result(study: optuna.Study, trial: optuna.Trial, result, prediction: dict, measured: dict, errors: dict,
-                budget_bytes: int) -> None:
-    """Record a finished real trial: its measurements, status, errors, constraints and value.
+                budget_bytes: int, devices: int = 1) -> None:
+    """Record a finished real trial: its measurements, status, errors, constraints and value
+    (:func:`autofit.objective.objective`: job samples/s on ``devices`` devices).
 
     The constraints make a trial that went over the budget, or failed, never the best: an oom
     went over by definition; an error or timeout measured nothing.
@@ -317,4 +319,4 @@ def tell_result(study: optuna.Study, trial: optuna.Trial, result, prediction: di
         failed = 1.0
     trial.set_constraint("peak_over_budget_bytes", over)
     trial.set_constraint("failed", failed)
-    study.tell(trial, float(result.samples_per_s) if result.ok else 0.0)
+    study.tell(trial, float(objective(result.config, result.samples_per_s, devices)) if result.ok else 0.0)

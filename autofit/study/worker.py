@@ -249,7 +249,7 @@ def run_worker(settings: StudySettings, workload: Workload, *, profile: Profile 
         data = result.to_dict()
         measured = {k: data[k] for k in MEASURED_KEYS}
         storage.tell_result(study, trial, result, predicted, measured, _errors(predicted, result),
-                            settings.budget_bytes)
+                            settings.budget_bytes, settings.devices)
         emit(progress_of(storage.read_records(study), _describe(trial.number, config, result), started))
     emit(progress_of(storage.read_records(study), f"stopped: {step.stop}", started))
     return step.stop
