@@ -1,8 +1,13 @@
-"""Run one device-split trial under torchrun: one process per pipeline stage, on one or more machines.
+"""Run one device-split trial under torchrun: one process per pipeline stage or FSDP rank, on one or more machines.
 
-The stage code is autofit.pipeline.run_stage, the same that ``autofit.pipeline.measure_split``
-runs in its own child processes. torchrun provides RANK, WORLD_SIZE, LOCAL_RANK and the
-rendezvous; stage ``RANK`` runs on ``cuda:LOCAL_RANK`` (NCCL) or on the CPU (gloo).
+The per-process code is autofit.pipeline.run_stage (``split_mode=pipeline``, the default) or
+autofit.fsdp.run_rank (``split_mode=fsdp``), the same that ``measure_split`` / ``measure_fsdp``
+run in their own child processes. torchrun provides RANK, WORLD_SIZE, LOCAL_RANK and the
+rendezvous; process ``RANK`` runs on ``cuda:LOCAL_RANK`` (NCCL) or on the CPU (gloo).
+
+    # FSDP over two GPUs: each rank runs micro_batch samples, weights/grads/state sharded
+    torchrun --nproc-per-node 2 scripts/run_split_torchrun.py --model gpt-tiny \\
+        --config precision=amp-bf16,micro_batch=8,split_mode=fsdp --device cuda --json
 
     # two GPUs on one machine
     torchrun --nproc-per-node 2 scripts/run_split_torchrun.py --model gpt-tiny \\
@@ -32,8 +37,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from autofit.budget import parse_budget  # noqa: E402
-from autofit.config import TrainConfig  # noqa: E402
+from autofit.config import SplitMode, TrainConfig  # noqa: E402
 from autofit.errors import AutofitError  # noqa: E402
+from autofit.fsdp import combine_rank_results, run_rank  # noqa: E402
 from autofit.pipeline import Schedule, combine_stage_results, run_stage  # noqa: E402
 from autofit.workload import load_workload  # noqa: E402
 
@@ -76,9 +82,15 @@ def main(argv: list[str] | None = None) -> int:
         backend = "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
     try:
-        result = run_stage(workload, config, rank=rank, world_size=world_size, device=device,
-                           warmup_steps=args.warmup, measure_steps=args.steps, budget_bytes=budget_bytes,
-                           schedule=args.schedule, seed=args.seed)
+        fsdp = config.split_mode is SplitMode.FSDP
+        if fsdp:
+            result = run_rank(workload, config, rank=rank, world_size=world_size, device=device,
+                              warmup_steps=args.warmup, measure_steps=args.steps, budget_bytes=budget_bytes,
+                              seed=args.seed)
+        else:
+            result = run_stage(workload, config, rank=rank, world_size=world_size, device=device,
+                               warmup_steps=args.warmup, measure_steps=args.steps, budget_bytes=budget_bytes,
+                               schedule=args.schedule, seed=args.seed)
         if result["status"] != "ok":
             # The other stages are (or will be) blocked on this one: report and leave; torchrun
             # tears the group down when a worker exits non-zero.
@@ -88,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         gathered = [None] * world_size if rank == 0 else None
         dist.gather_object(result, gathered, dst=0)
         if rank == 0:
-            combined = combine_stage_results(gathered, world_size)
+            combined = (combine_rank_results if fsdp else combine_stage_results)(gathered, world_size)
             combined = {"workload": workload.name, "config": config.to_dict(), "device": args.device,
                         "world_size": world_size, **combined}
             if args.json:

@@ -79,3 +79,16 @@ def test_workload_without_source_is_a_clear_error():
     workload = dataclasses.replace(load_workload(SPEC), source=None)
     result = measure_fsdp(workload, TrainConfig(device_split=2, split_mode="fsdp"), device_type="cpu")
     assert result["status"] == "error" and "Workload.source" in result["error"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="FSDP over NCCL needs two GPUs")
+def test_fsdp_on_two_gpus_matches_its_estimate():
+    from autofit.memory_model import estimate_table
+    from autofit.profile import profile_workload
+
+    config = TrainConfig(precision="amp-bf16", micro_batch=2, grad_accum=2, device_split=2, split_mode="fsdp")
+    result = measure_fsdp(SPEC, config, device_type="cuda", timeout_s=300, **STEPS)
+    assert result["status"] == "ok", result["error"]
+    predicted = estimate_table(profile_workload(load_workload(SPEC), ["amp-bf16"], device_type="cuda"), [config])
+    # CUDA adds the context and allocator rounding: the estimate includes them, the allocated peak does not
+    assert result["peak_bytes"] <= predicted.iloc[0].peak_bytes
