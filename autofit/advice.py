@@ -78,7 +78,13 @@ def fewest_devices_lines(profile: Profile, budget_bytes: int, precisions: list[P
     for row in fewest_devices(profile, budget_bytes, precisions).itertuples():
         if row.devices is None:
             limit = MAX_FSDP_RANKS if row.split_mode == SplitMode.FSDP.value else max(_splits(profile.n_layers))
-            lines.append(f"{row.split_mode} {row.precision}: does not fit even over {limit} devices")
+            why = ""
+            if row.split_mode == SplitMode.FSDP.value and Precision(row.precision).is_amp:
+                # autocast's half-precision weight copies are saved for backward, whatever the sharding
+                copies = sum(max(0.0, l.forward.delta[0]) for l in profile.for_precision(row.precision).layers)
+                why = (f" (autocast over FSDP keeps a half-precision copy of every layer's weights from forward "
+                       f"to backward: {format_bytes(copies)} on every rank)")
+            lines.append(f"{row.split_mode} {row.precision}: does not fit even over {limit} devices{why}")
             continue
         parts = (f"shards {format_bytes(row.model_state_bytes)} + gathered weights {format_bytes(row.gathered_bytes)}"
                  if row.split_mode == SplitMode.FSDP.value
