@@ -33,7 +33,7 @@ from autofit.bench.common import (
     signed_pct,
     write_csv,
 )
-from autofit.config import Precision, TrainConfig
+from autofit.config import Precision, SplitMode, TrainConfig
 from autofit.records import TrialStatus
 
 MAIN_WORKLOADS = ("gpt-tiny", "convnet-bn")
@@ -57,11 +57,17 @@ JOB_TIMEOUT_S = 300.0
 
 
 def _c(precision: str, micro_batch: int, grad_accum: int = 1, checkpoint_every: int = 0,
-       device_split: int = 1) -> TrainConfig:
-    return TrainConfig(Precision(precision), micro_batch, grad_accum, checkpoint_every, device_split)
+       device_split: int = 1, split_mode: str = "pipeline") -> TrainConfig:
+    return TrainConfig(Precision(precision), micro_batch, grad_accum, checkpoint_every, device_split, split_mode)
 
 
-# (precision, micro_batch, grad_accum, checkpoint_every, device_split)
+def _fsdp_cases(micro_batch: int) -> list[tuple]:
+    """Issue 9: FSDP at 2 and 4 ranks, every precision, checkpointing off and on (amp-fp16 at micro-batch 1)."""
+    return [(p, 1 if p == "amp-fp16" else micro_batch, 1, ckpt, ranks, "fsdp")
+            for p in ("fp32", "amp-bf16", "bf16", "amp-fp16") for ranks in (2, 4) for ckpt in (0, 1)]
+
+
+# (precision, micro_batch, grad_accum, checkpoint_every, device_split[, split_mode])
 _CASES = {
     "gpt-tiny": [
         ("fp32", 1), ("fp32", 4), ("fp32", 8), ("fp32", 8, 1, 1), ("fp32", 8, 1, 2), ("fp32", 2, 4),
@@ -70,6 +76,7 @@ _CASES = {
         ("bf16", 2), ("bf16", 8), ("bf16", 8, 1, 1), ("bf16", 4, 2),
         ("amp-fp16", 1), ("amp-fp16", 1, 2), ("amp-fp16", 2, 1, 1),
         ("fp32", 4, 2, 0, 2), ("amp-bf16", 4, 2, 1, 2), ("bf16", 2, 2, 0, 2), ("amp-fp16", 1, 2, 0, 2),
+        *_fsdp_cases(2),
     ],
     "convnet-bn": [
         ("fp32", 4), ("fp32", 16), ("fp32", 32), ("fp32", 32, 1, 1), ("fp32", 32, 1, 2), ("fp32", 8, 4),
@@ -78,6 +85,7 @@ _CASES = {
         ("bf16", 8), ("bf16", 32), ("bf16", 32, 1, 1), ("bf16", 16, 2),
         ("amp-fp16", 1), ("amp-fp16", 1, 2, 1),
         ("fp32", 16, 2, 0, 2), ("amp-bf16", 16, 2, 1, 2), ("bf16", 8, 2, 0, 2),
+        *_fsdp_cases(8),
     ],
     "lstm-lm": [
         ("fp32", 4), ("fp32", 16), ("fp32", 16, 1, 1), ("fp32", 8, 2),
@@ -241,6 +249,12 @@ def write_accuracy(out_dir: Path, env: dict, res: AccuracyResults) -> list[Path]
     rep.add(f"**Issue 3 target** (median |error| ≤ {pct(TARGET_MEDIAN, 0)}, largest ≤ {pct(TARGET_MAX, 0)}, on "
             f"{' and '.join(main)}, {n_main} configs): **{verdict}** — median {pct(main_stats.median, 2)}, largest "
             f"{pct(main_stats.max, 2)}.\n\nAnchors: {ANCHORS}")
+    fsdp = ErrorStats.of(r.error_rel for r in res.rows if r.workload in main and r.config.split_mode is SplitMode.FSDP)
+    if fsdp.n:
+        fsdp_verdict = "PASS" if fsdp.median <= TARGET_MEDIAN and fsdp.max <= TARGET_MAX else "FAIL"
+        rep.add(f"**Issue 9 target** (FSDP ranks, split_mode=fsdp, on {' and '.join(main)}: median |error| ≤ "
+                f"{pct(TARGET_MEDIAN, 0)}, largest ≤ {pct(TARGET_MAX, 0)} against the largest rank's measured peak; "
+                f"{fsdp.n} configs): **{fsdp_verdict}** — median {pct(fsdp.median, 2)}, largest {pct(fsdp.max, 2)}.")
     hf = tuple(w for w in HF_WORKLOADS if any(r.workload == w for r in res.rows))
     if hf:
         hs = res.stats(hf)
@@ -254,7 +268,8 @@ def write_accuracy(out_dir: Path, env: dict, res: AccuracyResults) -> list[Path]
         + f"; checkpointing on {sum(r.config.checkpoint_every > 0 for r in covered)}, off "
         f"{sum(r.config.checkpoint_every == 0 for r in covered)}; accumulation > 1 "
         f"{sum(r.config.grad_accum > 1 for r in covered)}; device split 1 "
-        f"{sum(r.config.device_split == 1 for r in covered)}, 2 {sum(r.config.device_split == 2 for r in covered)}.")
+        f"{sum(r.config.device_split == 1 for r in covered)}, 2 {sum(r.config.device_split == 2 for r in covered)}; "
+        f"FSDP (split_mode=fsdp) {sum(r.config.split_mode is SplitMode.FSDP for r in covered)}.")
     rows = []
     for g in groups + ([main] if len(main) > 1 else []):
         s = res.stats(g)
