@@ -278,7 +278,7 @@ def hf_workload(spec: str, *, seq_len: int | None = None, task: str | None = Non
         meta={"kind": "huggingface", "task": task, "model_type": config.model_type,
               "seq_len": seq_len, "lora": lora_text},
         source=PREFIX + spec + "".join(f"#{k}={v}" for k, v in options.items()),
-        split=cut_stage if task == "causal-lm" and not lora_kwargs else None,
+        split=cut_stage,  # refuses, with the reason, what it cannot cut (encoders, adapters, other layouts)
     )
 
 
