@@ -330,6 +330,7 @@ def estimate_table(profile: Profile, configs: list[TrainConfig], budget_bytes: i
         _score_group(profile, pp, overhead or fallback_overhead(), min(every, profile.n_layers), split,
                      cols["micro_batch"][idx].astype(np.float64), cols["grad_accum"][idx].astype(np.int64),
                      schedule, idx, out, per_device, phase)
+    _refuse_splits(profile, configs, valid, reason)
     table = pd.DataFrame({f: cols[f] for f in FIELDS})
     for k in BREAKDOWN + ("peak_bytes",):
         table[k] = out[k]
@@ -365,6 +366,17 @@ def _score_fsdp_group(profile: Profile, pp: PrecisionProfile, cuda_overhead: Cud
         extra[name][idx] = scored[name]
     per_device[idx] = [(int(round(p)),) * ranks for p in scored["peak_bytes"]]
     phase[idx] = scored["phase"]
+
+
+def _refuse_splits(profile: Profile, configs: list[TrainConfig], valid: np.ndarray, reason: np.ndarray) -> None:
+    """Pipeline splits of a model that cannot be cut (``profile.split_refusal``) cannot run: invalid, with why."""
+    refusal = getattr(profile, "split_refusal", None)
+    if not refusal:
+        return
+    for i, c in enumerate(configs):
+        if c.device_split > 1 and getattr(getattr(c, "split_mode", None), "value", "pipeline") == "pipeline":
+            valid[i] = False
+            reason[i] = refusal
 
 
 def _model_state(profile: Profile, precision: str) -> int:

@@ -513,6 +513,15 @@ def _source_of(obj: Any) -> str:
         return f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', repr(obj))}"
 
 
+def _split_refusal(workload: Workload) -> str | None:
+    """``workload.split.refusal`` on a model built on the meta device (no memory), if it has one."""
+    refusal = getattr(workload.split, "refusal", None)
+    if refusal is None:
+        return None
+    with torch.device("meta"):
+        return refusal(workload.model())
+
+
 def profile_key(workload: Workload, device_type: str) -> tuple[str, int, int]:
     """(cache key, parameter count, layer count), from a fake build of the model."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -607,6 +616,7 @@ def profile_workload(workload: Workload, precisions: Iterable[Precision | str] =
     with torch.device("meta"):
         optimizer_name = type(workload.optimizer([nn.Parameter(torch.empty(1))])).__name__
     profile = Profile(
+        split_refusal=_split_refusal(workload),
         workload=workload.name, device_type=device_type, param_count=param_count, n_layers=n_layers,
         tokens_per_sample=workload.tokens_per_sample, optimizer=optimizer_name, key=key,
         profile_s=time.perf_counter() - started, precisions=found,

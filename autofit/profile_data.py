@@ -108,6 +108,7 @@ class Profile:
     key: str
     profile_s: float
     precisions: dict[str, PrecisionProfile] = field(default_factory=dict)
+    split_refusal: str | None = None  # why the model cannot be cut into pipeline stages (None: it can)
 
     def for_precision(self, precision: Precision | str) -> PrecisionProfile:
         return self.precisions[Precision(precision).value]

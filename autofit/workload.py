@@ -68,7 +68,9 @@ class Workload:
     source: str | None = None
     # Optional: cut the model by hand into pipeline stage ``rank`` of ``bounds`` (for models the
     # tracer cannot capture): ``split(model, bounds, rank, example_input) -> (stage_module, replicated)``
-    # where ``replicated`` lists ``{rank: parameter name}`` for weights held on several stages.
+    # where ``replicated`` lists ``{rank: parameter name}`` for weights held on several stages. It may
+    # have a ``refusal(model) -> str | None`` attribute: why the model cannot be cut, checked when
+    # profiling so that splits are pruned with that reason before any trial.
     split: Callable | None = None
 
     def __post_init__(self) -> None:

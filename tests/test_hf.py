@@ -179,3 +179,18 @@ def test_builtin_llama_7b_and_default_hf_llama_agree():
     builtin, hf = model_state(BUILTINS["llama-7b"]()), model_state(hf_workload("llama"))
     assert builtin == hf
     assert builtin[0] == 6_738_415_616
+
+
+def test_splits_of_a_model_that_cannot_be_cut_are_pruned_with_the_reason():
+    from autofit import TrainConfig
+    from autofit.memory_model import estimate_table
+    from autofit.profile import profile_workload
+
+    vit = hf_workload("vit?num_hidden_layers=2&hidden_size=32&num_attention_heads=2&intermediate_size=64"
+                      "&image_size=32&patch_size=8")
+    profile = profile_workload(vit, ["fp32"], use_cache=False)
+    table = estimate_table(profile, [TrainConfig(micro_batch=2), TrainConfig(micro_batch=2, device_split=2)])
+    assert list(table["valid"]) == [True, False]
+    assert "ViTForImageClassification cannot be split into pipeline stages" in table["reason"][1]
+    llama = profile_workload(hf_workload(TINY_LLAMA, seq_len=8), ["fp32"], use_cache=False)
+    assert llama.split_refusal is None

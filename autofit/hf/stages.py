@@ -73,19 +73,29 @@ def _run(model: nn.Module, kind: str, base: nn.Module, x: torch.Tensor, lo: int,
     return model.lm_head(hidden)
 
 
+def refusal(model: nn.Module) -> str | None:
+    """Why ``model`` cannot be cut into stages, from its structure alone (None when it can be
+    tried): checked when profiling, so a search prunes its splits before any trial."""
+    kind, _ = _layout(model)
+    name = type(model).__name__
+    if kind is None:
+        return (f"{name} cannot be split into pipeline stages: autofit cuts decoders with embed_tokens, layers, "
+                "rotary_emb and norm (Llama-style) or wte, wpe, h and ln_f (GPT-2-style), and lm_head")
+    attention = getattr(model.config, "_attn_implementation", "sdpa")
+    if attention != "sdpa":
+        return (f"{name} cannot be split: its stages pass no attention mask, which only SDPA attention turns "
+                f"into causal attention (this model uses {attention!r})")
+    return None
+
+
 def check_splittable(model: nn.Module, example: torch.Tensor) -> tuple[str, nn.Module]:
     """The layout of ``model``, after checking the hand-cut stages reproduce its logits on
     ``example``. Raises WorkloadError naming why it cannot be split."""
+    reason = refusal(model)
+    if reason:
+        raise WorkloadError(reason)
     kind, base = _layout(model)
     name = type(model).__name__
-    if kind is None:
-        raise WorkloadError(f"{name} cannot be split into pipeline stages: autofit cuts decoders with embed_tokens, "
-                            "layers, rotary_emb and norm (Llama-style) or wte, wpe, h and ln_f (GPT-2-style), "
-                            "and lm_head")
-    attention = getattr(model.config, "_attn_implementation", "sdpa")
-    if attention != "sdpa":
-        raise WorkloadError(f"{name} cannot be split: its stages pass no attention mask, which only SDPA "
-                            f"attention turns into causal attention (this model uses {attention!r})")
     training = model.training
     model.eval()  # no dropout draws: the two forwards must see the same computation
     with torch.no_grad():
@@ -130,3 +140,6 @@ def cut_stage(model: nn.Module, bounds: list[tuple[int, int]], rank: int, exampl
     if tied and len(bounds) > 1:
         replicated.append({0: f"{prefix}.{embed_names[0]}.weight", len(bounds) - 1: "lm_head.weight"})
     return model, replicated
+
+
+cut_stage.refusal = refusal  # the Workload.split protocol: a structural check run when profiling

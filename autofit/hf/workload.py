@@ -100,8 +100,15 @@ class HFModel:
         auto = {"causal-lm": transformers.AutoModelForCausalLM,
                 "seq-cls": transformers.AutoModelForSequenceClassification,
                 "image-cls": transformers.AutoModelForImageClassification}[self.task]
-        # from_config builds in torch's default dtype, which autofit sets (fp32 or bf16)
-        model = auto.from_config(copy.deepcopy(self.config), dtype=torch.get_default_dtype())
+        # from_config builds in torch's default dtype, which autofit sets (fp32 or bf16). On fake
+        # tensors (profiling) initial values do not exist, and some initialisers (ViT's
+        # trunc_normal_) read values: skip initialisation there.
+        from torch._guards import detect_fake_mode
+        from transformers.initialization import no_init_weights
+
+        skip_init = no_init_weights() if detect_fake_mode() is not None else contextlib.nullcontext()
+        with skip_init:
+            model = auto.from_config(copy.deepcopy(self.config), dtype=torch.get_default_dtype())
         masks_as_on_real_tensors(model)
         if self.lora is not None:
             model = _with_lora(model, self.lora, self.task)
