@@ -328,12 +328,17 @@ def predict_table(profile: Profile, configs: list[TrainConfig], rates: DeviceRat
     cols = {f: np.array([getattr(getattr(c, f), "value", getattr(c, f)) for c in configs]) for f in FIELDS}
     out = {k: np.full(n, np.nan) for k in ("micro_step_time_s", "optimizer_step_time_s", "step_time_s",
                                             "flops_per_step", "recompute_flops_per_step", "bubble_fraction")}
-    keys = np.array([f"{c.precision.value}|{int(c.checkpoint_every > 0)}|{c.device_split}" for c in configs])
+    keys = np.array([f"{c.precision.value}|{int(c.checkpoint_every > 0)}|{c.device_split}|{c.data_parallel}"
+                     for c in configs])
     for key in np.unique(keys) if n else []:
         idx = np.nonzero(keys == key)[0]
-        precision, checkpointed, split = key.split("|")
-        split = int(split)
-        if split > profile.n_layers:
+        precision, checkpointed, split, ranks = key.split("|")
+        split, ranks = int(split), int(ranks)
+        if ranks > 1:
+            # FSDP: every rank runs the whole model on its micro-batch (one stage), the optimizer on
+            # its shards. The all-gathers and reduce-scatters are not costed: a search calibrates them.
+            split = 1
+        elif split > profile.n_layers:
             continue
         b = cols["micro_batch"][idx].astype(np.float64)
         m = cols["grad_accum"][idx].astype(np.float64)
@@ -351,7 +356,8 @@ def predict_table(profile: Profile, configs: list[TrainConfig], rates: DeviceRat
             flops += t["flops_per_sample"] * b * m
             recompute += t["recompute_flops_per_sample"] * b * m
         t_micro = np.max(np.stack(stage_micro), axis=0)
-        t_opt = float(max(stage_opt))
+        t_opt = float(max(stage_opt)) / ranks
+        flops, recompute = flops * ranks, recompute * ranks  # the whole job's
         out["micro_step_time_s"][idx] = t_micro
         out["optimizer_step_time_s"][idx] = t_opt
         out["step_time_s"][idx] = (m + split - 1) * t_micro + t_opt
@@ -361,7 +367,7 @@ def predict_table(profile: Profile, configs: list[TrainConfig], rates: DeviceRat
     table = pd.DataFrame({f: cols[f] for f in FIELDS})
     for k, v in out.items():
         table[k] = v
-    table["samples_per_s"] = (table["micro_batch"] * table["grad_accum"]) / table["step_time_s"]
+    table["samples_per_s"] = np.array([c.samples_per_step for c in configs], dtype=np.float64) / table["step_time_s"]
     return table[list(FIELDS) + ["micro_step_time_s", "optimizer_step_time_s", "step_time_s", "samples_per_s",
                                  "flops_per_step", "recompute_flops_per_step", "bubble_fraction"]]
 

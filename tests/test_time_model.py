@@ -97,3 +97,14 @@ def test_operator_counts_come_from_the_parameter_tensors():
     counts = op_counts(load_workload(TINY))
     assert counts.tensors_per_layer == (4, 4, 4, 4)  # LayerNorm and Linear, weight and bias each
     assert counts.tensors_outside == 3               # embedding, head weight and bias
+
+
+def test_fsdp_rank_runs_the_whole_model_and_steps_its_shards(profile):
+    rates = compute_only()
+    one, fsdp = predict_table(profile, [TrainConfig(micro_batch=4, grad_accum=2),
+                                        TrainConfig(micro_batch=4, grad_accum=2, device_split=2, split_mode="fsdp")],
+                              rates).itertuples()
+    assert fsdp.micro_step_time_s == pytest.approx(one.micro_step_time_s)  # a rank's micro-batch, no stages
+    assert fsdp.optimizer_step_time_s == pytest.approx(one.optimizer_step_time_s / 2)  # half the state each
+    assert fsdp.bubble_fraction == 0.0
+    assert fsdp.samples_per_s == pytest.approx(2 * 4 * 2 / fsdp.step_time_s)  # both ranks' samples
