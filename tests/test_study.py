@@ -468,3 +468,21 @@ def test_two_workers_share_a_study_without_losing_or_repeating_a_trial(tmp_path)
     assert result.n_real >= 3 and result.n_real + result.n_pruned <= result.n_configs == 24
     assert result.best is not None and result.best_measured["peak_bytes"] < 64_000_000
     assert all((tmp_path / "study" / f"worker-{w}.log").is_file() for w in range(2))
+
+
+def test_fsdp_beside_pipeline_in_the_planner(tiny_profile, rates):
+    planner = make_planner(tiny_profile, rates, devices=8, precision=["fp32"], micro_batch=[1], global_batch=8,
+                           checkpoint_every=[0, 1], device_split=[2, 8], split_mode=["pipeline", "fsdp"])
+    step = planner.step([])
+    configs, found = planner.configs, kinds(step)
+    # 8 FSDP ranks on a 4-layer model can run (8 pipeline stages cannot); each checkpoint interval
+    # competes only within its own split mode
+    assert any(c.device_split == 8 and c.split_mode.value == "fsdp" and i not in found.get("invalid", [])
+               for i, c in enumerate(configs))
+    for i in found.get("dominated", []):
+        text = next(p.text for p in step.prunes if p.index == i)
+        assert "checkpoint_every 0" in text
+    # the objective fills the 8 devices: a 2-rank FSDP config counts 4 replicas
+    two = planner.index[TrainConfig("fp32", 1, 4, 0, 2, "fsdp")]
+    prediction = planner.prediction(two, Calibration.prior())
+    assert prediction["objective"] == pytest.approx(4 * prediction["samples_per_s"])

@@ -87,7 +87,8 @@ class Planner:
                 out[i] = (PruneReason.DEVICES, f"device_split {c.device_split} needs {c.device_split} devices; a "
                                                f"worker has {devices} ({self.settings.device_type}); estimated only")
             else:
-                longest = max(e - s for s, e in stage_bounds(self.n_layers, c.device_split))
+                longest = (self.n_layers if c.data_parallel > 1  # FSDP ranks each run every layer
+                           else max(e - s for s, e in stage_bounds(self.n_layers, c.device_split)))
                 if c.checkpoint_every > longest:
                     same = [k for k in ckpts if longest <= k < c.checkpoint_every]
                     if same:
@@ -208,7 +209,7 @@ class Planner:
         """Prune checkpointing that buys memory the budget does not need (see :mod:`autofit.study`)."""
         groups: dict[tuple, list[int]] = {}
         for i, c in enumerate(self.configs):
-            groups.setdefault((c.precision, c.micro_batch, c.grad_accum, c.device_split), []).append(i)
+            groups.setdefault((c.precision, c.micro_batch, c.grad_accum, c.device_split, c.split_mode), []).append(i)
         for members in groups.values():
             alive = [i for i in members if reasons[i] is None and not failed_run[i]]
             for b in alive:
