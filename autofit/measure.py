@@ -106,6 +106,8 @@ def _measure_cuda(workload: Workload, config: TrainConfig, device: str, budget_b
         dev = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.set_device(dev)
     warm_up_kernels(dev)  # the context grows as kernel modules load lazily: measure it grown
+    torch.cuda.empty_cache()  # nothing cached by an earlier run in this process counts as this config's
+    torch.cuda.reset_peak_memory_stats(dev)
     expected = expected_context_bytes(dev)
     if budget_bytes is not None:
         # The card holds the context too: the caching allocator gets the budget less the context

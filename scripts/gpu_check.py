@@ -318,6 +318,9 @@ def child_main(request: dict) -> int:
         row = {"kind": "config", "config": text, "wall_s": time.perf_counter() - started, **out}
         if cuda and row.get("context_bytes") is None:  # measure_trial measured it where it ran
             row["context_bytes"], row["context_method"] = context_bytes(baseline, index)
+        if cuda:
+            # Configs share this child: free the last one's cache and peaks, or every later config
+            # reads the largest reserved so far (run 2 on the H200 did: errors grew down each workload).
             gc.collect()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
