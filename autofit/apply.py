@@ -83,6 +83,10 @@ class TrainingPlan:
         Parameter objects, so an optimizer made before still holds them. Raises ConfigError for
         ``device_split > 1``; WorkloadError when checkpointing needs a layer list the model lacks.
         """
+        if self.config.data_parallel > 1:
+            raise ConfigError(f"device_split {self.config.device_split} with split_mode=fsdp: run the loop in each of "
+                              f"{self.config.device_split} processes (torchrun) and shard the model with "
+                              "autofit.fsdp.shard_model(model, layers, config) after init_process_group")
         if self.config.device_split > 1:
             raise ConfigError(f"device_split {self.config.device_split}: pipeline stages run in separate processes "
                               "and cannot be applied inside one training loop; see autofit.pipeline")

@@ -92,3 +92,14 @@ def test_fsdp_on_two_gpus_matches_its_estimate():
     predicted = estimate_table(profile_workload(load_workload(SPEC), ["amp-bf16"], device_type="cuda"), [config])
     # CUDA adds the context and allocator rounding: the estimate includes them, the allocated peak does not
     assert result["peak_bytes"] <= predicted.iloc[0].peak_bytes
+
+
+def test_a_training_plan_says_how_to_run_fsdp():
+    from torch import nn
+
+    from autofit.apply import TrainingPlan
+    from autofit.errors import ConfigError
+
+    plan = TrainingPlan(TrainConfig(device_split=2, split_mode="fsdp"))
+    with pytest.raises(ConfigError, match="autofit.fsdp.shard_model"):
+        plan.prepare(nn.Sequential(nn.ModuleList([nn.Linear(2, 2)])))
