@@ -229,16 +229,15 @@ def _measure_split(workload: Workload, config: TrainConfig, *, device_type: str,
                    schedule: MeasureSchedule) -> dict:
     """Device split > 1: PyTorch's pipeline engine (:func:`autofit.pipeline.measure_split`) or
     FSDP2 ranks (:func:`autofit.fsdp.measure_fsdp`), as ``config.split_mode`` says."""
-    if config.split_mode is SplitMode.FSDP:
-        from autofit.fsdp import measure_fsdp
-
-        out: dict[str, Any] = measure_fsdp(workload, config, device_type=device_type,
-                                           warmup_steps=schedule.warmup_steps,
-                                           measure_steps=schedule.measured_steps, budget_bytes=budget_bytes)
-    else:
-        from autofit.pipeline import measure_split
-
-        out = measure_split(workload, config, device_type=device_type, steps=schedule, budget_bytes=budget_bytes)
+    engine = "autofit.fsdp.measure_fsdp" if config.split_mode is SplitMode.FSDP else "autofit.pipeline.measure_split"
+    try:  # torch.distributed is missing from some torch builds
+        if config.split_mode is SplitMode.FSDP:
+            from autofit.fsdp import measure_fsdp as measure
+        else:
+            from autofit.pipeline import measure_split as measure
+    except ImportError as exc:
+        return _failed("error", f"device_split={config.device_split} needs {engine}, which is not available ({exc})")
+    out: dict[str, Any] = measure(workload, config, device_type=device_type, steps=schedule, budget_bytes=budget_bytes)
     status = str(getattr(out.get("status"), "value", out.get("status") or "ok"))
     if status != "ok":
         return _failed(status, out.get("error") or f"pipeline trial ended with status {status}")
