@@ -17,22 +17,29 @@ import hashlib
 import inspect
 import os
 import time
-import weakref
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterable
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.weak import WeakIdKeyDictionary
 
 from autofit import procs
 from autofit.config import Precision, TrainConfig
 from autofit.errors import WorkloadError
 from autofit.profile_data import OUTPUT_REGIONS, LayerProfile, Line, PrecisionProfile, Profile, Region, precision_from_dict
+from autofit.timeline import (
+    Recorder,
+    Timeline,
+    first_tensor,
+    init_optimizer_state,
+    max_tensor_bytes,
+    round_up,
+    state_tensors,
+    tensor_bytes,
+)
 from autofit.training import build_trainee, forward_backward, to_device
 from autofit.workload import Workload
 
@@ -47,144 +54,6 @@ __all__ = ["CUDA_BLOCK_BYTES", "LayerProfile", "Line", "PROFILE_BATCHES", "PROFI
            "Profile", "Region", "cache_dir", "profile_key", "profile_precision", "profile_workload"]
 
 
-# --------------------------------------------------------------------------------------
-# The timeline: live tensor bytes after every op.
-# MemTracker (torch.distributed._tools.mem_tracker) keeps only per-module peaks; the memory
-# model needs the whole timeline cut at our own hooks, and the live bytes *without* gradients,
-# so this small mode does the counting. It counts the same thing as MemTracker: the bytes of
-# every distinct storage alive (rounded to the CUDA block size on a CUDA device).
-
-
-class _Timeline(TorchDispatchMode):
-    def __init__(self, round_bytes: int) -> None:
-        super().__init__()
-        self.round_bytes = round_bytes
-        self.live = 0
-        self.grad_live = 0
-        self.peak = 0
-        self.peak_nongrad = 0
-        self.trace: list[tuple[int, int]] = []  # (live, live without grads) after every op
-        self._storages: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self._grad_ids: dict[int, int] = {}  # id(storage) -> bytes, for gradients alive now
-
-    def _nbytes(self, storage) -> int:
-        n = storage.nbytes()
-        return -(-n // self.round_bytes) * self.round_bytes if n else 0
-
-    def register(self, tensors: Iterable[torch.Tensor], counted: bool = True) -> None:
-        """Known storages (weights, optimizer state, input batches): count them or not, but never as new."""
-        for t in tensors:
-            self._add(t.untyped_storage(), counted)
-
-    def _add(self, storage, counted: bool = True) -> None:
-        if storage in self._storages:
-            return
-        nbytes = self._nbytes(storage) if counted else 0
-        self._storages[storage] = nbytes
-        self.live += nbytes
-        weakref.finalize(storage, self._free, nbytes, id(storage))
-
-    def _free(self, nbytes: int, storage_id: int) -> None:
-        self.live -= nbytes
-        self.grad_live -= self._grad_ids.pop(storage_id, 0)
-
-    def mark_grad(self, grad: torch.Tensor) -> None:
-        storage = grad.untyped_storage()
-        self._add(storage)
-        if id(storage) not in self._grad_ids:
-            self._grad_ids[id(storage)] = self._storages[storage]
-            self.grad_live += self._grad_ids[id(storage)]
-        self._observe()
-
-    def reset_peaks(self) -> None:
-        self.peak = self.live
-        self.peak_nongrad = self.live - self.grad_live
-
-    def _observe(self) -> None:
-        self.trace.append((self.live, self.live - self.grad_live))
-        self.peak = max(self.peak, self.live)
-        self.peak_nongrad = max(self.peak_nongrad, self.live - self.grad_live)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                try:
-                    self._add(t.untyped_storage())
-                except (NotImplementedError, RuntimeError):  # tensors without storage (e.g. sparse)
-                    pass
-        self._observe()
-        return out
-
-
-class _Recorder:
-    """Cuts the timeline at named marks and turns each stretch into (delta, peak) pairs."""
-
-    def __init__(self, timeline: _Timeline) -> None:
-        self.t = timeline
-        # name, live, nongrad, peak, peak_nongrad, index of the mark's own point in the trace
-        self.marks: list[tuple[str, int, int, int, int, int]] = []
-
-    def mark(self, name: str) -> None:
-        t = self.t
-        t._observe()
-        self.marks.append((name, t.live, t.live - t.grad_live, t.peak, t.peak_nongrad, len(t.trace) - 1))
-        t.reset_peaks()
-
-    def region(self, start: str, end: str) -> tuple:
-        """(delta, peak above start, delta without grads, peak without grads above start,
-        the live bytes above start after every op, the same without grads)."""
-        names = [m[0] for m in self.marks]
-        i, j = names.index(start), names.index(end)
-        live0, ng0 = self.marks[i][1], self.marks[i][2]
-        peak = max(m[3] for m in self.marks[i + 1:j + 1])
-        peak_ng = max(m[4] for m in self.marks[i + 1:j + 1])
-        points = self.t.trace[self.marks[i][5]:self.marks[j][5] + 1]
-        return (self.marks[j][1] - live0, peak - live0, self.marks[j][2] - ng0, peak_ng - ng0,
-                [live - live0 for live, _ in points], [ng - ng0 for _, ng in points])
-
-
-# --------------------------------------------------------------------------------------
-
-
-def _first_tensor(x: Any) -> torch.Tensor | None:
-    for leaf in tree_leaves(x):
-        if isinstance(leaf, torch.Tensor):
-            return leaf
-    return None
-
-
-def _round(n: int, round_bytes: int) -> int:
-    return -(-n // round_bytes) * round_bytes if n else 0
-
-
-def _tensor_bytes(tensors: Iterable[torch.Tensor], round_bytes: int) -> int:
-    seen, total = set(), 0
-    for t in tensors:
-        st = t.untyped_storage()
-        if id(st) not in seen:  # tied weights share a storage
-            seen.add(id(st))
-            total += _round(st.nbytes(), round_bytes)
-    return total
-
-
-def _max_tensor_bytes(tensors: list[torch.Tensor], round_bytes: int) -> int:
-    return max((_round(t.untyped_storage().nbytes(), round_bytes) for t in tensors), default=0)
-
-
-def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-
-
-def _init_optimizer_state(trainee) -> None:
-    """Run one optimizer step on zero gradients so its state exists (steady state), cheaply."""
-    for p in trainee.model.parameters():
-        if p.requires_grad:
-            p.grad = torch.zeros_like(p)
-    trainee.optimizer.step()
-    trainee.optimizer.zero_grad(set_to_none=True)
-
-
 def _run_once(workload: Workload, precision: Precision, micro_batch: int, device_type: str,
               fake_mode, real_batch, count_flops: bool = True) -> dict:
     """One profiled micro-step plus optimizer step at ``micro_batch`` samples; raw integers."""
@@ -192,7 +61,7 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
     config = TrainConfig(precision=precision, micro_batch=micro_batch)
     with fake_mode:
         trainee = build_trainee(workload, config, device=device_type, fake=True)
-        _init_optimizer_state(trainee)
+        init_optimizer_state(trainee)
         float_dtype = torch.bfloat16 if precision is Precision.BF16 else None
         inputs, targets = to_device(
             tuple(fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in real_batch),
@@ -201,10 +70,10 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
     n = len(layers)
     params = [p for p in model.parameters()]
     buffers = list(model.buffers())
-    state = _state_tensors(trainee.optimizer)
+    state = state_tensors(trainee.optimizer)
 
-    timeline = _Timeline(round_bytes)
-    rec = _Recorder(timeline)
+    timeline = Timeline(round_bytes)
+    rec = Recorder(timeline)
     handles = []
     layer_out: list[int] = [0] * n
     # Whether a layer saves its own output for backward (e.g. a final ReLU): then a
@@ -245,8 +114,8 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
     def fwd_post(i):
         def hook(module, args, output):
             saving[0].__exit__(None, None, None)
-            out = _first_tensor(output)
-            layer_out[i] = _round(out.untyped_storage().nbytes(), round_bytes) if out is not None else 0
+            out = first_tensor(output)
+            layer_out[i] = round_up(out.untyped_storage().nbytes(), round_bytes) if out is not None else 0
             output_saved[i] = out is not None and out.untyped_storage()._cdata in saved_ptrs[i]
             rec.mark(f"F{i}")
             if i == n - 1:
@@ -254,7 +123,7 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
             output_grad[i] = out is not None and out.requires_grad
             if output_grad[i]:
                 out.register_hook(lambda g: rec.mark(f"b{i}"))
-            inp = _first_tensor(args)
+            inp = first_tensor(args)
             input_grad[i] = inp is not None and inp.requires_grad
             if input_grad[i]:
                 inp.register_hook(lambda g: rec.mark(f"B{i}"))
@@ -273,7 +142,7 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
         # Where the model's own forward ends and its output's gradient arrives: FSDP gathers and
         # frees the root's weights there, while the loss (outside the model) runs without them.
         rec.mark("out")
-        out = _first_tensor(output)
+        out = first_tensor(output)
         if out is not None and out.requires_grad:
             out.register_hook(lambda g: rec.mark("dout"))
 
@@ -361,16 +230,16 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
     layer_buffers = [list(layer.buffers()) if first_place[id(layer)] == i else [] for i, layer in enumerate(layers)]
 
     return {
-        "static_param_bytes": _tensor_bytes(params + buffers, round_bytes),
-        "grad_bytes": _tensor_bytes(grads.values(), round_bytes),
-        "optimizer_bytes": _tensor_bytes(state, round_bytes),
+        "static_param_bytes": tensor_bytes(params + buffers, round_bytes),
+        "grad_bytes": tensor_bytes(grads.values(), round_bytes),
+        "optimizer_bytes": tensor_bytes(state, round_bytes),
         "opt_region": reg("end", "opt")[:4],
-        "pre_param_bytes": _tensor_bytes(pre_t, round_bytes),
-        "post_param_bytes": _tensor_bytes(post_t, round_bytes),
-        "pre_grad_bytes": _tensor_bytes([t for t in pre_t if id(t) in grads], round_bytes),
-        "post_grad_bytes": _tensor_bytes([t for t in post_t if id(t) in grads], round_bytes),
-        "pre_max_grad_tensor_bytes": _max_tensor_bytes([t for t in pre_t if id(t) in grads], round_bytes),
-        "post_max_grad_tensor_bytes": _max_tensor_bytes([t for t in post_t if id(t) in grads], round_bytes),
+        "pre_param_bytes": tensor_bytes(pre_t, round_bytes),
+        "post_param_bytes": tensor_bytes(post_t, round_bytes),
+        "pre_grad_bytes": tensor_bytes([t for t in pre_t if id(t) in grads], round_bytes),
+        "post_grad_bytes": tensor_bytes([t for t in post_t if id(t) in grads], round_bytes),
+        "pre_max_grad_tensor_bytes": max_tensor_bytes([t for t in pre_t if id(t) in grads], round_bytes),
+        "post_max_grad_tensor_bytes": max_tensor_bytes([t for t in post_t if id(t) in grads], round_bytes),
         "pre_forward": reg("start", "f0"),
         "post_forward": reg(f"F{n - 1}", "loss"),
         "post_backward": reg("loss", f"b{n - 1}"),
@@ -378,12 +247,12 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
         "pre_backward": reg("B0", "end"),
         "forward_flops": fwd_flops,
         "backward_flops": bwd_flops,
-        "input_bytes": _tensor_bytes([t for t in (inputs, targets) if isinstance(t, torch.Tensor)], round_bytes),
+        "input_bytes": tensor_bytes([t for t in (inputs, targets) if isinstance(t, torch.Tensor)], round_bytes),
         "layers": [
             {
-                "param_bytes": _tensor_bytes(layer_params[i] + layer_buffers[i], round_bytes),
-                "grad_bytes": _tensor_bytes([p for p in layer_params[i] if p.requires_grad], round_bytes),
-                "max_grad_tensor_bytes": _max_tensor_bytes([p for p in layer_params[i] if p.requires_grad], round_bytes),
+                "param_bytes": tensor_bytes(layer_params[i] + layer_buffers[i], round_bytes),
+                "grad_bytes": tensor_bytes([p for p in layer_params[i] if p.requires_grad], round_bytes),
+                "max_grad_tensor_bytes": max_tensor_bytes([p for p in layer_params[i] if p.requires_grad], round_bytes),
                 "output": layer_out[i],
                 "output_saved": output_saved[i],
                 "forward": reg(f"f{i}", f"F{i}"),
@@ -415,7 +284,7 @@ def _steepest(points1: list[int], points2: list[int]) -> Line:
     return max((_line(a, b) for a, b in zip(points1, points2)), key=lambda line: (line[1], line[0]))
 
 
-def _model_output_regions(rec: "_Recorder", n: int) -> dict:
+def _model_output_regions(rec: "Recorder", n: int) -> dict:
     """The after-layers regions cut at the model's output (None where it has no gradient)."""
     names = {m[0] for m in rec.marks}
     if not {"out", "dout"} <= names:
