@@ -168,8 +168,9 @@ def size(family: Family | str, budget: str | int = "8GB", *, vary: dict | list[s
          trial_timeout_s: float = 600.0, progress: Callable[[str], None] | None = None) -> SizeResult:
     """The largest models of ``family`` that fit ``budget`` per device, from the estimate alone.
 
-    - ``family``: a built-in decoder preset (``"gpt2"``, ``"llama-1b"``, ...) as the base shape,
-      or a :class:`autofit.family.Family`.
+    - ``family``: a built-in decoder preset (``"gpt2"``, ``"llama-1b"``, ``"gpt2+dropout=0.0"``...)
+      as the base shape, an ``"hf:MODEL?field=value#seq_len=N"`` model, or a
+      :class:`autofit.family.Family`.
     - ``vary``: ``{"n_layer": [4, 8], "n_embd": [512, 768]}`` or ``["n_layer=4,8", ...]``; the
       grid is their product (default: depths 2-48 by widths of 2-64 heads). Fields not varied
       keep the base's value, or its head size and ratios when the width changes.
