@@ -385,6 +385,12 @@ def test_an_interrupted_trial_is_recorded_interrupted_and_the_interrupt_propagat
     assert len(statuses) == 2 and statuses[0] in ("ok", "oom") and statuses[1] == "interrupted"
     with pytest.raises(StudyError, match="trial_runner runs in this process only"):
         search(TINY, "64MB", space=SMALL_SPACE, out_dir=tmp_path / "t", workers=2, trial_runner=FakeRunner())
+    with pytest.raises(StudyError, match="device 'tpu': expected cpu or cuda"):
+        search(TINY, "64MB", space=SMALL_SPACE, out_dir=tmp_path / "t", device="tpu")
+    from trial_workloads import tiny_lm
+
+    with pytest.raises(StudyError, match="workers > 1 needs a workload that other processes can load"):
+        search(tiny_lm(), "64MB", space=SMALL_SPACE, out_dir=tmp_path / "t", workers=2)
 
 
 # --- real searches -----------------------------------------------------------------------------------

@@ -65,6 +65,21 @@ def _devices(device: str, workers: int, devices: int | None) -> tuple[int, list[
     return (min(devices, per_worker) if devices else per_worker), slices
 
 
+def _check(device: str, workers, trials, workload: Workload, trial_runner) -> None:
+    """Raise StudyError for arguments no search can run with."""
+    if device not in ("cpu", "cuda"):
+        raise StudyError(f"device {device!r}: expected cpu or cuda")
+    if not isinstance(workers, int) or workers < 1:
+        raise StudyError(f"workers must be a positive integer, got {workers!r}")
+    if trials is not None and trials < 1:
+        raise StudyError(f"trials must be a positive integer, got {trials!r}")
+    if workers > 1 and workload.source is None:
+        raise StudyError("workers > 1 needs a workload that other processes can load: pass a --model spec or "
+                         "autofit.load_workload('path/to/file.py:function')")
+    if workers > 1 and trial_runner is not None:
+        raise StudyError("a trial_runner runs in this process only: use workers=1 with it")
+
+
 def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | str | Path | dict | None = None,
            global_batch: int | None = None, trials: int | None = None, timeout_s: float | None = None,
            workers: int = 1, storage: str | None = None, study_name: str | None = None,
@@ -106,17 +121,7 @@ def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | 
     loaded = load_workload(workload)
     resolved = resolve_space(space, global_batch)
     device = device or default_device()
-    if device not in ("cpu", "cuda"):
-        raise StudyError(f"device {device!r}: expected cpu or cuda")
-    if not isinstance(workers, int) or workers < 1:
-        raise StudyError(f"workers must be a positive integer, got {workers!r}")
-    if trials is not None and trials < 1:
-        raise StudyError(f"trials must be a positive integer, got {trials!r}")
-    if workers > 1 and loaded.source is None:
-        raise StudyError("workers > 1 needs a workload that other processes can load: pass a --model spec or "
-                         "autofit.load_workload('path/to/file.py:function')")
-    if workers > 1 and trial_runner is not None:
-        raise StudyError("a trial_runner runs in this process only: use workers=1 with it")
+    _check(device, workers, trials, loaded, trial_runner)
     devices, gpu_slices = _devices(device, workers, devices)
     name = study_name or default_study_name(loaded.name, budget_bytes)
     out = Path(out_dir) if out_dir is not None else Path("results") / name

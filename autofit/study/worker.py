@@ -188,68 +188,88 @@ def run_worker(settings: StudySettings, workload: Workload, *, profile: Profile 
     (processes, machines) may run on one study at once. Raises StudyError when the study
     cannot be opened; KeyboardInterrupt marks the running trial interrupted and propagates.
     """
-    started = time.monotonic() if started is None else started
-    out_dir = Path(settings.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     space = settings.search_space()
     profile = profile or profile_workload(workload, list(space.precision), device_type=settings.device_type)
     rates = rates or probe_rates(settings.device_type)
-    planner = Planner(settings, profile, rates, op_counts(workload))
-    dists = storage.distributions(space)
-    sampler = PlannedSampler(dists)
-    storage.quiet_optuna()
-    study = optuna.load_study(study_name=settings.study_name, storage=storage.make_storage(out_dir, settings.storage),
-                              sampler=sampler)
-    lock = storage.ClaimLock(out_dir)
-    emit = progress or (lambda event: None)
-    if "device_rates" not in study.user_attrs:
-        study.set_user_attr("device_rates", rates.to_dict())
-    calibrated_on = None
+    worker = _Worker(settings, Planner(settings, profile, rates, op_counts(workload)), progress,
+                     time.monotonic() if started is None else started)
+    if "device_rates" not in worker.study.user_attrs:
+        worker.study.set_user_attr("device_rates", rates.to_dict())
     while True:
-        with lock:
-            records = storage.read_records(study)
-            if fail_stale_trials(study, records):
-                records = storage.read_records(study)
-            step = planner.step(records)
-            if step.calibration.n_trials != calibrated_on:  # kept with the study as it is learned
-                calibrated_on = step.calibration.n_trials
-                study.set_user_attr("calibration", step.calibration.to_dict())
-            for p in step.prunes:
-                storage.add_pruned(study, planner.configs[p.index], dists, p.reason, p.text, p.prediction)
-            if step.prunes:
-                emit(progress_of(storage.read_records(study), _prune_summary(step.prunes), started))
-            if step.run is None:
-                study.set_user_attr("stop_reason", step.stop)
-                break
-            config = planner.configs[step.run]
-            sampler.pending = config.to_dict()
-            trial = study.ask(fixed_distributions=dists)
-            sampler.pending = None
-            predicted = step.prediction
-            storage.sign_claim(trial, worker_identity(), predicted)
-        config = storage.config_of(trial.params) or config  # a trial someone enqueued by hand was popped instead
-        duplicate = _claimed_elsewhere(storage.read_records(study), trial.number, config)
+        step, trial = worker.plan_and_claim()
+        if trial is None:
+            worker.emit(f"stopped: {step.stop}")
+            return step.stop
+        config = storage.config_of(trial.params)  # the planned config, or one someone enqueued by hand
+        duplicate = _claimed_elsewhere(storage.read_records(worker.study), trial.number, config)
         if duplicate is not None:
-            storage.prune_claimed(study, trial, PruneReason.DUPLICATE,
+            storage.prune_claimed(worker.study, trial, PruneReason.DUPLICATE,
                                   f"claimed at the same time by trial {duplicate} (another machine)")
             continue
-        emit(progress_of(storage.read_records(study),
-                         f"trial {trial.number} {config.short()}: running (predicted {predicted['samples_per_s']:.3g} "
-                         f"samples/s, limit {predicted['trial_timeout_s']:.0f} s)", started))
+        worker.run(trial, config, step.prediction, workload if workload.source is None else workload.source, runner)
+
+
+class _Worker:
+    """One worker's handle on the study: its planner, sampler, claim lock and progress callback."""
+
+    def __init__(self, settings: StudySettings, planner: Planner, progress: ProgressCallback | None,
+                 started: float) -> None:
+        out_dir = Path(settings.out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.settings, self.planner, self.started = settings, planner, started
+        self.dists = storage.distributions(settings.search_space())
+        self.sampler = PlannedSampler(self.dists)
+        storage.quiet_optuna()
+        self.study = optuna.load_study(study_name=settings.study_name, sampler=self.sampler,
+                                       storage=storage.make_storage(out_dir, settings.storage))
+        self.lock = storage.ClaimLock(out_dir)
+        self.progress = progress
+        self.calibrated_on: int | None = None
+
+    def emit(self, message: str) -> None:
+        if self.progress is not None:
+            self.progress(progress_of(storage.read_records(self.study), message, self.started))
+
+    def plan_and_claim(self):
+        """Under the claim lock: fail dead workers' trials, plan, record the prunes, then claim the
+        planned config. Returns the step and the claimed trial (None: stop)."""
+        with self.lock:
+            records = storage.read_records(self.study)
+            if fail_stale_trials(self.study, records):
+                records = storage.read_records(self.study)
+            step = self.planner.step(records)
+            if step.calibration.n_trials != self.calibrated_on:  # kept with the study as it is learned
+                self.calibrated_on = step.calibration.n_trials
+                self.study.set_user_attr("calibration", step.calibration.to_dict())
+            for p in step.prunes:
+                storage.add_pruned(self.study, self.planner.configs[p.index], self.dists, p.reason, p.text,
+                                   p.prediction)
+            if step.prunes:
+                self.emit(_prune_summary(step.prunes))
+            if step.run is None:
+                self.study.set_user_attr("stop_reason", step.stop)
+                return step, None
+            self.sampler.pending = self.planner.configs[step.run].to_dict()
+            trial = self.study.ask(fixed_distributions=self.dists)
+            self.sampler.pending = None
+            storage.sign_claim(trial, worker_identity(), step.prediction)
+            return step, trial
+
+    def run(self, trial: optuna.Trial, config: TrainConfig, prediction: dict, workload: Workload | str,
+            runner: TrialRunner) -> None:
+        """Run the claimed trial (with a heartbeat) and record its result; an interrupt marks it interrupted."""
+        self.emit(f"trial {trial.number} {config.short()}: running (predicted {prediction['samples_per_s']:.3g} "
+                  f"samples/s, limit {prediction['trial_timeout_s']:.0f} s)")
         try:
             with _Heartbeat(trial):
-                result = runner(workload if workload.source is None else workload.source, config,
-                                device=settings.device_type, budget_bytes=settings.budget_bytes,
-                                timeout_s=predicted["trial_timeout_s"])
+                result = runner(workload, config, device=self.settings.device_type,
+                                budget_bytes=self.settings.budget_bytes, timeout_s=prediction["trial_timeout_s"])
         except BaseException:
             try:
-                storage.mark_interrupted(study, trial)
+                storage.mark_interrupted(self.study, trial)
             finally:
                 raise
         data = result.to_dict()
-        measured = {k: data[k] for k in MEASURED_KEYS}
-        storage.tell_result(study, trial, result, predicted, measured, _errors(predicted, result),
-                            settings.budget_bytes, settings.devices)
-        emit(progress_of(storage.read_records(study), _describe(trial.number, config, result), started))
-    emit(progress_of(storage.read_records(study), f"stopped: {step.stop}", started))
-    return step.stop
+        storage.tell_result(self.study, trial, result, prediction, {k: data[k] for k in MEASURED_KEYS},
+                            _errors(prediction, result), self.settings.budget_bytes, self.settings.devices)
+        self.emit(_describe(trial.number, config, result))
