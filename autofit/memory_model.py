@@ -322,7 +322,8 @@ def estimate_table(profile: Profile, configs: list[TrainConfig], budget_bytes: i
             continue
         if split > profile.n_layers:
             valid[idx] = False
-            reason[idx] = f"device_split {split} > {profile.n_layers} layers"
+            reason[idx] = (f"device_split {split} > {profile.n_layers} layers: each pipeline stage needs at least "
+                           f"one layer (device_split 1 to {profile.n_layers})")
             out["peak_bytes"][idx] = np.nan
             per_device[idx] = [()] * len(idx)
             continue

@@ -37,6 +37,7 @@ import contextlib
 import importlib
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -58,9 +59,18 @@ _PARENT_POLL_S = 0.5
 Send = Callable[[dict], None]
 
 
-def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Our environment, with this autofit first on PYTHONPATH (so a child imports the same code) and ``extra``."""
+SECRET_ENV = ("PGPASSWORD", "MYSQL_PWD")  # database passwords a trial has no use for
+_URL_WITH_PASSWORD = re.compile(r"://[^/@:\s]+:[^@/\s]+@")
+
+
+def child_env(extra: dict[str, str] | None = None, secrets: bool = False) -> dict[str, str]:
+    """Our environment, with this autofit first on PYTHONPATH (so a child imports the same code) and ``extra``.
+
+    Without ``secrets`` (a trial, a profile: they run the user's code and need no database),
+    database passwords are left out: :data:`SECRET_ENV` and any variable holding a URL with one."""
     env = dict(os.environ)
+    if not secrets:
+        env = {k: v for k, v in env.items() if k not in SECRET_ENV and not _URL_WITH_PASSWORD.search(v)}
     package_root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     env.update(extra or {})

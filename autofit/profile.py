@@ -41,7 +41,7 @@ from autofit.timeline import (
     tensor_bytes,
 )
 from autofit.training import build_trainee, forward_backward, to_device
-from autofit.workload import Workload
+from autofit.workload import Workload, explain_failure
 
 PROFILE_VERSION = 7
 # Micro-batch sizes profiled; every per-sample quantity is fitted as a line through them.
@@ -327,10 +327,7 @@ def profile_precision(workload: Workload, precision: Precision, device_type: str
         except WorkloadError:
             raise
         except Exception as exc:
-            raise WorkloadError(
-                f"{workload.name}: profiling on fake tensors failed ({type(exc).__name__}: {exc}); "
-                "the model must build and train under torch FakeTensorMode"
-            ) from exc
+            raise WorkloadError(explain_failure(workload.name, exc)) from exc
     r1, r2 = runs[PROFILE_BATCHES[0]], runs[PROFILE_BATCHES[1]]
     layers = []
     for i, (l1, l2) in enumerate(zip(r1["layers"], r2["layers"])):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import sys
 from dataclasses import dataclass
 from importlib import resources
@@ -23,6 +24,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 DEFAULT_SPACE = "default"
+MAX_CONFIGS = 100_000  # the estimate scores this many in seconds; more is a typo or a space to narrow
 _DIMENSIONS = ("precision", "micro_batch", "grad_accum", "checkpoint_every", "device_split", "split_mode")
 _ENUMS = {"precision": Precision, "split_mode": SplitMode}
 _KEYS = set(_DIMENSIONS) | {"global_batch", "description"}
@@ -106,6 +108,10 @@ def space_from_dict(data: dict, source: str = "<inline>") -> SearchSpace:
             )
         values["micro_batch"] = divisors
         values["grad_accum"] = (1,)  # derived per micro-batch in configs()
+    n_configs = math.prod(len(v) for v in values.values())
+    if n_configs > MAX_CONFIGS:  # answer in seconds, or not at all: say why
+        raise SpaceError(f"{source}: {n_configs:,} configs; at most {MAX_CONFIGS:,} are accepted "
+                         f"(sizes {', '.join(f'{k} {len(v)}' for k, v in values.items())}): narrow a dimension")
     space = SearchSpace(**values, global_batch=global_batch, source=source)
     try:
         configs = space.configs()

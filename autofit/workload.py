@@ -83,6 +83,28 @@ class Workload:
             raise WorkloadError(f"Workload.tokens_per_sample must be a positive integer, got {self.tokens_per_sample!r}")
 
 
+_FAILURE_HINTS = (  # torch's words for the usual workload mistakes -> what the workload must do instead
+    (("implicitly created only for scalar outputs",),
+     "loss(outputs, targets) did not return a scalar; it must return one number (e.g. reduce it with .mean())"),
+    (("does not require grad and does not have a grad_fn",),
+     "the loss has no gradient: no parameter requires grad (all frozen?); unfreeze at least one "
+     "(requires_grad=True), e.g. a LoRA adapter's"),
+    (("must have same reduction dim", "mat1 and mat2 shapes", "size mismatch", "shape", "dimension", "size of tensor"),
+     "batch(n)'s inputs or targets do not fit the model or the loss: batch(n) must return (inputs, targets) "
+     "the model and loss accept"),
+)
+
+
+def explain_failure(name: str, exc: BaseException) -> str:
+    """One line on why a workload failed to train a step, naming the mistake when torch's words show it."""
+    text = " ".join(str(exc).split())
+    for needles, hint in _FAILURE_HINTS:
+        if any(n in text for n in needles):
+            return f"{name}: {hint} ({type(exc).__name__}: {text})"
+    return (f"{name}: profiling on fake tensors failed ({type(exc).__name__}: {text}); "
+            "the model must build and train under torch FakeTensorMode")
+
+
 def load_workload(spec: str | Workload) -> Workload:
     """Resolve ``--model``: a built-in name (a GPT preset may add ``+field=value,...``, e.g.
     ``gpt2+n_layer=24``), ``hf:SPEC``, ``path/to/file.py:function`` or ``package.module:function``.
@@ -115,6 +137,9 @@ def load_workload(spec: str | Workload) -> Workload:
         raise WorkloadError(f"{spec!r}: {target} has no function {func_name!r}")
     try:
         workload = func()
+    except SystemExit as exc:  # user code must not end autofit's process
+        raise WorkloadError(f"{spec!r}: {func_name}() called sys.exit({exc.code!r}); a workload function must "
+                            "return an autofit.Workload") from exc
     except Exception as exc:  # user code: report, don't crash
         raise WorkloadError(f"{spec!r}: {func_name}() raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(workload, Workload):
@@ -133,7 +158,7 @@ def _import_target(target: str, spec: str):
         sys.modules[module_name] = module  # dataclasses and pickling look modules up here
         try:
             loader_spec.loader.exec_module(module)
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             raise WorkloadError(f"{spec!r}: importing {target} raised {type(exc).__name__}: {exc}") from exc
         return module
     try:

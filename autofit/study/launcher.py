@@ -33,7 +33,7 @@ def worker_env(settings: StudySettings, workers: int, gpus: list[str]) -> dict:
         extra["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     elif "OMP_NUM_THREADS" not in os.environ:
         extra["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
-    return procs.child_env(extra)
+    return procs.child_env(extra, secrets=True)  # a worker opens the storage itself
 
 
 def run_workers(settings: StudySettings, workers: int, gpu_slices: list[list[str]], study: optuna.Study,

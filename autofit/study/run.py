@@ -16,8 +16,8 @@ from autofit.space import SearchSpace, load_space, space_from_dict
 from autofit.study import storage as backend  # the module; `storage` is search()'s URL argument
 from autofit.study.launcher import run_workers
 from autofit.study.progress import ProgressCallback, progress_of
-from autofit.study.settings import (MIN_IMPROVEMENT, PATIENCE, TRIAL_TIMEOUT_S, StudySettings, default_study_name,
-                                    space_to_dict)
+from autofit.study.settings import (MIN_IMPROVEMENT, PATIENCE, TRIAL_TIMEOUT_S, StudySettings, check_study_name,
+                                    default_study_name, redact, space_to_dict)
 from autofit.study.worker import TrialRunner, run_trial_isolated, run_worker
 from autofit.time_model import probe_rates
 from autofit.workload import Workload, load_workload
@@ -123,36 +123,39 @@ def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | 
     device = device or default_device()
     _check(device, workers, trials, loaded, trial_runner)
     devices, gpu_slices = _devices(device, workers, devices)
-    name = study_name or default_study_name(loaded.name, budget_bytes)
+    name = check_study_name(study_name) if study_name is not None else default_study_name(loaded.name, budget_bytes)
+    backend.check_storage_url(storage)
     out = Path(out_dir) if out_dir is not None else Path("results") / name
-    settings = StudySettings(
-        workload_name=loaded.name, workload_source=loaded.source, budget_bytes=budget_bytes,
-        budget_text=budget if isinstance(budget, str) else f"{budget}B", space=space_to_dict(resolved),
-        device_type=device, devices=devices, study_name=name, out_dir=str(out), storage=storage, seed=seed,
-        trials=trials, deadline=None if timeout_s is None else started_wall + timeout_s, patience=patience,
-        min_improvement=min_improvement, trial_timeout_s=trial_timeout_s, command=command,
-    )
-    profile = profile_workload(loaded, list(resolved.precision), device_type=device)  # user errors surface here
-    study = backend.create_or_load(settings)
-    emit = progress or (lambda event: None)
-    emit(progress_of(backend.read_records(study), f"study {name} in {out}", started))
-    stop = None
-    try:
-        if workers == 1:
-            stop = run_worker(settings, loaded, profile=profile, rates=probe_rates(device), progress=progress,
-                              started=started, runner=trial_runner or run_trial_isolated)
-        else:
-            stop = run_workers(settings, workers, gpu_slices, study, emit, started)
-    finally:
-        _record_run(study, settings, started_wall, workers, stop)
+    backend.ensure_out_dir(out)
+    with backend.SearchLock(out):  # one search per directory: trials side by side measure each other
+        settings = StudySettings(
+            workload_name=loaded.name, workload_source=loaded.source, budget_bytes=budget_bytes,
+            budget_text=budget if isinstance(budget, str) else f"{budget}B", space=space_to_dict(resolved),
+            device_type=device, devices=devices, study_name=name, out_dir=str(out), storage=storage, seed=seed,
+            trials=trials, deadline=None if timeout_s is None else started_wall + timeout_s, patience=patience,
+            min_improvement=min_improvement, trial_timeout_s=trial_timeout_s, command=redact(command),
+        )
+        profile = profile_workload(loaded, list(resolved.precision), device_type=device)  # user errors surface here
+        study = backend.create_or_load(settings)
+        emit = progress or (lambda event: None)
+        emit(progress_of(backend.read_records(study), f"study {name} in {out}", started))
+        stop = None
         try:
-            write_reports(backend.snapshot(study), out, html=True)
-        except Exception:  # noqa: BLE001 -- never hide the search's own outcome behind a report error
-            if stop is not None:
-                raise
-    result = search_result(backend.snapshot(study), out, wall_s=time.time() - started_wall)
-    emit(progress_of(backend.read_records(study), f"done: {result.stop_reason}", started, done=True))
-    return result
+            if workers == 1:
+                stop = run_worker(settings, loaded, profile=profile, rates=probe_rates(device), progress=progress,
+                                  started=started, runner=trial_runner or run_trial_isolated)
+            else:
+                stop = run_workers(settings, workers, gpu_slices, study, emit, started)
+        finally:
+            _record_run(study, settings, started_wall, workers, stop)
+            try:
+                write_reports(backend.snapshot(study), out, html=True)
+            except Exception:  # noqa: BLE001 -- never hide the search's own outcome behind a report error
+                if stop is not None:
+                    raise
+        result = search_result(backend.snapshot(study), out, wall_s=time.time() - started_wall)
+        emit(progress_of(backend.read_records(study), f"done: {result.stop_reason}", started, done=True))
+        return result
 
 
 def _record_run(study: optuna.Study, settings: StudySettings, started_wall: float, workers: int,

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autofit.config import FIELDS
+from autofit.errors import StudyError
 from autofit.space import SearchSpace, space_from_dict
 
 PATIENCE = 5               # real trials in a row without improving the best by MIN_IMPROVEMENT
@@ -60,13 +61,26 @@ def space_to_dict(space: SearchSpace) -> dict:
     return data
 
 
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=-]*")
+
+
+def check_study_name(name: str) -> str:
+    """``name`` when it is a safe directory name (it becomes ``results/<name>``); StudyError otherwise."""
+    if not _NAME_RE.fullmatch(name) or ".." in name:
+        raise StudyError(f"invalid study name {name!r}: expected letters, digits and . _ - + = (no '/', no '..', "
+                         "not starting with '.'), e.g. gpt-tiny-8GB")
+    return name
+
+
 def default_study_name(workload_name: str, budget_bytes: int) -> str:
-    """``<workload>-<budget>``, the budget in the largest unit that divides it, e.g. ``gpt-tiny-8GB``."""
+    """``<workload>-<budget>``, the budget in the largest unit that divides it, e.g. ``gpt-tiny-8GB``
+    (characters a directory name should not hold, e.g. the ``/`` of ``hf:org/name``, become ``-``)."""
+    safe = re.sub(r"[^A-Za-z0-9._+=-]", "-", workload_name).replace("..", "-").lstrip(".-") or "study"
     for unit, size in (("TB", 10**12), ("TiB", 2**40), ("GB", 10**9), ("GiB", 2**30), ("MB", 10**6),
                        ("MiB", 2**20), ("KB", 10**3), ("KiB", 2**10)):
         if budget_bytes % size == 0:
-            return f"{workload_name}-{budget_bytes // size}{unit}"
-    return f"{workload_name}-{budget_bytes}B"
+            return f"{safe}-{budget_bytes // size}{unit}"
+    return f"{safe}-{budget_bytes}B"
 
 
 def redact(url: str | None) -> str | None:

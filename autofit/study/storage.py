@@ -20,8 +20,11 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
+import shutil
 import socket
+import time
 from pathlib import Path
 
 import optuna
@@ -31,7 +34,7 @@ from optuna.storages.journal import JournalFileBackend
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
 from autofit.config import FIELDS, TrainConfig
-from autofit.errors import AutofitError, StudyError
+from autofit.errors import AutofitError, RunFailure, StudyError
 from autofit.files import write_atomic
 from autofit.objective import objective
 from autofit.records import PruneReason, StudySnapshot, TrialRecord, TrialStatus
@@ -41,6 +44,10 @@ from autofit.study.settings import JOURNAL_NAME, StudySettings, redact
 META_NAME = "study.json"
 CLAIM_LOCK_NAME = ".autofit-claim.lock"
 JOURNAL_LOCK_NAME = ".autofit-journal.lock"
+SEARCH_LOCK_NAME = ".autofit-search.lock"
+DB_SCHEMES = ("postgresql", "mysql", "sqlite")  # Optuna's RDB storage (SQLAlchemy URLs, +driver allowed)
+CONNECT_TIMEOUT_S = 10     # an unreachable database is reported after this long, not a TCP timeout's minutes
+log = logging.getLogger(__name__)
 
 
 class FlockLock:
@@ -82,12 +89,102 @@ class ClaimLock:
         os.close(self._fd)
 
 
+class SearchLock:
+    """Held by a search for its whole run on its output directory: a second ``autofit search``
+    there is refused (its trials would run beside ours and measure each other's load)."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self._path = Path(out_dir) / SEARCH_LOCK_NAME
+
+    def __enter__(self) -> "SearchLock":
+        self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(self._fd, 32).decode(errors="replace").strip() or "?"
+            os.close(self._fd)
+            raise RunFailure(f"another autofit search (pid {holder}) is running on {self._path.parent}; wait for it, "
+                             "or run one search with --workers N") from None
+        os.ftruncate(self._fd, 0)
+        os.write(self._fd, f"{os.getpid()}\n".encode())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+
+
+def check_storage_url(url: str | None) -> None:
+    """Raise StudyError unless ``url`` is None or a database URL Optuna can open."""
+    if url is None:
+        return
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.split("+")[0].lower() not in DB_SCHEMES or not rest:
+        raise StudyError(f"invalid --storage {redact(url)!r}: expected a database URL such as "
+                         "postgresql://user:pass@host/db, mysql://user:pass@host/db or sqlite:///path.db "
+                         "(default: a journal file in --out)")
+
+
+def ensure_out_dir(out_dir: Path) -> None:
+    """Create ``out_dir``; RunFailure when it cannot be (a file in the way, no permission)."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / f".autofit-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise RunFailure(f"cannot write the output directory {out_dir} ({exc.strerror or type(exc).__name__}); "
+                         "choose a writable directory with --out") from None
+
+
+def repair_journal(journal: Path, lock: FlockLock) -> None:
+    """Drop a last line cut off mid-write (a worker killed while appending), keeping the file as
+    it was in ``<journal>.torn-<time>``. Under the journal's lock: no live writer is mid-line."""
+    if not journal.is_file() or journal.stat().st_size == 0:
+        return
+    lock.acquire()
+    try:
+        with open(journal, "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) == b"\n":
+                return
+            data = journal.read_bytes()
+        keep = data.rfind(b"\n") + 1
+        backup = journal.with_name(f"{journal.name}.torn-{time.strftime('%Y%m%d-%H%M%S')}")
+        shutil.copy2(journal, backup)
+        with open(journal, "r+b") as f:
+            f.truncate(keep)
+        log.warning("%s: dropped a torn last line (%d bytes cut off mid-write, e.g. by a killed worker); "
+                    "the file as it was is kept as backup %s", journal, len(data) - keep, backup.name)
+    finally:
+        lock.release()
+
+
 def make_storage(out_dir: Path, storage: str | None):
     """The study's storage: ``storage`` (an Optuna URL) or the journal file in ``out_dir``."""
     if storage:
+        check_storage_url(storage)
+        if storage.startswith("postgresql"):
+            return optuna.storages.RDBStorage(
+                storage, engine_kwargs={"connect_args": {"connect_timeout": CONNECT_TIMEOUT_S}})
         return storage
     out_dir.mkdir(parents=True, exist_ok=True)
-    return JournalStorage(JournalFileBackend(str(out_dir / JOURNAL_NAME), lock_obj=FlockLock(out_dir / JOURNAL_LOCK_NAME)))
+    lock = FlockLock(out_dir / JOURNAL_LOCK_NAME)
+    repair_journal(out_dir / JOURNAL_NAME, lock)
+    return JournalStorage(JournalFileBackend(str(out_dir / JOURNAL_NAME), lock_obj=lock))
+
+
+def storage_failure(where: str, url: str | None, exc: BaseException) -> RunFailure:
+    """A storage that could not be opened, as one line without the URL's password."""
+    text = " ".join(str(exc).split("(Background on this error")[0].split())
+    if url:
+        password = url.partition("://")[2].rpartition("@")[0].partition(":")[2]
+        text = redact(text.replace(url, redact(url)))
+        if password:
+            text = text.replace(password, "***")
+    if isinstance(exc, ImportError):
+        text += " (pip install 'psycopg[binary]' for postgresql://)"
+    return RunFailure(f"{where}: cannot open {redact(url) or 'the journal'} ({type(exc).__name__}: {text})")
 
 
 def quiet_optuna() -> None:
@@ -127,7 +224,7 @@ def open_study(out_dir: str | Path, storage: str | None = None, study_name: str 
     except StudyError:
         raise
     except Exception as exc:  # bad files, a database driver's own errors (connection refused, ...)
-        raise StudyError(f"{out_dir}: cannot read study {name!r} ({type(exc).__name__}: {exc})") from None
+        raise storage_failure(f"{out_dir}: study {name!r}", url, exc) from None
 
 
 def _identity(settings: StudySettings) -> dict:
@@ -141,15 +238,16 @@ def create_or_load(settings: StudySettings) -> optuna.Study:
     """Create the study of ``settings`` (or open it to resume). Raises StudyError when the
     storage cannot be opened or holds a study of another workload, budget, device or space."""
     out_dir = Path(settings.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    ensure_out_dir(out_dir)
     quiet_optuna()
-    storage = make_storage(out_dir, settings.storage)
     try:
+        storage = make_storage(out_dir, settings.storage)
         study = optuna.create_study(storage=storage, study_name=settings.study_name, direction="maximize",
                                     load_if_exists=True)
+    except AutofitError:
+        raise
     except Exception as exc:
-        raise StudyError(f"cannot create or open study {settings.study_name!r} in "
-                         f"{redact(settings.storage) or out_dir / JOURNAL_NAME}: {type(exc).__name__}: {exc}") from None
+        raise storage_failure(f"study {settings.study_name!r}", settings.storage, exc) from None
     identity = _identity(settings)
     found = study.user_attrs.get("identity")
     if found is None:

@@ -1,0 +1,218 @@
+"""The bad-input corpus: every case goes through the real command line (``python -m autofit``).
+
+Each case asserts the exit status (2 for a usage error, 1 for a run-time failure), one line
+on stderr naming what was wrong and what is accepted, no traceback (unless ``--debug``), and
+where a study was there before, that it is still intact. The commands start at once, a few
+at a time (each pays ~2 s of imports), in a module fixture; the tests then read their outcomes.
+Most fail before any trial runs, so no case trains anything.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+BAD = TESTS / "bad_workloads.py"
+SECRET_URL = "postgresql://user:secret@127.0.0.1:1/db"
+TINY_MODEL = f"{TESTS / 'trial_workloads.py'}:tiny_lm"
+
+
+@dataclass
+class Case:
+    argv: list[str]          # after `python -m autofit`; "{d}" is the case's own directory
+    status: int              # the exit status expected
+    says: tuple[str, ...]    # substrings (lower case) the message must hold: what was wrong, what is accepted
+    files: dict = field(default_factory=dict)  # name -> text written in the case's directory first
+    timeout_s: float = 180.0
+
+
+def _estimate(*extra: str, model: str = "tiny", budget: str = "8GB") -> list[str]:
+    return ["estimate", "--model", model, "--budget", budget, *extra]
+
+
+def _search(d_out: str = "{d}/out", *extra: str, model: str = TINY_MODEL, budget: str = "1GB") -> list[str]:
+    return ["search", "--model", model, "--budget", budget, "--space", "tiny", "--device", "cpu",
+            "--out", d_out, "--trials", "1", *extra]
+
+
+def _space_case(text: str, says: tuple[str, ...]) -> Case:
+    return Case(_estimate("--space", "{d}/space.toml"), 2, says, files={"space.toml": text})
+
+
+MILLION = "precision = ['fp32', 'amp-bf16']\nmicro_batch = %s\ngrad_accum = %s\ncheckpoint_every = %s\n" % (
+    list(range(1, 101)), list(range(1, 101)), list(range(0, 50)))
+
+CASES: dict[str, Case] = {
+    # budgets
+    "budget-bare-number": Case(_estimate(budget="8"), 2, ("'8'", "gb")),
+    "budget-negative": Case(_estimate(budget="-1GB"), 2, ("-1gb", "positive")),
+    "budget-negative-equals": Case(["estimate", "--model", "tiny", "--budget=-1GB"], 2, ("-1gb", "positive")),
+    "budget-zero": Case(_estimate(budget="0GB"), 2, ("0gb", "positive")),
+    "budget-unknown-unit": Case(_estimate(budget="8XB"), 2, ("8xb", "gib")),
+    "budget-infinite": Case(_estimate(budget="1e999GB"), 2, ("1e999gb", "finite")),
+    "budget-empty": Case(_estimate(budget=""), 2, ("''", "gb")),
+    "budget-search": Case(_search(budget="lots"), 2, ("lots", "gb")),
+    "budget-measure": Case(["measure", "--model", "tiny", "--budget", "8"], 2, ("'8'", "gb")),
+    # configs
+    "config-unknown-key": Case(_estimate("--config", "micro_btch=8"), 2, ("micro_btch", "micro_batch")),
+    "config-wrong-type": Case(_estimate("--config", "micro_batch=eight"), 2, ("eight", "integer")),
+    "config-micro-batch-0": Case(_estimate("--config", "micro_batch=0"), 2, ("micro_batch 0", ">= 1")),
+    "config-unknown-precision": Case(_estimate("--config", "precision=fp64"), 2, ("fp64", "amp-bf16")),
+    "config-no-equals": Case(_estimate("--config", "micro_batch"), 2, ("micro_batch", "key=value")),
+    "config-more-stages-than-layers": Case(_estimate("--config", "device_split=8", model=f"{BAD}:fine"), 2,
+                                           ("device_split 8 > 2 layers", "device_split 1 to 2")),
+    "config-measure-unknown-key": Case(["measure", "--model", "tiny", "--config", "speed=11"], 2,
+                                       ("speed", "micro_batch")),
+    # spaces
+    "space-missing-file": Case(_estimate("--space", "{d}/nope.toml"), 2, ("nope.toml", "no such")),
+    "space-unknown-name": Case(_estimate("--space", "huge"), 2, ("huge", "tiny")),
+    "space-malformed-toml": _space_case("precision = [fp32\n", ("not valid toml", "space.toml")),
+    "space-unknown-key": _space_case("precision = ['fp32']\nmicro_batch = [2]\nlr = [0.1]\n", ("'lr'", "micro_batch")),
+    "space-empty-list": _space_case("precision = ['fp32']\nmicro_batch = []\n", ("micro_batch", "at least one")),
+    "space-wrong-type": _space_case("precision = ['fp32']\nmicro_batch = ['two']\n", ("two", "integers")),
+    "space-unknown-precision": _space_case("precision = ['fp64']\nmicro_batch = [2]\n", ("fp64", "amp-bf16")),
+    "space-missing-key": _space_case("micro_batch = [2]\n", ("precision", "missing")),
+    "space-global-batch-indivisible": _space_case("precision = ['fp32']\nmicro_batch = [2, 4]\nglobal_batch = 7\n",
+                                                  ("global_batch", "7")),
+    "space-million-configs": _space_case(MILLION, ("1,000,000 configs", "at most")),
+    "global-batch-flag-indivisible": Case(_estimate("--space", "tiny", "--global-batch", "7"), 2, ("global_batch", "7")),
+    "global-batch-flag-zero": Case(_search("{d}/out", "--global-batch", "0"), 2, ("'0'", "positive")),
+    # workloads
+    "workload-unknown-builtin": Case(_estimate(model="gpt-huge"), 2, ("gpt-huge", "built-in")),
+    "workload-missing-file": Case(_estimate(model="{d}/missing.py:make"), 2, ("missing.py", "no such file")),
+    "workload-missing-function": Case(_estimate(model=f"{BAD}:nothing_here"), 2, ("nothing_here", "no function")),
+    "workload-not-callable": Case(_estimate(model=f"{BAD}:not_a_function"), 2, ("not_a_function", "no function")),
+    "workload-syntax-error": Case(_estimate(model="{d}/broken.py:make"), 2, ("broken.py", "syntaxerror"),
+                                  files={"broken.py": "def make(:\n"}),
+    "workload-missing-module": Case(_estimate(model="no_such_pkg.models:make"), 2, ("no_such_pkg", "cannot import")),
+    "workload-raises": Case(_estimate(model=f"{BAD}:raises"), 2, ("raises()", "dataset path not configured")),
+    "workload-wrong-type": Case(_estimate(model=f"{BAD}:wrong_type"), 2, ("dict", "autofit.workload")),
+    "workload-sys-exit": Case(_estimate(model=f"{BAD}:exits"), 2, ("exits()", "sys.exit", "workload")),
+    "workload-bad-shapes": Case(_estimate(model=f"{BAD}:bad_shapes"), 2, ("bad-shapes", "batch(n)", "[2, 19]")),
+    "workload-nonscalar-loss": Case(_estimate(model=f"{BAD}:nonscalar_loss"), 2, ("nonscalar", "loss(", "scalar")),
+    "workload-no-layers": Case(_estimate(model=f"{BAD}:no_layers"), 2, ("modulelist", "layers=")),
+    "workload-all-frozen": Case(_estimate(model=f"{BAD}:frozen"), 2, ("frozen", "requires_grad")),
+    "workload-hf-option-on-builtin": Case(_estimate("--seq-len", "16"), 2, ("--seq-len", "hf:")),
+    # storages
+    "storage-malformed-url": Case(_search("{d}/out", "--storage", "notaurl"), 2, ("notaurl", "postgresql://")),
+    "storage-unknown-scheme": Case(_search("{d}/out", "--storage", "ftp://host/db"), 2, ("ftp", "sqlite")),
+    "storage-unreachable-postgres": Case(_search("{d}/out", "--storage", SECRET_URL), 1,
+                                         ("user:***@127.0.0.1:1/db", "cannot"), timeout_s=60),
+    "report-no-study": Case(["report", "{d}"], 2, ("no study", "autofit search")),
+    # output
+    "out-under-a-file": Case(_search("{d}/afile/out"), 1, ("afile", "directory"), files={"afile": "x"}),
+    "study-name-escapes": Case(_search("{d}/out", "--study", "../../x"), 2, ("../../x", "letters")),
+    "study-name-absolute": Case(_search("{d}/out", "--study", "/tmp/x"), 2, ("/tmp/x", "letters")),
+    # the command line itself
+    "unknown-command": Case(["serch"], 2, ("serch", "search")),
+    "unknown-device": Case(_estimate("--device", "tpu"), 2, ("tpu", "cuda")),
+    "workers-zero": Case(_search("{d}/out", "--workers", "0"), 2, ("'0'", "positive")),
+    "trials-not-a-number": Case(_search("{d}/out", "--trials", "many"), 2, ("many", "positive")),
+}
+
+
+def _run(case: Case, d: Path, debug: bool = False) -> subprocess.CompletedProcess:
+    argv = [a.replace("{d}", str(d)) for a in case.argv]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "autofit", *(["--debug"] if debug else []), *argv], cwd=d, env=env,
+                          capture_output=True, text=True, timeout=case.timeout_s)
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    """Every case run once, four at a time: name -> CompletedProcess."""
+    dirs = {}
+    for name, case in CASES.items():
+        d = tmp_path_factory.mktemp(name)
+        for file, text in case.files.items():
+            (d / file).write_text(text)
+        dirs[name] = d
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = {name: pool.submit(_run, case, dirs[name]) for name, case in CASES.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def test_corpus_is_large_enough():
+    assert len(CASES) >= 40
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input(outcomes, name):
+    case, done = CASES[name], outcomes[name]
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == case.status, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    # one error line, the last (a progress line such as "profiling ..." may come before it)
+    assert [line for line in lines if "error" in line.lower()] == lines[-1:], done.stderr
+    assert lines[-1].startswith("autofit: error: "), done.stderr
+    for needle in case.says:
+        assert needle in lines[-1].lower(), (needle, lines[-1])
+    assert "secret" not in done.stderr + done.stdout
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    done = _run(CASES["workload-raises"], tmp_path, debug=True)
+    assert done.returncode == 2
+    assert "Traceback" in done.stderr and "dataset path not configured" in done.stderr
+
+
+def test_nothing_escapes_the_output_directory(outcomes, tmp_path_factory):
+    # study-name-escapes ran in its own directory: nothing was created two levels up.
+    d = tmp_path_factory.getbasetemp()
+    assert not (d / "x").exists() and not (d.parent / "x").exists()
+
+
+def test_second_search_on_a_running_directory(tmp_path):
+    """While a search holds its directory, a second one there is refused and the study is intact."""
+    from autofit.study.storage import SEARCH_LOCK_NAME
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "study.journal").write_text("")
+    lock = os.open(out / SEARCH_LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    os.write(lock, f"{os.getpid()}\n".encode())
+    fcntl.flock(lock, fcntl.LOCK_EX)  # as the running search holds it
+    try:
+        done = _run(Case(_search(str(out)), 1, ()), tmp_path)
+    finally:
+        os.close(lock)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1, done.stderr
+    assert len(lines) == 1 and "another autofit search" in lines[0] and str(os.getpid()) in lines[0], done.stderr
+    assert (out / "study.journal").read_text() == ""
+
+
+def test_torn_journal_line_is_repaired(tmp_path):
+    """A journal whose last line was cut mid-write (a worker killed while writing) still opens:
+    the torn line is dropped with a warning, and the file as it was is kept as a backup."""
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    out = tmp_path / "out"
+    out.mkdir()
+    journal = out / "study.journal"
+    storage = JournalStorage(JournalFileBackend(str(journal)))
+    study = optuna.create_study(storage=storage, study_name="torn", direction="maximize")
+    study.add_trial(optuna.trial.create_trial(params={"micro_batch": 2}, value=1.0, distributions={
+        "micro_batch": optuna.distributions.CategoricalDistribution([2, 4])}))
+    whole = journal.read_bytes()
+    journal.write_bytes(whole + b'{"op_code": 4, "worker_id": "ab')  # cut mid-write
+    done = _run(Case(["report", str(out)], 0, ()), tmp_path)
+    assert "Traceback" not in done.stderr and "JSONDecodeError" not in done.stderr, done.stderr
+    warnings = [line for line in done.stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "torn" in warnings[0] and "backup" in warnings[0], done.stderr
+    assert journal.read_bytes() == whole
+    backups = list(out.glob("study.journal.torn-*"))
+    assert len(backups) == 1 and backups[0].read_bytes().startswith(whole)
