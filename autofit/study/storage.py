@@ -165,13 +165,24 @@ def make_storage(out_dir: Path, storage: str | None):
     if storage:
         check_storage_url(storage)
         if storage.startswith("postgresql"):
-            return optuna.storages.RDBStorage(
-                storage, engine_kwargs={"connect_args": {"connect_timeout": CONNECT_TIMEOUT_S}})
+            return _rdb_storage(storage, {"connect_args": {"connect_timeout": CONNECT_TIMEOUT_S}})
         return storage
     out_dir.mkdir(parents=True, exist_ok=True)
     lock = FlockLock(out_dir / JOURNAL_LOCK_NAME)
     repair_journal(out_dir / JOURNAL_NAME, lock)
     return JournalStorage(JournalFileBackend(str(out_dir / JOURNAL_NAME), lock_obj=lock))
+
+
+def _rdb_storage(url: str, engine_kwargs: dict, attempts: int = 5):
+    """Optuna's RDB storage of ``url``. Machines that start at once on an empty database race to
+    create Optuna's tables; the losers see "already exists" and try again (the tables are there now)."""
+    for attempt in range(attempts):
+        try:
+            return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs)
+        except Exception as exc:  # sqlalchemy's IntegrityError / ProgrammingError, by the driver's words
+            if "already exists" not in str(exc) or attempt == attempts - 1:
+                raise
+            time.sleep(0.5 * (attempt + 1))
 
 
 def storage_failure(where: str, url: str | None, exc: BaseException) -> RunFailure:
