@@ -131,14 +131,14 @@ def _run(case: Case, d: Path, debug: bool = False) -> subprocess.CompletedProces
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
-    """Every case run once, four at a time: name -> CompletedProcess."""
+    """Every case run once, a few at a time: name -> CompletedProcess."""
     dirs = {}
     for name, case in CASES.items():
         d = tmp_path_factory.mktemp(name)
         for file, text in case.files.items():
             (d / file).write_text(text)
         dirs[name] = d
-    with ThreadPoolExecutor(max_workers=4) as pool:
+    with ThreadPoolExecutor(max_workers=max(4, os.cpu_count() or 1)) as pool:
         futures = {name: pool.submit(_run, case, dirs[name]) for name, case in CASES.items()}
         return {name: future.result() for name, future in futures.items()}
 
