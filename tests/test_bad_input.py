@@ -216,3 +216,25 @@ def test_torn_journal_line_is_repaired(tmp_path):
     assert journal.read_bytes() == whole
     backups = list(out.glob("study.journal.torn-*"))
     assert len(backups) == 1 and backups[0].read_bytes().startswith(whole)
+
+
+def test_bad_commands_leave_an_earlier_study_intact(tmp_path):
+    """Bad input aimed at a directory that holds a study changes none of its files."""
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    out = tmp_path / "out"
+    out.mkdir()
+    storage = JournalStorage(JournalFileBackend(str(out / "study.journal")))
+    optuna.create_study(storage=storage, study_name="earlier", direction="maximize").set_user_attr("x", 1)
+    (out / "best.json").write_text('{"config": "earlier"}\n')
+    (out / "trials.csv").write_text("number,status\n0,ok\n")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    bad = [_search(str(out), budget="8"), _search(str(out), "--storage", "notaurl"),
+           _search(str(out), "--study", "../escape"), _search(str(out), "--space", str(tmp_path / "none.toml"))]
+    with ThreadPoolExecutor(max_workers=len(bad)) as pool:
+        done = list(pool.map(lambda argv: _run(Case(argv, 2, ()), tmp_path), bad))
+    for d in done:
+        assert d.returncode == 2 and d.stderr.strip().splitlines()[-1].startswith("autofit: error: "), d.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
