@@ -6,13 +6,16 @@ those of one device at that micro-batch: the profile's regions, laid end to end 
 (:mod:`autofit.fsdp`) changes is the model state and its traffic, added here term by term
 (N ranks; bytes in the parameter dtype; ``torch.distributed.fsdp`` 2.x behaviour):
 
-- **shards**: each rank keeps 1/N of the parameters, of the gradients (from the first
-  reduce-scatter on) and of the optimizer state; buffers are not sharded (every rank has them);
+- **shards**: each rank keeps a shard of every parameter, of its gradient (from the first
+  reduce-scatter on) and of its optimizer state; FSDP2 shards dim 0 padded to a multiple of N,
+  so rank 0 holds ``ceil(size(0)/N)`` rows of each (:func:`padded_shard_bytes`, from the
+  profile's ``grad_rows``); buffers are not sharded (every rank has them);
 - **gathered weights**: a unit (a layer, or a checkpoint segment of k layers) is all-gathered
   before its forward and freed after it (``reshard_after_forward``), and gathered again before
   its backward while the next unit's all-gather is prefetched -- so up to two units are whole
   in backward (and in forward on CUDA, where the next gather is issued while the current unit
-  computes). Gathering copies out of the all-gather buffer: the unit's size twice, briefly.
+  computes). Gathering copies out of the all-gather buffer (N padded shards): the unit's size
+  twice, briefly.
   The root (embeddings, final norm, head) is gathered from the first forward to the end of
   the backward (FSDP2 does not reshard the root after forward);
 - **gradients**: a unit's backward makes whole gradients, which its post-backward copies into a
@@ -23,9 +26,8 @@ those of one device at that micro-batch: the profile's regions, laid end to end 
 Under amp, gathered weights are fp32 and autocast's half-precision weight copies are part of the
 activations, as on one device (see :mod:`autofit.fsdp` for why no ``MixedPrecisionPolicy``).
 
-Known limitations: shards are counted as exactly 1/N (FSDP pads dimension 0 to a multiple of N:
-at most one row per parameter, which the profile does not size); the largest rank is rank 0,
-whose optimizer state is at least 1/N. On CUDA the context and fragmentation are added as in
+Known limitations: profiles without ``grad_rows`` (before version 8) count shards as exactly 1/N;
+the optimizer state is scaled by the parameters' padding (state follows each parameter's shape). On CUDA the context and fragmentation are added as in
 :mod:`autofit.memory_model`.
 """
 
@@ -41,6 +43,17 @@ from autofit.profile_data import Line, PrecisionProfile, Region
 # Columns of a line's constant parts: sharded+gathered params, shard+whole grads, optimizer state, buffers.
 _PARAMS, _GRADS, _OPT, _TEMP = range(4)
 FSDP_EXTRA_COLUMNS = ("shard_bytes", "gathered_bytes")
+
+
+def padded_shard_bytes(rows: tuple[tuple[int, int], ...], total_bytes: float, n_ranks: int) -> float:
+    """Rank 0's shard of parameters with ``rows`` = (size(0), bytes): ``ceil(size(0)/N)`` rows each.
+
+    Without rows (an older profile) the shard is ``total_bytes / N``.
+    """
+    if not rows:
+        return total_bytes / n_ranks
+    r = np.asarray(rows, dtype=np.float64).reshape(-1, 2)
+    return float((np.ceil(r[:, 0] / n_ranks) * r[:, 1] / r[:, 0]).sum())
 
 
 def fsdp_units(n_layers: int, checkpoint_every: int) -> list[tuple[int, int]]:
@@ -124,29 +137,35 @@ def _walk(pp: PrecisionProfile, n_ranks: int, every: int, later: bool, cuda: boo
     n = len(layers)
     units = fsdp_units(n, every)
     w = [float(sum(layers[i].grad_bytes for i in range(s, e))) for s, e in units]  # whole weights = grads' size
+    ws = [sum(padded_shard_bytes(layers[i].grad_rows, layers[i].grad_bytes, n_ranks) for i in range(s, e))
+          for s, e in units]  # rank 0's padded shards
+    wb = [n_ranks * x for x in ws]  # a unit's all-gather (and reduce-scatter) buffer: N padded shards
     root = float(pp.grad_bytes - sum(w))
     grad_total = float(pp.grad_bytes)
-    base = np.array([grad_total / n_ranks + pp.static_param_bytes - grad_total, 0.0, pp.optimizer_bytes / n_ranks, 0.0])
+    shard_total = _shard_total(pp, n_ranks)
+    root_s = shard_total - sum(ws)
+    root_b = n_ranks * root_s
+    base = np.array([shard_total + pp.static_param_bytes - grad_total, 0.0, _optimizer_shard(pp, n_ranks), 0.0])
     t = _Timeline(base)
-    g_sh = grad_total / n_ranks if later else 0.0  # gradient shards (later micro-steps: all, accumulating)
+    g_sh = shard_total if later else 0.0  # gradient shards (later micro-steps: all, accumulating)
     live: Line = (0.0, 0.0)
     head_fwd, loss_fwd, loss_bwd, head_bwd = _output_regions(pp)
     amp_cache = [0.0] * n  # autocast's weight copies kept to the end of forward in checkpointed segments
     if every and pp.precision.startswith("amp"):
         amp_cache = [max(0.0, l.forward.delta[0]) for l in layers]
 
-    def w_at(u: int) -> float:
-        return w[u] if 0 <= u < len(w) else 0.0
+    def wb_at(u: int) -> float:
+        return wb[u] if 0 <= u < len(wb) else 0.0
 
     # forward: the root, then each unit gathered (copied out of its buffer, which stays held)
-    t.at(live, "forward", gathered=2 * root, grads=g_sh)
-    t.peaks(live, pp.pre_forward, "forward", gathered=2 * root, grads=g_sh)
+    t.at(live, "forward", gathered=root + root_b, grads=g_sh)
+    t.peaks(live, pp.pre_forward, "forward", gathered=root + root_b, grads=g_sh)
     live = _plus(live, pp.pre_forward.delta)
-    held = root
+    held = root_b
     for u, (s, e) in enumerate(units):
-        ahead = w_at(u + 1) if cuda else 0.0  # CUDA issues the next gather while this unit computes
-        t.at(live, "forward", gathered=root + held + 2 * w[u], grads=g_sh)
-        held = w[u]
+        ahead = wb_at(u + 1) if cuda else 0.0  # CUDA issues the next gather while this unit computes
+        t.at(live, "forward", gathered=root + held + w[u] + wb[u], grads=g_sh)
+        held = wb[u]
         gathered = root + w[u] + held + ahead
         if every:  # one checkpointed segment: only its output survives
             kept: Line = (0.0, 0.0)
@@ -168,8 +187,8 @@ def _walk(pp: PrecisionProfile, n_ranks: int, every: int, later: bool, cuda: boo
     live = _plus(live, loss_bwd.delta_nongrad)
     # the output's gradient: the root gathered again, the last unit's gather prefetched
     last = len(units) - 1
-    t.at(live, "backward", gathered=max(2 * root, root + w[last]), grads=g_sh)
-    t.peaks(live, head_bwd, "backward", gathered=root + w[last], grads=g_sh)
+    t.at(live, "backward", gathered=max(root + root_b, root + wb[last]), grads=g_sh)
+    t.peaks(live, head_bwd, "backward", gathered=root + wb[last], grads=g_sh)
     live = _plus(live, head_bwd.delta_nongrad)
     # The root's whole gradients made in the head's backward live until the root's post-backward
     # at the end. (A weight tied to the embedding is not among them: autograd sums its two uses
@@ -177,11 +196,11 @@ def _walk(pp: PrecisionProfile, n_ranks: int, every: int, later: bool, cuda: boo
     root_grads = max(0.0, head_bwd.delta[0] - head_bwd.delta_nongrad[0])
     for u in reversed(range(len(units))):
         s, e = units[u]
-        prefetch = w_at(u - 1)
+        prefetch = wb_at(u - 1)
         # copy-out of this unit's (prefetched) gather, whose buffer is then held (measured on
         # torch 2.13: from the second unit of the backward on), and the previous unit's gather issued
-        held = w[u] if u < last else 0.0
-        t.at(live, "backward", gathered=root + 2 * w[u] + w_at(u + 1) * (u + 1 < last), grads=g_sh + root_grads)
+        held = wb[u] if u < last else 0.0
+        t.at(live, "backward", gathered=root + w[u] + wb[u] + wb_at(u + 1) * (u + 1 < last), grads=g_sh + root_grads)
         gathered = root + w[u] + held + prefetch
         if every:
             if layers[e - 1].output_saved:
@@ -198,22 +217,33 @@ def _walk(pp: PrecisionProfile, n_ranks: int, every: int, later: bool, cuda: boo
             live = _plus(live, layers[i].backward.delta_nongrad)
         # post-backward: reshard, then the whole gradients copied into the reduce-scatter buffer
         t.at(live, "backward", gathered=root + held + prefetch, grads=g_sh + root_grads + w[u],
-             temp=w[u] + w[u] / n_ranks)
+             temp=wb[u] + ws[u])
         if not later:
-            g_sh += w[u] / n_ranks
+            g_sh += ws[u]
     t.peaks(live, pp.pre_backward, "backward", gathered=root + held, grads=g_sh + root_grads)
     live = _plus(live, pp.pre_backward.delta_nongrad)
-    t.at(live, "backward", grads=g_sh + root, temp=root + root / n_ranks)  # the root's reduce-scatter
+    t.at(live, "backward", grads=g_sh + root, temp=root_b + root_s)  # the root's reduce-scatter
     return t
+
+
+def _shard_total(pp: PrecisionProfile, n_ranks: int) -> float:
+    """Rank 0's padded shard of all trainable parameters (also of their gradients)."""
+    return padded_shard_bytes(pp.grad_rows, pp.grad_bytes, n_ranks)
+
+
+def _optimizer_shard(pp: PrecisionProfile, n_ranks: int) -> float:
+    """Rank 0's optimizer state: the state follows each parameter, so it is padded like them."""
+    if pp.grad_bytes <= 0:
+        return pp.optimizer_bytes / n_ranks
+    return pp.optimizer_bytes * _shard_total(pp, n_ranks) / pp.grad_bytes
 
 
 @lru_cache(maxsize=1024)
 def rank_lines(pp: PrecisionProfile, n_ranks: int, every: int, cuda: bool) -> RankLines:
     """The lines of rank 0's micro-steps (cached: one walk per precision, ranks and checkpoint interval)."""
     first, later = _walk(pp, n_ranks, every, False, cuda), _walk(pp, n_ranks, every, True, cuda)
-    grad_total = float(pp.grad_bytes)
     opt = first.base.copy()
-    opt[_GRADS] += grad_total / n_ranks
+    opt[_GRADS] += _shard_total(pp, n_ranks)
     opt[_TEMP] += pp.optimizer_peak_bytes / n_ranks
 
     def arr(x):
@@ -224,7 +254,7 @@ def rank_lines(pp: PrecisionProfile, n_ranks: int, every: int, cuda: bool) -> Ra
         first_phase=tuple(f"first {p}" for p in first.phases),
         later_consts=arr(later.consts), later_acts=arr(later.acts), later_gathered=arr(later.gathered),
         later_phase=tuple(f"later {p}" for p in later.phases),
-        shard_bytes=float(first.base[_PARAMS] + first.base[_OPT] + grad_total / n_ranks), optimizer_line=opt,
+        shard_bytes=float(first.base[_PARAMS] + first.base[_OPT] + _shard_total(pp, n_ranks)), optimizer_line=opt,
     )
 
 

@@ -43,7 +43,7 @@ from autofit.timeline import (
 from autofit.training import build_trainee, forward_backward, to_device
 from autofit.workload import Workload, explain_failure
 
-PROFILE_VERSION = 7
+PROFILE_VERSION = 8
 # Micro-batch sizes profiled; every per-sample quantity is fitted as a line through them.
 PROFILE_BATCHES = (2, 4)
 # The CUDA caching allocator rounds every block up to 512 bytes (FACTS.md).
@@ -52,6 +52,16 @@ CUDA_BLOCK_BYTES = 512
 # The profile's data types live in autofit.profile_data; they are importable from here too.
 __all__ = ["CUDA_BLOCK_BYTES", "LayerProfile", "Line", "PROFILE_BATCHES", "PROFILE_VERSION", "PrecisionProfile",
            "Profile", "Region", "cache_dir", "profile_key", "profile_precision", "profile_workload"]
+
+
+def param_rows(params) -> tuple[tuple[int, int], ...]:
+    """(size(0), bytes) of each parameter, tied ones once: FSDP2 shards and pads each on dim 0."""
+    seen, rows = set(), []
+    for p in params:
+        if id(p.untyped_storage()) not in seen:
+            seen.add(id(p.untyped_storage()))
+            rows.append((int(p.shape[0]) if p.dim() else 1, int(p.numel() * p.element_size())))
+    return tuple(rows)
 
 
 def _run_once(workload: Workload, precision: Precision, micro_batch: int, device_type: str,
@@ -232,6 +242,7 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
     return {
         "static_param_bytes": tensor_bytes(params + buffers, round_bytes),
         "grad_bytes": tensor_bytes(grads.values(), round_bytes),
+        "grad_rows": param_rows(grads.values()),
         "optimizer_bytes": tensor_bytes(state, round_bytes),
         "opt_region": reg("end", "opt")[:4],
         "pre_param_bytes": tensor_bytes(pre_t, round_bytes),
@@ -253,6 +264,7 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
                 "param_bytes": tensor_bytes(layer_params[i] + layer_buffers[i], round_bytes),
                 "grad_bytes": tensor_bytes([p for p in layer_params[i] if p.requires_grad], round_bytes),
                 "max_grad_tensor_bytes": max_tensor_bytes([p for p in layer_params[i] if p.requires_grad], round_bytes),
+                "grad_rows": param_rows([p for p in layer_params[i] if p.requires_grad]),
                 "output": layer_out[i],
                 "output_saved": output_saved[i],
                 "forward": reg(f"f{i}", f"F{i}"),
@@ -334,7 +346,7 @@ def profile_precision(workload: Workload, precision: Precision, device_type: str
         layers.append(LayerProfile(
             param_bytes=l1["param_bytes"], grad_bytes=l1["grad_bytes"],
             output=_line(l1["output"], l2["output"]), output_saved=l1["output_saved"],
-            max_grad_tensor_bytes=l1["max_grad_tensor_bytes"],
+            max_grad_tensor_bytes=l1["max_grad_tensor_bytes"], grad_rows=l1["grad_rows"],
             forward=_region_lines(l1["forward"], l2["forward"]),
             backward=_region_lines(l1["backward"], l2["backward"]),
             forward_flops=_flops_line(l2["forward_flops"]),
@@ -343,7 +355,7 @@ def profile_precision(workload: Workload, precision: Precision, device_type: str
     return PrecisionProfile(
         precision=precision.value,
         static_param_bytes=r1["static_param_bytes"], grad_bytes=r1["grad_bytes"],
-        optimizer_bytes=r1["optimizer_bytes"], optimizer_peak_bytes=max(0, opt_peak),
+        optimizer_bytes=r1["optimizer_bytes"], optimizer_peak_bytes=max(0, opt_peak), grad_rows=r1["grad_rows"],
         pre_param_bytes=r1["pre_param_bytes"], post_param_bytes=r1["post_param_bytes"],
         pre_grad_bytes=r1["pre_grad_bytes"], post_grad_bytes=r1["post_grad_bytes"],
         pre_max_grad_tensor_bytes=r1["pre_max_grad_tensor_bytes"],

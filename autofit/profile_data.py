@@ -62,6 +62,7 @@ class LayerProfile:
     forward_flops: Line = (0.0, 0.0)
     output_saved: bool = False  # the layer's own backward needs its output (e.g. it ends in ReLU)
     max_grad_tensor_bytes: int = 0  # its largest gradient (a per-tensor optimizer's transients scale with it)
+    grad_rows: tuple[tuple[int, int], ...] = ()  # (size(0), bytes) of each trainable parameter (FSDP pads dim 0)
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,7 @@ class PrecisionProfile:
     loss_forward: Region | None = None    # model output -> loss ready
     loss_backward: Region | None = None   # loss -> the output's gradient
     head_backward: Region | None = None   # the output's gradient -> into the last layer's backward
+    grad_rows: tuple[tuple[int, int], ...] = ()  # (size(0), bytes) of every trainable parameter; () if not recorded
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,10 @@ class Profile:
         return cls(**data, precisions=precisions)
 
 
+def rows_from_json(rows) -> tuple[tuple[int, int], ...]:
+    return tuple(tuple(r) for r in rows)
+
+
 def region_from_dict(d: dict) -> Region:
     return Region(**{k: tuple(v) for k, v in d.items()})
 
@@ -131,9 +137,10 @@ def precision_from_dict(pp: dict) -> PrecisionProfile:
     """A PrecisionProfile from its ``dataclasses.asdict`` (JSON) form."""
     pp = dict(pp)
     layers = tuple(LayerProfile(**{**lp, "forward": region_from_dict(lp["forward"]), "backward": region_from_dict(lp["backward"]),
-                                   "output": tuple(lp["output"]), "forward_flops": tuple(lp["forward_flops"])})
+                                   "output": tuple(lp["output"]), "forward_flops": tuple(lp["forward_flops"]),
+                                   "grad_rows": rows_from_json(lp.get("grad_rows", ()))})
                    for lp in pp.pop("layers"))
     regions = {k: region_from_dict(pp[k]) for k in ("pre_forward", "post_forward", "post_backward", "pre_backward")}
     regions.update({k: region_from_dict(pp[k]) for k in OUTPUT_REGIONS if pp.get(k) is not None})
     lines = {k: tuple(pp[k]) for k in ("input_bytes", "forward_flops", "backward_flops")}
-    return PrecisionProfile(**{**pp, **regions, **lines, "layers": layers})
+    return PrecisionProfile(**{**pp, **regions, **lines, "layers": layers, "grad_rows": rows_from_json(pp.get("grad_rows", ()))})

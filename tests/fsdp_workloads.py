@@ -58,3 +58,24 @@ def tiny_decoder() -> Workload:
     return Workload(name="tiny-decoder", model=TinyDecoder, batch=_batch, loss=_lm_loss,
                     optimizer=lambda params: torch.optim.SGD(params, lr=0.1), layers=lambda m: m.blocks,
                     tokens_per_sample=SEQ)
+
+
+class OddMLP(nn.Module):
+    """Linear layers whose outputs (dim 0 of their weights) are odd: FSDP pads them to a multiple of N."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(6, 7), nn.Linear(7, 5), nn.Linear(5, 7)])
+        self.head = nn.Linear(7, 5)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x)
+
+
+def odd_mlp() -> Workload:
+    # Adam: its state follows each (padded) parameter shard.
+    return Workload(name="odd-mlp", model=OddMLP, batch=lambda n: (torch.randn(n, 6), torch.randn(n, 5)),
+                    loss=F.mse_loss, optimizer=lambda params: torch.optim.Adam(params, lr=0.01),
+                    layers=lambda m: m.layers)

@@ -6,17 +6,23 @@ import pytest
 
 from autofit.config import TrainConfig
 from autofit.fsdp import measure_fsdp
-from autofit.fsdp_memory import fsdp_units, rank_lines
+from autofit.fsdp_memory import fsdp_units, padded_shard_bytes, rank_lines
 from autofit.memory_model import estimate_table
-from autofit.profile import profile_workload
+from autofit.profile import Profile, profile_workload
 from autofit.workload import load_workload
 
 SPEC = "tests/fsdp_workloads.py:tiny_decoder"
+ODD = "tests/fsdp_workloads.py:odd_mlp"  # Linear layers of 7 and 5 outputs
 
 
 @pytest.fixture(scope="module")
 def profile():
     return profile_workload(load_workload(SPEC), ["fp32", "amp-bf16"], use_cache=False)
+
+
+@pytest.fixture(scope="module")
+def odd_profile():
+    return profile_workload(load_workload(ODD), ["fp32"], use_cache=False)
 
 
 def fsdp(**kw) -> TrainConfig:
@@ -84,3 +90,31 @@ def test_fewest_devices_per_split_mode_with_a_breakdown(profile):
     assert (fewer.peak_bytes > budget).all()
     lines = fewest_devices_lines(profile, budget, ["fp32"])
     assert lines[1].startswith(f"fsdp fp32: {fsdp_row.devices} devices") and "gathered weights" in lines[1]
+
+
+def test_shards_pad_dim_zero_to_a_multiple_of_the_ranks(odd_profile):
+    pp = odd_profile.for_precision("fp32")
+    # (size(0), fp32 bytes) of each weight and bias: Linear(6, 7), (7, 5), (5, 7) and the head (7, 5)
+    assert pp.grad_rows == ((7, 168), (7, 28), (5, 140), (5, 20), (7, 140), (7, 28), (5, 140), (5, 20))
+    assert pp.layers[1].grad_rows == ((5, 140), (5, 20))
+    assert pp.grad_bytes == 684 and pp.optimizer_bytes == 2 * 684 + 8 * 4  # Adam: two moments, a step each
+    # rank 0 holds ceil(size(0)/N) rows: N=2 -> 4 and 3 rows, N=4 -> 2 rows (not 684/N)
+    two = 4 * (4 * 6 + 4) + 4 * (3 * 7 + 3) + 4 * (4 * 5 + 4) + 4 * (3 * 7 + 3)
+    four = 4 * (2 * 6 + 2) + 4 * (2 * 7 + 2) + 4 * (2 * 5 + 2) + 4 * (2 * 7 + 2)
+    assert (two, four) == (400, 232)
+    for ranks, shard in ((2, two), (4, four)):
+        assert padded_shard_bytes(pp.grad_rows, pp.grad_bytes, ranks) == shard
+        # weights + gradients + Adam's two moments of the padded shards (+ at most the steps)
+        assert 4 * shard <= rank_lines(pp, ranks, 0, False).shard_bytes <= 4 * shard + 8 * 4
+    assert padded_shard_bytes((), 684, 2) == 342  # a profile without rows: exactly 1/N
+    again = Profile.from_json(odd_profile.to_json())
+    assert again == odd_profile and hash(again.for_precision("fp32")) == hash(pp)  # rank_lines caches on it
+
+
+def test_padded_estimate_matches_a_real_two_rank_peak(odd_profile):
+    config = fsdp(micro_batch=2, device_split=2)
+    measured = measure_fsdp(ODD, config, device_type="cpu", warmup_steps=2, measure_steps=1, timeout_s=120)
+    assert measured["status"] == "ok", measured["error"]
+    predicted = estimate_table(odd_profile, [config]).iloc[0].peak_bytes
+    peak = max(measured["per_device_peak_bytes"])  # rank 0 holds the padded rows
+    assert abs(predicted - peak) / peak <= 0.03
