@@ -194,3 +194,21 @@ def test_splits_of_a_model_that_cannot_be_cut_are_pruned_with_the_reason():
     assert "ViTForImageClassification cannot be split into pipeline stages" in table["reason"][1]
     llama = profile_workload(hf_workload(TINY_LLAMA, seq_len=8), ["fp32"], use_cache=False)
     assert llama.split_refusal is None
+
+
+@pytest.mark.parametrize("tie", ["true", "false"])
+def test_tied_embeddings_are_tied_in_the_profile_and_estimated_right(tie):
+    from autofit import TrainConfig
+    from autofit.measure import measure_trial
+    from autofit.memory_model import estimate
+    from autofit.profile import profile_key, profile_workload
+
+    w = hf_workload(f"gpt2?n_layer=2&n_embd=64&n_head=2&vocab_size=2048&tie_word_embeddings={tie}", seq_len=32)
+    model = w.model()
+    real_count = sum(p.numel() for p in model.parameters())  # parameters() yields a shared one once
+    assert profile_key(w, "cpu")[1] == real_count  # the fake build shares what the real one shares
+    config = TrainConfig.parse("precision=fp32,micro_batch=2")
+    predicted = estimate(profile_workload(w, ["fp32"], use_cache=False), config).peak_bytes
+    measured = measure_trial(w, config, measure_steps=1)
+    assert measured["status"] == "ok", measured["error"]
+    assert abs(predicted - measured["peak_bytes"]) / measured["peak_bytes"] <= 0.01

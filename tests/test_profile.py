@@ -1,6 +1,7 @@
 """Golden values for the profiler, hand-computed for small GPT presets."""
 
 import pytest
+import torch
 
 from autofit.config import Precision
 from autofit.profile import Profile, profile_key, profile_precision, profile_workload
@@ -118,3 +119,48 @@ def test_profiling_allocates_no_real_weights():
     model_state = pp.static_param_bytes + pp.grad_bytes + pp.optimizer_bytes
     assert model_state > 3 * 10**9
     assert grown_kib < 300_000  # a tenth of what the tensors would take
+
+
+class _TiedLM(torch.nn.Module):
+    """An embedding and an output head sharing one weight (one Parameter used twice)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(512, 32)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU())
+                                          for _ in range(2))
+        self.head = torch.nn.Linear(32, 512, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def _tied_batch(n):
+    tokens = torch.randint(0, 512, (n, 17))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _tied_loss(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_tied_weight_estimate_matches_measured_peak(precision):
+    from autofit import TrainConfig
+    from autofit.measure import measure_trial
+    from autofit.memory_model import estimate
+    from autofit.workload import Workload
+
+    w = Workload(name="tied-lm", model=_TiedLM, batch=_tied_batch, loss=_tied_loss)
+    profile = profile_workload(w, [precision], use_cache=False)
+    weight_bytes = 512 * 32 * (4 if precision == "fp32" else 2)
+    assert profile.for_precision(precision).grad_bytes < 2 * weight_bytes  # the shared weight's gradient once
+    config = TrainConfig.parse(f"precision={precision},micro_batch=2")
+    measured = measure_trial(w, config, measure_steps=1)
+    assert measured["status"] == "ok", measured["error"]
+    predicted = estimate(profile, config).peak_bytes
+    assert abs(predicted - measured["peak_bytes"]) / measured["peak_bytes"] <= 0.01

@@ -109,6 +109,10 @@ class HFModel:
         skip_init = no_init_weights() if detect_fake_mode() is not None else contextlib.nullcontext()
         with skip_init:
             model = auto.from_config(copy.deepcopy(self.config), dtype=torch.get_default_dtype())
+        if detect_fake_mode() is not None:
+            # no_init_weights also skips the tying that init_weights does: without it the fake
+            # model's head (tie_word_embeddings) is a second weight the real model does not have.
+            model.tie_weights(recompute_mapping=False)
         masks_as_on_real_tensors(model)
         if self.lora is not None:
             model = _with_lora(model, self.lora, self.task)
