@@ -304,7 +304,8 @@ def _torchrun(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note]]
     if not ctx.model_spec:
         raise ConfigError("--to torchrun needs the workload as a --model spec (built-in name, path/to/file.py:function "
                           "or package.module:function)")
-    argv = ["torchrun", "--nproc-per-node", str(config.device_split), TORCHRUN_SCRIPT, "--model", ctx.model_spec,
+    # --standalone: a free local rendezvous port, not the fixed 29500 another job may hold
+    argv = ["torchrun", "--standalone", "--nproc-per-node", str(config.device_split), TORCHRUN_SCRIPT, "--model", ctx.model_spec,
             "--config", ",".join(f"{k}={v}" for k, v in config.to_dict().items()), "--device", ctx.device_type]
     if ctx.budget_bytes:
         argv += ["--budget", f"{ctx.budget_bytes}B"]

@@ -200,7 +200,7 @@ def test_torchrun_command_runs_autofits_pipeline_runner(tiny_spec):
     exp = export("precision=fp32,micro_batch=2,grad_accum=2,device_split=2", "torchrun", workload=tiny_spec,
                  device="cpu")
     argv = exp.kwargs
-    assert argv[:3] == ["torchrun", "--nproc-per-node", "2"]
+    assert argv[:4] == ["torchrun", "--standalone", "--nproc-per-node", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     # the same command, with this interpreter's torchrun
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", *argv[1:]], cwd=ROOT, env=env,
