@@ -2,8 +2,9 @@
 
 It is a prior, for ordering a search and for sizing trial time limits; real trials calibrate
 it (:mod:`autofit.calibration`). Three measured rates of the device, per dtype where it
-matters, come from a short probe (:func:`probe_rates`, a few hundred ms, cached on disk next
-to the profiles), never from a table of peak numbers: the same chip runs fp16 matmuls 1000x
+matters, come from a short probe (:func:`probe_rates`: a child process with
+``OMP_WAIT_POLICY=PASSIVE`` that measures twice, a few seconds once, then cached on disk next to
+the profiles; implausible rates are never cached), never from a table of peak numbers: the same chip runs fp16 matmuls 1000x
 slower than bf16 when it has no native kernel (FACTS.md, "Compute and time").
 
 For one micro-step of ``b`` samples on a stage (shapes: scalars per config, vectorized over
@@ -32,11 +33,14 @@ transfers are costed at the memory rate.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import math
 import os
 import platform
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -53,7 +57,11 @@ MATMUL_DTYPE = {Precision.FP32: "float32", Precision.AMP_BF16: "bfloat16", Preci
                 Precision.AMP_FP16: "float16"}
 # A probe matmul grows until one run takes this long (or reaches the largest size): long enough
 # to time, short enough that fp16 without a native kernel (~0.4 GFLOP/s) costs tens of ms.
-PROBE_TIMEOUT_S = 300.0  # the CUDA probe child's wall-clock limit
+PROBE_TIMEOUT_S = 300.0  # the probe child's wall-clock limit
+# Two probes of one device whose rates differ by more than this factor are not trusted (one was
+# disturbed: another process, a frequency change); up to PROBE_ATTEMPTS children try again.
+RATE_AGREEMENT = 2.0
+PROBE_ATTEMPTS = 3
 _PROBE_TARGET_S = 0.01
 _PROBE_SIZES = (128, 256, 512, 1024, 2048)
 _PROBE_REPEATS = 3
@@ -199,30 +207,106 @@ def _cache_path(device_type: str) -> Path:
     return cache_dir() / f"rates-{device_type}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json"
 
 
+def implausible(rates: DeviceRates) -> str | None:
+    """Why ``rates`` cannot be a device's (a rate zero, negative, NaN or infinite), or None when they can."""
+    values = {f"{name} matmul FLOP/s": v for name, v in rates.matmul_flops_per_s.items()}
+    values.update({"memory bytes/s": rates.memory_bytes_per_s, "operator latency": rates.op_latency_s})
+    for what, value in values.items():
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            return f"{what} is {value!r}"
+    return None
+
+
+def disagreement(a: DeviceRates, b: DeviceRates, factor: float = RATE_AGREEMENT) -> str | None:
+    """Which rate two probes of one device measured more than ``factor`` apart, or None when they agree."""
+    pairs = {f"{name} matmul FLOP/s": (a.matmul_flops_per_s[name], b.matmul_flops_per_s.get(name, math.nan))
+             for name in a.matmul_flops_per_s}
+    pairs.update({"memory bytes/s": (a.memory_bytes_per_s, b.memory_bytes_per_s),
+                  "operator latency": (a.op_latency_s, b.op_latency_s)})
+    for what, (x, y) in pairs.items():
+        if not (max(x, y) <= factor * min(x, y)):
+            return f"{what}: {x:.3g} against {y:.3g}"
+    return None
+
+
+def best_of(a: DeviceRates, b: DeviceRates) -> DeviceRates:
+    """The faster figure of each rate: on a shared machine that is closest to what the device can do."""
+    return dataclasses.replace(
+        a, matmul_flops_per_s={k: max(v, b.matmul_flops_per_s[k]) for k, v in a.matmul_flops_per_s.items()},
+        memory_bytes_per_s=max(a.memory_bytes_per_s, b.memory_bytes_per_s),
+        op_latency_s=min(a.op_latency_s, b.op_latency_s), probe_s=a.probe_s + b.probe_s)
+
+
+def probe_env(device_type: str) -> dict[str, str]:
+    """The probe child's environment: a trial's, with GNU OpenMP's ``OMP_WAIT_POLICY=PASSIVE`` unless
+    the user chose a policy (its default spin-wait makes the probe's own timing up to 500x slow on a
+    loaded machine, as the bench found)."""
+    return procs.child_env({"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")})
+
+
+def _probe_once(device_type: str) -> list[DeviceRates]:
+    """One probe child: its measurements (two, back to back). Raises RuntimeError when it fails."""
+    child = procs.spawn("autofit.time_model:probe_child", {"device_type": device_type, "repeats": 2},
+                        timeout_s=PROBE_TIMEOUT_S, env=probe_env(device_type))
+    try:
+        finished = child.wait()
+    finally:
+        child.kill()
+    messages = list(child.messages)
+    if not messages:
+        raise RuntimeError(f"the {device_type} rate probe failed: {child.failure(finished)}")
+    return [DeviceRates.from_dict(m) for m in messages]
+
+
+def measure_checked(device_type: str, attempts: int = PROBE_ATTEMPTS) -> tuple[DeviceRates, str | None]:
+    """Probe in children until two measurements in a row are plausible and agree.
+
+    Returns the rates and None, or -- when no attempt agreed -- the best plausible measurement and
+    why it is doubtful (the caller warns and does not cache it). Raises RuntimeError when a probe
+    child fails or nothing plausible was measured.
+    """
+    doubt, fallback = None, None
+    for _ in range(attempts):
+        measured = _probe_once(device_type)
+        plausible = [r for r in measured if implausible(r) is None]
+        if len(plausible) < len(measured):
+            doubt = f"implausible rates ({implausible(next(r for r in measured if implausible(r)))})"
+        for a, b in zip(plausible, plausible[1:]):
+            why = disagreement(a, b)
+            if why is None:
+                return best_of(a, b), None
+            doubt = f"repeated probes disagree ({why})"
+        for r in plausible:
+            fallback = r if fallback is None else best_of(fallback, r)
+    if fallback is None:
+        raise RuntimeError(f"the {device_type} rate probe measured {doubt}")
+    return fallback, f"after {attempts} probes, {doubt}"
+
+
 def probe_rates(device_type: str = "cpu", use_cache: bool = True) -> DeviceRates:
     """The device's rates, measured once per machine, device type, thread count and torch version.
 
-    Cached under :func:`autofit.profile.cache_dir`. On CUDA the probe runs in a child process,
-    so the caller (a search that runs trials in children) never holds a CUDA context.
-    Raises RuntimeError when the probe child fails.
+    Cached under :func:`autofit.profile.cache_dir`. The probe runs in a child process (so the caller
+    -- a search that runs trials in children -- never holds a CUDA context nor starts OpenMP's
+    threads) with ``OMP_WAIT_POLICY=PASSIVE`` (:func:`probe_env`), and measures twice: rates that
+    are zero, infinite or far off their repeat (:func:`implausible`, :func:`disagreement`) are probed
+    again, and if they never settle the best plausible ones are used with a warning, never cached.
+    Raises RuntimeError when the probe child fails or measures nothing plausible.
     """
     path = _cache_path(device_type)
     if use_cache and path.is_file():
         try:
-            return DeviceRates.from_dict(json.loads(path.read_text()))
+            cached = DeviceRates.from_dict(json.loads(path.read_text()))
+            if implausible(cached) is None:
+                return cached
         except (ValueError, TypeError, KeyError):
-            pass  # an unreadable cache entry is re-measured
-    if device_type == "cpu":
-        rates = measure_rates("cpu")
-    else:
-        child = procs.spawn("autofit.time_model:probe_child", {"device_type": device_type}, timeout_s=PROBE_TIMEOUT_S)
-        try:
-            finished = child.wait()
-        finally:
-            child.kill()
-        if child.last_message() is None:
-            raise RuntimeError(f"the {device_type} rate probe failed: {child.failure(finished)}")
-        rates = DeviceRates.from_dict(child.last_message())
+            pass  # an unreadable (or implausible) cache entry is re-measured
+    rates, doubt = measure_checked(device_type)
+    if doubt is not None:
+        warnings.warn(f"the {device_type} rate probe is unsteady ({doubt}): using its best rates for this run "
+                      "only; the time model's prior is rougher until trials calibrate it", RuntimeWarning,
+                      stacklevel=2)
+        return rates
     if use_cache:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -380,15 +464,21 @@ def predict(profile: Profile, config: TrainConfig, rates: DeviceRates, counts: O
 def probe_child(request: dict, send=None) -> dict:
     """The rate probe in a child process (:mod:`autofit.procs`): the rates as a JSON-ready dict.
 
-    On CUDA the context and the cuBLAS workspace are measured first, before any probe tensor exists
-    (:func:`autofit.cuda_memory.measure_overhead`)."""
+    With ``request["repeats"]`` > 1 it measures that many times back to back, sending each
+    measurement but the last as a message and returning the last (so a caller can check them
+    against each other). On CUDA the context and the cuBLAS workspace are measured first, before
+    any probe tensor exists (:func:`autofit.cuda_memory.measure_overhead`)."""
     overhead = None
     if request["device_type"] == "cuda":
         from autofit.cuda_memory import measure_overhead
 
         overhead = measure_overhead("cuda").to_dict()
-    rates = measure_rates(request["device_type"]).to_dict()
-    rates["cuda_overhead"] = overhead
+    repeats = max(int(request.get("repeats", 1)), 1)
+    for i in range(repeats):
+        rates = measure_rates(request["device_type"]).to_dict()
+        rates["cuda_overhead"] = overhead
+        if i < repeats - 1 and send is not None:
+            send(rates)
     return rates
 
 

@@ -108,3 +108,54 @@ def test_fsdp_rank_runs_the_whole_model_and_steps_its_shards(profile):
     assert fsdp.optimizer_step_time_s == pytest.approx(one.optimizer_step_time_s / 2)  # half the state each
     assert fsdp.bubble_fraction == 0.0
     assert fsdp.samples_per_s == pytest.approx(2 * 4 * 2 / fsdp.step_time_s)  # both ranks' samples
+
+
+def _rates(fp32=1e11, memory=1e10, latency=1e-5) -> DeviceRates:
+    return DeviceRates("cpu", "test", 2, {"float32": fp32, "bfloat16": fp32 / 2, "float16": 1e9}, memory, latency,
+                       0.1, "x")
+
+
+def test_zero_infinite_or_nan_rates_are_implausible():
+    from autofit.time_model import implausible
+
+    assert implausible(_rates()) is None
+    assert "float32" in implausible(_rates(fp32=0.0))
+    assert "memory" in implausible(_rates(memory=math.inf))
+    assert "latency" in implausible(_rates(latency=math.nan))
+
+
+def test_a_probe_far_off_its_repeat_is_probed_again_and_never_cached(monkeypatch, tmp_path):
+    from autofit import time_model
+
+    monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path))
+    runs = iter([[_rates(fp32=1e11), _rates(fp32=1e9)], [_rates(fp32=0.0), _rates(fp32=2e11)],
+                 [_rates(fp32=1e11), _rates(fp32=4e11)]])
+    monkeypatch.setattr(time_model, "_probe_once", lambda device_type: next(runs))
+    with pytest.warns(RuntimeWarning, match="disagree"):
+        rates = probe_rates("cpu")
+    assert rates.matmul_flops_per_s["float32"] == 4e11  # the best plausible figure, the zero left out
+    assert not list(tmp_path.glob("rates-cpu-*.json"))
+    agreeing = iter([[_rates(memory=math.inf), _rates()], [_rates(fp32=1e11), _rates(fp32=1.5e11)]])
+    monkeypatch.setattr(time_model, "_probe_once", lambda device_type: next(agreeing))
+    assert probe_rates("cpu").matmul_flops_per_s["float32"] == 1.5e11
+    assert len(list(tmp_path.glob("rates-cpu-*.json"))) == 1
+
+
+def test_an_implausible_cached_entry_is_measured_again(monkeypatch, tmp_path):
+    from autofit import time_model
+
+    monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(time_model, "_probe_once", lambda device_type: [_rates(), _rates()])
+    path = time_model._cache_path("cpu")
+    path.write_text(json.dumps(_rates(fp32=-1.0).to_dict()))
+    assert probe_rates("cpu").matmul_flops_per_s["float32"] == 1e11
+    assert json.loads(path.read_text())["matmul_flops_per_s"]["float32"] == 1e11
+
+
+def test_the_probe_child_runs_with_a_passive_openmp_policy_unless_the_user_chose_one(monkeypatch):
+    from autofit.time_model import probe_env
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert probe_env("cpu")["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert probe_env("cpu")["OMP_WAIT_POLICY"] == "ACTIVE"
