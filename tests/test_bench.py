@@ -6,6 +6,7 @@ No timing assertions: the machine is shared and noisy.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
 
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from autofit.bench import strategies as st
 from autofit.bench.common import (
     ErrorStats,
+    environment,
     Report,
     markdown_table,
     median_and_spread,
@@ -24,10 +26,12 @@ from autofit.bench.search import (
     Grid,
     GridPoint,
     ReplayOracle,
+    SearchResults,
     losses,
     problem_for,
     run_strategy,
     score,
+    write_search,
 )
 from autofit.config import Precision, TrainConfig
 
@@ -192,6 +196,25 @@ def test_replay_charges_grid_costs_and_scores_against_optimum():
     assert grid.fraction(best.config, budget) == 1.0
     assert grid.fraction(big, budget) == 0.0
     assert grid.fraction(None, budget) == 0.0
+
+
+def test_replay_answers_the_trial_sample_then_the_second_and_loads_back_from_csv(tmp_path):
+    from autofit.bench.replay import load_grids
+
+    grid = _grid()
+    c = next(iter(grid.points))
+    grid.points[c] = dataclasses.replace(grid.points[c], samples_per_s=12.0, trial_samples_per_s=9.0,
+                                         second_samples_per_s=12.0)
+    oracle = ReplayOracle(grid, 10**12)
+    assert [oracle.run(c).samples_per_s for _ in range(3)] == [9.0, 12.0, 9.0]
+    assert oracle.history[0].outcome.step_time_s == pytest.approx(c.samples_per_step / 9.0)
+    halving = next(s for s in st.PEERS if s.name == "accelerate-x0.5")
+    runs = [run_strategy(halving, grid, 50 * MiB, 0, ReplayOracle(grid, 50 * MiB), "replay")]
+    write_search(tmp_path, environment("test"), SearchResults([grid], runs, ("synthetic", 50 * MiB), 1, 0.0), (halving,))
+    (loaded,) = load_grids(tmp_path / "search_grid.csv")
+    assert loaded.cell.budgets_mib == (50, 100) and loaded.cell.micro_batches == (2, 4, 8)
+    assert loaded.points[c].trial_samples_per_s == 9.0 and loaded.optimum(50 * MiB) == grid.optimum(50 * MiB)
+    assert loaded.oom_floor_s == 1.5
 
 
 def test_run_strategy_scores_peers_and_reports_unavailable_autofit():

@@ -10,8 +10,10 @@ ground-truth optimum for that budget. Then each strategy searches:
 - **replayed** against the measured grid for every cell and several seeds (a tabular benchmark,
   as in HPOBench and NAS-Bench): a trial that fits costs the grid's measured wall time; one over
   the budget is an OOM that costs the measured time of a trial that dies at once (process start,
-  imports, model build) plus one step of that config. The strategy's own work (profiling,
-  sampling) is timed for real.
+  imports, model build) plus one step of that config. A config's first run shows the strategy
+  the grid trial's own throughput, a re-run the grid's second sample (the noise a real search
+  meets). The strategy's own work (profiling, sampling) is timed for real.
+  :mod:`autofit.bench.replay` replays against a committed ``search_grid.csv``.
 
 A strategy's answer is scored by the grid's throughput of the config it answered, so a live
 run and its replay are judged by the same yardstick and measurement noise cannot make an
@@ -199,12 +201,25 @@ def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) 
 
 
 class ReplayOracle(Oracle):
-    """Answers trials from a measured grid; charges each the grid's cost (see the module docstring)."""
+    """Answers trials from a measured grid; charges each the grid's cost (see the module docstring).
+
+    A strategy sees what a real trial would have shown it, noise included: the first run of a
+    config answers the grid trial's own throughput, a second run (a re-measurement) the grid's
+    second sample, and further runs take the two in turn (the grid holds two samples per config).
+    The answer is still scored by the ground truth (the larger of the two)."""
 
     def __init__(self, grid: Grid, budget_bytes: int) -> None:
         super().__init__()
         self.grid = grid
         self.budget_bytes = budget_bytes
+        self.runs: dict[TrainConfig, int] = {}
+
+    def sample(self, point: GridPoint) -> float | None:
+        """The throughput this run of ``point`` measures (see the class docstring)."""
+        samples = [s for s in (point.trial_samples_per_s, point.second_samples_per_s) if s] or [point.samples_per_s]
+        k = self.runs.get(point.config, 0)
+        self.runs[point.config] = k + 1
+        return samples[k % len(samples)]
 
     def _run(self, config: TrainConfig) -> Outcome:
         point = self.grid.points.get(config)
@@ -214,7 +229,9 @@ class ReplayOracle(Oracle):
             return Outcome(config, point.status, None, None, point.wall_s)
         if point.peak_bytes > self.budget_bytes:
             return Outcome(config, TrialStatus.OOM, None, None, self.grid.oom_floor_s + (point.step_time_s or 0.0))
-        return Outcome(config, TrialStatus.OK, point.samples_per_s, point.peak_bytes, point.wall_s, point.step_time_s)
+        sample = self.sample(point)
+        step = config.samples_per_step / sample if sample else point.step_time_s
+        return Outcome(config, TrialStatus.OK, sample, point.peak_bytes, point.wall_s, step)
 
 
 class LiveOracle(Oracle):

@@ -1,0 +1,117 @@
+"""Replays against a committed grid: load ``search_grid.csv`` back into grids and replay strategies on it.
+
+A change to the search is judged in seconds this way, without measuring the grids again: the
+grid (every config measured, two throughput samples each) is what ``autofit bench --suite search``
+wrote; the replay is the suite's own (:func:`autofit.bench.search.run_strategy` with a
+:class:`~autofit.bench.search.ReplayOracle`). ``python -m autofit.bench.replay`` prints
+autofit's figures per cell (``--help``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import statistics
+from pathlib import Path
+
+import pandas as pd
+
+from autofit.bench.search import MiB, STRATEGIES, Cell, Grid, GridPoint, ReplayOracle, RunResult, run_strategy
+from autofit.bench.strategies import Strategy
+from autofit.config import Precision, TrainConfig
+
+_FLOOR_RE = re.compile(r"a trial that dies at its first operator: ([\d.]+) s\)\. autofit's clock is charged ([\d.]+) s")
+
+
+def _number(value) -> float | None:
+    return None if value is None or (isinstance(value, float) and math.isnan(value)) or value == "" else float(value)
+
+
+def grid_costs(markdown: Path | None) -> dict[str, tuple[float, float]]:
+    """Per workload, (OOM floor s, first-use s) as ``search.md`` states them (its sections in grid order)."""
+    if markdown is None or not markdown.is_file():
+        return {}
+    out = {}
+    for section in markdown.read_text().split("\n## ")[1:]:
+        found = _FLOOR_RE.search(section)
+        if found:
+            out[section.split(":", 1)[0].strip()] = (float(found[1]), float(found[2]))
+    return out
+
+
+def load_grids(csv_path: Path, markdown: Path | None = None) -> list[Grid]:
+    """The grids of a ``search_grid.csv`` (and the costs its ``search.md`` states; 0 s when absent)."""
+    frame = pd.read_csv(csv_path)
+    costs = grid_costs(markdown if markdown is not None else csv_path.with_name("search.md"))
+    grids = []
+    for workload, rows in frame.groupby("workload", sort=False):
+        points = {}
+        for row in rows.to_dict("records"):
+            config = TrainConfig.from_dict({k: row[k] for k in ("precision", "micro_batch", "grad_accum",
+                                                                "checkpoint_every", "device_split")})
+            points[config] = GridPoint(config, row["status"], None if math.isnan(row["measured_peak_bytes"])
+                                       else int(row["measured_peak_bytes"]), _number(row["samples_per_s"]),
+                                       _number(row["step_time_s"]), float(row["trial_wall_s"]),
+                                       _number(row["predicted_peak_bytes"]), row.get("error") if isinstance(row.get("error"), str) and row["error"] else None,
+                                       _number(row["trial_samples_per_s"]), _number(row["second_samples_per_s"]))
+        configs = list(points)
+        budgets = tuple(int(c[len("fits_"):-len("MiB")]) for c in rows.columns
+                        if c.startswith("fits_") and rows[c].notna().any())
+        cell = Cell(str(workload), configs[0].samples_per_step,
+                    tuple(sorted({c.micro_batch for c in configs})),
+                    tuple(dict.fromkeys(Precision(c.precision) for c in configs)), budgets,
+                    tuple(sorted({c.checkpoint_every for c in configs})))
+        floor_s, first_use_s = costs.get(str(workload), (0.0, 0.0))
+        grids.append(Grid(cell, points, floor_s, 0, 0.0, first_use_s))
+    return grids
+
+
+def replay(grids: list[Grid], strategies: tuple[Strategy, ...], seeds: int) -> list[RunResult]:
+    """Every strategy on every cell (grid x budget) and seed, replayed."""
+    runs = []
+    for grid in grids:
+        for budget_mib in grid.cell.budgets_mib:
+            for strategy in strategies:
+                for seed in range(seeds):
+                    budget = budget_mib * MiB
+                    runs.append(run_strategy(strategy, grid, budget, seed, ReplayOracle(grid, budget), "replay"))
+    return runs
+
+
+def table(runs: list[RunResult]) -> str:
+    """Markdown: per strategy and cell, the medians over seeds (fraction of optimum, trials, wall time)."""
+    lines = ["| strategy | cell | best found / optimum (median, min) | real trials | wall time (s) | stop |",
+             "|---|---|---:|---:|---:|---|"]
+    keys = list(dict.fromkeys((r.strategy, r.workload, r.budget_bytes) for r in runs))
+    for name, workload, budget in keys:
+        cell = [r for r in runs if (r.strategy, r.workload, r.budget_bytes) == (name, workload, budget)]
+        fractions = [r.fraction for r in cell]
+        stops = sorted({n.split(": ", 2)[1] for r in cell for n in r.notes if n.startswith("stopped: ")})
+        lines.append(f"| {name} | {workload} @ {budget / MiB:.0f} MiB | {statistics.median(fractions):.1%} "
+                     f"({min(fractions):.1%}) | {statistics.median(r.trials for r in cell):g} | "
+                     f"{statistics.median(r.wall_s for r in cell):.1f} | {', '.join(stops)} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m autofit.bench.replay", description=__doc__.split("\n")[0])
+    parser.add_argument("grid", type=Path, nargs="?", default=Path("results/benchmarks/search_grid.csv"))
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--strategy", action="append", help="strategy names (default: autofit)")
+    args = parser.parse_args(argv)
+    names = args.strategy or ["autofit"]
+    strategies = tuple(s for s in STRATEGIES if s.name in names)
+    runs = replay(load_grids(args.grid), strategies, args.seeds)
+    print(table(runs))
+    for r in runs:
+        if r.seed == 0:
+            print(f"{r.strategy} {r.workload} @ {r.budget_bytes / MiB:.0f} MiB: "
+                  + " ; ".join(f"{h.outcome.config.short()}={h.outcome.status}"
+                               f"{'' if h.outcome.samples_per_s is None else f' {h.outcome.samples_per_s:.1f}'}"
+                               for h in r.history) + f" -> {r.answer.short() if r.answer else None}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
