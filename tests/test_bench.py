@@ -36,6 +36,7 @@ from autofit.bench.search import (
 from autofit.config import Precision, TrainConfig
 
 MiB = 2**20
+HALVING = st.Strategy("accelerate-x0.5", st.accelerate_halving, "largest", True)   # the finder at fp32
 
 
 # --- a synthetic oracle --------------------------------------------------------------------------
@@ -169,10 +170,79 @@ def test_problem_rejects_non_divisors():
         _problem(100, micro_batches=(1, 3, 5), global_batch=12)
 
 
+# --- fair baselines: the user's precision, per-precision sweeps, TPE for a small budget -------------
+
+def _three(budget_mib: float) -> st.Problem:
+    return st.Problem("synthetic", int(budget_mib * MiB), 64, (Precision.FP32, Precision.AMP_BF16, Precision.BF16),
+                      (1, 2, 4, 8, 16, 32, 64), (0, 1))
+
+
+def test_finder_at_user_precision_runs_amp_bf16_only():
+    problem = _three(200)
+    oracle = Synthetic(problem.budget_bytes)
+    answer = st.at_user_precision(problem, oracle, 0, finder=st.accelerate_halving)
+    assert {r.outcome.config.precision for r in oracle.history} == {Precision.AMP_BF16}
+    assert answer.precision is Precision.AMP_BF16 and answer.micro_batch == 16   # 20 + 10 * 16 = 180 MiB fits
+
+
+def test_sweep_runs_each_precision_on_one_clock_and_keeps_the_fastest():
+    problem = _three(200)
+    oracle = Synthetic(problem.budget_bytes)
+    answer = st.precision_sweep(problem, oracle, 0, finder=st.accelerate_halving)
+    by_precision = {p: [r for r in oracle.history if r.outcome.config.precision is p] for p in problem.precisions}
+    assert all(by_precision.values())
+    # pure bf16 halves the memory (fits 32) and is twice as fast: the sweep answers it
+    assert answer == problem.config(32, Precision.BF16)
+    single = Synthetic(problem.budget_bytes)
+    st.accelerate_halving(dataclasses.replace(problem, default_precision=Precision.BF16), single)
+    assert len(oracle.history) == sum(len(v) for v in by_precision.values()) > len(single.history)
+    assert oracle.clock_s >= sum(r.outcome.cost_s for r in oracle.history)
+
+
+def test_sweep_incumbent_is_largest_per_precision_then_fastest():
+    c = lambda p, m: TrainConfig(p, m, 1)
+    recs = [st.OracleRecord(st.Outcome(c(Precision.FP32, 8), "ok", 5.0, 1, 1.0), 1.0),
+            st.OracleRecord(st.Outcome(c(Precision.BF16, 4), "ok", 9.0, 1, 1.0), 2.0),
+            st.OracleRecord(st.Outcome(c(Precision.BF16, 2), "ok", 9.5, 1, 1.0), 3.0),   # smaller: not bf16's answer
+            st.OracleRecord(st.Outcome(c(Precision.FP32, 16), "ok", 12.0, 1, 1.0), 4.0)]
+    assert [x.short() for x in st.incumbent(recs, "sweep-largest")] == [
+        c(Precision.FP32, 8).short(), c(Precision.BF16, 4).short(), c(Precision.BF16, 4).short(),
+        c(Precision.FP32, 16).short()]
+
+
+def test_peers_run_each_finder_at_user_precision_and_swept_with_handicaps_named():
+    names = [s.name for s in st.PEERS]
+    for finder in ("accelerate-x0.5", "accelerate-x0.9", "lightning-binsearch", "deepspeed-autotuner"):
+        assert f"{finder} @amp-bf16" in names and f"{finder} sweep" in names
+    assert all(s.handicap for s in st.PEERS)
+    assert len(st.sweeps(st.PEERS)) == 4
+
+
+@pytest.mark.parametrize("trials,startup", [(6, 2), (12, 2), (25, 5), (100, 20)])
+def test_tpe_startup_scales_with_the_trial_budget(trials, startup):
+    assert st.tpe_startup_trials(trials) == startup
+
+
+def test_tpe_tells_the_budget_as_a_constraint(monkeypatch):
+    import optuna
+
+    studies = []
+    real = optuna.create_study
+    monkeypatch.setattr(optuna, "create_study", lambda **kw: studies.append(real(**kw)) or studies[-1])
+    problem = _problem(60)
+    oracle = Synthetic(problem.budget_bytes)
+    st.optuna_tpe(problem, oracle, seed=1, real_trials=10)
+    trials = studies[0].trials
+    for t in trials:
+        config = problem.config(t.params["micro_batch"], t.params["precision"], t.params["checkpoint_every"])
+        fits = oracle.peak(config) <= problem.budget_bytes
+        assert (t.constraints["peak_over_budget"] <= 0) == fits
+
+
 # --- replay and scoring ---------------------------------------------------------------------------
 
 def _grid() -> Grid:
-    cell = Cell("synthetic", 8, (2, 4, 8), (Precision.FP32, Precision.BF16), (50, 100))
+    cell = Cell("synthetic", 8, (2, 4, 8), (Precision.FP32, Precision.AMP_BF16, Precision.BF16), (50, 100))
     oracle = Synthetic(10**12)
     points = {}
     for c in problem_for(cell, 1, 0).configs():
@@ -220,7 +290,7 @@ def test_replay_answers_the_trial_sample_then_the_second_and_loads_back_from_csv
 def test_run_strategy_scores_peers_and_reports_unavailable_autofit():
     grid = _grid()
     budget = 100 * MiB
-    strat = next(s for s in st.PEERS if s.name == "accelerate-x0.5")
+    strat = HALVING
     res = run_strategy(strat, grid, budget, 0, ReplayOracle(grid, budget), "replay")
     assert res.answer is not None and 0 < res.fraction <= 1 and res.trials >= 1 and res.error is None
     assert res.wall_s >= 3.0
@@ -240,7 +310,7 @@ def test_run_strategy_scores_peers_and_reports_unavailable_autofit():
 def test_time_to_target_uses_strategy_clock():
     grid = _grid()
     budget = 1000 * MiB
-    halving = next(s for s in st.PEERS if s.name == "accelerate-x0.5")
+    halving = HALVING
     oracle = ReplayOracle(grid, budget)
     res = score(halving, grid, budget, 0, "replay", oracle, halving(problem_for(grid.cell, budget, 0), oracle, 0))
     # keeps fp32 while pure bf16 is twice as fast here: half the optimum, never 95%
@@ -250,6 +320,63 @@ def test_time_to_target_uses_strategy_clock():
     res = score(tpe, grid, budget, 0, "replay", oracle, tpe(problem_for(grid.cell, budget, 0), oracle, 0))
     first = next(r for r in oracle.history if r.outcome.config == grid.optimum(budget).config)
     assert res.fraction == 1.0 and res.time_to_target_s == pytest.approx(first.clock_s)
+
+
+# --- done-when verdicts --------------------------------------------------------------------------
+
+def _verdict_runs(autofit_fn, budget_mib: int):
+    """Replayed runs (2 seeds) of a stand-in autofit, a scripted TPE and the four sweeps, plus a live autofit run."""
+    from autofit.bench.search import SearchResults
+
+    grid, budget = _grid(), budget_mib * MiB
+    optimum = grid.optimum(budget).config
+
+    def tpe(problem, oracle, seed):   # two slow configs, then the optimum
+        for config in (problem.config(2), problem.config(2, checkpoint_every=1), optimum):
+            oracle.run(config)
+        return optimum
+
+    strategies = (st.Strategy("autofit", autofit_fn, "throughput", True),
+                  st.Strategy("optuna-tpe", tpe, "throughput", True)) + st.sweeps(st.PEERS)
+    runs = [run_strategy(s, grid, budget, seed, ReplayOracle(grid, budget), "replay") for s in strategies
+            for seed in (0, 1)]
+    runs.append(run_strategy(strategies[0], grid, budget, 0, ReplayOracle(grid, budget), "live"))
+    return SearchResults([grid], runs, ("synthetic", budget), 2, 1.0, strategies=strategies), optimum
+
+
+def test_done_when_passes_a_search_that_goes_straight_to_the_optimum(tmp_path):
+    from autofit.bench.search_tables import write_search
+    from autofit.bench.summary import headline
+    from autofit.bench.verdict import CHECKS, verdicts
+
+    def straight(problem, oracle, seed):
+        return oracle.run(_grid().optimum(problem.budget_bytes).config).config
+
+    res, _ = _verdict_runs(straight, 100)
+    [v] = verdicts(res.runs, tuple(s.name for s in st.sweeps(st.PEERS)))
+    assert v.checks == {c: True for c in CHECKS} and v.passed and not v.notes
+    assert v.figures[CHECKS[3]] == "1 vs 3"        # one trial against the sweep's one per precision
+    write_search(tmp_path, {"date": "today"}, res, res.strategies)
+    text = (tmp_path / "search.md").read_text()
+    assert "## Done when" in text and "| synthetic @ 100 MiB | 100.0% ✓" in text and "| PASS |" in text
+    lines = headline(type("R", (), {"suites": {"search": res}, "wall_s": {}})())
+    assert "Done when (issue 13), synthetic @ 100 MiB: PASS." in lines
+    assert any("accelerate-x0.5 sweep (no checkpointing)" in line for line in lines)
+
+
+def test_done_when_fails_and_says_where_and_why():
+    from autofit.bench.verdict import CHECKS, verdicts
+
+    def clumsy(problem, oracle, seed):   # an OOM first, then a small fp32 micro-batch
+        oracle.run(problem.config(8))
+        return oracle.run(problem.config(2)).config
+
+    res, optimum = _verdict_runs(clumsy, 50)
+    [v] = verdicts(res.runs, tuple(s.name for s in st.sweeps(st.PEERS)))
+    assert not v.passed
+    assert {c for c in CHECKS if v.checks[c] is False} >= {CHECKS[0], CHECKS[1], CHECKS[2], CHECKS[5]}
+    notes = " ".join(v.notes)
+    assert "`fp32 mb=8" in notes and "OOM" in notes and "`fp32 mb=2" in notes and "never" in notes
 
 
 # --- tables ---------------------------------------------------------------------------------------
@@ -286,7 +413,7 @@ def test_tiny_search_and_accuracy_suites(tmp_path, monkeypatch):
 
     env = environment("autofit bench (test)")
     cell = Cell("gpt-tiny", 4, (2, 4), (Precision.FP32,), (80,), checkpoints=(0,))
-    peers = tuple(s for s in st.PEERS if s.name in ("accelerate-x0.5", "lightning-binsearch"))
+    peers = tuple(s for s in st.PEERS if s.name in ("accelerate-x0.5 sweep", "lightning-binsearch sweep"))
     res = search.run_search_suite(tmp_path, env, cells=(cell,), seeds=1, strategies=(search.AUTOFIT,) + peers,
                                   live=False)
     assert len(res.grids[0].points) == 2 and all(p.status == "ok" for p in res.grids[0].points.values())
@@ -313,3 +440,33 @@ def test_search_plot_written_when_matplotlib_is_importable(tmp_path):
     files = write_search(tmp_path, {"date": "today"}, SearchResults([grid], runs, ("synthetic", 50 * MiB), 1, 1.0),
                          st.PEERS)
     assert (tmp_path / "search.png") in files and (tmp_path / "search.png").stat().st_size > 0
+
+
+# --- the README's benchmark block ------------------------------------------------------------------
+
+def test_readme_block_is_what_the_bench_writes_from_the_committed_summary():
+    from pathlib import Path
+
+    from autofit.bench.readme import END, START, readme_block
+
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    committed = readme[readme.index(START):readme.index(END) + len(END)]
+    assert committed == readme_block((root / "results/benchmarks/summary.md").read_text()), \
+        "README's benchmark block differs from results/benchmarks/summary.md: rerun `autofit bench`"
+
+
+def test_update_readme_rewrites_only_the_block(tmp_path):
+    from autofit.bench.readme import END, START, replace_block, update_readme
+
+    summary = tmp_path / "summary.md"
+    summary.write_text("# autofit bench: headline figures\n\nReproduce with `autofit bench`.\n\n- figure one\n- two\n")
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{START}\n- stale figure\n{END}\nafter\n")
+    assert update_readme(readme, summary)
+    text = readme.read_text()
+    assert text.startswith("intro\n") and text.endswith("\nafter\n")
+    assert "- figure one\n- two\n" in text and "stale" not in text and "Reproduce" not in text
+    assert not update_readme(tmp_path / "missing.md", summary)
+    with pytest.raises(ValueError, match="no benchmark block"):
+        replace_block("no markers here", "x")

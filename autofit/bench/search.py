@@ -40,6 +40,7 @@ from autofit.bench.strategies import (
     OracleRecord,
     incumbent,
     optuna_tpe,
+    sweeps,
 )
 from autofit.config import Precision, TrainConfig
 from autofit.records import TrialStatus
@@ -69,12 +70,14 @@ _THREE = (Precision.FP32, Precision.AMP_BF16, Precision.BF16)
 # amp-fp16 is left out to keep the exhaustive grids affordable: on CPUs without native fp16
 # kernels a step is ~1000x slower (FACTS.md), and where the CPU has them (avx512_fp16, as the
 # search's probe found on this machine) it measures close to fp32, which the grid already has.
+# Every grid's micro-batches go down to 1, so a finder that halves its way down always has a size
+# left to try (a grid starting at 4 scored a finder that would have run 3 as finding nothing).
 CELLS = (
     Cell("gpt-tiny", 12, (1, 2, 4, 6, 12), _THREE, (64, 128)),
-    Cell("convnet-bn", 24, (4, 6, 8, 12, 24), _THREE, (16, 24)),
+    Cell("convnet-bn", 24, (1, 2, 4, 6, 8, 12, 24), _THREE, (16, 24)),
 )
 QUICK_CELLS = (
-    Cell("gpt-tiny", 12, (3, 12), (Precision.FP32, Precision.BF16), (64, 128)),
+    Cell("gpt-tiny", 12, (1, 4, 12), (Precision.FP32, Precision.AMP_BF16), (64, 128)),
 )
 
 
@@ -397,10 +400,14 @@ class SearchResults:
     seeds: int
     wall_s: float
     files: list[Path] = field(default_factory=list)
+    strategies: tuple[Strategy, ...] = ()
 
 
-# Live in --quick: autofit and one peer (the rest replayed), to stay within minutes.
-QUICK_LIVE = ("autofit", "accelerate-x0.5")
+# Live by default: autofit and the peers the done-when criteria compare it with (TPE and the
+# per-precision finder sweeps); the finders at amp-bf16 alone are replayed only. In --quick:
+# autofit and one sweep, to stay within minutes.
+LIVE = ("autofit", "optuna-tpe") + tuple(s.name for s in sweeps(PEERS))
+QUICK_LIVE = ("autofit", "accelerate-x0.5 sweep")
 
 
 def run_search_suite(out_dir: Path, env: dict, *, quick: bool = False, seeds: int | None = None,
@@ -409,8 +416,8 @@ def run_search_suite(out_dir: Path, env: dict, *, quick: bool = False, seeds: in
                      progress: Callable[[str], None] = lambda _m: None) -> SearchResults:
     """Measure the grids, run every strategy (live once, replayed per cell and seed), write the tables.
 
-    ``live``: True runs every strategy live once (on the first cell's first budget, seed 0), a
-    tuple of names only those, False none. ``tpe_trials``: Optuna TPE's real-trial budget
+    ``live``: True runs :data:`LIVE` (:data:`QUICK_LIVE` with ``quick``) live once each (on the
+    first cell's first budget, seed 0), a tuple of names only those, False none. ``tpe_trials``: Optuna TPE's real-trial budget
     (default 12; 6 with ``quick``).
     """
     started = time.perf_counter()
@@ -419,9 +426,9 @@ def run_search_suite(out_dir: Path, env: dict, *, quick: bool = False, seeds: in
     tpe_trials = tpe_trials or (6 if quick else 12)
     strategies = tuple(dataclasses.replace(s, kwargs={**s.kwargs, "real_trials": tpe_trials})
                        if s.run is optuna_tpe else s for s in strategies)
-    if live is True and quick:
-        live = QUICK_LIVE
-    live_names = {s.name for s in strategies} if live is True else set(live or ())
+    if live is True:
+        live = QUICK_LIVE if quick else LIVE
+    live_names = set(live or ())
     grids = [measure_grid(cell, progress) for cell in cells]
     runs: list[RunResult] = []
     live_cell = (cells[0].workload, cells[0].budgets_mib[0] * MiB)
@@ -440,7 +447,7 @@ def run_search_suite(out_dir: Path, env: dict, *, quick: bool = False, seeds: in
             for strategy in strategies:
                 for seed in range(seeds):
                     runs.append(run_strategy(strategy, grid, budget, seed, ReplayOracle(grid, budget), "replay"))
-    results = SearchResults(grids, runs, live_cell, seeds, time.perf_counter() - started)
+    results = SearchResults(grids, runs, live_cell, seeds, time.perf_counter() - started, strategies=strategies)
     results.files = write_search(out_dir, env, results, strategies)
     return results
 

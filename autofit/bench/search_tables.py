@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from autofit.bench.common import Report, markdown_table, median_and_spread, mib, pct, seconds, try_plot, write_csv
-from autofit.bench.strategies import Strategy
+from autofit.bench.strategies import Strategy, sweeps
+from autofit.bench.verdict import AUTOFIT_NAME, CHECKS, verdicts
 from autofit.records import TrialStatus
 from autofit.schedule import DEFAULT_SCHEDULE as SCHEDULE
 
@@ -19,7 +20,6 @@ if TYPE_CHECKING:  # the suite imports this module, not the other way round
     from autofit.bench.search import Cell, RunResult, SearchResults
 
 MiB = 2**20
-AUTOFIT_NAME = "autofit"  # the strategy whose losses are listed
 
 
 def _summary(runs: list[RunResult]) -> dict:
@@ -45,7 +45,11 @@ def _count(x: float) -> str:
 
 
 def losses(runs: list[RunResult], strategies: tuple[Strategy, ...]) -> list[str]:
-    """Plain statements of every figure on which autofit is worse than a peer: replayed medians, then live runs."""
+    """Plain statements of every figure on which autofit is worse than a peer: replayed medians, then live runs.
+
+    One line per cell and figure, naming every peer that beats autofit on it (with the fraction of
+    the optimum that peer found, so a fast peer that finds little reads as such).
+    """
     out = []
     for mode in ("replay", "live"):
         keys = sorted({(r.workload, r.budget_bytes) for r in runs if r.mode == mode})
@@ -59,28 +63,50 @@ def losses(runs: list[RunResult], strategies: tuple[Strategy, ...]) -> list[str]
             if any(r.error and math.isnan(r.fraction) for r in mine):
                 out.append(f"{where}: autofit's search did not run ({mine[0].error}); every figure is a loss until it does.")
                 continue
-            a = _summary(mine)
-            for s in strategies:
-                theirs_runs = [r for r in cell if r.strategy == s.name]
-                if s.name == AUTOFIT_NAME or not theirs_runs:
-                    continue
-                b = _summary(theirs_runs)
-                cmp = [("best throughput found", a["fraction"][0], b["fraction"][0], True, pct),
-                       ("wall time (s)", a["wall"][0], b["wall"][0], False, seconds),
-                       ("real trials", a["trials"][0], b["trials"][0], False, _count),
-                       ("OOM trials", a["ooms"][0], b["ooms"][0], False, _count)]
-                if a["reached"] and b["reached"]:
-                    cmp.append(("time to 95% (s)", a["t95"][0], b["t95"][0], False, seconds))
-                elif b["reached"] and not a["reached"]:
-                    out.append(f"{where}: {s.name} reaches 95% of the optimum; autofit does not.")
-                for name, mine_v, theirs, higher_better, fmt in cmp:
-                    worse = mine_v < theirs - 1e-9 if higher_better else mine_v > theirs + 1e-9
-                    if worse:
-                        context = "" if higher_better else (f", finding {pct(a['fraction'][0])} of the optimum against "
-                                                            f"{pct(b['fraction'][0])}")
-                        out.append(f"{where}: autofit loses to {s.name} on {name}: {fmt(mine_v)} vs {fmt(theirs)} "
-                                   f"({what}{context}).")
+            out += _cell_losses(where, what, _summary(mine), cell, strategies)
     return out
+
+
+def _cell_losses(where: str, what: str, a: dict, cell: list, strategies) -> list[str]:
+    figures = (("best throughput found", "fraction", True, pct), ("wall time (s)", "wall", False, seconds),
+               ("real trials", "trials", False, _count), ("OOM trials", "ooms", False, _count),
+               ("time to 95% (s)", "t95", False, seconds))
+    beaten: dict[str, list[str]] = {name: [] for name, *_ in figures}
+    out = []
+    for s in strategies:
+        theirs = [r for r in cell if r.strategy == s.name]
+        if s.name == AUTOFIT_NAME or not theirs or all(math.isnan(r.fraction) for r in theirs):
+            continue
+        b = _summary(theirs)
+        if b["reached"] and not a["reached"]:
+            out.append(f"{where}: {s.name} reaches 95% of the optimum; autofit does not.")
+        for name, key, higher_better, fmt in figures:
+            if key == "t95" and not (a["reached"] and b["reached"]):
+                continue
+            mine_v, theirs_v = a[key][0], b[key][0]
+            if mine_v < theirs_v - 1e-9 if higher_better else mine_v > theirs_v + 1e-9:
+                found = "" if key == "fraction" else f", {pct(b['fraction'][0], 0)} of the optimum"
+                beaten[name].append(f"{s.name} {fmt(theirs_v)}{found}")
+    for name, _key, _hb, fmt in figures:
+        if beaten[name]:
+            out.append(f"{where}: on {name} autofit's {fmt(a[_key][0])} is beaten by " + "; ".join(beaten[name])
+                       + f" ({what}).")
+    return out
+
+
+def _done_when(res: SearchResults, strategies: tuple[Strategy, ...]) -> str:
+    tpe = next((s.name for s in strategies if s.name == "optuna-tpe"), "optuna-tpe")
+    cells = verdicts(res.runs, tuple(s.name for s in sweeps(strategies)), tpe)
+    rows = [[v.where] + [v.figures.get(c, "-") + ("" if v.checks.get(c) is None else
+                                                  (" ✓" if v.checks[c] else " ✗")) for c in CHECKS]
+            + ["PASS" if v.passed else "FAIL", "; ".join(v.notes) or "-"] for v in cells]
+    return ("## Done when (issue 13)\n\nPer cell: autofit's replayed answer ≥ 98% of the optimum (median over seeds), "
+            "the live run ≥ 95% (where the cell ran live), no OOM trial in any run, fewer real trials and less wall "
+            "time (medians) than the best per-precision finder sweep (highest median fraction, then least wall "
+            "time), and time to 95% at least 2× sooner than Optuna TPE (medians; a seed that never reaches 95% "
+            "counts as never). ✓ passes, ✗ fails; the last column says where and why autofit fails.\n\n"
+            + markdown_table(["cell"] + list(CHECKS) + ["verdict", "where and why"], rows, "l" + "r" * len(CHECKS)
+                             + "ll"))
 
 
 def _autofit_time(runs: list[RunResult], cell: Cell, budget: int) -> str:
@@ -130,13 +156,16 @@ def write_search(out_dir: Path, env: dict, res: SearchResults, strategies: tuple
             "that config. Answers are scored by the grid's throughput of the answered config over the grid's best "
             "config that fits (0 when the answer does not fit or there is none). *Time to 95%*: the strategy's "
             "clock when the config it would answer at that point first reached 95% of the optimum.")
-    rep.add("Settings the batch-size finders and DeepSpeed leave alone, at the tools' own defaults: precision "
-            "fp32 (a HF Trainer without `bf16`/`fp16`, Lightning's `32-true`, DeepSpeed without a `bf16` section), no "
-            "checkpointing. They keep the global batch (accumulation = global batch / micro-batch). amp-fp16 is not in the grids, to keep them affordable: "
-            "on CPUs without native fp16 kernels a step is ~1000x slower (FACTS.md); where the CPU has them (this "
-            "machine's matmul probe shows avx512_fp16 rates) it measures close to fp32.")
+    rep.add("How the batch-size finders (Accelerate, Lightning, DeepSpeed's autotuner) are run: each tunes the "
+            "micro-batch only, keeping the global batch (accumulation = global batch / micro-batch) and leaving "
+            "checkpointing off, as the tools do. `@amp-bf16`: at the precision a knowledgeable user chooses, the "
+            "mixed-precision switch each tool documents (Accelerate `mixed_precision=\"bf16\"`, the HF Trainer's "
+            "`bf16=True`, Lightning's `bf16-mixed`, DeepSpeed's `bf16` section). `sweep`: once per precision of the "
+            "grid, the fastest measured answer kept, all trials charged to one clock. amp-fp16 is not in the grids, "
+            "to keep them affordable: on CPUs without native fp16 kernels a step is ~1000x slower (FACTS.md); where "
+            "the CPU has them (this machine's matmul probe shows avx512_fp16 rates) it measures close to fp32.")
     for s in strategies:
-        rep.add(f"- **{s.name}**: {s.description}")
+        rep.add(f"- **{s.name}**: {s.description}" + (f" (handicap: {s.handicap})" if s.handicap else ""))
     for grid in res.grids:
         cell = grid.cell
         title = (f"## {cell.workload}: global batch {cell.global_batch}, micro-batches "
@@ -220,6 +249,7 @@ def write_search(out_dir: Path, env: dict, res: SearchResults, strategies: tuple
                 "processes share its two cores) or a config near the budget measured differently.\n\n"
                 + markdown_table(["strategy", "answer", "best found / optimum (grid)", "wall time (s)", "real trials",
                                   "OOM trials", "time to 95% (s)", "replay of the same run"], rows, "llrrrrrl"))
+    rep.add(_done_when(res, strategies))
     lost = losses(res.runs, strategies)
     rep.add("## Where autofit loses\n\n" + ("\n".join(f"- {line}" for line in lost) if lost
                                              else "Nowhere: on every figure autofit's median is at least as good as each peer's."))

@@ -14,14 +14,31 @@ again, which only ever favours the peer.
 - :func:`lightning_binsearch` -- Lightning ``BatchSizeFinder(mode="binsearch")``: from
   ``init_val=2`` double until OOM, then binary search between the last success and the
   failure, at most ``max_trials=25`` trials.
-- :func:`deepspeed_autotuner` -- DeepSpeed autotuning, micro-batch tuning of ZeRO stage 0 (the
-  only stage for one device): a profile run at micro-batch 1, the largest micro-batch predicted
+- :func:`deepspeed_autotuner` -- DeepSpeed autotuning at its own defaults (``min_train_micro_batch_
+  size_per_gpu=1``, ``num_tuning_micro_batch_sizes=3``, ``metric="throughput"``, ``fast=True``,
+  ``tuner_early_stopping=5``), micro-batch tuning of ZeRO stage 0 (stages 1-3 partition across
+  data-parallel ranks: nothing to gain on one device): a profile run at micro-batch 1, the largest micro-batch predicted
   by linear scaling of its activation memory over 16 bytes/parameter of model states (bf16
   costed as fp32), probes at 1.05x/1x/0.95x of it, binary search with a 5% plateau rule, then
   the tuning list around the maximum and smaller sizes while each gains 5%.
 - :func:`optuna_tpe` -- plain Optuna TPE over the whole space (precision, micro-batch,
-  checkpointing) with real trials only: no estimate, no pruning; an OOM is found by running it
-  and scores 0.
+  checkpointing) with real trials only: no estimate, no pruning; an OOM is found by running it,
+  scores 0 and is told to the sampler as a violated constraint.
+
+The batch finders tune the micro-batch only. How a user would run them fairly (issue 13):
+
+- **at the user's precision** (:func:`at_user_precision`): amp-bf16, :data:`USER_PRECISION`. It is
+  the mixed-precision switch each tool documents -- Accelerate ``mixed_precision="bf16"``, the HF
+  Trainer's ``bf16=True`` (both ``torch.autocast`` with fp32 weights), Lightning's
+  ``precision="bf16-mixed"`` -- and what their guides recommend where the hardware has bf16. Pure
+  bf16 weights (Lightning's ``"bf16-true"``) change the optimizer's numerics, so a careful user
+  does not choose it for speed alone. DeepSpeed's ``bf16: {enabled: true}`` section is the same
+  switch there.
+- **as a per-precision sweep** (:func:`precision_sweep`): the finder run once per precision of the
+  grid, the best measured answer kept, every run's trials charged to one clock -- what a careful
+  user does by hand.
+
+Checkpointing stays off in both (none of the finders turns it on): the handicap that remains.
 
 Each strategy is ``fn(problem, oracle, seed) -> TrainConfig | None`` (its answer: the config it
 would train with), and declares how it ranks its own trials (:data:`CRITERION`).
@@ -29,6 +46,7 @@ would train with), and declares how it ranks its own trials (:data:`CRITERION`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from abc import ABC, abstractmethod
@@ -49,8 +67,9 @@ class Problem:
     precisions: tuple[Precision, ...]
     micro_batches: tuple[int, ...]     # ascending; each divides global_batch
     checkpoints: tuple[int, ...] = (0, 1)
-    # What a batch-size finder leaves alone: the tools' own defaults, fp32 (HF Trainer without
-    # bf16/fp16, Lightning "32-true", DeepSpeed without a bf16 section) and no checkpointing.
+    # What a batch-size finder leaves alone: the precision it runs at (the tools' own default is fp32:
+    # HF Trainer without bf16/fp16, Lightning "32-true", DeepSpeed without a bf16 section; see
+    # at_user_precision and precision_sweep) and checkpointing, which none of them turns on.
     default_precision: Precision = Precision.FP32
     default_checkpoint: int = 0
     param_count: int = 0               # for the DeepSpeed model-state formula
@@ -324,17 +343,33 @@ def deepspeed_autotuner(problem: Problem, oracle: Oracle, seed: int = 0) -> Trai
 # Plain Optuna TPE over the whole grid
 
 
+def tpe_startup_trials(real_trials: int) -> int:
+    """Random start-up trials for a budget of ``real_trials``: a fifth of it, at least 2.
+
+    Optuna's default (10) suits budgets of 100 trials or more; out of 12 it leaves TPE close to
+    random search. A fifth keeps TPE's own advice (start-up about a tenth of the trials) within
+    reach of a small budget while still seeding both of its density estimates.
+    """
+    return max(2, real_trials // 5)
+
+
 def optuna_tpe(problem: Problem, oracle: Oracle, seed: int = 0, real_trials: int = 12) -> TrainConfig | None:
     """TPE (seeded) over precision x micro-batch x checkpointing; every proposal runs for real.
 
-    The objective is measured samples/s; an OOM (or any failed trial) scores 0, as a plain
-    objective that catches the error would. A proposal already run is told its earlier value
-    without running again. Stops after ``real_trials`` real trials (or 20x as many proposals).
+    Set up as a careful Optuna user would for this budget: :func:`tpe_startup_trials` random
+    start-up trials, Optuna 5's multivariate TPE (its default for one objective: precision and
+    micro-batch interact in memory), and the budget as a constraint (``trial.set_constraint``;
+    Optuna 5 deprecates ``constraints_func`` for it): peak/budget - 1 for a trial that ran, +1 for
+    an OOM, so TPE learns where the infeasible region is instead of reading an OOM as a slow
+    config. The objective is measured samples/s; a failed trial scores 0. A proposal already run
+    is told its earlier result without running again. Stops after ``real_trials`` real trials
+    (or 20x as many proposals).
     """
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=seed))
+    sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=tpe_startup_trials(real_trials))
+    study = optuna.create_study(direction="maximize", sampler=sampler)
     run = _Memo(oracle)
     proposals = 0
     while len(run.seen) < real_trials and proposals < 20 * real_trials:
@@ -344,10 +379,46 @@ def optuna_tpe(problem: Problem, oracle: Oracle, seed: int = 0, real_trials: int
                                 trial.suggest_categorical("precision", [p.value for p in problem.precisions]),
                                 trial.suggest_categorical("checkpoint_every", list(problem.checkpoints)))
         outcome = run(config)
+        trial.set_constraint("peak_over_budget", _over_budget(outcome, problem.budget_bytes))
         study.tell(trial, outcome.samples_per_s if outcome.ok and outcome.samples_per_s else 0.0)
         if len(run.seen) == len(problem.configs()):
             break
     return _best_by_throughput(run.seen.values())
+
+
+def _over_budget(outcome: Outcome, budget_bytes: int) -> float:
+    """The constraint TPE is told: > 0 over the budget (an OOM: 1), <= 0 within it."""
+    if outcome.ok and outcome.peak_bytes:
+        return outcome.peak_bytes / budget_bytes - 1
+    return 1.0 if outcome.status is TrialStatus.OOM else 0.0
+
+
+# --------------------------------------------------------------------------------------
+# How a careful user runs a batch finder: at bf16 mixed precision, or once per precision
+
+USER_PRECISION = Precision.AMP_BF16   # see the module docstring
+
+
+def at_user_precision(problem: Problem, oracle: Oracle, seed: int = 0, *, finder: Callable,
+                      **kwargs) -> TrainConfig | None:
+    """Run ``finder`` with :data:`USER_PRECISION` as the precision it leaves alone."""
+    return finder(dataclasses.replace(problem, default_precision=USER_PRECISION), oracle, seed, **kwargs)
+
+
+def precision_sweep(problem: Problem, oracle: Oracle, seed: int = 0, *, finder: Callable,
+                    **kwargs) -> TrainConfig | None:
+    """Run ``finder`` once per precision of the grid on one clock; answer the fastest measured answer.
+
+    An answer a finder never ran (Lightning can end on a size it did not try) has no measured
+    throughput to compare: it is kept only when no precision's answer was measured.
+    """
+    answers = [finder(dataclasses.replace(problem, default_precision=p), oracle, seed, **kwargs)
+               for p in problem.precisions]
+    measured = {r.outcome.config: r.outcome.samples_per_s for r in oracle.history if r.outcome.ok}
+    ran = [a for a in answers if a is not None and measured.get(a)]
+    if ran:
+        return max(ran, key=lambda a: measured[a])
+    return next((a for a in answers if a is not None), None)
 
 
 # --------------------------------------------------------------------------------------
@@ -359,42 +430,73 @@ class Strategy:
 
     name: str
     run: Callable[[Problem, Oracle, int], TrainConfig | None]
-    criterion: str            # "throughput": best measured so far; "largest": largest micro-batch that ran
+    # "throughput": best measured so far; "largest": largest micro-batch that ran; "sweep-largest":
+    # the largest that ran per precision, then the fastest of those (a per-precision sweep of a finder)
+    criterion: str
     deterministic: bool
     description: str = ""
     kwargs: dict = field(default_factory=dict)
+    handicap: str = ""        # what it still leaves out, carried into the headline (e.g. "no checkpointing")
 
     def __call__(self, problem: Problem, oracle: Oracle, seed: int) -> TrainConfig | None:
         return self.run(problem, oracle, seed, **self.kwargs)
 
 
+# The batch finders as the tools ship them: (name, function, criterion, description).
+FINDERS = (
+    ("accelerate-x0.5", accelerate_halving, "largest",
+     "HF Accelerate find_executable_batch_size: from the largest micro-batch, x0.5 on OOM"),
+    ("accelerate-x0.9", accelerate_halving_09, "largest", "the same with the newer x0.9 factor"),
+    ("lightning-binsearch", lightning_binsearch, "largest",
+     "Lightning BatchSizeFinder binsearch: double from 2 until OOM, then bisect; it can end on a size it "
+     "never ran (1, after an OOM at 2), which counts for best found but not for time to 95%"),
+    ("deepspeed-autotuner", deepspeed_autotuner, "throughput",
+     "DeepSpeed autotuner at its defaults (stage 0): profile run at micro-batch 1, linear max, probes, bisect "
+     "with 5% plateau, tuning list"),
+)
+
+
+def _finder_variants() -> tuple[Strategy, ...]:
+    out = []
+    for name, fn, criterion, description in FINDERS:
+        out.append(Strategy(f"{name} @{USER_PRECISION.value}", at_user_precision, criterion, True,
+                            f"{description}; at {USER_PRECISION.value}", {"finder": fn},
+                            f"{USER_PRECISION.value} only, no checkpointing"))
+        out.append(Strategy(f"{name} sweep", precision_sweep,
+                            "sweep-largest" if criterion == "largest" else criterion, True,
+                            f"{description}; once per precision, the fastest answer kept, trials summed",
+                            {"finder": fn}, "no checkpointing"))
+    return tuple(out)
+
+
 PEERS: tuple[Strategy, ...] = (
     Strategy("optuna-tpe", optuna_tpe, "throughput", False,
-             "plain Optuna TPE over the whole grid, real trials only (OOM found by running, scores 0)"),
-    Strategy("accelerate-x0.5", accelerate_halving, "largest", True,
-             "HF Accelerate find_executable_batch_size: from the largest micro-batch, x0.5 on OOM"),
-    Strategy("accelerate-x0.9", accelerate_halving_09, "largest", True,
-             "the same with the newer x0.9 factor"),
-    Strategy("lightning-binsearch", lightning_binsearch, "largest", True,
-             "Lightning BatchSizeFinder binsearch: double from 2 until OOM, then bisect; it can end on a size it "
-             "never ran (1, after an OOM at 2), which counts for best found but not for time to 95%"),
-    Strategy("deepspeed-autotuner", deepspeed_autotuner, "throughput", True,
-             "DeepSpeed autotuner (stage 0): profile run, linear max, probes, bisect with 5% plateau, tuning list"),
-)
+             "Optuna TPE over the whole grid, real trials only: start-up trials a fifth of the budget (at least 2), "
+             "multivariate, the budget as a constraint (an OOM is found by running and violates it)",
+             handicap="no memory estimate"),
+) + _finder_variants()
+
+
+def sweeps(strategies: tuple[Strategy, ...]) -> tuple[Strategy, ...]:
+    """The per-precision finder sweeps among ``strategies``."""
+    return tuple(s for s in strategies if s.run is precision_sweep)
 
 
 def incumbent(records: list[OracleRecord], criterion: str) -> list[TrainConfig | None]:
     """The config a strategy would answer after each of its trials, by its own criterion."""
     out: list[TrainConfig | None] = []
-    best: Outcome | None = None
+    best: dict[object, Outcome] = {}     # the incumbent per precision ("sweep-largest") or overall
     for record in records:
         o = record.outcome
+        key = o.config.precision if criterion == "sweep-largest" else None
         if o.ok:
-            if criterion == "largest":
-                better = best is None or o.config.micro_batch > best.config.micro_batch
+            old = best.get(key)
+            if criterion in ("largest", "sweep-largest"):
+                better = old is None or o.config.micro_batch > old.config.micro_batch
             else:
-                better = best is None or (o.samples_per_s or 0.0) > (best.samples_per_s or 0.0)
+                better = old is None or (o.samples_per_s or 0.0) > (old.samples_per_s or 0.0)
             if better:
-                best = o
-        out.append(None if best is None else best.config)
+                best[key] = o
+        top = max(best.values(), key=lambda x: x.samples_per_s or 0.0) if best else None
+        out.append(None if top is None else top.config)
     return out

@@ -33,30 +33,7 @@ def headline(results) -> list[str]:
         lines.append(f"At the search budgets: {n_fits} false fit(s), {n_prunes} false prune(s).")
     srch = results.suites.get("search")
     if srch is not None:
-        from autofit.bench.search import AUTOFIT
-
-        for grid in srch.grids:
-            for b in grid.cell.budgets_mib:
-                runs = [r for r in srch.runs if r.mode == "replay" and r.workload == grid.cell.workload
-                        and r.budget_bytes == b * 2**20]
-                parts = []
-                for name in dict.fromkeys(r.strategy for r in runs):
-                    mine = [r for r in runs if r.strategy == name]
-                    frac = median_and_spread([r.fraction for r in mine])[0]
-                    if math.isnan(frac):
-                        parts.append(f"{name} not available")
-                        continue
-                    wall = median_and_spread([r.wall_s for r in mine])[0]
-                    parts.append(f"{name} {pct(frac, 0)} in {seconds(wall, 0)} s")
-                lines.append(f"Search, {grid.cell.workload} @ {b} MiB (best found / optimum, median wall time): "
-                             + "; ".join(parts) + ".")
-        live = [r for r in srch.runs if r.mode == "live"]
-        if live:
-            lines.append(f"Live, {live[0].workload} @ {live[0].budget_bytes / 2**20:.0f} MiB (one real run each): "
-                         + "; ".join(f"{r.strategy} {pct(r.fraction, 0)} in {seconds(r.wall_s, 0)} s"
-                                     for r in live if not math.isnan(r.fraction)) + ".")
-        if not any(r.strategy == AUTOFIT.name and not math.isnan(r.fraction) for r in srch.runs):
-            lines.append("autofit's own search was not available to the benchmark in this run.")
+        lines += _search_lines(srch)
     cost = results.suites.get("cost")
     if cost is not None:
         rate = max((r["value"] for r in cost.rows if r["metric"] == "configs_per_s"), default=None)
@@ -75,6 +52,43 @@ def headline(results) -> list[str]:
                          "without it).")
     for name, wall in results.wall_s.items():
         lines.append(f"Suite {name}: {wall / 60:.1f} min.")
+    return lines
+
+
+def _search_lines(srch) -> list[str]:
+    """Per cell: each strategy's median fraction and wall time, its handicap named; then the done-when verdicts."""
+    from autofit.bench.search import AUTOFIT
+    from autofit.bench.strategies import sweeps
+    from autofit.bench.verdict import verdicts
+
+    handicap = {s.name: s.handicap for s in srch.strategies}
+    named = lambda n: f"{n} ({handicap[n]})" if handicap.get(n) else n
+    lines = []
+    for grid in srch.grids:
+        for b in grid.cell.budgets_mib:
+            runs = [r for r in srch.runs if r.mode == "replay" and r.workload == grid.cell.workload
+                    and r.budget_bytes == b * 2**20]
+            parts = []
+            for name in dict.fromkeys(r.strategy for r in runs):
+                mine = [r for r in runs if r.strategy == name]
+                frac = median_and_spread([r.fraction for r in mine])[0]
+                if math.isnan(frac):
+                    parts.append(f"{name} not available")
+                    continue
+                wall = median_and_spread([r.wall_s for r in mine])[0]
+                parts.append(f"{named(name)} {pct(frac, 0)} in {seconds(wall, 0)} s")
+            lines.append(f"Search, {grid.cell.workload} @ {b} MiB (best found / optimum, median wall time): "
+                         + "; ".join(parts) + ".")
+    live = [r for r in srch.runs if r.mode == "live"]
+    if live:
+        lines.append(f"Live, {live[0].workload} @ {live[0].budget_bytes / 2**20:.0f} MiB (one real run each): "
+                     + "; ".join(f"{named(r.strategy)} {pct(r.fraction, 0)} in {seconds(r.wall_s, 0)} s"
+                                 for r in live if not math.isnan(r.fraction)) + ".")
+    if not any(r.strategy == AUTOFIT.name and not math.isnan(r.fraction) for r in srch.runs):
+        lines.append("autofit's own search was not available to the benchmark in this run.")
+    for v in verdicts(srch.runs, tuple(s.name for s in sweeps(srch.strategies))):
+        lines.append(f"Done when (issue 13), {v.where}: " + ("PASS" if v.passed else
+                     "FAIL on " + ", ".join(f"{c} ({v.figures.get(c, '-')})" for c in v.failed)) + ".")
     return lines
 
 

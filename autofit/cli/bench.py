@@ -45,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
 
     if "OMP_WAIT_POLICY" not in os.environ:  # a policy the user chose is kept
         _restart_with_bench_env(args)
+    from autofit.bench.readme import update_readme
     from autofit.bench.summary import headline, write_summary
 
     suites = SUITES if args.suite == "all" else (args.suite,)
@@ -58,6 +59,10 @@ def run(args: argparse.Namespace) -> int:
     results = run_bench(suites, out_dir=out, quick=args.quick, command=command, progress=progress)
     summary = write_summary(out, results, command, complete=args.suite == "all")
     print(summary.read_text() if summary else "\n".join(f"- {line}" for line in headline(results)))
-    for path in results.files + ([summary] if summary else []):
+    written = results.files + ([summary] if summary else [])
+    # The committed run (every suite, default folder) also rewrites the README's benchmark block.
+    if summary and args.out is None and not args.quick and update_readme(Path("README.md"), summary):
+        written.append(Path("README.md"))
+    for path in written:
         print(f"wrote {path}")
     return 0
