@@ -278,7 +278,7 @@ def test_replay_answers_the_trial_sample_then_the_second_and_loads_back_from_csv
     oracle = ReplayOracle(grid, 10**12)
     assert [oracle.run(c).samples_per_s for _ in range(3)] == [9.0, 12.0, 9.0]
     assert oracle.history[0].outcome.step_time_s == pytest.approx(c.samples_per_step / 9.0)
-    halving = next(s for s in st.PEERS if s.name == "accelerate-x0.5")
+    halving = HALVING
     runs = [run_strategy(halving, grid, 50 * MiB, 0, ReplayOracle(grid, 50 * MiB), "replay")]
     write_search(tmp_path, environment("test"), SearchResults([grid], runs, ("synthetic", 50 * MiB), 1, 0.0), (halving,))
     (loaded,) = load_grids(tmp_path / "search_grid.csv")
