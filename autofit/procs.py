@@ -47,9 +47,10 @@ import time
 import traceback
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Protocol
 
-__all__ = ["MAX_MESSAGE_BYTES", "STDERR_TAIL_BYTES", "Child", "child_env", "die_with_parent", "exit_text",
-           "fork", "pump", "spawn"]
+__all__ = ["MAX_MESSAGE_BYTES", "STDERR_TAIL_BYTES", "Child", "Reaper", "child_env", "die_with_parent", "exit_text",
+           "fork", "pump", "serve", "spawn"]
 
 MAX_MESSAGE_BYTES = 64 << 20  # results are small (a profile: ~100 KB); more than this is not a result
 STDERR_TAIL_BYTES = 8192
@@ -57,6 +58,16 @@ _REAP_GRACE_S = 2.0          # after SIGKILL, how long to wait for the group's m
 _PARENT_POLL_S = 0.5
 
 Send = Callable[[dict], None]
+
+
+class Reaper(Protocol):
+    """Who learns how a child exited when it is not our own child (a fork server's, :mod:`autofit.forkserver`)."""
+
+    def poll_status(self, pid: int) -> int | None:
+        """Its ``os.waitpid`` status if it has exited, else None; never blocks."""
+
+    def wait_status(self, pid: int, timeout_s: float) -> int | None:
+        """Its status once it has exited, waiting up to ``timeout_s``; None if still unknown."""
 
 
 SECRET_ENV = ("PGPASSWORD", "MYSQL_PWD")  # database passwords a trial has no use for
@@ -115,8 +126,10 @@ class Child:
     """
 
     def __init__(self, pid: int, message_fd: int, stderr_fd: int | None, *, new_group: bool, timeout_s: float | None,
-                 echo_stderr: bool, log_path: Path | None, popen: subprocess.Popen | None = None):
+                 echo_stderr: bool, log_path: Path | None, popen: subprocess.Popen | None = None,
+                 reaper: Reaper | None = None):
         self.pid = pid
+        self._reaper = reaper  # set when the child is not ours to wait for (a fork server's)
         self.new_group = new_group
         self.started = time.monotonic()
         self.timeout_s = timeout_s
@@ -204,6 +217,9 @@ class Child:
         """Whether the process has exited (left a zombie until :meth:`kill` reaps it, so its pid stays ours)."""
         if self._exited or self.wait_status is not None:
             return True
+        if self._reaper is not None:
+            self._exited = self._reaper.poll_status(self.pid) is not None
+            return self._exited
         try:
             self._exited = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
         except ChildProcessError:
@@ -270,6 +286,8 @@ class Child:
 
     def _peek_status(self) -> int | None:
         """How it exited, without reaping it (its group may still need killing: :meth:`kill` reaps)."""
+        if self._reaper is not None:
+            return self._reaper.wait_status(self.pid, _REAP_GRACE_S)
         end = time.monotonic() + _REAP_GRACE_S  # its pipes close as it dies, a moment before it exits
         while True:
             try:
@@ -318,6 +336,9 @@ class Child:
         return self.wait_status
 
     def _reap(self) -> None:
+        if self.wait_status is None and self._reaper is not None:
+            status = self._reaper.wait_status(self.pid, 2 * _REAP_GRACE_S)
+            self.wait_status = status if status is not None else signal.SIGKILL  # its reaper died with it
         if self.wait_status is None:
             try:
                 _, self.wait_status = os.waitpid(self.pid, 0)
@@ -347,11 +368,13 @@ def pump(children: Iterable[Child], timeout_s: float) -> None:
 
 
 def spawn(entry: str, request: dict, *, timeout_s: float | None = None, new_group: bool = True,
-          env: dict[str, str] | None = None, echo_stderr: bool = False, log_path: Path | None = None) -> Child:
+          env: dict[str, str] | None = None, echo_stderr: bool = False, log_path: Path | None = None,
+          pass_fds: tuple[int, ...] = ()) -> Child:
     """Run ``entry`` (``"package.module:function"``) in a fresh interpreter with ``request`` (a JSON object).
 
     ``env``: the child's environment (default :func:`child_env`); ``log_path``: a file that
-    receives the child's stderr and stdout instead of a captured pipe. Raises ValueError for a
+    receives the child's stderr and stdout instead of a captured pipe; ``pass_fds``: more of our
+    file descriptors the child keeps, under the same numbers. Raises ValueError for a
     request that is not JSON, OSError when the interpreter cannot be started.
     """
     if ":" not in entry:
@@ -365,7 +388,7 @@ def spawn(entry: str, request: dict, *, timeout_s: float | None = None, new_grou
         popen = subprocess.Popen(
             [sys.executable, "-c", "from autofit.procs import child_main; child_main()", entry, str(message_w),
              str(os.getpid())],
-            pass_fds=(message_w,), stdin=subprocess.PIPE, stdout=out, stderr=out,
+            pass_fds=(message_w, *pass_fds), stdin=subprocess.PIPE, stdout=out, stderr=out,
             env=env if env is not None else child_env(),
             start_new_session=new_group)  # its own session and group, set before exec: no race
     except BaseException:
@@ -424,7 +447,7 @@ def fork(function: Callable[[dict, Send], dict | None], request: dict, *, timeou
                 sys.modules["torch"].set_num_threads(1)  # OpenMP is not fork-safe; one thread runs ops inline
         except BaseException:  # noqa: BLE001
             os._exit(1)
-        _serve(function, request, message_w, os.getppid())
+        serve(function, request, message_w, os.getppid())
     os.close(message_w)
     os.close(stderr_w)
     return Child(pid, message_r, stderr_r, new_group=new_group, timeout_s=timeout_s, echo_stderr=echo_stderr,
@@ -446,10 +469,12 @@ def child_main() -> None:
     def call(request: dict, send: Send) -> dict | None:
         return getattr(importlib.import_module(module_name), name)(request, send)
 
-    _serve(call, request, fd, parent_pid)
+    serve(call, request, fd, parent_pid)
 
 
-def _serve(function: Callable[[dict, Send], dict | None], request: dict, fd: int, parent_pid: int) -> None:
+def serve(function: Callable[[dict, Send], dict | None], request: dict, fd: int, parent_pid: int) -> None:
+    """In a child: die with ``parent_pid``, run ``function(request, send)`` sending JSON lines on ``fd``,
+    and exit (never returns): status 0, an exit code, or 1 after printing an exception's traceback."""
     die_with_parent(parent_pid)
     lock = threading.Lock()
 

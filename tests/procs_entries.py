@@ -38,3 +38,14 @@ def hang_with_grandchild(request: dict, send) -> None:
 
 def hang(request: dict, send) -> None:
     time.sleep(600)
+
+
+def torch_threads(request: dict, send) -> dict:
+    """Run an operator on every intra-op thread: in a child forked from a process whose OpenMP pool
+    already ran, this would hang (the fork server's zygote must never have run one)."""
+    import torch
+
+    x = torch.randn(256, 256)
+    torch.mm(x, x)
+    return {"threads": torch.get_num_threads(), "cwd": os.getcwd(), "marker": os.environ.get("AUTOFIT_TEST_MARKER"),
+            "pgid_is_pid": os.getpgid(0) == os.getpid(), "tasks": len(os.listdir("/proc/self/task"))}

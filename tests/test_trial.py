@@ -10,6 +10,7 @@ import pytest
 import torch
 from trial_workloads import mlp_workload
 
+from autofit import forkserver
 from autofit.config import TrainConfig
 from autofit.measure import compose_step_time, measure_trial, time_micro_and_optimizer_steps, trial_micro_batches
 from autofit.tracker import CATEGORIES
@@ -50,6 +51,7 @@ def pidfile(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOFIT_TEST_PIDFILE", str(path))
     before = set(_live_children())  # other tests' helpers (e.g. multiprocessing's resource tracker) may stay
     yield path
+    forkserver.stop_server()  # the trials' fork server outlives a trial by design; stopped, nothing may stay
     assert set(_live_children()) - before == set(), "a trial left a child process behind"
 
 

@@ -5,7 +5,8 @@
 - the profiler: time to profile each built-in workload on fake tensors with a cold cache
   (``use_cache=False``), the 7B preset included;
 - the trial runner: a trial's wall time split into process start and model build (a trial that
-  goes over its budget at the first operator) against the measured steps;
+  goes over its budget at the first operator) against the measured steps, with a fresh
+  interpreter per trial and forked from the fork server (:mod:`autofit.forkserver`);
 - the memory tracker: the same training steps with and without it;
 - sizing: ``autofit size``'s default grid of shapes times the default space, from the estimate alone.
 """
@@ -146,6 +147,12 @@ def _profile_times(quick: bool, progress) -> list[dict]:
 
 
 def _trial_overhead(quick: bool, progress) -> list[dict]:
+    """A trial's fixed cost (start and build: a trial that dies at its first operator) against the whole
+    trial, with each trial in a fresh interpreter (``AUTOFIT_TRIAL_SERVER=0``, as before the fork
+    server) and forked from the fork server (as shipped), in the same run."""
+    import os
+
+    from autofit import forkserver
     from autofit.schedule import DEFAULT_SCHEDULE as schedule
     from autofit.trial import run_trial
 
@@ -157,30 +164,50 @@ def _trial_overhead(quick: bool, progress) -> list[dict]:
     imports = time.perf_counter() - start
     rows.append({"kind": "trial", "item": "interpreter start + imports (torch, autofit, mem_tracker)",
                  "metric": "wall_s", "value": imports, "unit": "s", "note": ""})
+    forkserver.stop_server()
+    start = time.perf_counter()
+    forkserver.ensure_server()
+    rows.append({"kind": "trial", "item": "fork server start (its imports; once per search process)",
+                 "metric": "wall_s", "value": time.perf_counter() - start, "unit": "s",
+                 "note": "autofit.forkserver: a child that imports torch and autofit once, then forks each CPU trial"})
     cases = [("gpt-tiny", TrainConfig(Precision.AMP_BF16, 4, 3))]
     if not quick:
         cases.append(("convnet-bn", TrainConfig(Precision.FP32, 8, 3)))
-    for name, config in cases:
-        floor = run_trial(name, config, budget_bytes=1, schedule=schedule, timeout_s=240)
-        full = run_trial(name, config, schedule=schedule, timeout_s=240)
-        timed = schedule.timed_steps * (full.step_time_s or 0.0)   # the untracked optimizer steps
-        progress(f"cost: trial {name} {config.short()}: {full.wall_s:.1f} s in all, {floor.wall_s:.1f} s to die at "
-                 f"the first operator, {timed:.2f} s of timed steps")
-        item = f"{name} `{config.short()}`"
-        rows += [
-            {"kind": "trial", "item": item, "metric": "trial_wall_s", "value": full.wall_s, "unit": "s",
-             "note": f"run_trial: {schedule.warmup_steps} warm-up + {schedule.measured_steps} tracked step, "
-                     f"then {schedule.timed_steps} timed steps"},
-            {"kind": "trial", "item": item, "metric": "start_and_build_s", "value": floor.wall_s, "unit": "s",
-             "note": f"the same trial with a 1-byte budget (status {floor.status.value}): process start, imports, "
-                     "model and optimizer build, batches"},
-            {"kind": "trial", "item": item, "metric": "timed_steps_s", "value": timed, "unit": "s",
-             "note": f"3 x measured step time {full.step_time_s:.3f} s" if full.step_time_s else full.error or ""},
-            {"kind": "trial", "item": item, "metric": "overhead_fraction",
-             "value": floor.wall_s / full.wall_s if full.wall_s else None, "unit": "fraction",
-             "note": "start and build over the whole trial"},
-        ]
+    previous = os.environ.get("AUTOFIT_TRIAL_SERVER")
+    try:
+        for name, config in cases:
+            for runner, flag in (("fresh interpreter", "0"), ("fork server", "1")):
+                os.environ["AUTOFIT_TRIAL_SERVER"] = flag
+                rows += _one_trial_overhead(name, config, runner, schedule, run_trial, progress)
+    finally:
+        if previous is None:
+            os.environ.pop("AUTOFIT_TRIAL_SERVER", None)
+        else:
+            os.environ["AUTOFIT_TRIAL_SERVER"] = previous
     return rows
+
+
+def _one_trial_overhead(name: str, config: TrainConfig, runner: str, schedule, run_trial, progress) -> list[dict]:
+    floor = run_trial(name, config, budget_bytes=1, schedule=schedule, timeout_s=240)
+    full = run_trial(name, config, schedule=schedule, timeout_s=240)
+    timed = schedule.timed_steps * (full.step_time_s or 0.0)   # the untracked optimizer steps
+    progress(f"cost: trial {name} {config.short()} ({runner}): {full.wall_s:.1f} s in all, {floor.wall_s:.1f} s to "
+             f"die at the first operator, {timed:.2f} s of timed steps")
+    item = f"{name} `{config.short()}`, {runner}"
+    return [
+        {"kind": "trial", "item": item, "metric": "trial_wall_s", "value": full.wall_s, "unit": "s",
+         "note": f"run_trial: {schedule.warmup_steps} warm-up + {schedule.measured_steps} tracked step, "
+                 f"then {schedule.timed_steps} timed steps"},
+        {"kind": "trial", "item": item, "metric": "start_and_build_s", "value": floor.wall_s, "unit": "s",
+         "note": f"the same trial with a 1-byte budget (status {floor.status.value}): process start"
+                 + (", imports" if runner == "fresh interpreter" else " (a fork)")
+                 + ", model and optimizer build, batches"},
+        {"kind": "trial", "item": item, "metric": "timed_steps_s", "value": timed, "unit": "s",
+         "note": f"3 x measured step time {full.step_time_s:.3f} s" if full.step_time_s else full.error or ""},
+        {"kind": "trial", "item": item, "metric": "overhead_fraction",
+         "value": floor.wall_s / full.wall_s if full.wall_s else None, "unit": "fraction",
+         "note": "start and build over the whole trial"},
+    ]
 
 
 def _tracker_slowdown(quick: bool, progress) -> list[dict]:
@@ -248,7 +275,7 @@ def write_cost(out_dir: Path, env: dict, res: CostResults) -> list[Path]:
     rep.add(f"Suite wall time: {res.wall_s / 60:.1f} min. Wall-clock times on a machine shared with other "
             "processes: compare within one run, not across runs.")
     titles = {"estimator": "Estimator throughput", "profile": "Profiling on fake tensors (cold cache)",
-              "size": "Sizing: shapes x configs from the estimate alone", "trial": "Trial runner overhead", "tracker": "Memory tracker slowdown"}
+              "size": "Sizing: shapes x configs from the estimate alone", "trial": "Trial runner fixed cost", "tracker": "Memory tracker slowdown"}
     for kind, title in titles.items():
         rows = [[r["item"], r["metric"], _fmt(r["value"], r["unit"]), r["unit"], r["note"]]
                 for r in res.rows if r["kind"] == kind]

@@ -38,15 +38,18 @@ def headline(results) -> list[str]:
     if cost is not None:
         rate = max((r["value"] for r in cost.rows if r["metric"] == "configs_per_s"), default=None)
         llama = [r for r in cost.rows if r["kind"] == "profile" and r["item"].startswith("llama-7b")]
-        overhead = [r["value"] for r in cost.rows if r["metric"] == "overhead_fraction" and r["value"]]
+        overhead = {runner: [r["value"] for r in cost.rows if r["metric"] == "overhead_fraction" and r["value"]
+                             and r["item"].endswith(runner)] for runner in ("fresh interpreter", "fork server")}
         slow = [r["value"] for r in cost.rows if r["metric"] == "slowdown" and r["value"]]
         if rate:
             lines.append(f"Estimator: {rate:,.0f} configs scored per second.")
         for r in llama:
             lines.append(f"Profiling {r['item']}: {seconds(r['value'])} s on fake tensors, cold cache.")
-        if overhead:
-            lines.append(f"Trial runner: process start and model build are {pct(min(overhead), 0)}–{pct(max(overhead), 0)} "
-                         "of a short trial's wall time.")
+        if overhead["fresh interpreter"] and overhead["fork server"]:
+            spawned, forked = overhead["fresh interpreter"], overhead["fork server"]
+            lines.append(f"Trial runner: process start and model build are {pct(min(forked), 0)}–{pct(max(forked), 0)} "
+                         f"of a short trial's wall time with the fork server, against {pct(min(spawned), 0)}–"
+                         f"{pct(max(spawned), 0)} with a fresh interpreter per trial.")
         if slow:
             lines.append(f"Memory tracker: {min(slow):.1f}–{max(slow):.1f}x slower training steps (timed steps run "
                          "without it).")

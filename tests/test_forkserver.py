@@ -1,0 +1,58 @@
+"""The trials' fork server: forked trials are isolated processes, and the zygote never ran an operator."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from autofit import forkserver, procs
+
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+@pytest.fixture
+def server_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("AUTOFIT_TEST_MARKER", "one")
+    monkeypatch.chdir(tmp_path)
+    yield tmp_path
+    forkserver.stop_server()
+
+
+def _finish(child: procs.Child) -> dict | None:
+    try:
+        assert child.wait()
+    finally:
+        child.kill()
+    return child.last_message()
+
+
+def test_a_forked_trial_runs_every_thread_in_its_own_group_and_its_exit_reaches_us(server_env, monkeypatch):
+    out = _finish(forkserver.start_trial("procs_entries:torch_threads", {}, timeout_s=120, echo_stderr=False))
+    assert out["threads"] == __import__("torch").get_num_threads() and out["tasks"] >= out["threads"]
+    assert out["pgid_is_pid"] and out["cwd"] == str(server_env) and out["marker"] == "one"
+    child = forkserver.start_trial("procs_entries:segfault", {}, timeout_s=120, echo_stderr=False)
+    assert _finish(child) is None and child.failure() == "killed by signal SIGSEGV"
+    child = forkserver.start_trial("procs_entries:raising", {}, timeout_s=120, echo_stderr=False)
+    assert _finish(child) is None and child.failure() == "exited with status 1: the last line of the message"
+    zygote = forkserver._SERVER.zygote.pid
+    monkeypatch.setenv("AUTOFIT_TEST_MARKER", "two")  # what libraries read at load may differ: a new zygote
+    out = _finish(forkserver.start_trial("procs_entries:torch_threads", {}, timeout_s=120, echo_stderr=False))
+    assert out["marker"] == "two" and forkserver._SERVER.zygote.pid != zygote
+
+
+def test_a_forked_trial_dies_with_its_zygote(server_env):
+    child = forkserver.start_trial("procs_entries:hang", {}, timeout_s=120, echo_stderr=False)
+    zygote = forkserver._SERVER.zygote.pid
+    try:
+        os.kill(zygote, signal.SIGKILL)
+        end = time.monotonic() + 10
+        while time.monotonic() < end and not child.exited():
+            time.sleep(0.05)
+        assert child.exited()
+    finally:
+        child.kill()
