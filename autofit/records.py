@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import datetime
 import enum
-from collections.abc import Mapping
+import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -51,6 +52,7 @@ class PruneReason(str, enum.Enum):
     OVER_BUDGET = "over_budget"  # calibrated peak with its margin over the budget
     TOO_SLOW = "too_slow"        # predicted far slower than the best, or over the trial limit
     DOMINATED = "dominated"      # checkpointing the budget does not need
+    SLOW_PRECISION = "slow_precision"  # every config of its precision predicted below the best measured
 
     def __str__(self) -> str:
         return self.value
@@ -76,6 +78,9 @@ class TrialRecord:
       ``constraints``: name -> value, feasible when all <= 0 (measured peak minus budget, failed).
     - ``started``/``finished``: wall-clock datetimes; ``worker``: who ran it (host, pid, start);
       ``heartbeat``: the worker's last sign of life (``time.time()``).
+    - ``sample``: which measurement of its config this trial is: 1 the first, 2 and more a
+      re-measurement the planner asked for before crowning the best (one throughput sample is
+      noisy; the best is ranked by the median of its config's samples, :func:`best_of`).
     """
 
     number: int
@@ -92,6 +97,7 @@ class TrialRecord:
     finished: datetime.datetime | None = None
     worker: Mapping[str, Any] = field(default_factory=dict)
     heartbeat: float | None = None
+    sample: int = 1
 
     def __post_init__(self) -> None:
         for name in ("prediction", "measurement", "errors", "constraints", "worker"):
@@ -108,9 +114,31 @@ class TrialRecord:
         return self.status.ran or self.status is TrialStatus.RUNNING
 
 
-def best_of(records: list[TrialRecord]) -> TrialRecord | None:
-    """The fastest feasible record (the lowest number among equals), or None."""
-    return max((r for r in records if r.feasible), key=lambda r: (r.value, -r.number), default=None)
+def config_samples(records: Sequence[TrialRecord]) -> dict[TrainConfig, list[TrialRecord]]:
+    """Per config, its feasible real trials (the first and any re-measurements), in trial order.
+    A config any of whose real trials failed or went over the budget is left out: it does not
+    run reliably under the budget."""
+    out: dict[TrainConfig, list[TrialRecord]] = {}
+    failed = set()
+    for r in sorted(records, key=lambda r: r.number):
+        if r.feasible:
+            out.setdefault(r.config, []).append(r)
+        elif r.status.ran:
+            failed.add(r.config)
+    return {c: samples for c, samples in out.items() if c not in failed}
+
+
+def median_value(samples: Sequence[TrialRecord]) -> float:
+    """The median objective of a config's samples (:func:`config_samples`)."""
+    return float(statistics.median(r.value for r in samples))
+
+
+def best_of(records: Sequence[TrialRecord]) -> TrialRecord | None:
+    """The first trial of the config with the highest median objective over its samples
+    (:func:`config_samples`; the lowest trial number among equals), or None."""
+    ranked = config_samples(records).values()
+    best = max(ranked, key=lambda samples: (median_value(samples), -samples[0].number), default=None)
+    return None if best is None else best[0]
 
 
 @dataclass(frozen=True)

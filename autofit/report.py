@@ -4,8 +4,9 @@
   ``ok``, ``oom``, ``error``, ``timeout``, ``pruned``; ``running`` and ``interrupted`` for a
   study in progress or interrupted), why it was pruned, the five config fields, predicted and measured peak bytes, samples/s,
   step time, and the prediction errors;
-- ``best.json``: the best config (the fastest trial that ran ok under the budget), its
-  measurements, and the command that measures it again;
+- ``best.json``: the best config (the highest median over its samples among configs that ran ok
+  under the budget: the top ones are measured again before the search ends), its first trial's
+  measurements, every sample and their median, and the command that measures it again;
 - ``summary.md``: the top configs, what the estimate pruned and why, the calibration, the
   prediction error of every real trial, the device, versions and wall time;
 - ``calibration.json``: the calibration the next planning step would use.
@@ -34,14 +35,15 @@ from autofit.calibration import Calibration, calibrate, measured_peak, observati
 from autofit.config import FIELDS, TrainConfig
 from autofit.files import write_atomic
 from autofit.objective import basis, objective
-from autofit.records import PruneReason, StudySnapshot, TrialRecord, TrialStatus, best_of
+from autofit.records import (PruneReason, StudySnapshot, TrialRecord, TrialStatus, best_of, config_samples,
+                              median_value)
 from autofit.study.planner import SLOW_FACTOR
 from autofit.study.settings import JOURNAL_NAME, redact
 
 STATUSES = tuple(s.value for s in TrialStatus)
 RAN = tuple(s.value for s in TrialStatus if s.ran)  # real trials that finished
 COLUMNS = (
-    "number", "status", "reason_kind", "reason", *FIELDS,
+    "number", "status", "sample", "reason_kind", "reason", *FIELDS,
     "predicted_peak_bytes", "calibrated_peak_bytes", "measured_peak_bytes", "peak_error",
     "predicted_step_time_s", "step_time_s", "step_time_error", "prior_step_time_error",
     "predicted_samples_per_s", "samples_per_s", "objective", "basis", "tokens_per_s", "trial_wall_s", "error",
@@ -59,6 +61,8 @@ REASONS = {
     PruneReason.TOO_SLOW: f"predicted under 1/{SLOW_FACTOR:g} of the best predicted throughput, or a trial longer "
                           "than the trial limit",
     PruneReason.DOMINATED: "checkpointing the budget does not need: the same config with less of it fits and is faster",
+    PruneReason.SLOW_PRECISION: "every config of its precision is predicted (calibrated by the trials so far) below "
+                                "the best measured by more than the time model's measured error",
 }
 
 
@@ -78,7 +82,7 @@ def trials_table(study: StudySnapshot) -> pd.DataFrame:
     for r in study.records:
         predicted, measured, errors = r.prediction, r.measurement, r.errors
         rows.append({
-            "number": r.number, "status": r.status.value,
+            "number": r.number, "status": r.status.value, "sample": r.sample,
             "reason_kind": None if r.prune_reason is None else r.prune_reason.value, "reason": r.reason,
             **r.config.to_dict(),
             "predicted_peak_bytes": predicted.get("peak_bytes"),
@@ -128,8 +132,15 @@ def calibration_of(study: StudySnapshot) -> Calibration:
 
 
 def best_trial(study: StudySnapshot) -> TrialRecord | None:
-    """The fastest trial that ran ok under the budget (Optuna's best feasible trial), or None."""
+    """The first trial of the best config (:func:`autofit.records.best_of`: the highest median over
+    its samples among configs that ran ok under the budget), or None."""
     return best_of(list(study.records))
+
+
+def best_samples(study: StudySnapshot) -> list[TrialRecord]:
+    """Every sample (feasible real trial) of the best config, in trial order; empty when there is none."""
+    best = best_trial(study)
+    return [] if best is None else config_samples(list(study.records))[best.config]
 
 
 def measure_command(settings: dict, config: TrainConfig) -> str:
@@ -157,9 +168,14 @@ def best_record(study: StudySnapshot) -> dict:
         return {**record, "config": None, "reason": "no trial ran ok under the budget yet"}
     config = trial.config
     measured, predicted = dict(trial.measurement), dict(trial.prediction)
+    samples = best_samples(study)
     return {
         **record, "trial": trial.number, "config": config.to_dict(), "short": config.short(),
         "measured": measured, "predicted": predicted,
+        "samples": [{"trial": r.number, "objective": r.value,
+                     "samples_per_s": r.measurement.get("samples_per_s")} for r in samples],
+        "median_objective": median_value(samples),
+        "median_samples_per_s": float(np.median([r.measurement.get("samples_per_s") or 0.0 for r in samples])),
         "peak_fraction_of_budget": measured_peak(measured) / budget if budget and measured_peak(measured) else None,
         "reproduce": measure_command(settings, config),
     }
@@ -306,6 +322,10 @@ def summary_markdown(study: StudySnapshot, table: pd.DataFrame | None = None, *,
         out.append(f"- throughput: {m.get('samples_per_s', 0):.2f} samples/s"
                    + (f", {m['tokens_per_s']:,.0f} tokens/s" if m.get("tokens_per_s") else "")
                    + f"; step {_seconds(m.get('step_time_s'))}")
+        if len(best["samples"]) > 1:
+            out.append(f"- measured {len(best['samples'])} times: median {best['median_samples_per_s']:.2f} samples/s ("
+                       + ", ".join(f"{x['samples_per_s']:.2f}" for x in best["samples"]) + "); the best config is "
+                       "the highest median among the top configs, each measured again before the search ended")
         out.append(f"- measured peak: {_bytes(m.get('peak_bytes'))} = {100 * best['peak_fraction_of_budget']:.1f}% of "
                    f"the budget (predicted {_bytes(p.get('peak_bytes'))})")
         out.append(f"- reproduce: `{best['reproduce']}`\n")
@@ -414,8 +434,9 @@ def write_reports(study: StudySnapshot, out_dir: str | Path, *, html: bool = Fal
 class SearchResult:
     """What a search found. ``best`` is None when no trial ran ok under the budget.
 
-    - ``best``: the fastest config measured under the budget; ``best_measured``: its
-      measurements (``samples_per_s``, ``peak_bytes``, ``step_time_s``, ...);
+    - ``best``: the fastest config measured under the budget (the highest median over its
+      samples); ``best_measured``: its first trial's measurements (``samples_per_s``,
+      ``peak_bytes``, ``step_time_s``, ...), with ``samples`` (how many) and ``median_samples_per_s``;
       ``best_predicted``: what the estimate said before it ran.
     - ``table``: every trial (:func:`trials_table`); ``n_configs``, ``n_pruned`` (configs the
       estimate pruned and that never ran), ``n_real`` (real trials: ok, oom, error, timeout).
@@ -475,6 +496,12 @@ class SearchResult:
         return self.plan(device_type).run(model, optimizer, layers)
 
 
+def _measured_with_samples(trial: TrialRecord, samples: list[TrialRecord]) -> dict:
+    """The first trial's measurements, with how many samples the config has and their median samples/s."""
+    values = [r.measurement.get("samples_per_s") or 0.0 for r in samples]
+    return {**trial.measurement, "samples": len(samples), "median_samples_per_s": float(np.median(values))}
+
+
 def search_result(study: StudySnapshot, out_dir: str | Path, wall_s: float | None = None) -> SearchResult:
     """The :class:`SearchResult` of a study, from its storage."""
     settings = settings_of(study)
@@ -487,7 +514,7 @@ def search_result(study: StudySnapshot, out_dir: str | Path, wall_s: float | Non
         workload=settings.get("workload_name", ""), device=settings.get("device_type", "cpu"),
         budget_bytes=settings.get("budget_bytes", 0),
         best=trial.config if trial else None,
-        best_measured=dict(trial.measurement) if trial else None,
+        best_measured=_measured_with_samples(trial, best_samples(study)) if trial else None,
         best_predicted=dict(trial.prediction) if trial else None,
         best_trial=trial.number if trial else None,
         n_configs=_n_configs(settings), n_pruned=c["pruned"], n_real=c["real"],

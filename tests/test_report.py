@@ -96,11 +96,29 @@ def test_summary_and_files(study_dir):
         assert part in text, part
     paths = write_reports(study, study_dir)
     assert json.loads(paths["best.json"].read_text())["trial"] == 4
-    assert paths["trials.csv"].read_text().splitlines()[0].startswith("number,status,reason_kind,reason,precision")
+    assert paths["trials.csv"].read_text().splitlines()[0].startswith("number,status,sample,reason_kind,reason,")
     assert json.loads(paths["calibration.json"].read_text())["peak_ratio"] > 0
     result = search_result(study, study_dir)
     assert result.best == TrainConfig("fp32", 2, 2) and result.n_real == 5 and result.n_pruned == 1
     assert result.plan().grad_accum == 2
+
+
+def test_the_best_is_the_highest_median_of_its_samples(study_dir):
+    study = open_study(study_dir)
+    dists = distributions(space_from_dict(dict(SPACE)))
+    fp32_4, fp32_2 = TrainConfig("fp32", 4, 1), TrainConfig("fp32", 2, 2)
+    # re-measured: fp32 mb=4 at 26 and 28 (samples 10, 26, 28: median 26);
+    # fp32 mb=2 at 12 (median of 20, 12 -> 16): the crown moves to fp32 mb=4
+    for config, value, sample in ((fp32_4, 26.0, 2), (fp32_4, 28.0, 3), (fp32_2, 12.0, 2)):
+        study.add_trial(create_trial(distributions=dists, **_trial(config, TrialState.COMPLETE, "ok", value=value,
+                                                                  peak=600_000, sample=sample)))
+    snapshot = load_snapshot(study_dir)
+    best = best_record(snapshot)
+    assert best["trial"] == 1 and best["median_objective"] == 26.0 and best["median_samples_per_s"] == 26.0
+    assert [x["samples_per_s"] for x in best["samples"]] == [10.0, 26.0, 28.0]
+    assert "measured 3 times: median 26.00 samples/s (10.00, 26.00, 28.00)" in summary_markdown(snapshot)
+    assert trials_table(snapshot)["sample"].tolist() == [1, 1, 1, 1, 1, 1, 2, 3, 2]
+    assert search_result(snapshot, study_dir).best_measured["samples"] == 3
 
 
 def test_report_command(study_dir, capsys):

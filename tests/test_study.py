@@ -67,7 +67,7 @@ def make_planner(profile, rates, budget_bytes=10**9, devices=1, **space) -> Plan
 
 
 def ran_trial(planner: Planner, config: TrainConfig, number: int, status="ok", samples_per_s=100.0,
-              peak_bytes=None, step_time_s=None) -> TrialRecord:
+              peak_bytes=None, step_time_s=None, sample=1) -> TrialRecord:
     """A real trial's record as the worker writes it."""
     i = planner.index[config]
     predicted = planner.prediction(i, Calibration.prior())
@@ -76,8 +76,20 @@ def ran_trial(planner: Planner, config: TrainConfig, number: int, status="ok", s
     measured = {"peak_bytes": peak if ok else None, "samples_per_s": samples_per_s if ok else None,
                 "step_time_s": (step_time_s or config.samples_per_step / samples_per_s) if ok else None}
     return TrialRecord(number, config, TrialStatus(status), prediction=predicted, measurement=measured,
-                       value=samples_per_s if ok else 0.0,
+                       value=samples_per_s if ok else 0.0, sample=sample,
                        constraints={"peak_over_budget_bytes": -1.0 if ok else 1.0, "failed": 0.0 if ok else 1.0})
+
+
+def settle(planner: Planner, trials: list[TrialRecord]):
+    """Plan until the planner stops, answering each re-measurement with its config's first value."""
+    trials = list(trials)
+    step = planner.step(trials)
+    while step.run is not None and step.sample > 1:
+        config = planner.configs[step.run]
+        first = next(r for r in trials if r.config == config and r.status.ran)
+        trials.append(ran_trial(planner, config, len(trials), samples_per_s=first.value, sample=step.sample))
+        step = planner.step(trials)
+    return step
 
 
 def pruned_trial(config: TrainConfig, number: int, reason: PruneReason | None = None) -> TrialRecord:
@@ -176,7 +188,7 @@ def test_a_slow_measurement_does_not_undo_dominance(tiny_profile, rates):
     predicted = {c: planner.prediction(planner.index[c], Calibration.prior())["samples_per_s"] for c in (a0, b0)}
     trials += [ran_trial(planner, a0, 2, samples_per_s=predicted[a0] / 10),
                ran_trial(planner, b0, 3, samples_per_s=predicted[b0])]
-    step = planner.step(trials)
+    step = settle(planner, trials)
     assert step.run is None and step.stop.startswith("exhausted")
 
 
@@ -193,7 +205,7 @@ def test_stop_rules(tiny_profile, rates):
     configs = planner.configs
     # exhausted
     trials = [ran_trial(planner, c, k) for k, c in enumerate(configs)]
-    assert planner.step(trials).stop.startswith("exhausted")
+    assert settle(planner, trials).stop.startswith("exhausted")
     # trial limit
     limited = dataclasses.replace(planner.settings, trials=1)
     planner_limited = Planner(limited, tiny_profile, rates)
@@ -203,7 +215,7 @@ def test_stop_rules(tiny_profile, rates):
     flat = [ran_trial(patient, configs[0], 0, samples_per_s=100.0),
             ran_trial(patient, configs[1], 1, samples_per_s=101.0),
             ran_trial(patient, configs[2], 2, samples_per_s=99.0)]
-    assert patient.step(flat).stop.startswith("patience")
+    assert settle(patient, flat).stop.startswith("patience")
     assert patient.step(flat[:2]).stop is None
     # time limit
     late = Planner(dataclasses.replace(planner.settings, deadline=time.time() - 1), tiny_profile, rates)
@@ -218,8 +230,51 @@ def test_bound_stops_when_nothing_left_is_predicted_close(tiny_profile, rates):
     small = TrainConfig("fp32", 1, 8, 0, 1)
     small_predicted = planner.prediction(planner.index[small], Calibration.prior())["samples_per_s"]
     boosted = ran_trial(planner, big, 0, samples_per_s=predicted * 3 * predicted / small_predicted)
-    step = planner.step([boosted])
+    step = settle(planner, [boosted])
     assert step.stop is not None and step.stop.startswith("bound")
+
+
+def test_the_top_configs_are_measured_again_and_the_best_is_the_highest_median(tiny_profile, rates):
+    from autofit.records import best_of
+
+    planner = make_planner(tiny_profile, rates, precision=["fp32"], micro_batch=[1, 2, 4, 8], global_batch=8)
+    a, b, c, d = (TrainConfig("fp32", m, 8 // m) for m in (8, 4, 2, 1))
+    trials = [ran_trial(planner, a, 0, samples_per_s=100.0), ran_trial(planner, b, 1, samples_per_s=95.0),
+              ran_trial(planner, c, 2, samples_per_s=60.0), ran_trial(planner, d, 3, samples_per_s=40.0)]
+    assert best_of(trials).config == a  # one sample each: the noisy 100 leads
+    step = planner.step(trials)
+    assert planner.configs[step.run] == a and step.sample == 2
+    # another worker is measuring a again: this one takes the next of the top two
+    running = dataclasses.replace(ran_trial(planner, a, 4, sample=2), status=TrialStatus.RUNNING, value=None)
+    step = planner.step(trials + [running])
+    assert planner.configs[step.run] == b and step.sample == 2
+    trials.append(ran_trial(planner, a, 4, samples_per_s=70.0, sample=2))  # median 85: b leads now
+    assert best_of(trials).config == b
+    order = []
+    step = planner.step(trials)
+    while step.run is not None:
+        order.append(planner.configs[step.run])
+        first = next(r for r in trials if r.config == order[-1])
+        trials.append(ran_trial(planner, order[-1], len(trials), samples_per_s=first.value - 1, sample=step.sample))
+        step = planner.step(trials)
+    assert order == [b]  # the top two have two samples each; c is far below them: not worth a trial
+    assert "then 2 re-measurement(s)" in step.stop
+    assert best_of(trials).config == b and planner.step(trials).run is None  # resumed: nothing measured twice
+    # a re-measurement that goes over the budget rules its config out
+    trials.append(ran_trial(planner, b, len(trials), status="oom", sample=3))
+    assert best_of(trials).config == a
+
+
+def test_re_measurements_count_towards_the_trial_limit(tiny_profile, rates):
+    planner = make_planner(tiny_profile, rates, precision=["fp32"], micro_batch=[1, 2, 4, 8], global_batch=8)
+    limited = Planner(dataclasses.replace(planner.settings, trials=4), tiny_profile, rates)
+    configs = [TrainConfig("fp32", m, 8 // m) for m in (8, 4, 2)]
+    trials = [ran_trial(limited, c, k, samples_per_s=100.0 - k) for k, c in enumerate(configs)]
+    step = limited.step(trials)  # 3 of 4 ran: the last is left for a re-measurement of the best
+    assert planner.configs[step.run] == configs[0] and step.sample == 2
+    trials.append(ran_trial(limited, configs[0], 3, samples_per_s=99.0, sample=2))
+    step = limited.step(trials)
+    assert step.run is None and step.stop.startswith("trial limit: 4 real trials, 1 of them left")
 
 
 def test_stale_running_trials():
@@ -362,10 +417,15 @@ def test_a_search_runs_its_trials_through_the_injected_runner(tmp_path):
     result = search(TINY, "64MB", space=SMALL_SPACE, out_dir=tmp_path / "s", device="cpu", patience=10,
                     trial_runner=runner)
     configs = [c for c, *_ in runner.calls]
-    assert configs and len(configs) == len(set(configs)), "a config ran twice"
     assert all(device == "cpu" and budget == 64_000_000 and 0 < limit <= 180 for _, device, budget, limit in runner.calls)
-    records = {r.config: r for r in load_snapshot(tmp_path / "s").records if r.status.ran}
-    assert set(records) == set(configs) and result.n_real == len(configs)
+    stored = [r for r in load_snapshot(tmp_path / "s").records if r.status.ran]
+    assert [r.config for r in stored] == configs and result.n_real == len(configs)
+    measurements = [(r.config, r.sample) for r in stored]
+    assert len(measurements) == len(set(measurements)), "a measurement was taken twice"
+    records = {r.config: r for r in stored if r.sample == 1}
+    # before answering, the top configs (within half of the best) were measured a second time
+    again = [r.config for r in stored if r.sample == 2]
+    assert again and result.best in again and result.best_measured["samples"] == 2
     fp32_4 = TrainConfig("fp32", 4, 1)
     if fp32_4 in records:  # what the runner said is what was stored
         assert records[fp32_4].status.value == "oom" and not records[fp32_4].feasible
@@ -448,8 +508,9 @@ def test_kill_9_mid_search_then_the_same_command_resumes(tmp_path, write_space):
 
     assert interrupted.state == TrialState.FAIL and record_of(interrupted).status is TrialStatus.INTERRUPTED
     assert not [t for t in trials if t.state == TrialState.RUNNING]
-    real = [tuple(sorted(t.params.items())) for t in trials if t.state == TrialState.COMPLETE]
-    assert len(real) == len(set(real)), "a config ran twice"
+    real = [(tuple(sorted(t.params.items())), t.user_attrs.get("sample", 1)) for t in trials
+            if t.state == TrialState.COMPLETE]
+    assert len(real) == len(set(real)), "a measurement was taken twice"
     assert (out / "trials.csv").is_file() and (out / "summary.md").is_file()
 
 
@@ -466,7 +527,8 @@ def test_two_workers_share_a_study_without_losing_or_repeating_a_trial(tmp_path)
     assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.FAIL, TrialState.WAITING)]
     real = [t for t in trials if t.state == TrialState.COMPLETE]
     keys = [tuple(sorted(t.params.items())) for t in real]
-    assert len(keys) == len(set(keys)), "a config ran twice"
+    measurements = [(k, t.user_attrs.get("sample", 1)) for k, t in zip(keys, real)]
+    assert len(measurements) == len(set(measurements)), "a measurement was taken twice"
     assert len({t.user_attrs["worker"]["pid"] for t in real}) == 2, "both workers ran trials"
     pruned = {tuple(sorted(t.params.items())) for t in trials if t.state == TrialState.PRUNED}
     assert len(pruned) == len([t for t in trials if t.state == TrialState.PRUNED]), "a config pruned twice"

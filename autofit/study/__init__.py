@@ -16,7 +16,16 @@ One planning step (every worker, before every trial, from what the storage holds
    calibration shrank the margin), the config becomes a candidate again;
 3. **stop** when the real-trial limit is reached, the time is up, ``patience`` real trials in a
    row did not improve the best by ``min_improvement``, the best remaining candidate is
-   predicted below BOUND of the best measured, or no candidate is left;
+   predicted below BOUND of the best measured, or no candidate is left; but first (unless the
+   time is up) **re-measure the top**: one throughput sample is noisy (on a shared CPU two
+   samples of a config differ by 10% in the median, up to a third), so the REMEASURE_TOP
+   configs with the highest median (within REMEASURE_WITHIN of the best) are each run again up
+   to REMEASURE_SAMPLES samples, and the best is the config with the highest median
+   (:func:`autofit.records.best_of`). A re-measurement is a real trial of the same config with
+   a higher ``sample`` number: it counts towards the trial limit (exploration leaves up to a
+   quarter of the limit for them), not towards patience; one that fails or goes over the budget
+   rules its config out. Running re-measurements count, so workers and resumed searches never
+   take the same measurement twice;
 4. otherwise **run** the next candidate: first, for each precision not measured yet, its
    predicted-fastest config (one trial calibrates the whole precision); then the candidate with
    the highest calibrated predicted throughput; predictions within NEAR of the best are a tie,
@@ -28,7 +37,8 @@ One planning step (every worker, before every trial, from what the storage holds
    goes on.
 
 The sampler is this planner: each trial's params are the planned config (per-dimension
-categoricals, so Optuna's tables and plots read naturally). No config runs twice: a planning
+categoricals, so Optuna's tables and plots read naturally). No measurement (config and sample
+number) is taken twice: a planning
 step and the ask that follows it hold a lock shared by the workers of one output directory;
 workers on other machines (an RDB ``--storage``) that pick the same config at the same moment
 see the other's trial and prune theirs as a ``duplicate``.
@@ -63,7 +73,8 @@ _HOMES = {
     "autofit.study.storage": ("JOURNAL_NAME", "META_NAME", "ClaimLock", "FlockLock", "config_of", "create_or_load",
                               "distributions", "load_snapshot", "make_storage", "open_study", "read_records",
                               "record_of", "snapshot"),
-    "autofit.study.planner": ("BOUND", "NEAR", "SLOW_FACTOR", "TRIAL_STARTUP_S", "Planner", "Prune", "Step"),
+    "autofit.study.planner": ("BOUND", "NEAR", "REMEASURE_SAMPLES", "REMEASURE_TOP", "REMEASURE_WITHIN", "SLOW_FACTOR",
+                              "TRIAL_STARTUP_S", "Planner", "Prune", "Step"),
     "autofit.study.progress": ("ProgressCallback", "SearchProgress", "progress_of"),
     "autofit.study.worker": ("HEARTBEAT_S", "ORPHAN_S", "STALE_S", "TrialRunner", "fail_stale_trials", "is_stale",
                              "process_start", "run_trial_isolated", "run_worker", "worker_identity"),

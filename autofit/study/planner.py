@@ -20,7 +20,7 @@ from autofit.config import FIELDS, stage_bounds
 from autofit.memory_model import BREAKDOWN, estimate_table
 from autofit.objective import objective
 from autofit.profile import Profile
-from autofit.records import PruneReason, TrialRecord, TrialStatus
+from autofit.records import PruneReason, TrialRecord, TrialStatus, config_samples, median_value
 from autofit.schedule import DEFAULT_SCHEDULE, MeasureSchedule
 from autofit.study.settings import StudySettings
 from autofit.time_model import DeviceRates, OpCounts, predict_table
@@ -32,6 +32,13 @@ BOUND = 0.5                # stop: the best candidate is predicted below this fr
 MIN_TRIAL_TIMEOUT_S = 60.0
 TRIAL_TIMEOUT_FACTOR = 4.0  # a trial may take this many times its (calibrated) prediction
 TRIAL_STARTUP_S = 8.0      # interpreter start + imports of a trial child (and of each extra stage)
+# Before the best is crowned, the top configs are measured again (one throughput sample is noisy:
+# on a shared CPU two samples of one config differ by 10% in the median and up to a third):
+REMEASURE_TOP = 2          # the configs with the highest median measured...
+REMEASURE_WITHIN = 0.75    # ...that are within this fraction of the best median...
+REMEASURE_SAMPLES = 2      # ...are each brought to this many samples; the best is the highest median
+REMEASURE_MAX = 2 * REMEASURE_TOP * (REMEASURE_SAMPLES - 1)  # re-measurements in a study at most
+REMEASURE_RESERVE = 4      # with a trial limit, exploration leaves up to 1/this of it for them
 # A trial runs DEFAULT_SCHEDULE (autofit.schedule); its time limit is sized from that schedule.
 
 
@@ -47,13 +54,15 @@ class Prune:
 
 @dataclass(frozen=True)
 class Step:
-    """One planning step: prunes to record, then the config to run (``run`` None: stop, with ``stop``)."""
+    """One planning step: prunes to record, then the config to run (``run`` None: stop, with ``stop``)
+    and which measurement of it that is (``sample``)."""
 
     prunes: list[Prune]
     run: int | None
     prediction: dict | None
     stop: str | None
     calibration: Calibration
+    sample: int = 1            # 1: the config's first trial; more: a re-measurement of a top config
 
 
 class Planner:
@@ -155,9 +164,11 @@ class Planner:
             claimed[i] |= r.claimed
             pruned_before[i] |= r.status is TrialStatus.PRUNED
             if r.status.ran:
-                failed_run[i] = not r.feasible
+                failed_run[i] |= not r.feasible
                 if r.feasible and r.measurement.get("step_time_s"):
                     measured_step[i] = r.measurement["step_time_s"]
+        by_config = config_samples([r for r in records if r.config in self.index])
+        best_median = max((median_value(v) for v in by_config.values()), default=None)
         # Calibrated predictions.
         peak = self.table["peak_bytes"].to_numpy(dtype=np.float64)
         ratio = calibration.time_ratios(self.table)
@@ -175,11 +186,38 @@ class Planner:
         prunes = [Prune(i, reasons[i][0], reasons[i][1], self.prediction(i, calibration, float(ratio[i])))
                   for i in range(n) if reasons[i] is not None and not claimed[i] and not pruned_before[i]]
         candidates = [i for i in range(n) if reasons[i] is None and not claimed[i]]
-        stop = self._stop(candidates, finished, running, sps, now)
-        if stop is not None:
-            return Step(prunes, None, None, stop, calibration)
-        chosen = self._choose(candidates, sps, ratio, records)
-        return Step(prunes, chosen, self.prediction(chosen, calibration, float(ratio[chosen])), None, calibration)
+        remeasure = self._remeasure(records, by_config)
+        reserve = 0 if settings.trials is None else min(len(remeasure), settings.trials // REMEASURE_RESERVE)
+        stop = self._stop(candidates, finished, running, sps, now, best_median, reserve)
+        if stop is None:
+            chosen = self._choose(candidates, sps, ratio, records)
+            return Step(prunes, chosen, self.prediction(chosen, calibration, float(ratio[chosen])), None, calibration)
+        under_limit = settings.trials is None or len(finished) + running < settings.trials
+        if remeasure and under_limit and not stop.startswith("timeout"):
+            i, sample = remeasure[0]
+            return Step(prunes, i, self.prediction(i, calibration, float(ratio[i])), None, calibration, sample)
+        extra = sum(r.sample > 1 and r.status.ran for r in records)
+        if extra:
+            stop += f"; then {extra} re-measurement(s) of the top configs (the best is the highest median)"
+        return Step(prunes, None, None, stop, calibration)
+
+    def _remeasure(self, records: Sequence[TrialRecord], by_config: dict) -> list[tuple[int, int]]:
+        """The re-measurements still due before the best is crowned, as (config index, sample number):
+        the REMEASURE_TOP configs with the highest median (within REMEASURE_WITHIN of the best),
+        each brought to REMEASURE_SAMPLES samples; running ones count (another worker has them)."""
+        claimed = [r for r in records if r.claimed and r.config in self.index]
+        if sum(r.sample > 1 for r in claimed) >= REMEASURE_MAX or not by_config:
+            return []
+        ranked = sorted(by_config.items(), key=lambda kv: (-median_value(kv[1]), kv[1][0].number))
+        best = median_value(ranked[0][1])
+        due = []
+        for config, done in ranked[:REMEASURE_TOP]:
+            if median_value(done) < REMEASURE_WITHIN * best:
+                break
+            mine = [r for r in claimed if r.config == config]
+            if len(done) + sum(r.status is TrialStatus.RUNNING for r in mine) < REMEASURE_SAMPLES:
+                due.append((self.index[config], 1 + max(r.sample for r in mine)))
+        return due
 
     def _reasons(self, peak, sps, ratio, fits, calibration) -> list[tuple[PruneReason, str] | None]:
         """The static reasons, then over budget, then too slow (against the best predicted that fits)."""
@@ -228,15 +266,18 @@ class Planner:
                         break
 
     def _stop(self, candidates: list[int], finished: list[TrialRecord], running: int, sps: np.ndarray,
-              now: float | None) -> str | None:
+              now: float | None, best_median: float | None, reserve: int) -> str | None:
+        """Why exploration stops (None: it goes on). Re-measurements are real trials: they count
+        towards the trial limit (``reserve`` of it is left for them), not towards patience."""
         settings = self.settings
-        if not candidates:
-            return "exhausted: every config of the space ran or was pruned"
-        if settings.trials is not None and len(finished) + running >= settings.trials:
-            return f"trial limit: {settings.trials} real trials"
         if settings.deadline is not None and (now or time.time()) >= settings.deadline:
             return "timeout: no trial starts after the time limit"
-        ordered = sorted(finished, key=lambda r: (r.finished is None, r.finished, r.number))
+        if not candidates:
+            return "exhausted: every config of the space ran or was pruned"
+        if settings.trials is not None and len(finished) + running >= settings.trials - reserve:
+            return f"trial limit: {settings.trials} real trials" + (
+                f", {reserve} of them left to re-measure the top configs" if reserve else "")
+        ordered = sorted((r for r in finished if r.sample == 1), key=lambda r: (r.finished is None, r.finished, r.number))
         best, since = None, 0
         for r in ordered:
             value = r.value if r.feasible else None
@@ -249,11 +290,11 @@ class Planner:
         if since >= settings.patience:
             return (f"patience: {since} real trials in a row without improving the best by "
                     f"{settings.min_improvement:.0%}" + ("" if best is not None else " (none fitted)"))
-        if best is not None:
+        if best_median is not None:
             top = max(sps[i] for i in candidates)
-            if top < BOUND * best:
+            if top < BOUND * best_median:
                 return (f"bound: the best remaining config is predicted at {top:.3g} samples/s, under "
-                        f"{BOUND:.0%} of the best measured {best:.3g}")
+                        f"{BOUND:.0%} of the best measured {best_median:.3g}")
         return None
 
     def _choose(self, candidates: list[int], sps: np.ndarray, ratio: np.ndarray,

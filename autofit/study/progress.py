@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from autofit.config import TrainConfig
-from autofit.records import TrialRecord, TrialStatus, best_of
+from autofit.records import TrialRecord, TrialStatus, best_of, config_samples, median_value
 
 
 @dataclass(frozen=True)
@@ -15,7 +15,7 @@ class SearchProgress:
     """A progress event for a callback (the library never prints).
 
     ``real``: real trials finished; ``pruned``: configs pruned by the estimate; ``running``;
-    ``best_samples_per_s``/``best_config``: the best feasible trial so far (None before);
+    ``best_samples_per_s``/``best_config``: the best config so far and its median objective (None before);
     ``message``: one line about what just happened; ``elapsed_s``; ``done``: the search ended.
     """
 
@@ -39,5 +39,6 @@ def progress_of(records: Sequence[TrialRecord], message: str, started: float, do
     running = sum(r.status is TrialStatus.RUNNING for r in records)
     real = sum(r.status.ran for r in records)
     best = best_of(list(records))
-    return SearchProgress(real, len(pruned), running, None if best is None else best.value,
+    value = None if best is None else median_value(config_samples(list(records))[best.config])
+    return SearchProgress(real, len(pruned), running, value,
                           None if best is None else best.config, message, time.monotonic() - started, done)

@@ -9,7 +9,8 @@ and whether it failed. The rest is in user attrs, read and written only here:
 - ``reason_kind`` (a :class:`autofit.records.PruneReason` value), ``reason``: why it was pruned;
 - ``predicted``: the estimate and time model before it ran (raw and calibrated);
 - ``measured``: the TrialResult's numbers; ``errors``: relative prediction errors;
-- ``worker``: who ran it; ``heartbeat``: when its worker last wrote.
+- ``worker``: who ran it; ``heartbeat``: when its worker last wrote;
+- ``sample``: which measurement of its config (1 the first, more a re-measurement; absent: 1).
 
 :func:`record_of` turns a stored trial into a :class:`autofit.records.TrialRecord`, the only
 form the planner and the report see. Journals written by autofit 0.1 read the same way.
@@ -349,7 +350,7 @@ def record_of(trial: FrozenTrial) -> TrialRecord | None:
         measurement=attrs.get("measured") or {}, errors=attrs.get("errors") or {}, prune_reason=prune_reason,
         reason=attrs.get("reason") if status is TrialStatus.PRUNED else None, value=trial.value,
         constraints=trial.constraints, started=trial.datetime_start, finished=trial.datetime_complete,
-        worker=attrs.get("worker") or {}, heartbeat=attrs.get("heartbeat"))
+        worker=attrs.get("worker") or {}, heartbeat=attrs.get("heartbeat"), sample=int(attrs.get("sample") or 1))
 
 
 def read_records(study: optuna.Study) -> list[TrialRecord]:
@@ -382,10 +383,12 @@ def add_pruned(study: optuna.Study, config: TrainConfig, dists: dict, reason: Pr
                     "predicted": prediction}))
 
 
-def sign_claim(trial: optuna.Trial, worker: dict, prediction: dict) -> None:
-    """Mark a freshly asked trial as this worker's, with what it is predicted to do."""
+def sign_claim(trial: optuna.Trial, worker: dict, prediction: dict, sample: int = 1) -> None:
+    """Mark a freshly asked trial as this worker's, with what it is predicted to do and which
+    measurement of its config it is (``sample``: 1 the first, more a re-measurement)."""
     trial.set_user_attr("worker", worker)
     trial.set_user_attr("predicted", prediction)
+    trial.set_user_attr("sample", sample)
     trial.set_user_attr("status", TrialStatus.RUNNING.value)
 
 

@@ -162,9 +162,10 @@ def _describe(number: int, config: TrainConfig, result: TrialResult) -> str:
     return f"trial {number} {config.short()}: {result.status.value}: {result.error} ({result.wall_s:.0f} s)"
 
 
-def _claimed_elsewhere(records: list[TrialRecord], number: int, config: TrainConfig) -> int | None:
+def _claimed_elsewhere(records: list[TrialRecord], number: int, config: TrainConfig, sample: int) -> int | None:
+    """An earlier trial that took the same measurement (config and sample number), or None."""
     for r in records:
-        if r.number < number and r.config == config and (r.status.ran or r.status is TrialStatus.RUNNING):
+        if r.number < number and r.config == config and r.sample == sample and r.claimed:
             return r.number
     return None
 
@@ -201,12 +202,13 @@ def run_worker(settings: StudySettings, workload: Workload, *, profile: Profile 
             worker.emit(f"stopped: {step.stop}")
             return step.stop
         config = storage.config_of(trial.params)  # the planned config, or one someone enqueued by hand
-        duplicate = _claimed_elsewhere(storage.read_records(worker.study), trial.number, config)
+        duplicate = _claimed_elsewhere(storage.read_records(worker.study), trial.number, config, step.sample)
         if duplicate is not None:
             storage.prune_claimed(worker.study, trial, PruneReason.DUPLICATE,
                                   f"claimed at the same time by trial {duplicate} (another machine)")
             continue
-        worker.run(trial, config, step.prediction, workload if workload.source is None else workload.source, runner)
+        worker.run(trial, config, step.prediction, workload if workload.source is None else workload.source, runner,
+                   step.sample)
 
 
 class _Worker:
@@ -252,13 +254,14 @@ class _Worker:
             self.sampler.pending = self.planner.configs[step.run].to_dict()
             trial = self.study.ask(fixed_distributions=self.dists)
             self.sampler.pending = None
-            storage.sign_claim(trial, worker_identity(), step.prediction)
+            storage.sign_claim(trial, worker_identity(), step.prediction, step.sample)
             return step, trial
 
     def run(self, trial: optuna.Trial, config: TrainConfig, prediction: dict, workload: Workload | str,
-            runner: TrialRunner) -> None:
+            runner: TrialRunner, sample: int = 1) -> None:
         """Run the claimed trial (with a heartbeat) and record its result; an interrupt marks it interrupted."""
-        self.emit(f"trial {trial.number} {config.short()}: running (predicted {prediction['samples_per_s']:.3g} "
+        what = "running" if sample == 1 else f"measuring again (sample {sample}, before the best is crowned)"
+        self.emit(f"trial {trial.number} {config.short()}: {what} (predicted {prediction['samples_per_s']:.3g} "
                   f"samples/s, limit {prediction['trial_timeout_s']:.0f} s)")
         try:
             with _Heartbeat(trial):
