@@ -470,3 +470,88 @@ def test_update_readme_rewrites_only_the_block(tmp_path):
     assert not update_readme(tmp_path / "missing.md", summary)
     with pytest.raises(ValueError, match="no benchmark block"):
         replace_block("no markers here", "x")
+
+
+# --- levers: device splits and what each lever is worth -------------------------------------------
+
+def _split_grid(global_batch: int = 8, micro_batches: tuple[int, ...] = (1, 2, 4, 8)) -> Grid:
+    """One device never fits 30 MiB (base 80 MiB); a 2-way split halves the base (fsdp) or nearly (pipeline)."""
+    from autofit.config import SplitMode
+
+    cell = Cell("synthetic", global_batch, micro_batches, (Precision.FP32, Precision.AMP_BF16, Precision.BF16), (30, 1000),
+                checkpoints=(0,),
+                device_splits=(1, 2), split_modes=(SplitMode.PIPELINE, SplitMode.FSDP))
+    oracle = Synthetic(10**12, per_sample=1 * MiB, base=80 * MiB)
+    points = {}
+    for c in problem_for(cell, 1, 0).configs():
+        share = {1: 1.0, 2: 0.6 if c.split_mode is SplitMode.PIPELINE else 0.5}[c.device_split]
+        peak = int(oracle.peak(c) * share)
+        points[c] = GridPoint(c, "ok", peak, oracle.throughput(c) * (1.2 if c.device_split > 1 else 1.0), 0.1, 3.0,
+                              peak)
+    return Grid(cell, points, oom_floor_s=1.5, param_count=0)
+
+
+def test_split_grid_matches_autofit_space_and_fsdp_keeps_the_global_batch():
+    from autofit.config import SplitMode
+    from autofit.space import SearchSpace
+
+    grid = _split_grid()
+    problem = problem_for(grid.cell, 30 * MiB, 0)
+    space = SearchSpace(precision=problem.precisions, micro_batch=problem.micro_batches,
+                        checkpoint_every=problem.checkpoints, device_split=(1, 2),
+                        split_mode=(SplitMode.PIPELINE, SplitMode.FSDP), global_batch=8)
+    assert set(problem.configs()) == set(space.configs()) and len(problem.configs()) == 3 * (4 + 4 + 3)
+    assert all(c.samples_per_step == 8 for c in problem.configs())
+    assert problem.micro_batches_for((2, SplitMode.FSDP)) == (1, 2, 4)
+    with pytest.raises(ValueError, match="device_splits must include 1"):
+        st.Problem("x", 1, 8, (Precision.FP32,), (1, 2), device_splits=(2,))
+
+
+def test_finders_score_zero_where_only_a_split_fits_and_tpe_searches_the_split():
+    grid = _split_grid()
+    budget = 30 * MiB
+    best = grid.optimum(budget)
+    assert best.config.device_split == 2
+    for strategy in st.PEERS:
+        res = run_strategy(strategy, grid, budget, 0, ReplayOracle(grid, budget), "replay")
+        assert res.error is None and res.trials > 0
+        assert all(r.outcome.config.device_split == 1 for r in res.history) or strategy.name == "optuna-tpe"
+        if strategy.name != "optuna-tpe":
+            assert res.fraction == 0.0
+    tpe = next(s for s in st.PEERS if s.name == "optuna-tpe")
+    oracle = ReplayOracle(grid, budget)
+    res = run_strategy(tpe, grid, budget, 0, oracle, "replay")
+    assert {r.outcome.config.device_split for r in res.history} == {1, 2} and res.fraction > 0
+
+
+def test_lever_margins_name_the_best_config_without_each_lever():
+    from autofit.bench.search_tables import lever_line
+
+    grid = _split_grid()
+    split, = grid.lever_margins(30 * MiB)[-1:]
+    assert split[0] == "a device split" and split[1] is None
+    assert "nothing fits without it" in lever_line(grid, 30 * MiB)
+    # with room, accumulation is worth the ratio to the best ga=1 config that fits
+    roomy = 1000 * MiB
+    best = grid.optimum(roomy)
+    margins = dict(grid.lever_margins(roomy))
+    if best.config.grad_accum > 1:
+        without = margins["accumulation"]
+        assert without.config.grad_accum == 1 and without.samples_per_s <= best.samples_per_s
+    assert "of the optimum" in lever_line(grid, roomy) or "nothing fits" in lever_line(grid, roomy)
+
+
+def test_replay_loads_two_cells_of_one_workload_with_their_splits(tmp_path):
+    from autofit.bench.replay import load_grids
+
+    one, split = _grid(), _split_grid(4, (1, 2, 4))   # global batches 8 and 4: two cells of one workload
+    split = dataclasses.replace(split, cell=dataclasses.replace(split.cell, workload="synthetic", budgets_mib=(30,)))
+    runs = [run_strategy(HALVING, g, g.cell.budgets_mib[0] * MiB, 0, ReplayOracle(g, g.cell.budgets_mib[0] * MiB),
+                         "replay") for g in (one, split)]
+    write_search(tmp_path, environment("test"), SearchResults([one, split], runs, ("synthetic", 50 * MiB), 1, 0.0),
+                 (HALVING,))
+    first, second = load_grids(tmp_path / "search_grid.csv")
+    assert (first.cell.global_batch, first.cell.budgets_mib, first.cell.device_splits) == (8, (50, 100), (1,))
+    assert second.cell.global_batch == 4 and second.cell.micro_batches == (1, 2, 4)
+    assert second.cell.device_splits == (1, 2) and set(second.cell.split_modes) == {"pipeline", "fsdp"}
+    assert set(second.points) == set(split.points) and second.optimum(30 * MiB) == split.optimum(30 * MiB)

@@ -19,24 +19,25 @@ import pandas as pd
 
 from autofit.bench.search import MiB, STRATEGIES, Cell, Grid, GridPoint, ReplayOracle, RunResult, run_strategy
 from autofit.bench.strategies import Strategy
-from autofit.config import Precision, TrainConfig
+from autofit.config import Precision, SplitMode, TrainConfig
 
 _FLOOR_RE = re.compile(r"a trial that dies at its first operator: ([\d.]+) s\)\. autofit's clock is charged ([\d.]+) s")
+_TITLE_RE = re.compile(r"(.+?): global batch (\d+),")
 
 
 def _number(value) -> float | None:
     return None if value is None or (isinstance(value, float) and math.isnan(value)) or value == "" else float(value)
 
 
-def grid_costs(markdown: Path | None) -> dict[str, tuple[float, float]]:
-    """Per workload, (OOM floor s, first-use s) as ``search.md`` states them (its sections in grid order)."""
+def grid_costs(markdown: Path | None) -> dict[tuple[str, int], tuple[float, float]]:
+    """Per (workload, global batch), (OOM floor s, first-use s) as ``search.md`` states them."""
     if markdown is None or not markdown.is_file():
         return {}
     out = {}
     for section in markdown.read_text().split("\n## ")[1:]:
-        found = _FLOOR_RE.search(section)
-        if found:
-            out[section.split(":", 1)[0].strip()] = (float(found[1]), float(found[2]))
+        found, title = _FLOOR_RE.search(section), _TITLE_RE.match(section)
+        if found and title:
+            out[(title[1].strip(), int(title[2]))] = (float(found[1]), float(found[2]))
     return out
 
 
@@ -45,11 +46,15 @@ def load_grids(csv_path: Path, markdown: Path | None = None) -> list[Grid]:
     frame = pd.read_csv(csv_path)
     costs = grid_costs(markdown if markdown is not None else csv_path.with_name("search.md"))
     grids = []
-    for workload, rows in frame.groupby("workload", sort=False):
+    keys = [k for k in ("precision", "micro_batch", "grad_accum", "checkpoint_every", "device_split", "split_mode")
+            if k in frame.columns]   # split_mode: absent from grids written before it existed
+    # a workload may have several cells (e.g. one with device splits): one grid per global batch
+    frame["global_batch"] = [TrainConfig.from_dict({k: row[k] for k in keys}).samples_per_step
+                             for row in frame.to_dict("records")]
+    for (workload, global_batch), rows in frame.groupby(["workload", "global_batch"], sort=False):
         points = {}
         for row in rows.to_dict("records"):
-            config = TrainConfig.from_dict({k: row[k] for k in ("precision", "micro_batch", "grad_accum",
-                                                                "checkpoint_every", "device_split")})
+            config = TrainConfig.from_dict({k: row[k] for k in keys})
             points[config] = GridPoint(config, row["status"], None if math.isnan(row["measured_peak_bytes"])
                                        else int(row["measured_peak_bytes"]), _number(row["samples_per_s"]),
                                        _number(row["step_time_s"]), float(row["trial_wall_s"]),
@@ -58,11 +63,13 @@ def load_grids(csv_path: Path, markdown: Path | None = None) -> list[Grid]:
         configs = list(points)
         budgets = tuple(int(c[len("fits_"):-len("MiB")]) for c in rows.columns
                         if c.startswith("fits_") and rows[c].notna().any())
-        cell = Cell(str(workload), configs[0].samples_per_step,
+        cell = Cell(str(workload), int(global_batch),
                     tuple(sorted({c.micro_batch for c in configs})),
                     tuple(dict.fromkeys(Precision(c.precision) for c in configs)), budgets,
-                    tuple(sorted({c.checkpoint_every for c in configs})))
-        floor_s, first_use_s = costs.get(str(workload), (0.0, 0.0))
+                    tuple(sorted({c.checkpoint_every for c in configs})),
+                    tuple(sorted({c.device_split for c in configs})),
+                    tuple(dict.fromkeys(c.split_mode for c in configs if c.device_split > 1)) or (SplitMode.PIPELINE,))
+        floor_s, first_use_s = costs.get((str(workload), int(global_batch)), (0.0, 0.0))
         grids.append(Grid(cell, points, floor_s, 0, 0.0, first_use_s))
     return grids
 

@@ -1,7 +1,8 @@
 """The search suite: autofit's search against its peers, on grids measured exhaustively here.
 
 For each workload a small grid (precision x micro-batch x checkpointing, a fixed global batch,
-one device) is run for real, config by config, with the same trial runner the strategies use
+and for some cells a device split: pipeline stages or FSDP ranks, each a process on this
+machine's CPU, gloo) is run for real, config by config, with the same trial runner the strategies use
 (:func:`autofit.trial.run_trial`, no budget). Its fastest config that fits a budget is the
 ground-truth optimum for that budget. Then each strategy searches:
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,7 +44,7 @@ from autofit.bench.strategies import (
     optuna_tpe,
     sweeps,
 )
-from autofit.config import Precision, TrainConfig
+from autofit.config import Precision, SplitMode, TrainConfig
 from autofit.records import TrialStatus
 from autofit.schedule import DEFAULT_SCHEDULE
 
@@ -64,17 +66,54 @@ class Cell:
     precisions: tuple[Precision, ...]
     budgets_mib: tuple[int, ...]
     checkpoints: tuple[int, ...] = (0, 1)
+    device_splits: tuple[int, ...] = (1,)        # with split_modes, as in autofit.space.SearchSpace
+    split_modes: tuple[SplitMode, ...] = (SplitMode.PIPELINE,)
 
 
 _THREE = (Precision.FP32, Precision.AMP_BF16, Precision.BF16)
 # amp-fp16 is left out to keep the exhaustive grids affordable: on CPUs without native fp16
 # kernels a step is ~1000x slower (FACTS.md), and where the CPU has them (avx512_fp16, as the
 # search's probe found on this machine) it measures close to fp32, which the grid already has.
+_PIPELINE_AND_FSDP = (SplitMode.PIPELINE, SplitMode.FSDP)
+
+
+def user_model(file: str, function: str = "workload") -> str:
+    """The ``--model`` spec of a workload file in ``autofit/bench/user_models`` (written as a user
+    writes one, loaded by path), relative to the working directory as a user would type it."""
+    path = Path(__file__).resolve().parent / "user_models" / file
+    try:
+        path = Path(os.path.relpath(path))
+    except ValueError:  # another drive (Windows): keep it absolute
+        pass
+    return f"{path.as_posix()}:{function}"
+
+
+# Cells where each lever decides the optimum, chosen from measurements (the tables' "The optimum
+# uses ..." line states, per budget, what each lever is worth in the committed run):
+# - accumulation: gpt-tiny @ 64 MiB. No config with grad_accum 1 fits at global batch 12 (the
+#   smallest, bf16 mb=12 ckpt=1, measured 66.2 MiB); the optimum was bf16 mb=6 ga=2.
+# - checkpointing: gpt-tiny @ 94 MiB. fp32 mb=6 ckpt=1 (90.9 MiB) measured 46.3 samples/s where the
+#   best config without checkpointing, bf16 mb=6 (62.4 MiB), measured 34.7 (+33%; fp32 mb=4, 96.4 MiB,
+#   is over). Checkpointing wins here because a small model's CPU step gains much from a larger
+#   micro-batch (fp32 mb=2 -> 6: 32.5 -> 55.7 samples/s) and recomputation costs ~20% (46.3 vs 55.7).
+#   With long sequences and plain attention it loses instead: a micro-batch of one already fills
+#   the matmuls, so a larger one gains less than the recomputation costs.
+# - device split: a 2-way pipeline and 2 FSDP ranks (gloo processes on this CPU) at 24 MiB, under
+#   gpt-tiny's smallest one-device config (bf16 mb=1 ckpt=1, 25.3 MiB; the fp32 states alone are
+#   42 MB): bf16 pipeline mb=1 measured 18.6 MiB, fsdp mb=1 19.3, fsdp mb=2 21.6 (pipeline mb=2,
+#   24.2, is over). Only budgets where nothing fits on one device: there every fitting config is
+#   one job on both devices, so autofit's objective (job samples/s, autofit.objective) and the
+#   grid's (one trial's samples/s) rank them alike; with room for one device, autofit would count
+#   an unsplit config twice (two data-parallel replicas) where the grid counts it once.
+# - a workload file: the MLP-Mixer of user_models/mixer.py (RMSprop with momentum), loaded by path.
 # Every grid's micro-batches go down to 1, so a finder that halves its way down always has a size
 # left to try (a grid starting at 4 scored a finder that would have run 3 as finding nothing).
 CELLS = (
-    Cell("gpt-tiny", 12, (1, 2, 4, 6, 12), _THREE, (64, 128)),
+    Cell("gpt-tiny", 12, (1, 2, 4, 6, 12), _THREE, (64, 94, 128)),
     Cell("convnet-bn", 24, (1, 2, 4, 6, 8, 12, 24), _THREE, (16, 24)),
+    Cell("gpt-tiny", 4, (1, 2), _THREE, (24,), checkpoints=(0,),
+         device_splits=(1, 2), split_modes=_PIPELINE_AND_FSDP),
+    Cell(user_model("mixer.py"), 32, (1, 4, 8, 16, 32), _THREE, (16, 24)),
 )
 QUICK_CELLS = (
     Cell("gpt-tiny", 12, (1, 4, 12), (Precision.FP32, Precision.AMP_BF16), (64, 128)),
@@ -82,8 +121,13 @@ QUICK_CELLS = (
 
 
 def search_budgets(quick: bool = False) -> dict[str, tuple[int, ...]]:
-    """Budgets in bytes per workload, as used by the search suite (the accuracy suite reuses them)."""
-    return {c.workload: tuple(b * MiB for b in c.budgets_mib) for c in (QUICK_CELLS if quick else CELLS)}
+    """Budgets in bytes per workload, as used by the search suite (the accuracy suite reuses them).
+
+    A workload in several cells gets the budgets of all of them."""
+    out: dict[str, tuple[int, ...]] = {}
+    for c in QUICK_CELLS if quick else CELLS:
+        out[c.workload] = tuple(sorted(set(out.get(c.workload, ())) | {b * MiB for b in c.budgets_mib}))
+    return out
 
 
 # --------------------------------------------------------------------------------------
@@ -129,6 +173,25 @@ class Grid:
         feasible = self.feasible(budget_bytes)
         return max(feasible, key=lambda p: p.samples_per_s) if feasible else None
 
+    def lever_margins(self, budget_bytes: int) -> list[tuple[str, GridPoint | None]]:
+        """Each lever the optimum uses, with the best config that fits without it (None: nothing fits).
+
+        The levers: checkpointing (``checkpoint_every > 0``), accumulation (``grad_accum > 1`` at
+        the cell's fixed global batch) and a device split (``device_split > 1``). The optimum's
+        throughput over that config's is what the lever is worth in this cell, as measured.
+        """
+        best = self.optimum(budget_bytes)
+        if best is None:
+            return []
+        levers = (("checkpointing", lambda c: c.checkpoint_every > 0), ("accumulation", lambda c: c.grad_accum > 1),
+                  ("a device split", lambda c: c.device_split > 1))
+        out = []
+        for name, uses in levers:
+            if uses(best.config):
+                without = [p for p in self.feasible(budget_bytes) if not uses(p.config)]
+                out.append((name, max(without, key=lambda p: p.samples_per_s) if without else None))
+        return out
+
     def fraction(self, config: TrainConfig | None, budget_bytes: int) -> float:
         """Grid throughput of ``config`` over the optimum; 0 for no answer or one that does not fit."""
         best = self.optimum(budget_bytes)
@@ -141,7 +204,7 @@ class Grid:
 def problem_for(cell: Cell, budget_bytes: int, param_count: int) -> Problem:
     return Problem(workload=cell.workload, budget_bytes=budget_bytes, global_batch=cell.global_batch,
                    precisions=cell.precisions, micro_batches=cell.micro_batches, checkpoints=cell.checkpoints,
-                   param_count=param_count)
+                   param_count=param_count, device_splits=cell.device_splits, split_modes=cell.split_modes)
 
 
 def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) -> Grid:
@@ -180,9 +243,10 @@ def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) 
         trials.append(r)
         progress(f"grid {cell.workload} [{i + 1}/{len(configs)}] {config.short()}: {r.status.value} "
                  f"{mib(r.peak_bytes)} MiB, {seconds(r.samples_per_s)} samples/s, {r.wall_s:.1f} s")
-    # A second throughput sample per config, at another moment (3 untracked steps, in one worker).
-    second = run_jobs([{"kind": "throughput", "workload": cell.workload, "config": c.to_dict(), "steps": 3}
-                       for c, r in zip(configs, trials) if r.ok], job_timeout_s=TRIAL_TIMEOUT_S)
+    # A second throughput sample per config, at another moment (3 untracked steps, in one worker;
+    # a device split runs its ranks' processes through measure_trial, the trial's own code path).
+    second = run_jobs([_second_sample_job(cell.workload, c) for c, r in zip(configs, trials) if r.ok],
+                      job_timeout_s=TRIAL_TIMEOUT_S)
     second_by_config = dict(zip([c for c, r in zip(configs, trials) if r.ok], second))
     points = {}
     for config, r, pred in zip(configs, trials, predicted):
@@ -197,6 +261,13 @@ def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) 
     progress(f"grid {cell.workload}: a trial over its budget at the first operator took {floor.wall_s:.1f} s "
              f"({floor.status.value})")
     return Grid(cell, points, floor.wall_s, problem.param_count, time.perf_counter() - started, first_use_s)
+
+
+def _second_sample_job(workload: str, config: TrainConfig) -> dict:
+    if config.device_split > 1:
+        return {"kind": "memory", "workload": workload, "config": config.to_dict(), "time": True,
+                "warmup_steps": SCHEDULE.warmup_steps, "measure_steps": 1}
+    return {"kind": "throughput", "workload": workload, "config": config.to_dict(), "steps": 3}
 
 
 # --------------------------------------------------------------------------------------
@@ -373,10 +444,12 @@ def autofit_search(problem: Problem, oracle: Oracle, seed: int = 0, first_use_s:
     if first_use_s:
         oracle.charge(first_use_s, "cold profile and device probe")
     space = SearchSpace(precision=problem.precisions, micro_batch=problem.micro_batches,
-                        checkpoint_every=problem.checkpoints, device_split=(1,), global_batch=problem.global_batch)
+                        checkpoint_every=problem.checkpoints, device_split=problem.device_splits,
+                        split_mode=problem.split_modes, global_batch=problem.global_batch)
     with tempfile.TemporaryDirectory(prefix="autofit-bench-study-") as out:
+        # devices: the grid's largest split (its stages or ranks are processes sharing this CPU)
         result = search(problem.workload, problem.budget_bytes, space=space, out_dir=out, device="cpu", seed=seed,
-                        trial_runner=run_trial)
+                        devices=max(problem.device_splits), trial_runner=run_trial)
     stop = getattr(result, "stop_reason", None)
     if stop:
         oracle.notes.append(f"stopped: {stop}")

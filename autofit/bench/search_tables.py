@@ -163,14 +163,20 @@ def write_search(out_dir: Path, env: dict, res: SearchResults, strategies: tuple
             "`bf16=True`, Lightning's `bf16-mixed`, DeepSpeed's `bf16` section). `sweep`: once per precision of the "
             "grid, the fastest measured answer kept, all trials charged to one clock. amp-fp16 is not in the grids, "
             "to keep them affordable: on CPUs without native fp16 kernels a step is ~1000x slower (FACTS.md); where "
-            "the CPU has them (this machine's matmul probe shows avx512_fp16 rates) it measures close to fp32.")
+            "the CPU has them (this machine's matmul probe shows avx512_fp16 rates) it measures close to fp32. "
+            "The finders run on one device: none of them splits a model, so where only a device split fits they "
+            "find nothing and score 0. DeepSpeed itself would also try ZeRO stages 1-3 on several devices (stage 3 "
+            "shards as fsdp does here), which the re-implementation here (stage 0) does not: a handicap in the "
+            "split cells.")
     for s in strategies:
         rep.add(f"- **{s.name}**: {s.description}" + (f" (handicap: {s.handicap})" if s.handicap else ""))
     for grid in res.grids:
         cell = grid.cell
         title = (f"## {cell.workload}: global batch {cell.global_batch}, micro-batches "
                  f"{', '.join(map(str, cell.micro_batches))}, precisions {', '.join(p.value for p in cell.precisions)}, "
-                 f"checkpointing {', '.join(map(str, cell.checkpoints))}")
+                 f"checkpointing {', '.join(map(str, cell.checkpoints))}"
+                 + (f", device splits {', '.join(map(str, cell.device_splits))} "
+                    f"({', '.join(m.value for m in cell.split_modes)})" if cell.device_splits != (1,) else ""))
         measured = (f"{len(grid.points)} configs measured in {grid.wall_s / 60:.1f} min "
                     f"(median trial {seconds(median_and_spread([p.wall_s for p in grid.points.values()])[0])} s; "
                     f"a trial that dies at its first operator: {grid.oom_floor_s:.1f} s). autofit's clock is charged "
@@ -204,7 +210,7 @@ def write_search(out_dir: Path, env: dict, res: SearchResults, strategies: tuple
                     f"The estimate on this grid: {len(fits_wrong)} false fit(s), {len(pruned_wrong)} false prune(s)"
                     + (": " + "; ".join(f"`{p.config.short()}` predicted {mib(p.predicted_peak_bytes)} measured "
                                         f"{mib(p.peak_bytes)} MiB" for p in fits_wrong + pruned_wrong)
-                       if fits_wrong or pruned_wrong else "."), ""]
+                       if fits_wrong or pruned_wrong else "."), lever_line(grid, budget), ""]
             rows = []
             for s in strategies:
                 mine = [r for r in res.runs if r.mode == "replay" and r.strategy == s.name and r.workload == cell.workload
@@ -276,3 +282,16 @@ def _plot(plt, res: SearchResults, strategies):
     axes[0][-1].legend(fontsize=7)
     return fig
 
+
+def lever_line(grid, budget_bytes: int) -> str:
+    """What the optimum's levers are worth here, measured: the best config that fits without each."""
+    parts = []
+    for lever, without in grid.lever_margins(budget_bytes):
+        best = grid.optimum(budget_bytes)
+        if without is None:
+            parts.append(f"{lever} (nothing fits without it)")
+        else:
+            parts.append(f"{lever} (best without it: `{without.config.short()}` at {without.samples_per_s:.1f} "
+                         f"samples/s, {pct(without.samples_per_s / best.samples_per_s)} of the optimum)")
+    return ("The optimum uses " + "; ".join(parts) + "." if parts
+            else "The optimum uses none of checkpointing, accumulation or a device split.")

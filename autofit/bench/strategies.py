@@ -22,8 +22,9 @@ again, which only ever favours the peer.
   costed as fp32), probes at 1.05x/1x/0.95x of it, binary search with a 5% plateau rule, then
   the tuning list around the maximum and smaller sizes while each gains 5%.
 - :func:`optuna_tpe` -- plain Optuna TPE over the whole space (precision, micro-batch,
-  checkpointing) with real trials only: no estimate, no pruning; an OOM is found by running it,
-  scores 0 and is told to the sampler as a violated constraint.
+  checkpointing, and the device split where the grid has one) with real trials only: no
+  estimate, no pruning; an OOM is found by running it, scores 0 and is told to the sampler as a
+  violated constraint.
 
 The batch finders tune the micro-batch only. How a user would run them fairly (issue 13):
 
@@ -40,6 +41,9 @@ The batch finders tune the micro-batch only. How a user would run them fairly (i
 
 Checkpointing stays off in both (none of the finders turns it on): the handicap that remains.
 
+The batch finders run on one device: where only a device split fits, they find nothing and
+score 0, which is what they do (none of them splits a model).
+
 Each strategy is ``fn(problem, oracle, seed) -> TrainConfig | None`` (its answer: the config it
 would train with), and declares how it ranks its own trials (:data:`CRITERION`).
 """
@@ -53,8 +57,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from autofit.config import Precision, TrainConfig
+from autofit.config import Precision, SplitMode, TrainConfig
 from autofit.records import TrialStatus
+
+ONE_DEVICE = (1, SplitMode.PIPELINE)   # a (device_split, split_mode) pair: one device, whatever the mode
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,12 @@ class Problem:
     default_precision: Precision = Precision.FP32
     default_checkpoint: int = 0
     param_count: int = 0               # for the DeepSpeed model-state formula
+    # Devices the model may be split over and how (autofit.space.SearchSpace's rule: a split of 1
+    # is one device whatever the mode; under fsdp each of the device_split ranks runs a micro-batch,
+    # so grad_accum = global_batch / (micro_batch x ranks) and only micro-batches dividing it count).
+    # A batch-size finder runs on one device: its configs are always split 1.
+    device_splits: tuple[int, ...] = (1,)
+    split_modes: tuple[SplitMode, ...] = (SplitMode.PIPELINE,)
 
     def __post_init__(self) -> None:
         bad = [m for m in self.micro_batches if self.global_batch is not None and self.global_batch % m]
@@ -80,17 +92,32 @@ class Problem:
             raise ValueError(f"micro_batches must ascend and divide {self.global_batch}: {self.micro_batches}")
         if self.default_precision not in self.precisions or self.default_checkpoint not in self.checkpoints:
             raise ValueError("the peers' default precision and checkpointing must be in the grid")
+        if 1 not in self.device_splits:
+            raise ValueError(f"device_splits must include 1 (one device, the peers' setting): {self.device_splits}")
 
     def config(self, micro_batch: int, precision: Precision | str | None = None,
-               checkpoint_every: int | None = None) -> TrainConfig:
+               checkpoint_every: int | None = None, split: tuple[int, SplitMode] = ONE_DEVICE) -> TrainConfig:
         precision = self.default_precision if precision is None else Precision(precision)
         checkpoint = self.default_checkpoint if checkpoint_every is None else checkpoint_every
-        grad_accum = 1 if self.global_batch is None else self.global_batch // micro_batch
-        return TrainConfig(precision, micro_batch, grad_accum, checkpoint, 1)
+        device_split, mode = split
+        ranks = device_split if mode is SplitMode.FSDP else 1
+        grad_accum = 1 if self.global_batch is None else self.global_batch // (micro_batch * ranks)
+        return TrainConfig(precision, micro_batch, grad_accum, checkpoint, device_split, mode)
+
+    def splits(self) -> list[tuple[int, SplitMode]]:
+        """The distinct (device_split, split_mode) pairs of the grid, one device first."""
+        pairs = [(d, SplitMode(m) if d > 1 else SplitMode.PIPELINE) for d in self.device_splits for m in self.split_modes]
+        return sorted(dict.fromkeys(pairs), key=lambda p: (p[0], p[1].value))
+
+    def micro_batches_for(self, split: tuple[int, SplitMode]) -> tuple[int, ...]:
+        """The micro-batches a split can run at the global batch (under fsdp, ranks x micro-batch must divide it)."""
+        ranks = split[0] if split[1] is SplitMode.FSDP else 1
+        return tuple(m for m in self.micro_batches if self.global_batch is None or self.global_batch % (m * ranks) == 0)
 
     def configs(self) -> list[TrainConfig]:
-        """The whole grid, in a stable order."""
-        return [self.config(m, p, c) for p in self.precisions for m in self.micro_batches for c in self.checkpoints]
+        """The whole grid, in a stable order (the same configs as autofit's SearchSpace for these values)."""
+        return [self.config(m, p, c, s) for p in self.precisions for m in self.micro_batches for c in self.checkpoints
+                for s in self.splits() if m in self.micro_batches_for(s)]
 
     def floor_micro_batch(self, n: float) -> int | None:
         """The largest allowed micro-batch <= n (None below the smallest)."""
@@ -375,9 +402,14 @@ def optuna_tpe(problem: Problem, oracle: Oracle, seed: int = 0, real_trials: int
     while len(run.seen) < real_trials and proposals < 20 * real_trials:
         proposals += 1
         trial = study.ask()
-        config = problem.config(trial.suggest_categorical("micro_batch", list(problem.micro_batches)),
+        split = _suggest_split(trial, problem)
+        micro_batches = problem.micro_batches_for(split)
+        # a split that allows fewer micro-batches has its own parameter (Optuna's categorical
+        # choices cannot change between trials under one name)
+        name = "micro_batch" if micro_batches == problem.micro_batches else f"micro_batch_{_split_label(split)}"
+        config = problem.config(trial.suggest_categorical(name, list(micro_batches)),
                                 trial.suggest_categorical("precision", [p.value for p in problem.precisions]),
-                                trial.suggest_categorical("checkpoint_every", list(problem.checkpoints)))
+                                trial.suggest_categorical("checkpoint_every", list(problem.checkpoints)), split)
         outcome = run(config)
         trial.set_constraint("peak_over_budget", _over_budget(outcome, problem.budget_bytes))
         study.tell(trial, outcome.samples_per_s if outcome.ok and outcome.samples_per_s else 0.0)
@@ -419,6 +451,19 @@ def precision_sweep(problem: Problem, oracle: Oracle, seed: int = 0, *, finder: 
     if ran:
         return max(ran, key=lambda a: measured[a])
     return next((a for a in answers if a is not None), None)
+
+
+def _split_label(split: tuple[int, SplitMode]) -> str:
+    return "1" if split[0] == 1 else f"{split[1].value}-{split[0]}"
+
+
+def _suggest_split(trial, problem: Problem) -> tuple[int, SplitMode]:
+    """The device split, a dimension of TPE's space only where the grid has more than one device."""
+    splits = problem.splits()
+    if len(splits) == 1:
+        return splits[0]
+    labels = [_split_label(s) for s in splits]
+    return splits[labels.index(trial.suggest_categorical("split", labels))]
 
 
 # --------------------------------------------------------------------------------------
