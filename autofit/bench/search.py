@@ -105,7 +105,6 @@ def user_model(file: str, function: str = "workload") -> str:
 #   one job on both devices, so autofit's objective (job samples/s, autofit.objective) and the
 #   grid's (one trial's samples/s) rank them alike; with room for one device, autofit would count
 #   an unsplit config twice (two data-parallel replicas) where the grid counts it once.
-# - a workload file: the MLP-Mixer of user_models/mixer.py (RMSprop with momentum), loaded by path.
 # Every grid's micro-batches go down to 1, so a finder that halves its way down always has a size
 # left to try (a grid starting at 4 scored a finder that would have run 3 as finding nothing).
 CELLS = (
@@ -113,7 +112,6 @@ CELLS = (
     Cell("convnet-bn", 24, (1, 2, 4, 6, 8, 12, 24), _THREE, (16, 24)),
     Cell("gpt-tiny", 4, (1, 2), _THREE, (24,), checkpoints=(0,),
          device_splits=(1, 2), split_modes=_PIPELINE_AND_FSDP),
-    Cell(user_model("mixer.py"), 32, (1, 4, 8, 16, 32), _THREE, (16, 24)),
 )
 QUICK_CELLS = (
     Cell("gpt-tiny", 12, (1, 4, 12), (Precision.FP32, Precision.AMP_BF16), (64, 128)),
