@@ -18,7 +18,8 @@ from pathlib import Path
 import pandas as pd
 
 from autofit.bench.search import MiB, STRATEGIES, Cell, Grid, GridPoint, ReplayOracle, RunResult, run_strategy
-from autofit.bench.strategies import Strategy
+from autofit.bench.search_tables import done_when_table
+from autofit.bench.strategies import Strategy, sweeps
 from autofit.config import Precision, SplitMode, TrainConfig
 
 _FLOOR_RE = re.compile(r"a trial that dies at its first operator: ([\d.]+) s\)\. autofit's clock is charged ([\d.]+) s")
@@ -106,11 +107,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("grid", type=Path, nargs="?", default=Path("results/benchmarks/search_grid.csv"))
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--strategy", action="append", help="strategy names (default: autofit)")
+    parser.add_argument("--done-when", action="store_true",
+                        help="replay autofit, TPE and the finder sweeps and print issue 13's done-when table")
     args = parser.parse_args(argv)
     names = args.strategy or ["autofit"]
+    if args.done_when:
+        names += ["autofit", "optuna-tpe"] + [s.name for s in sweeps(STRATEGIES)]
     strategies = tuple(s for s in STRATEGIES if s.name in names)
     runs = replay(load_grids(args.grid), strategies, args.seeds)
     print(table(runs))
+    if args.done_when:
+        print(done_when_table(runs, strategies))
     for r in runs:
         if r.seed == 0:
             print(f"{r.strategy} {r.workload} @ {r.budget_bytes / MiB:.0f} MiB: "

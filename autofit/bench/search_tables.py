@@ -94,9 +94,9 @@ def _cell_losses(where: str, what: str, a: dict, cell: list, strategies) -> list
     return out
 
 
-def _done_when(res: SearchResults, strategies: tuple[Strategy, ...]) -> str:
-    tpe = next((s.name for s in strategies if s.name == "optuna-tpe"), "optuna-tpe")
-    cells = verdicts(res.runs, tuple(s.name for s in sweeps(strategies)), tpe)
+def done_when_table(runs: list[RunResult], strategies: tuple[Strategy, ...]) -> str:
+    """The "Done when (issue 13)" section: per cell, each check's figures, PASS/FAIL, where and why."""
+    cells = verdicts(runs, tuple(s.name for s in sweeps(strategies)))
     rows = [[v.where] + [v.figures.get(c, "-") + ("" if v.checks.get(c) is None else
                                                   (" ✓" if v.checks[c] else " ✗")) for c in CHECKS]
             + ["PASS" if v.passed else "FAIL", "; ".join(v.notes) or "-"] for v in cells]
@@ -255,7 +255,7 @@ def write_search(out_dir: Path, env: dict, res: SearchResults, strategies: tuple
                 "processes share its two cores) or a config near the budget measured differently.\n\n"
                 + markdown_table(["strategy", "answer", "best found / optimum (grid)", "wall time (s)", "real trials",
                                   "OOM trials", "time to 95% (s)", "replay of the same run"], rows, "llrrrrrl"))
-    rep.add(_done_when(res, strategies))
+    rep.add(done_when_table(res.runs, strategies))
     lost = losses(res.runs, strategies)
     rep.add("## Where autofit loses\n\n" + ("\n".join(f"- {line}" for line in lost) if lost
                                              else "Nowhere: on every figure autofit's median is at least as good as each peer's."))

@@ -94,8 +94,11 @@ def cell_verdict(runs, workload: str, budget_bytes: int, sweep_names: tuple[str,
     _check_ooms(v, mine + live)
     _check_sweep(v, mine, replay, sweep_names)
     _check_tpe(v, mine, [r for r in replay if r.strategy == tpe_name])
+    # Why, once: how autofit's search stopped, and where its time went.
+    if any(v.checks.get(c) is False for c in (CHECKS[0], CHECKS[3])) and _stop_reasons(mine):
+        v.notes.append(_stop_reasons(mine))
     if v.checks.get(CHECKS[4]) is False or v.checks.get(CHECKS[5]) is False:
-        v.notes.append(_time_parts(mine))   # where autofit's time goes, once
+        v.notes.append(_time_parts(mine))
     return v
 
 
@@ -105,8 +108,7 @@ def _check_answer(v: CellVerdict, mine, live) -> None:
     v.checks[CHECKS[0]] = frac >= REPLAY_TARGET
     if not v.checks[CHECKS[0]]:
         wrong = sorted({r.answer.short() if r.answer else "none" for r in mine if r.fraction < REPLAY_TARGET})
-        v.notes.append(f"replayed answers under 98%: {', '.join(f'`{a}`' for a in wrong)}"
-                       + _stop_reasons(mine))
+        v.notes.append(f"replayed answers under 98%: {', '.join(f'`{a}`' for a in wrong)}")
     if not live:
         v.checks[CHECKS[1]] = None
         v.figures[CHECKS[1]] = "not run live"
@@ -119,7 +121,7 @@ def _check_answer(v: CellVerdict, mine, live) -> None:
                          if r.answer is not None and x.outcome.config == r.answer), None)
         v.notes.append(f"live answer `{r.answer.short() if r.answer else 'none'}` is {pct(r.fraction)} of the grid "
                        f"optimum" + (f"; live it measured {measured:.1f} samples/s" if measured else "")
-                       + _stop_reasons([r]))
+                       + "; live " + (_stop_reasons([r]) or "no stop reason recorded"))
 
 
 def _check_ooms(v: CellVerdict, runs) -> None:
@@ -143,9 +145,8 @@ def _check_sweep(v: CellVerdict, mine, replay, sweep_names) -> None:
         v.figures[check] = f"{fmt(a)} vs {fmt(b)}"
         v.checks[check] = a < b
         if not v.checks[check]:
-            detail = "" if key == "wall_s" else _stop_reasons(mine)
             v.notes.append(f"{'real trials' if key == 'trials' else 'wall time (s)'} {fmt(a)} vs {fmt(b)} "
-                           f"({against}){detail}")
+                           f"({against})")
 
 
 def _check_tpe(v: CellVerdict, mine, tpe) -> None:
@@ -156,12 +157,14 @@ def _check_tpe(v: CellVerdict, mine, tpe) -> None:
     v.figures[CHECKS[5]] = f"{_secs(a)} vs {_secs(b)}"
     v.checks[CHECKS[5]] = not math.isinf(a) and a * TPE_SPEEDUP <= b
     if not v.checks[CHECKS[5]]:
-        v.notes.append(f"time to 95% {_secs(a)} s vs TPE {_secs(b)} s (2x sooner needs ≤ {_secs(b / TPE_SPEEDUP)} s)")
+        v.notes.append("autofit's median never reaches 95%" + ("" if math.isinf(b) else f" (TPE: {_secs(b)} s)")
+                       if math.isinf(a) else
+                       f"time to 95% {_secs(a)} s vs TPE {_secs(b)} s (2x sooner needs ≤ {_secs(b / TPE_SPEEDUP)} s)")
 
 
 def _stop_reasons(runs) -> str:
     stops = sorted({n.removeprefix("stopped: ") for r in runs for n in r.notes if n.startswith("stopped:")})
-    return "; autofit stopped on " + " / ".join(stops) if stops else ""
+    return "autofit stopped on " + " / ".join(stops) if stops else ""
 
 
 def _time_parts(runs) -> str:
