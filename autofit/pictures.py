@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from autofit.files import write_atomic
 from autofit.records import TrialStatus
 
 PICTURES = ("throughput_vs_peak", "predicted_vs_measured", "memory_breakdown", "best_so_far")
@@ -221,11 +222,11 @@ def render(table: pd.DataFrame, breakdowns: dict[int, tuple[dict, dict]], budget
 
 
 def write(pngs: dict[str, bytes], out_dir: str | Path) -> dict[str, Path]:
-    """Write ``render``'s PNGs as ``<name>.png`` in ``out_dir``."""
+    """Write ``render``'s PNGs as ``<name>.png`` in ``out_dir`` (each whole or not at all)."""
     paths = {}
     for name, data in pngs.items():
         path = Path(out_dir) / f"{name}.png"
-        path.write_bytes(data)
+        write_atomic(path, data)
         paths[name] = path
     return paths
 

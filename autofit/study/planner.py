@@ -79,6 +79,9 @@ class Planner:
         mem = estimate_table(profile, self.configs, settings.budget_bytes, overhead=rates.memory_overhead())
         times = predict_table(profile, self.configs, rates, counts)
         self.table = mem.join(times.drop(columns=list(FIELDS)))
+        # trial_seconds runs for every config at every step: columns as arrays, not a row lookup each
+        self._times = {k: self.table[k].to_numpy(dtype=np.float64)
+                       for k in ("step_time_s", "micro_step_time_s", "optimizer_step_time_s")}
         self.n_layers = profile.n_layers
         self._static = self._static_reasons()
         rng = np.random.default_rng(settings.seed)
@@ -132,12 +135,12 @@ class Planner:
 
     def trial_seconds(self, i: int, ratio: float) -> float:
         """Predicted wall time of a trial of config ``i``: process starts, tracked and timed steps."""
-        c, row = self.configs[i], self.table.iloc[i]
+        c, times = self.configs[i], self._times
         if c.device_split > 1:  # the pipeline runs every micro-batch of a step
-            step = row["step_time_s"] * ratio
+            step = times["step_time_s"][i] * ratio
         else:
             micro_steps = self.schedule.micro_steps(c.grad_accum)
-            step = (micro_steps * row["micro_step_time_s"] + row["optimizer_step_time_s"]) * ratio
+            step = (micro_steps * times["micro_step_time_s"][i] + times["optimizer_step_time_s"][i]) * ratio
         return TRIAL_STARTUP_S * c.device_split + self.schedule.step_equivalents() * step
 
     def _trial_timeout(self, i: int, ratio: float) -> float:

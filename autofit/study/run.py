@@ -10,14 +10,14 @@ from pathlib import Path
 import optuna
 
 from autofit.budget import parse_budget
-from autofit.errors import StudyError
+from autofit.errors import RunFailure, StudyError
 from autofit.profile import profile_workload
 from autofit.space import SearchSpace, load_space, space_from_dict
 from autofit.study import storage as backend  # the module; `storage` is search()'s URL argument
 from autofit.study.launcher import run_workers
 from autofit.study.progress import ProgressCallback, progress_of
-from autofit.study.settings import (MIN_IMPROVEMENT, PATIENCE, TRIAL_TIMEOUT_S, StudySettings, check_study_name,
-                                    default_study_name, redact, space_to_dict)
+from autofit.study.settings import (JOURNAL_NAME, MIN_IMPROVEMENT, PATIENCE, TRIAL_TIMEOUT_S, StudySettings,
+                                    check_study_name, default_study_name, redact, space_to_dict)
 from autofit.study.worker import TrialRunner, run_trial_isolated, run_worker
 from autofit.time_model import probe_rates
 from autofit.workload import Workload, load_workload
@@ -150,6 +150,11 @@ def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | 
             _record_run(study, settings, started_wall, workers, stop)
             try:
                 write_reports(backend.snapshot(study), out, html=True)
+            except OSError as exc:  # a full disk: the tables are whole or old (written atomically), the study kept
+                if stop is not None:
+                    raise RunFailure(f"cannot write the tables in {out} ({exc.strerror or exc}); the study is intact "
+                                     f"in {redact(storage) or out / JOURNAL_NAME}: make room, then run "
+                                     f"`autofit report {out} --html` to write them") from None
             except Exception:  # noqa: BLE001 -- never hide the search's own outcome behind a report error
                 if stop is not None:
                     raise

@@ -1,0 +1,211 @@
+"""Faults injected into a running search: killed workers, Ctrl-C, trials that crash, hang, run out
+of memory or flood their output, a full disk, and a parent that runs many trials.
+
+Where the point is the search process (kills, a full disk, its memory), trials are replayed by a
+``trial_runner`` and the search runs in a forked copy of this process (no imports to repeat) that
+is killed or limited; where the point is the trial, trials are real child processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from autofit.config import TrainConfig
+from autofit.records import TrialStatus
+from autofit.trial import TrialResult
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+FAULTY = f"{TESTS / 'fault_workloads.py'}:faulty"
+TABLES = ("trials.csv", "best.json", "summary.md", "calibration.json", "report.html", "best_so_far.png")
+SPACE = {"precision": ["fp32"], "micro_batch": [6, 8], "grad_accum": [1, 2, 3]}
+
+
+class Replay:
+    """Answers trials at once, the same for the same config (so a re-run is told apart by its number);
+    the ``kill_at``-th call kills this process, mid-trial, as ``kill -9`` would."""
+
+    def __init__(self, kill_at: int | None = None) -> None:
+        self.calls: list[TrainConfig] = []
+        self.kill_at = kill_at
+
+    def __call__(self, workload, config, *, device, budget_bytes, timeout_s):
+        self.calls.append(config)
+        if len(self.calls) == self.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        rate = 100.0 * config.micro_batch
+        return TrialResult("tiny-lm", config, device, TrialStatus.OK, peak_bytes=10**6, per_device_peak_bytes=[10**6],
+                           samples_per_s=rate, step_time_s=config.samples_per_step / rate, wall_s=0.01,
+                           budget_bytes=budget_bytes)
+
+
+def _search(out: Path, runner, **kwargs):
+    from autofit.study import search
+    from trial_workloads import TINY_LM
+
+    return search(TINY_LM, "1GB", space=SPACE, out_dir=out, device="cpu", patience=100, trial_runner=runner, **kwargs)
+
+
+def _forked(function) -> tuple[int, str]:
+    """Run ``function()`` in a forked copy of this process; its wait status and the text it returned
+    (or its exception's ``Type: message``)."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the copy: never returns to pytest
+        status = 1
+        try:
+            try:
+                text, status = str(function() or ""), 0
+            except BaseException as exc:  # noqa: BLE001
+                text = f"{type(exc).__name__}: {exc}"
+            os.write(write_end, text.encode())
+        finally:
+            os._exit(status)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as f:
+        text = f.read().decode()
+    return os.waitpid(pid, 0)[1], text
+
+
+def _kill_when_writing(out: Path, name: str) -> None:
+    """SIGKILL this process once it has opened a file of ``out`` whose name holds ``name`` for writing
+    and starts writing it: the file exists, created or emptied, its data not written yet."""
+    def killer(frame, event, arg):
+        target = getattr(getattr(arg, "__self__", None), "name", None)
+        if event == "c_call" and getattr(arg, "__name__", "") == "write" and target == opened[0]:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_open(event, args):
+        if event == "open" and isinstance(args[1], str) and "w" in args[1] and not opened:
+            path = Path(os.fsdecode(args[0]))
+            if path.parent == out and name in path.name:
+                opened.append(str(args[0]))
+                sys.setprofile(killer)  # this thread, from now on
+
+    opened: list[str] = []
+    sys.addaudithook(on_open)
+
+
+def _assert_tables_whole(out: Path) -> None:
+    """Every table a reader can see is whole: parses, or ends as its format ends."""
+    assert all((out / name).is_file() for name in TABLES)
+    for path in out.iterdir():
+        name, data = path.name, path.read_bytes()
+        if name.startswith(".") or name.startswith("study.journal"):
+            continue
+        if name.endswith(".csv"):
+            assert len(pd.read_csv(path)) > 0 and data.endswith(b"\n"), name
+        elif name.endswith(".json"):
+            json.loads(data)
+        elif name.endswith(".png"):
+            assert data.startswith(b"\x89PNG\r\n\x1a\n") and data.endswith(b"IEND\xaeB`\x82"), name
+        elif name.endswith(".html"):
+            assert data.rstrip().endswith(b"</html>"), name
+        else:
+            assert name == "summary.md" and data.endswith(b"\n") and len(data) > 100, name
+
+
+def _ran(out: Path) -> dict[int, tuple[TrainConfig, str, float | None]]:
+    from autofit.study import load_snapshot
+
+    return {r.number: (r.config, r.status.value, r.value) for r in load_snapshot(out).records
+            if r.status is not TrialStatus.PRUNED}
+
+
+def test_sigkill_mid_trial_and_mid_write_then_resume(tmp_path):
+    out = tmp_path / "study"
+    _search(out, Replay(), trials=2)
+    _assert_tables_whole(out)
+    # Killed mid-trial: the trial it had claimed stays running; the tables are the last run's, whole.
+    status, _ = _forked(lambda: _search(out, Replay(kill_at=2), trials=6))
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    before = _ran(out)
+    assert [s for _, s, _ in before.values()] == ["ok", "ok", "ok", "running"]
+    _assert_tables_whole(out)
+    # Killed as it starts writing each kind of table (the first, a picture, the last): none is left half-written.
+    for name in ("trials.csv", "best_so_far.png", "report.html"):
+        status, text = _forked(lambda: (_kill_when_writing(out, name), _search(out, Replay(), trials=6))[1])
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (name, text)
+        _assert_tables_whole(out)
+    result = _search(out, Replay(), trials=6)
+    after = _ran(out)
+    assert all(after[n] == before[n] for n, (_, s, _) in before.items() if s == "ok"), "a finished trial changed"
+    running = next(n for n, (_, s, _) in before.items() if s == "running")
+    assert after[running][1] == "interrupted"
+    ok = [c for c, s, _ in after.values() if s == "ok"]
+    assert len(ok) == len(set(ok)) == 6 == result.n_real, "a trial lost or doubled"
+    assert after[running][0] in ok, "the interrupted config ran again"
+    assert "running" not in {s for _, s, _ in after.values()}
+    table = pd.read_csv(out / "trials.csv")
+    assert sorted(table.loc[table["status"] != "pruned", "number"]) == sorted(after)
+
+
+def test_a_full_disk_while_writing_tables_keeps_the_study(tmp_path):
+    out = tmp_path / "study"
+    _search(out, Replay(), trials=2)
+    journal = (out / "study.journal").read_bytes()
+
+    def search_on_a_full_disk() -> str:
+        # Files may grow only a little past the journal: the run's bookkeeping fits, the pictures do not.
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead of killing us
+        limit = len(journal) + (16 << 10)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        _search(out, Replay(), trials=2)
+        return "no error"
+
+    status, text = _forked(search_on_a_full_disk)
+    assert os.WEXITSTATUS(status) == 1 and text.startswith("RunFailure: "), text
+    assert "\n" not in text and "cannot write the tables" in text and "study is intact" in text, text
+    assert f"autofit report {out}" in text, text
+    assert (out / "study.journal").read_bytes().startswith(journal)  # only this run's record appended
+    _assert_tables_whole(out)
+    assert not [p.name for p in out.iterdir() if ".tmp" in p.name], "a temporary file left behind"
+    from autofit.study import load_snapshot
+
+    assert [r.status.value for r in load_snapshot(out).records if r.status.ran] == ["ok", "ok"]
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads RSS from /proc")
+def test_two_hundred_trials_keep_the_parent_flat(tmp_path):
+    rss: list[int] = []
+    fds: list[int] = []
+
+    class Measured(Replay):
+        def __call__(self, *args, **kwargs):
+            rss.append(_rss_bytes())
+            fds.append(len(os.listdir("/proc/self/fd")))
+            return super().__call__(*args, **kwargs)
+
+    # A memory filesystem when there is one: Optuna syncs every journal write, and the disk is not the point.
+    base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else tmp_path
+    out = Path(tempfile.mkdtemp(dir=base)) / "study"
+    try:
+        space = {"precision": ["fp32"], "micro_batch": [8], "grad_accum": list(range(1, 201))}
+        from autofit.study import search
+        from trial_workloads import TINY_LM
+
+        result = search(TINY_LM, "1GB", space=space, out_dir=out, device="cpu", patience=10**6, trial_runner=Measured())
+    finally:
+        shutil.rmtree(out.parent, ignore_errors=True)
+    assert result.n_real == len(rss) == 200, (result.stop_reason, result.pruned_by_reason)
+    growth = rss[-1] - rss[0]
+    assert growth < 50 << 20, f"the search process grew by {growth / 2**20:.0f} MB over 200 trials"
+    assert fds[-1] <= fds[0], f"file descriptors leak: {fds[0]} -> {fds[-1]}"
