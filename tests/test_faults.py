@@ -118,10 +118,11 @@ def _assert_tables_whole(out: Path) -> None:
             assert name == "summary.md" and data.endswith(b"\n") and len(data) > 100, name
 
 
-def _ran(out: Path) -> dict[int, tuple[TrainConfig, str, float | None]]:
+def _ran(out: Path) -> dict[int, tuple[tuple[TrainConfig, int], str, float | None]]:
+    """Trial number -> ((config, which sample of it), status, value), of every trial not pruned."""
     from autofit.study import load_snapshot
 
-    return {r.number: (r.config, r.status.value, r.value) for r in load_snapshot(out).records
+    return {r.number: ((r.config, r.sample), r.status.value, r.value) for r in load_snapshot(out).records
             if r.status is not TrialStatus.PRUNED}
 
 
@@ -202,7 +203,8 @@ def test_two_hundred_trials_keep_the_parent_flat(tmp_path):
         from autofit.study import search
         from trial_workloads import TINY_LM
 
-        result = search(TINY_LM, "1GB", space=space, out_dir=out, device="cpu", patience=10**6, trial_runner=Measured())
+        result = search(TINY_LM, "1GB", space=space, out_dir=out, device="cpu", patience=10**6, trials=200,
+                        trial_runner=Measured())
     finally:
         shutil.rmtree(out.parent, ignore_errors=True)
     assert result.n_real == len(rss) == 200, (result.stop_reason, result.pruned_by_reason)
