@@ -555,3 +555,22 @@ def test_replay_loads_two_cells_of_one_workload_with_their_splits(tmp_path):
     assert second.cell.global_batch == 4 and second.cell.micro_batches == (1, 2, 4)
     assert second.cell.device_splits == (1, 2) and set(second.cell.split_modes) == {"pipeline", "fsdp"}
     assert set(second.points) == set(split.points) and second.optimum(30 * MiB) == split.optimum(30 * MiB)
+
+
+def test_suite_runs_peers_live_on_the_first_cell_and_autofit_live_on_every_cell(tmp_path, monkeypatch):
+    from autofit.bench import search
+
+    grid = _grid()
+    monkeypatch.setattr(search, "measure_grid", lambda cell, progress: grid)
+    monkeypatch.setattr(search, "LiveOracle", lambda workload, budget, progress, label: ReplayOracle(grid, budget))
+
+    def straight(problem, oracle, seed):
+        return oracle.run(grid.optimum(problem.budget_bytes).config).config
+
+    sweep = next(s for s in st.PEERS if s.name == "accelerate-x0.5 sweep")
+    res = search.run_search_suite(tmp_path, {"date": "today"}, cells=(grid.cell,), seeds=1, live=True,
+                                  strategies=(st.Strategy("autofit", straight, "throughput", True), sweep))
+    live = [(r.strategy, r.budget_bytes // MiB) for r in res.runs if r.mode == "live"]
+    assert live == [("autofit", 50), ("accelerate-x0.5 sweep", 50), ("autofit", 100)]
+    text = (tmp_path / "search.md").read_text()
+    assert "| synthetic @ 100 MiB | autofit |" in text and "| synthetic @ 100 MiB | 100.0% ✓ | 100.0% ✓ |" in text

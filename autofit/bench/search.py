@@ -477,8 +477,20 @@ class SearchResults:
 # Live by default: autofit and the peers the done-when criteria compare it with (TPE and the
 # per-precision finder sweeps); the finders at amp-bf16 alone are replayed only. In --quick:
 # autofit and one sweep, to stay within minutes.
+# These run live on the first cell's first budget; autofit (LIVE_EVERY_CELL) also on every other
+# cell, since its live answer is judged per cell (search_tables' done-when table).
 LIVE = ("autofit", "optuna-tpe") + tuple(s.name for s in sweeps(PEERS))
 QUICK_LIVE = ("autofit", "accelerate-x0.5 sweep")
+LIVE_EVERY_CELL = ("autofit",)
+
+
+def _run_live(strategy: Strategy, grid: Grid, budget: int, progress: Callable[[str], None]) -> RunResult:
+    label = f"{strategy.name} @ {grid.cell.workload} {budget / MiB:.0f} MiB"
+    result = run_strategy(strategy, grid, budget, 0, LiveOracle(grid.cell.workload, budget, progress, label), "live")
+    progress(f"live {label}: answer {result.answer.short() if result.answer else None}, "
+             f"{pct(result.fraction)} of optimum, {seconds(result.wall_s)} s"
+             + (f" ({result.error})" if result.error else ""))
+    return result
 
 
 def run_search_suite(out_dir: Path, env: dict, *, quick: bool = False, seeds: int | None = None,
@@ -487,9 +499,10 @@ def run_search_suite(out_dir: Path, env: dict, *, quick: bool = False, seeds: in
                      progress: Callable[[str], None] = lambda _m: None) -> SearchResults:
     """Measure the grids, run every strategy (live once, replayed per cell and seed), write the tables.
 
-    ``live``: True runs :data:`LIVE` (:data:`QUICK_LIVE` with ``quick``) live once each (on the
-    first cell's first budget, seed 0), a tuple of names only those, False none. ``tpe_trials``: Optuna TPE's real-trial budget
-    (default 12; 6 with ``quick``).
+    ``live``: True runs :data:`LIVE` (:data:`QUICK_LIVE` with ``quick``) live once each (seed 0)
+    on the first cell's first budget, and those of them in :data:`LIVE_EVERY_CELL` on every other
+    cell too; a tuple of names runs only those; False none. ``tpe_trials``: Optuna TPE's
+    real-trial budget (default 12; 6 with ``quick``).
     """
     started = time.perf_counter()
     cells = cells or (QUICK_CELLS if quick else CELLS)
@@ -503,15 +516,11 @@ def run_search_suite(out_dir: Path, env: dict, *, quick: bool = False, seeds: in
     grids = [measure_grid(cell, progress) for cell in cells]
     runs: list[RunResult] = []
     live_cell = (cells[0].workload, cells[0].budgets_mib[0] * MiB)
-    if live_names:
-        grid = grids[0]
-        for strategy in (s for s in strategies if s.name in live_names):
-            oracle = LiveOracle(grid.cell.workload, live_cell[1], progress, strategy.name)
-            result = run_strategy(strategy, grid, live_cell[1], 0, oracle, "live")
-            progress(f"live {strategy.name}: answer {result.answer.short() if result.answer else None}, "
-                     f"{pct(result.fraction)} of optimum, {seconds(result.wall_s)} s"
-                     + (f" ({result.error})" if result.error else ""))
-            runs.append(result)
+    for grid in grids:
+        for budget_mib in grid.cell.budgets_mib:
+            first = grid is grids[0] and budget_mib == grid.cell.budgets_mib[0]
+            names = live_names if first else live_names & set(LIVE_EVERY_CELL)
+            runs += [_run_live(s, grid, budget_mib * MiB, progress) for s in strategies if s.name in names]
     for grid in grids:
         for budget_mib in grid.cell.budgets_mib:
             budget = budget_mib * MiB

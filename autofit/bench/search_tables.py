@@ -109,6 +109,13 @@ def done_when_table(runs: list[RunResult], strategies: tuple[Strategy, ...]) -> 
                              + "ll"))
 
 
+def _live_plan(runs: list[RunResult]) -> str:
+    cells = dict.fromkeys((r.workload, r.budget_bytes) for r in runs if r.mode == "live")
+    return "; ".join(f"{w} @ {b / MiB:.0f} MiB — " + ", ".join(r.strategy for r in runs if r.mode == "live"
+                                                               and (r.workload, r.budget_bytes) == (w, b))
+                     for w, b in cells)
+
+
 def _autofit_time(runs: list[RunResult], cell: Cell, budget: int) -> str:
     mine = [r for r in runs if r.mode == "replay" and r.strategy == AUTOFIT_NAME and r.workload == cell.workload
             and r.budget_bytes == budget and not math.isnan(r.wall_s)]
@@ -148,9 +155,8 @@ def write_search(out_dir: Path, env: dict, res: SearchResults, strategies: tuple
             f"(warm-up {SCHEDULE.warmup_steps}, measured {SCHEDULE.measured_steps} step(s), timed steps "
             f"{SCHEDULE.timed_steps}), one config at a time. "
             f"Replayed figures: {res.seeds} seeds per strategy and cell (median [min–max]); deterministic "
-            "strategies give the same figures for every seed. Live figures: one real run per strategy on "
-            f"{res.live_cell[0]} @ {res.live_cell[1] / MiB:.0f} MiB (seed 0) — "
-            + (", ".join(sorted({r.strategy for r in res.runs if r.mode == "live"})) or "none") + ".")
+            "strategies give the same figures for every seed. Live figures: one real run (seed 0) per strategy "
+            "and cell: " + (_live_plan(res.runs) or "none") + ".")
     rep.add("How a replayed trial is charged: a config that fits costs the grid's measured trial wall time; one "
             "over the budget costs the wall time of a trial that went over at its first operator plus one step of "
             "that config. Answers are scored by the grid's throughput of the answered config over the grid's best "
@@ -242,19 +248,22 @@ def write_search(out_dir: Path, env: dict, res: SearchResults, strategies: tuple
             replay = next((x for x in res.runs if x.mode == "replay" and x.strategy == r.strategy and x.seed == 0
                            and x.workload == r.workload and x.budget_bytes == r.budget_bytes), None)
             if r.error and math.isnan(r.fraction):
-                rows.append([r.strategy, f"**not available**: {r.error}", "-", "-", "-", "-", "-", "-"])
+                rows.append([f"{r.workload} @ {r.budget_bytes / MiB:.0f} MiB", r.strategy,
+                             f"**not available**: {r.error}", "-", "-", "-", "-", "-", "-"])
                 continue
-            rows.append([r.strategy, f"`{r.answer.short()}`" if r.answer else "none", pct(r.fraction),
+            rows.append([f"{r.workload} @ {r.budget_bytes / MiB:.0f} MiB", r.strategy,
+                         f"`{r.answer.short()}`" if r.answer else "none", pct(r.fraction),
                          seconds(r.wall_s), r.trials, r.oom_trials, seconds(r.time_to_target_s) if r.time_to_target_s
                          else "never",
                          (f"{seconds(replay.wall_s)} s, {replay.trials} trials, {pct(replay.fraction)}" if replay else "-")
                          + (f"; error: {r.error}" if r.error else "")])
-        rep.add(f"## Live runs: {res.live_cell[0]} @ {res.live_cell[1] / MiB:.0f} MiB, seed 0\n\n"
+        rep.add("## Live runs, seed 0\n\n"
                 "Every trial real, isolated and budget-enforced, timed by the wall clock. The last column is the same "
                 "strategy and seed replayed against the grid: where they differ, the machine's noise (other "
                 "processes share its two cores) or a config near the budget measured differently.\n\n"
-                + markdown_table(["strategy", "answer", "best found / optimum (grid)", "wall time (s)", "real trials",
-                                  "OOM trials", "time to 95% (s)", "replay of the same run"], rows, "llrrrrrl"))
+                + markdown_table(["cell", "strategy", "answer", "best found / optimum (grid)", "wall time (s)",
+                                  "real trials", "OOM trials", "time to 95% (s)", "replay of the same run"], rows,
+                                 "lllrrrrrl"))
     rep.add(done_when_table(res.runs, strategies))
     lost = losses(res.runs, strategies)
     rep.add("## Where autofit loses\n\n" + ("\n".join(f"- {line}" for line in lost) if lost

@@ -82,9 +82,9 @@ def _search_lines(srch) -> list[str]:
                 parts.append(f"{named(name)} {pct(frac, 0)} in {seconds(wall, 0)} s")
             lines.append(f"Search, {grid.cell.workload} @ {b} MiB (best found / optimum, median wall time): "
                          + "; ".join(parts) + ".")
-    live = [r for r in srch.runs if r.mode == "live"]
-    if live:
-        lines.append(f"Live, {live[0].workload} @ {live[0].budget_bytes / 2**20:.0f} MiB (one real run each): "
+    for workload, budget in dict.fromkeys((r.workload, r.budget_bytes) for r in srch.runs if r.mode == "live"):
+        live = [r for r in srch.runs if r.mode == "live" and (r.workload, r.budget_bytes) == (workload, budget)]
+        lines.append(f"Live, {workload} @ {budget / 2**20:.0f} MiB (one real run each): "
                      + "; ".join(f"{named(r.strategy)} {pct(r.fraction, 0)} in {seconds(r.wall_s, 0)} s"
                                  for r in live if not math.isnan(r.fraction)) + ".")
     if not any(r.strategy == AUTOFIT.name and not math.isnan(r.fraction) for r in srch.runs):
