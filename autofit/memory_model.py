@@ -9,7 +9,9 @@ are laid end to end again for any config, as PyTorch would run it:
   output; the backward of a segment first recomputes its forward, then runs its backward;
 - device split: stage s holds its layers (plus the embedding on the first stage and the head
   on the last), and under 1F1B up to ``min(grad_accum, p - s)`` micro-batches in flight
-  (GPipe: all ``grad_accum``);
+  (GPipe: all ``grad_accum``) during its forwards and first backward, one fewer once later
+  micro-steps run with the gradients made (:func:`in_flight_later`); its receive buffers
+  live through the optimizer step;
 - the optimizer step: weights + gradients + state + the step's own temporaries;
 - on CUDA: the cuBLAS workspaces (allocated, but no tensor of the model), the allocator's
   fragmentation (reserved over allocated) and the context, which ``max_memory_reserved`` does not
@@ -252,39 +254,60 @@ def _stage_lines(pp: PrecisionProfile, start: int, end: int, first_stage: bool, 
 
 
 def _pipeline_buffers(pp: PrecisionProfile, start: int, end: int, stage: int, split: int,
-                      k: np.ndarray, b: np.ndarray, schedule: PipelineSchedule) -> np.ndarray:
-    """Bytes torch.distributed.pipelining keeps on a stage for the whole step: one receive
-    buffer per micro-batch for the input activation (later stages) and for the output's
-    gradient (earlier stages); pending sends keep one more boundary tensor alive (measured
+                      k: np.ndarray, b: np.ndarray, schedule: PipelineSchedule) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes torch.distributed.pipelining keeps on a stage: ``(kept, pending)``. ``kept``: one
+    receive buffer per micro-batch for the input activation (later stages) and for the output's
+    gradient (earlier stages), allocated once and alive through the optimizer step too;
+    ``pending``: sends keep one more boundary tensor alive during the micro-steps (measured
     on torch 2.13's 1F1B: an earlier stage's first output once it runs ahead, a later
     stage's last input gradient)."""
+    kept, pending = np.zeros_like(b), np.zeros_like(b)
     if split == 1:
-        return np.zeros_like(b)
+        return kept, pending
     kf = k.astype(np.float64)
-    out = np.zeros_like(b)
     if stage > 0:
         c0, c1 = pp.layers[start - 1].output
         boundary = c0 + c1 * b
-        out = out + kf * boundary
+        kept = kept + kf * boundary
         # the input gradient sent back stays referenced by its send until the next micro-batch's
-        out = out + np.where(k > 1, boundary, 0.0)
+        pending = pending + np.where(k > 1, boundary, 0.0)
     if stage < split - 1:
         c0, c1 = pp.layers[end - 1].output
         boundary = c0 + c1 * b
-        out = out + kf * boundary
+        kept = kept + kf * boundary
         if PipelineSchedule(schedule) is PipelineSchedule.ONE_F_ONE_B:
-            out = out + np.where(k > split - stage, boundary, 0.0)
-    return out
+            pending = pending + np.where(k > split - stage, boundary, 0.0)
+    return kept, pending
 
 
 def in_flight(stage: int, device_split: int, grad_accum: np.ndarray,
               schedule: PipelineSchedule | str = PipelineSchedule.ONE_F_ONE_B) -> np.ndarray:
-    """Micro-batches whose activations stage ``stage`` holds at once (Narayanan et al. SC'21)."""
+    """Micro-batches whose activations stage ``stage`` holds at once (Narayanan et al. SC'21):
+    during every forward before its first backward, and during the first backward."""
     if device_split == 1:
         return np.ones_like(grad_accum)
     if PipelineSchedule(schedule) is PipelineSchedule.GPIPE:
         return grad_accum
     return np.minimum(grad_accum, device_split - stage)
+
+
+def in_flight_later(stage: int, device_split: int, grad_accum: np.ndarray,
+                    schedule: PipelineSchedule | str = PipelineSchedule.ONE_F_ONE_B) -> np.ndarray:
+    """Micro-batches stage ``stage`` holds at once while any later micro-step runs with the
+    gradients already made (its backward, and a forward that follows a backward), at least 1.
+
+    Both schedules run the backwards in micro-batch order, each freeing its micro-batch. GPipe
+    runs every forward first: backward j starts with k - j in flight. 1F1B (torch's
+    ``Schedule1F1B``: p - s warm-up forwards, then backward i, forward i + p - s, ...) starts
+    backward j with min(k - j, p - s) in flight, and each steady-state forward with p - s.
+    For j >= 1: GPipe k - 1, 1F1B min(k - 1, p - s). Forwards before the first backward hold
+    no gradients yet: the first micro-step's walk (with :func:`in_flight`) covers them."""
+    k = np.asarray(grad_accum)
+    if device_split == 1:
+        return np.ones_like(k)
+    if PipelineSchedule(schedule) is PipelineSchedule.GPIPE:
+        return np.maximum(k - 1, 1)
+    return np.maximum(np.minimum(k - 1, device_split - stage), 1)
 
 
 # --------------------------------------------------------------------------------------
@@ -396,9 +419,12 @@ def _score_group(profile: Profile, pp: PrecisionProfile, cuda_overhead: CudaOver
     stage_peaks = []
     for s, (start, end) in enumerate(stage_bounds(profile.n_layers, split)):
         st = _stage_lines(pp, start, end, s == 0, s == split - 1, every)
-        m = in_flight(s, split, k, schedule).astype(np.float64)
-        held = (st.held[0] + st.held[1] * b) * (m - 1)               # other micro-batches in flight
-        held = held + _pipeline_buffers(pp, start, end, s, split, k, b, schedule)
+        one = st.held[0] + st.held[1] * b                             # one micro-batch's activations
+        kept, pending = _pipeline_buffers(pp, start, end, s, split, k, b, schedule)
+        buffers = kept + pending
+        # other micro-batches in flight: during the first micro-step, and during later ones
+        held = one * (in_flight(s, split, k, schedule) - 1) + buffers
+        held_later = one * (in_flight_later(s, split, k, schedule) - 1) + buffers
         base = st.params_bytes + st.optimizer_bytes
         v1 = st.first[:, 0][None, :] + st.first[:, 1][None, :] * b[:, None]        # (n, E)
         a1 = np.argmax(v1, axis=1)
@@ -407,8 +433,8 @@ def _score_group(profile: Profile, pp: PrecisionProfile, cuda_overhead: CudaOver
         an = np.argmax(vn, axis=1)
         # A stage in a pipeline runs later micro-steps while gradients exist from the first backward on.
         has_later = (k > 1)
-        peakn = np.where(has_later, base + st.grads_bytes + vn[np.arange(n), an] + held, -np.inf)
-        peak_opt = np.full(n, float(base + st.grads_bytes + st.optimizer_peak_bytes))
+        peakn = np.where(has_later, base + st.grads_bytes + vn[np.arange(n), an] + held_later, -np.inf)
+        peak_opt = base + st.grads_bytes + st.optimizer_peak_bytes + kept  # receive buffers outlive the step
         stage_peak = np.maximum(np.maximum(peak1, peakn), peak_opt)
         input_bytes = (pp.input_bytes[0] + pp.input_bytes[1] * b) if (cuda and s == 0) else 0.0
         # The workspaces are allocated blocks of their own (no fragmentation); the context is outside the allocator.
@@ -418,11 +444,11 @@ def _score_group(profile: Profile, pp: PrecisionProfile, cuda_overhead: CudaOver
         stage_peaks.append(stage_total)
         # Breakdown at this stage's peak.
         acts1 = st.first_acts[a1, 0] + st.first_acts[a1, 1] * b + held
-        actsn = st.later_acts[an, 0] + st.later_acts[an, 1] * b + held
+        actsn = st.later_acts[an, 0] + st.later_acts[an, 1] * b + held_later
         is1 = peak1 >= np.maximum(peakn, peak_opt)
         isn = ~is1 & (peakn >= peak_opt)
         grads = np.where(is1, st.first_grads[a1], st.grads_bytes)
-        acts = np.where(is1, acts1, np.where(isn, actsn, 0.0)) + (input_bytes if cuda else 0.0)
+        acts = np.where(is1, acts1, np.where(isn, actsn, kept)) + (input_bytes if cuda else 0.0)
         parts = {
             "params_bytes": np.full(n, float(st.params_bytes)),
             "grads_bytes": grads,
