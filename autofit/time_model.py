@@ -60,7 +60,7 @@ MATMUL_DTYPE = {Precision.FP32: "float32", Precision.AMP_BF16: "bfloat16", Preci
 PROBE_TIMEOUT_S = 300.0  # the probe child's wall-clock limit
 # Two probes of one device whose rates differ by more than this factor are not trusted (one was
 # disturbed: another process, a frequency change); up to PROBE_ATTEMPTS children try again.
-RATE_AGREEMENT = 2.0
+RATE_AGREEMENT = 3.0
 PROBE_ATTEMPTS = 3
 _PROBE_TARGET_S = 0.01
 _PROBE_SIZES = (128, 256, 512, 1024, 2048)
@@ -217,8 +217,10 @@ def implausible(rates: DeviceRates) -> str | None:
     return None
 
 
-def disagreement(a: DeviceRates, b: DeviceRates, factor: float = RATE_AGREEMENT) -> str | None:
-    """Which rate two probes of one device measured more than ``factor`` apart, or None when they agree."""
+def disagreement(a: DeviceRates, b: DeviceRates, factor: float | None = None) -> str | None:
+    """Which rate two probes of one device measured more than ``factor`` (default :data:`RATE_AGREEMENT`)
+    apart, or None when they agree."""
+    factor = RATE_AGREEMENT if factor is None else factor
     pairs = {f"{name} matmul FLOP/s": (a.matmul_flops_per_s[name], b.matmul_flops_per_s.get(name, math.nan))
              for name in a.matmul_flops_per_s}
     pairs.update({"memory bytes/s": (a.memory_bytes_per_s, b.memory_bytes_per_s),
@@ -328,6 +330,13 @@ class OpCounts:
 
     tensors_per_layer: tuple[int, ...]
     tensors_outside: int
+    # (precision, per-sample factor, fixed factor): the workload's own layer timed for real against
+    # :func:`layer_time_line` (autofit.layer_probe); () when not measured.
+    layer_scales: tuple[tuple[str, float, float], ...] = ()
+
+    def scales(self, precision: str) -> tuple[float, float]:
+        """(per-sample factor, fixed factor) of ``precision``; (1, 1) when its layer was not timed."""
+        return next(((c, f) for p, c, f in self.layer_scales if p == precision), (1.0, 1.0))
 
 
 def op_counts(workload) -> OpCounts | None:
@@ -343,6 +352,24 @@ def op_counts(workload) -> OpCounts | None:
         return None
     in_layers = tuple(len(list(layer.parameters())) for layer in layers)
     return OpCounts(tensors_per_layer=in_layers, tensors_outside=max(len(list(model.parameters())) - sum(in_layers), 0))
+
+
+def layer_time_line(profile: Profile, precision: str, rates: DeviceRates,
+                    counts: OpCounts | None = None) -> tuple[float, float]:
+    """The time model's (fixed seconds, seconds per sample) of the first layer's forward and backward,
+    unscaled: what :mod:`autofit.layer_probe` compares a real run of that layer with."""
+    pp = profile.for_precision(precision)
+    layer = pp.layers[0]
+    fwd_total = pp.forward_flops[1]
+    flops = layer.forward_flops[1] * (1 + (pp.backward_flops[1] / fwd_total if fwd_total else 2.0))
+    per_sample = (flops / rates.flops_per_s(precision)
+                  + ACTIVATION_TRAFFIC * max(layer.forward.delta[1], 0.0) / rates.memory_bytes_per_s)
+    tensors = counts.tensors_per_layer[0] if counts is not None and counts.tensors_per_layer else None
+    ops = OPS_PER_TENSOR * max(tensors, 1) if tensors is not None else OPS_PER_LAYER
+    ops *= AMP_OPS_FACTOR if Precision(precision).is_amp else 1.0
+    fixed = (WEIGHT_TRAFFIC * (layer.param_bytes + layer.grad_bytes) / rates.memory_bytes_per_s
+             + ops * rates.op_latency_s)
+    return fixed, per_sample
 
 
 def _stage_terms(profile: Profile, precision: str, split: int, checkpointed: bool,
@@ -427,14 +454,16 @@ def predict_table(profile: Profile, configs: list[TrainConfig], rates: DeviceRat
         b = cols["micro_batch"][idx].astype(np.float64)
         m = cols["grad_accum"][idx].astype(np.float64)
         rate = rates.flops_per_s(precision)
+        # The workload's own layer, timed (autofit.layer_probe): per-sample and fixed parts rescaled.
+        per_sample_scale, fixed_scale = counts.scales(precision) if counts is not None else (1.0, 1.0)
         stage_micro, stage_opt = [], []
         flops = np.zeros(len(idx))
         recompute = np.zeros(len(idx))
         for t in _stage_terms(profile, precision, split, checkpointed == "1", counts):
-            compute = t["flops_per_sample"] * b / rate
-            traffic = (ACTIVATION_TRAFFIC * t["saved_bytes_per_sample"] * b + WEIGHT_TRAFFIC * t["weight_bytes"]
-                       + 2 * t["boundary_bytes_per_sample"] * b) / rates.memory_bytes_per_s
-            stage_micro.append(compute + traffic + t["ops"] * rates.op_latency_s)
+            per_sample = (t["flops_per_sample"] / rate + (ACTIVATION_TRAFFIC * t["saved_bytes_per_sample"]
+                          + 2 * t["boundary_bytes_per_sample"]) / rates.memory_bytes_per_s) * b
+            fixed = WEIGHT_TRAFFIC * t["weight_bytes"] / rates.memory_bytes_per_s + t["ops"] * rates.op_latency_s
+            stage_micro.append(per_sample_scale * per_sample + fixed_scale * fixed)
             stage_opt.append(OPTIMIZER_TRAFFIC * t["optimizer_bytes"] / rates.memory_bytes_per_s
                              + t["optimizer_ops"] * rates.op_latency_s)
             flops += t["flops_per_sample"] * b * m

@@ -163,6 +163,7 @@ class AccuracyResults:
     time_model: str | None
     wall_s: float
     files: list[Path] = field(default_factory=list)
+    prior: list[dict] = field(default_factory=list)  # autofit.bench.prior: the time model's prior on the search grids
 
     def stats(self, workloads: tuple[str, ...]) -> ErrorStats:
         return ErrorStats.of(r.error_rel for r in self.rows if r.workload in workloads)
@@ -220,7 +221,13 @@ def run_accuracy(out_dir: Path, env: dict, *, quick: bool = False, workloads: tu
                 measured_per_device=tuple(out.get("per_device_peak_bytes") or ()),
                 measured_step_time_s=out.get("step_time_s"), predicted_step_time_s=t_pred, timed=job["time"],
                 job_s=out.get("job_s"), error=out.get("error")))
-    res = AccuracyResults(rows, budgets, time_model_note, time.perf_counter() - started)
+    prior = []
+    if workloads is None:  # the time model's prior over the search suite's grid configs (autofit.bench.prior)
+        from autofit.bench.prior import prior_rows
+        from autofit.bench.search import CELLS, QUICK_CELLS
+
+        prior = prior_rows(QUICK_CELLS if quick else CELLS, progress)
+    res = AccuracyResults(rows, budgets, time_model_note, time.perf_counter() - started, prior=prior)
     res.files = write_accuracy(out_dir, env, res)
     return res
 
@@ -328,6 +335,11 @@ def write_accuracy(out_dir: Path, env: dict, res: AccuracyResults) -> list[Path]
                 "devices).\n\n" + (markdown_table(["workload", "device split", "configs", "median abs. error", "p95",
                                                    "max", "mean signed"], trows, "lrrrrrr") if trows
                                     else "No timed config has a prediction."))
+    if res.prior:
+        from autofit.bench.prior import prior_section
+
+        files.append(write_csv(out_dir / "accuracy_prior.csv", res.prior))
+        rep.add(prior_section(res.prior))
     # lstm note
     if any(r.workload == "lstm-lm" for r in res.rows):
         rep.add("## lstm-lm\n\nOn the CPU, `nn.LSTM` runs oneDNN's RNN primitive, which saves a workspace for "
