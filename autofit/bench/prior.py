@@ -30,28 +30,32 @@ def prior_rows(cells, progress: Callable[[str], None] = lambda _m: None) -> list
 
     rows = []
     rates = probe_rates("cpu")
+    grids: dict[str, list] = {}  # per workload, its cells' single-device configs (a split's trial is another engine)
     for cell in cells:
-        workload = load_workload(cell.workload)
-        configs = problem_for(cell, cell.budgets_mib[0] * MiB, param_count(workload)).configs()
-        precisions = [p.value for p in cell.precisions]
+        problem = problem_for(cell, cell.budgets_mib[0] * MiB, param_count(load_workload(cell.workload)))
+        grids.setdefault(cell.workload, [])
+        grids[cell.workload] += [c for c in problem.configs() if c.device_split == 1 and c not in grids[cell.workload]]
+    for name, configs in grids.items():
+        workload = load_workload(name)
+        precisions = list(dict.fromkeys(c.precision.value for c in configs))
         profile = profile_workload(workload, precisions, device_type="cpu")
         start = time.perf_counter()
         layered = workload_prior(workload, profile, rates, precisions, use_cache=False)
         probe_s = time.perf_counter() - start
-        measured = run_jobs([{"kind": "throughput", "workload": cell.workload, "config": c.to_dict(), "steps": 3}
+        measured = run_jobs([{"kind": "throughput", "workload": name, "config": c.to_dict(), "steps": 3}
                              for c in configs], job_timeout_s=300)
-        for name, counts in zip(PRIORS, (op_counts(workload), layered)):
+        for prior, counts in zip(PRIORS, (op_counts(workload), layered)):
             predicted = predict_table(profile, configs, rates, counts)["step_time_s"].tolist()
             scales = "; ".join(f"{p} x{c:.2f} per sample, x{f:.2f} fixed" for p, c, f in
                                (counts.layer_scales if counts else ()))
             for config, p, m in zip(configs, predicted, measured):
                 t = m.get("step_time_s") if m.get("status") == "ok" else None
-                rows.append({"workload": cell.workload, "config": config.short(), "prior": name,
+                rows.append({"workload": name, "config": config.short(), "prior": prior,
                              "predicted_step_time_s": p, "measured_step_time_s": t,
                              "relative_error": (p - t) / t if t and math.isfinite(p) else None,
-                             "layer_probe_s": probe_s if name == PRIORS[1] else None, "layer_scales": scales})
-            s = summary(rows, name, cell.workload)
-            progress(f"accuracy: time model prior ({name}) on {cell.workload}: median {s['median_abs_error']}, "
+                             "layer_probe_s": probe_s if prior == PRIORS[1] else None, "layer_scales": scales})
+            s = summary(rows, prior, name)
+            progress(f"accuracy: time model prior ({prior}) on {name}: median {s['median_abs_error']}, "
                      f"max {s['max_abs_error']} over {s['configs']} configs")
     return rows
 
