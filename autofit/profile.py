@@ -30,6 +30,7 @@ from autofit import procs
 from autofit.config import Precision, TrainConfig
 from autofit.errors import WorkloadError
 from autofit.profile_data import OUTPUT_REGIONS, LayerProfile, Line, PrecisionProfile, Profile, Region, precision_from_dict
+from autofit.real_check import RealTensors, correct_runs, refusal
 from autofit.timeline import (
     Recorder,
     Timeline,
@@ -43,7 +44,7 @@ from autofit.timeline import (
 from autofit.training import build_trainee, forward_backward, to_device
 from autofit.workload import Workload, explain_failure
 
-PROFILE_VERSION = 8
+PROFILE_VERSION = 9
 # Micro-batch sizes profiled; every per-sample quantity is fitted as a line through them.
 PROFILE_BATCHES = (2, 4)
 # The CUDA caching allocator rounds every block up to 512 bytes (FACTS.md).
@@ -259,6 +260,7 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
         "forward_flops": fwd_flops,
         "backward_flops": bwd_flops,
         "input_bytes": tensor_bytes([t for t in (inputs, targets) if isinstance(t, torch.Tensor)], round_bytes),
+        "step_peak_bytes": max((live for live, _ in timeline.trace), default=0),
         "layers": [
             {
                 "param_bytes": tensor_bytes(layer_params[i] + layer_buffers[i], round_bytes),
@@ -340,6 +342,7 @@ def profile_precision(workload: Workload, precision: Precision, device_type: str
             raise
         except Exception as exc:
             raise WorkloadError(explain_failure(workload.name, exc)) from exc
+    runs, real_note, real_extra = _real_check(workload, precision, device_type, runs, real_batches)
     r1, r2 = runs[PROFILE_BATCHES[0]], runs[PROFILE_BATCHES[1]]
     layers = []
     for i, (l1, l2) in enumerate(zip(r1["layers"], r2["layers"])):
@@ -370,7 +373,30 @@ def profile_precision(workload: Workload, precision: Precision, device_type: str
         forward_flops=_flops_line(r2["forward_flops"]),
         backward_flops=_flops_line(r2["backward_flops"]),
         optimizer_flops=0.0,
+        real_check=real_note, real_extra_bytes_per_sample=real_extra,
     )
+
+
+def _real_check(workload: Workload, precision: Precision, device_type: str, runs: dict,
+                real_batches: dict) -> tuple[dict, str, float]:
+    """The fake runs corrected by real steps at the profiled micro-batches (:mod:`autofit.real_check`),
+    a note saying what was done, and the bytes per sample the real step keeps beyond the fake one."""
+    b1, b2 = PROFILE_BATCHES
+    why = refusal(runs[b2]["step_peak_bytes"], device_type)
+    if why is not None:
+        return runs, f"no real step: {why}", 0.0
+    try:
+        with torch.random.fork_rng(devices=[]):  # the caller's random stream is left as it was
+            real = [_run_once(workload, precision, b, device_type, RealTensors(), real_batches[b], False)
+                    for b in (b1, b2)]
+    except Exception as exc:  # noqa: BLE001 -- a step that fails for real fails in the trial too, with its error
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        return runs, f"no real step: it failed ({type(exc).__name__}: {lines[0] if lines else ''})"[:300], 0.0
+    r1, r2, corrected, extra = correct_runs(runs[b1], runs[b2], real[0], real[1], b1, b2)
+    if not corrected:
+        return runs, f"real steps at micro-batches {b1} and {b2} on {device_type}: match the fake profile", 0.0
+    return ({b1: r1, b2: r2}, f"real steps at micro-batches {b1} and {b2} on {device_type}: {corrected} regions corrected, "
+            f"{extra:,.0f} bytes per sample more kept than on fake tensors", float(extra))
 
 
 # --------------------------------------------------------------------------------------
@@ -438,7 +464,9 @@ def _profile_many(workload: Workload, precisions: list[Precision], device_type: 
     Workloads without a ``source`` (built in Python, not loadable by name) are profiled here.
     """
     workers = min(len(precisions), os.cpu_count() or 1)
-    if workers <= 1 or not workload.source or os.environ.get("AUTOFIT_PROFILE_WORKERS") == "1":
+    # On CUDA the real step (autofit.real_check) must not create a context in the caller: always a child.
+    alone = workers <= 1 and device_type != "cuda"
+    if alone or not workload.source or os.environ.get("AUTOFIT_PROFILE_WORKERS") == "1":
         return {p.value: profile_precision(workload, p, device_type) for p in precisions}
     env = procs.child_env({"AUTOFIT_PROFILE_WORKERS": "1", "OMP_NUM_THREADS": "1"})
     # One process per core, each taking several precisions: start-up (imports, first-op

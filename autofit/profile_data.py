@@ -95,6 +95,9 @@ class PrecisionProfile:
     loss_backward: Region | None = None   # loss -> the output's gradient
     head_backward: Region | None = None   # the output's gradient -> into the last layer's backward
     grad_rows: tuple[tuple[int, int], ...] = ()  # (size(0), bytes) of every trainable parameter; () if not recorded
+    # autofit.real_check: what real steps found beside the fake runs (the regions above include it)
+    real_check: str = ""
+    real_extra_bytes_per_sample: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -423,11 +423,14 @@ def test_tiny_search_and_accuracy_suites(tmp_path, monkeypatch):
 
     monkeypatch.setattr(accuracy, "_QUICK_CASES", {"gpt-tiny": [("bf16", 2), ("fp32", 2, 2, 1)]})
     acc = accuracy.run_accuracy(tmp_path, env, quick=True, workloads=("gpt-tiny",),
-                                budgets={"gpt-tiny": (40 * MiB,)})
+                                budgets={"gpt-tiny": (40 * MiB,)}, truth_repeats=1)
     assert [r.status for r in acc.rows] == ["ok", "ok"]
     assert all(abs(r.error_rel) < 0.5 for r in acc.rows)
+    # the independent ground truth: the allocator holds at least the live tensors the tracker counts
+    assert all(len(r.allocator_peak_bytes) == 1 and r.allocator_peak_bytes[0] >= 0.99 * r.measured_peak_bytes
+               for r in acc.rows)
     md = (tmp_path / "accuracy.md").read_text()
-    assert "Issue 3 target" in md and "LLMem" in md
+    assert "Issue 3 target" in md and "LLMem" in md and "Against an independent ground truth" in md
 
 
 def test_search_plot_written_when_matplotlib_is_importable(tmp_path):

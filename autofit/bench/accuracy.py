@@ -3,9 +3,12 @@
 Also issue 3's acceptance table: >= 40 configs over two workloads of different kinds
 (``gpt-tiny``, a transformer; ``convnet-bn``, a CNN with BatchNorm) spanning the four
 precisions, checkpointing on and off, accumulation and device split 1 and 2, against the
-targets median |error| <= 3% and largest <= 8%. ``lstm-lm`` is a third, reported group: on the
-CPU its oneDNN LSTM saves a workspace for backward that fake tensors do not allocate, so the
-estimate is expected to be low there -- reported, not hidden.
+targets median |error| <= 3% and largest <= 8%. ``lstm-lm`` is a third kind (an RNN): on the CPU
+its oneDNN LSTM saves a workspace for backward that fake tensors do not allocate; the profile's
+real step (:mod:`autofit.real_check`) measures it, and lstm-lm counts toward issue 13's targets
+(median <= 2%, largest <= 8% over every built-in). Beside the tracker, every single-device config
+is read against an independent ground truth (:mod:`autofit.ground_truth`, the allocator's and the
+OS's view, repeated for their noise; :mod:`autofit.bench.truth_table`).
 
 Measurement: a worker process per workload (:mod:`autofit.bench.worker`) runs each config on a
 fresh model with :func:`autofit.measure.measure_trial` -- the trial runner's own code, steady-
@@ -33,6 +36,7 @@ from autofit.bench.common import (
     signed_pct,
     write_csv,
 )
+from autofit.bench.truth_table import truth_section
 from autofit.config import Precision, SplitMode, TrainConfig
 from autofit.records import TrialStatus
 
@@ -50,6 +54,10 @@ HF_WORKLOADS = (
 )
 HF_TARGET_MEDIAN = 0.02
 TARGET_MEDIAN = 0.03
+# Issue 13: over every built-in, lstm-lm included
+ALL_BUILTINS_TARGET_MEDIAN = 0.02
+# Each single-device config's ground truth is read this many times per view (its noise is their spread).
+TRUTH_REPEATS = 3
 TARGET_MAX = 0.08
 ANCHORS = ("LLMem (IJCAI 2024): <= 1.6% on one GPU (3.0% multi-GPU); DNNMem (ESEC/FSE 2020): ~15% mean; "
            "PyTorch MemTracker's own test tolerance: 10% against the CUDA allocator's peak.")
@@ -137,6 +145,8 @@ class AccuracyRow:
     timed: bool = True
     job_s: float | None = None
     error: str | None = None
+    allocator_peak_bytes: tuple = ()  # autofit.ground_truth repeats (single-device configs)
+    resident_peak_bytes: tuple = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "status", TrialStatus(self.status))
@@ -153,7 +163,9 @@ class AccuracyRow:
                 "measured_per_device_bytes": list(self.measured_per_device),
                 "predicted_step_time_s": self.predicted_step_time_s, "measured_step_time_s": self.measured_step_time_s,
                 "measurement": "measure_trial" if self.timed or self.config.device_split > 1 else "tracked steps only",
-                "job_s": self.job_s, "error": self.error or ""}
+                "job_s": self.job_s, "error": self.error or "",
+                "allocator_peak_bytes": list(self.allocator_peak_bytes),
+                "resident_peak_bytes": list(self.resident_peak_bytes)}
 
 
 @dataclass
@@ -186,7 +198,7 @@ def _predicted_step_times(profile, workload, configs) -> tuple[list[float | None
 
 
 def run_accuracy(out_dir: Path, env: dict, *, quick: bool = False, workloads: tuple[str, ...] | None = None,
-                 budgets: dict[str, tuple[int, ...]] | None = None,
+                 budgets: dict[str, tuple[int, ...]] | None = None, truth_repeats: int = TRUTH_REPEATS,
                  progress: Callable[[str], None] = lambda _m: None) -> AccuracyResults:
     """Predict and measure every case, then write ``accuracy.md`` and ``accuracy.csv`` to ``out_dir``."""
     from autofit.bench.search import search_budgets
@@ -206,7 +218,7 @@ def run_accuracy(out_dir: Path, env: dict, *, quick: bool = False, workloads: tu
         table = estimate_table(profile, configs)
         step_times, time_model_note = _predicted_step_times(profile, workload, configs)
         jobs = [{"kind": "memory", "workload": workload_name, "config": c.to_dict(),
-                 "time": c.precision is not Precision.AMP_FP16} for c in configs]
+                 "time": c.precision is not Precision.AMP_FP16, "truth_repeats": truth_repeats} for c in configs]
 
         def report(job, out, name=workload_name):
             progress(f"accuracy {name} {TrainConfig.from_dict(job['config']).short()}: {out.get('status')} "
@@ -220,7 +232,9 @@ def run_accuracy(out_dir: Path, env: dict, *, quick: bool = False, workloads: tu
                 predicted_per_device=tuple(pred["per_device_peak_bytes"]),
                 measured_per_device=tuple(out.get("per_device_peak_bytes") or ()),
                 measured_step_time_s=out.get("step_time_s"), predicted_step_time_s=t_pred, timed=job["time"],
-                job_s=out.get("job_s"), error=out.get("error")))
+                job_s=out.get("job_s"), error=out.get("error"),
+                allocator_peak_bytes=tuple(out.get("allocator_peak_bytes") or ()),
+                resident_peak_bytes=tuple(out.get("resident_peak_bytes") or ())))
     prior = []
     if workloads is None:  # the time model's prior over the search suite's grid configs (autofit.bench.prior)
         from autofit.bench.prior import prior_rows
@@ -269,6 +283,14 @@ def write_accuracy(out_dir: Path, env: dict, res: AccuracyResults) -> list[Path]
         rep.add(f"**Issue 12 target** (Hugging Face models: median |error| ≤ {pct(HF_TARGET_MEDIAN, 0)}, largest ≤ "
                 f"{pct(TARGET_MAX, 0)}, {hs.n} measured configs of {len(hf)} families): **{hf_verdict}** — median "
                 f"{pct(hs.median, 2)}, largest {pct(hs.max, 2)}.")
+    builtins = tuple(w for w in MAIN_WORKLOADS + EXTRA_WORKLOADS if any(r.workload == w for r in res.rows))
+    if set(builtins) - set(main):
+        bs = res.stats(builtins)
+        b_verdict = "PASS" if bs.n and bs.median <= ALL_BUILTINS_TARGET_MEDIAN and bs.max <= TARGET_MAX else "FAIL"
+        rep.add(f"**Issue 13 target** (every built-in, lstm-lm included: median |error| ≤ "
+                f"{pct(ALL_BUILTINS_TARGET_MEDIAN, 0)}, largest ≤ {pct(TARGET_MAX, 0)}, {bs.n} measured configs): "
+                f"**{b_verdict}** — median {pct(bs.median, 2)}, largest {pct(bs.max, 2)}. The independent ground "
+                "truth is in its own section below.")
     covered = [r for r in res.rows if r.workload in main]
     rep.add("Coverage of the target set: " + ", ".join(
         f"{p.value} {sum(r.config.precision is p for r in covered)}" for p in Precision)
@@ -283,12 +305,15 @@ def write_accuracy(out_dir: Path, env: dict, res: AccuracyResults) -> list[Path]
         members = [r for r in res.rows if r.workload in g]
         not_ok = sum(r.status is not TrialStatus.OK for r in members)
         target = ("PASS" if s.n and s.median <= TARGET_MEDIAN and s.max <= TARGET_MAX else "FAIL") \
-            if set(g) <= set(MAIN_WORKLOADS) else "reported (not a target)"
+            if set(g) <= set(MAIN_WORKLOADS + EXTRA_WORKLOADS) else "reported (not a target)"
         rows.append([" + ".join(g), len(members), s.n, not_ok, pct(s.median, 2), pct(s.p95, 2), pct(s.max, 2),
                      signed_pct(s.mean_signed), f"{s.under}/{s.n}", target])
     rep.add("## Summary\n\n" + markdown_table(
         ["workload", "configs", "measured", "did not run", "median abs. error", "p95", "max", "mean signed error",
          "under-estimates", "median ≤ 3% and max ≤ 8%"], rows, "lrrrrrrrrl"))
+    truth = truth_section(res.rows)
+    if truth:
+        rep.add(truth)
     stage_errors = [(r, i, relative_error(p, m)) for r in res.rows if r.status is TrialStatus.OK and r.config.device_split > 1
                     and len(r.predicted_per_device) == len(r.measured_per_device)
                     for i, (p, m) in enumerate(zip(r.predicted_per_device, r.measured_per_device))]
@@ -342,9 +367,12 @@ def write_accuracy(out_dir: Path, env: dict, res: AccuracyResults) -> list[Path]
         rep.add(prior_section(res.prior))
     # lstm note
     if any(r.workload == "lstm-lm" for r in res.rows):
-        rep.add("## lstm-lm\n\nOn the CPU, `nn.LSTM` runs oneDNN's RNN primitive, which saves a workspace for "
-                "backward that is allocated inside the kernel: fake-tensor profiling does not see it, so the estimate "
-                "is low here by the workspace's share. amp-fp16 does not run at all: oneDNN has no fp16 LSTM "
+        rep.add("## lstm-lm\n\nOn the CPU, `nn.LSTM` runs oneDNN's RNN primitive, which returns a workspace "
+                "that backward needs; its fake kernel makes it empty, so a fake-tensor profile alone is ~40% low. "
+                "The profile's real steps (`autofit.real_check`: real steps at micro-batches 2 and 4 on this device, "
+                "their bytes beyond the fake steps added region by region) put it back, in the profile the search "
+                "prunes with. "
+                "amp-fp16 does not run at all: oneDNN has no fp16 LSTM "
                 "primitive on this CPU (the trial reports the error). Both are reported as measured, not hidden; on "
                 "CUDA, cuDNN's reserve space plays the workspace's part.")
     # Full table

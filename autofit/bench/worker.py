@@ -10,7 +10,8 @@ library loads, and only a child can be given it), and so a crash costs one workl
 Job kinds:
 
 - ``memory``: peak live tensor bytes of ``config`` (the CPU tracker, steady state) and, with
-  ``time``, the step time. Single-device configs with ``time`` go through
+  ``time``, the step time; with ``truth_repeats``, the independent ground truth of
+  :mod:`autofit.ground_truth` (allocator and resident peaks, that many times each) for a single device. Single-device configs with ``time`` go through
   :func:`autofit.measure.measure_trial` itself (the trial runner's code path); without
   ``time`` (amp-fp16, whose CPU kernels are ~1000x slow) only the tracked steps run. Device
   splits always go through ``measure_trial``, which runs PyTorch's pipeline engine.
@@ -62,7 +63,13 @@ def _memory(job: dict) -> dict:
     else:
         out = _memory_only(workload, config, schedule)
     keep = ("status", "error", "peak_bytes", "per_device_peak_bytes", "breakdown", "step_time_s", "samples_per_s")
-    return {k: out.get(k) for k in keep}
+    out = {k: out.get(k) for k in keep}
+    if job.get("truth_repeats") and config.device_split == 1 and out["status"] == "ok":
+        from autofit.ground_truth import ground_truth
+
+        # after the trial's own steps, on fresh models: nothing timed runs under the profiler
+        out.update(ground_truth(workload, config, schedule, int(job["truth_repeats"])))
+    return out
 
 
 def _tracker_overhead(job: dict) -> dict:
