@@ -75,8 +75,9 @@ def ran_trial(planner: Planner, config: TrainConfig, number: int, status="ok", s
     ok = status == "ok"
     measured = {"peak_bytes": peak if ok else None, "samples_per_s": samples_per_s if ok else None,
                 "step_time_s": (step_time_s or config.samples_per_step / samples_per_s) if ok else None}
+    errors = {"step_time": relative_error(predicted["step_time_s"], measured["step_time_s"])}
     return TrialRecord(number, config, TrialStatus(status), prediction=predicted, measurement=measured,
-                       value=samples_per_s if ok else 0.0, sample=sample,
+                       value=samples_per_s if ok else 0.0, sample=sample, errors=errors,
                        constraints={"peak_over_budget_bytes": -1.0 if ok else 1.0, "failed": 0.0 if ok else 1.0})
 
 
@@ -266,7 +267,8 @@ def test_the_top_configs_are_measured_again_and_the_best_is_the_highest_median(t
 
 
 def test_re_measurements_count_towards_the_trial_limit(tiny_profile, rates):
-    planner = make_planner(tiny_profile, rates, precision=["fp32"], micro_batch=[1, 2, 4, 8], global_batch=8)
+    planner = make_planner(tiny_profile, rates, precision=["fp32", "amp-bf16"], micro_batch=[1, 2, 4, 8],
+                           global_batch=8)
     limited = Planner(dataclasses.replace(planner.settings, trials=4), tiny_profile, rates)
     configs = [TrainConfig("fp32", m, 8 // m) for m in (8, 4, 2)]
     trials = [ran_trial(limited, c, k, samples_per_s=100.0 - k) for k, c in enumerate(configs)]
@@ -275,6 +277,38 @@ def test_re_measurements_count_towards_the_trial_limit(tiny_profile, rates):
     trials.append(ran_trial(limited, configs[0], 3, samples_per_s=99.0, sample=2))
     step = limited.step(trials)
     assert step.run is None and step.stop.startswith("trial limit: 4 real trials, 1 of them left")
+
+
+def test_a_precision_the_calibrated_model_rules_out_is_dropped_after_its_own_trial(tiny_profile, rates):
+    from autofit.study.planner import TIME_MARGIN_MIN, time_margin
+
+    planner = make_planner(tiny_profile, rates, precision=["fp32", "amp-bf16"], micro_batch=[1, 2, 4, 8],
+                           global_batch=8)
+    fp32, amp = TrainConfig("fp32", 8, 1), TrainConfig("amp-bf16", 8, 1)
+    predicted = {c: planner.prediction(planner.index[c], Calibration.prior())["samples_per_s"] for c in (fp32, amp)}
+    # fp32 measured 100x faster than predicted: no amp-bf16 config is predicted near it, but amp-bf16
+    # has not run, and across precisions one trial's calibration says little: it is not dropped
+    trials = [ran_trial(planner, fp32, 0, samples_per_s=100 * predicted[fp32])]
+    assert not [i for i in kinds(planner.step(trials)).get("slow_precision", []) if planner.configs[i].precision == "amp-bf16"]
+    # a second fp32 trial measures the calibrated model's error within a precision (here 1/100 -> 10%)...
+    trials = [ran_trial(planner, fp32, 0, samples_per_s=predicted[fp32])]
+    fp32_4 = TrainConfig("fp32", 4, 2)
+    trials.append(ran_trial(planner, fp32_4, 1, samples_per_s=planner.prediction(
+        planner.index[fp32_4], Calibration.prior())["samples_per_s"] * 1.01))
+    # ...then amp-bf16's own trial runs 5x slower than predicted: its other configs are dropped, with the reason
+    trials.append(ran_trial(planner, amp, 2, samples_per_s=predicted[amp] / 5))
+    step = planner.step(trials)
+    dropped = {planner.configs[i] for i in kinds(step)["slow_precision"]}
+    assert {TrainConfig("amp-bf16", m, 8 // m) for m in (2, 4)} <= dropped  # (mb=1 is too slow by 20x anyway)
+    assert {planner.configs[p.index] for p in step.prunes} >= {TrainConfig("amp-bf16", m, 8 // m) for m in (1, 2, 4)}
+    assert "time model's measured error (10%)" in next(p.text for p in step.prunes if p.reason.value == "slow_precision"
+                                                       and planner.configs[p.index].precision == "amp-bf16")
+    # the margin: errors of trials planned once their precision had run, else any trial's
+    with_errors = lambda r, e: dataclasses.replace(r, errors={"step_time": e})  # noqa: E731
+    first = with_errors(ran_trial(planner, fp32, 0), 0.6)
+    assert time_margin([first]) is None and time_margin([]) is None
+    assert time_margin([first, with_errors(ran_trial(planner, fp32_4, 1), -0.3)]) == 0.3
+    assert time_margin([first, with_errors(ran_trial(planner, fp32_4, 1), 0.01)]) == TIME_MARGIN_MIN
 
 
 def test_stale_running_trials():

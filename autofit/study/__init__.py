@@ -11,7 +11,12 @@ One planning step (every worker, before every trial, from what the storage holds
    safety margin over the budget), ``too_slow`` (predicted throughput under 1/SLOW_FACTOR of
    the best predicted, or a trial predicted to outlast the trial time limit), ``dominated``
    (the same precision, micro-batch, accumulation and split with less recomputation fits and
-   is predicted faster: checkpointing only trades time for memory). A prune is re-examined at
+   is predicted faster: checkpointing only trades time for memory), ``slow_precision`` (every
+   config left of a precision that has run ok is predicted, calibrated, below the best measured
+   median by more than the time model's measured error: the largest error of a step time
+   predicted once its precision had run, :func:`~autofit.study.planner.time_margin`; a precision
+   that has not run is never ruled out this way, since across precisions the prior's error is
+   up to 2x on a CPU). A prune is re-examined at
    every step: if its reason no longer holds (the config that dominated it ran out of memory,
    calibration shrank the margin), the config becomes a candidate again;
 3. **stop** when the real-trial limit is reached, the time is up, ``patience`` real trials in a

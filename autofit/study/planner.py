@@ -38,6 +38,7 @@ REMEASURE_TOP = 2          # the configs with the highest median measured...
 REMEASURE_WITHIN = 0.75    # ...that are within this fraction of the best median...
 REMEASURE_SAMPLES = 2      # ...are each brought to this many samples; the best is the highest median
 REMEASURE_MAX = 2 * REMEASURE_TOP * (REMEASURE_SAMPLES - 1)  # re-measurements in a study at most
+TIME_MARGIN_MIN = 0.10     # the time model's error margin is never taken below two samples' median spread
 REMEASURE_RESERVE = 4      # with a trial limit, exploration leaves up to 1/this of it for them
 # A trial runs DEFAULT_SCHEDULE (autofit.schedule); its time limit is sized from that schedule.
 
@@ -63,6 +64,21 @@ class Step:
     stop: str | None
     calibration: Calibration
     sample: int = 1            # 1: the config's first trial; more: a re-measurement of a top config
+
+
+def time_margin(records: Sequence[TrialRecord]) -> float | None:
+    """The calibrated time model's measured error within a precision: the largest relative error of
+    the step time predicted for an ok trial whose precision had already run ok when it was planned
+    (predicted before it ran, so out of sample), at least TIME_MARGIN_MIN. None until there is one
+    (a precision's first trial shows the prior's error, which its calibration then corrects)."""
+    ok = sorted((r for r in records if r.feasible and r.errors.get("step_time") is not None), key=lambda r: r.number)
+    seen: set = set()
+    within = []
+    for r in ok:
+        if r.config.precision in seen:
+            within.append(abs(r.errors["step_time"]))
+        seen.add(r.config.precision)
+    return max([TIME_MARGIN_MIN] + within) if within else None
 
 
 class Planner:
@@ -181,6 +197,7 @@ class Planner:
         sps = samples / step_s
         fits = np.nan_to_num(np.asarray(calibration.fits(peak, settings.budget_bytes), dtype=bool), nan=False)
         reasons = self._reasons(peak, sps, ratio, fits, calibration)
+        self._slow_precisions(reasons, sps, claimed, ~np.isnan(measured_step), best_median, time_margin(records))
         # Times are compared on one basis, the calibrated predictions (a measured time against a
         # sibling's prediction would let noise decide); a config that ran ok is known to fit.
         known = ~np.isnan(measured_step)
@@ -245,6 +262,27 @@ class Planner:
                 reasons[i] = (PruneReason.TOO_SLOW, f"a trial is predicted to take {seconds:.0f} s, over the "
                                                     f"{settings.trial_timeout_s:.0f} s trial limit")
         return reasons
+
+    def _slow_precisions(self, reasons, sps, claimed, ran_ok, best_median: float | None,
+                         margin: float | None) -> None:
+        """Prune every config left of a precision that ran ok (``ran_ok``: per config) whose best
+        calibrated prediction is below the best measured median by more than the time model's
+        measured error ``margin``: once its own trial has calibrated it, a precision the model
+        rules out costs no more trials."""
+        if best_median is None or margin is None:
+            return
+        # Only precisions that ran: across precisions the prior's error is far larger (its measured
+        # ratios differ up to 2x between fp32 and bf16 on a CPU) than a trial's calibration can bound.
+        for precision in {self.configs[i].precision for i in np.flatnonzero(ran_ok)}:
+            members = [i for i, c in enumerate(self.configs)
+                       if c.precision is precision and reasons[i] is None and not claimed[i]]
+            top = max((sps[i] for i in members), default=math.nan)
+            if members and top * (1 + margin) < best_median:
+                for i in members:
+                    reasons[i] = (PruneReason.SLOW_PRECISION,
+                                  f"every {precision.value} config left is predicted at most {top:.3g} samples/s, "
+                                  f"under the best measured {best_median:.3g} by more than the time model's measured "
+                                  f"error ({margin:.0%})")
 
     def _dominance(self, reasons, step_s, peak, failed_run) -> None:
         """Prune checkpointing that buys memory the budget does not need (see :mod:`autofit.study`)."""
