@@ -103,7 +103,7 @@ def test_summary_and_files(study_dir):
     assert result.plan().grad_accum == 2
 
 
-def test_the_best_is_the_highest_median_of_its_samples(study_dir):
+def test_the_best_is_the_highest_median_of_its_samples(study_dir, capsys):
     study = open_study(study_dir)
     dists = distributions(space_from_dict(dict(SPACE)))
     fp32_4, fp32_2 = TrainConfig("fp32", 4, 1), TrainConfig("fp32", 2, 2)
@@ -119,6 +119,8 @@ def test_the_best_is_the_highest_median_of_its_samples(study_dir):
     assert "measured 3 times: median 26.00 samples/s (10.00, 26.00, 28.00)" in summary_markdown(snapshot)
     assert trials_table(snapshot)["sample"].tolist() == [1, 1, 1, 1, 1, 1, 2, 3, 2]
     assert search_result(snapshot, study_dir).best_measured["samples"] == 3
+    assert main(["report", str(study_dir), "--no-write"]) == 0
+    assert "(trial 1): 10.00 samples/s, peak 585.94 KiB; median of 3 samples 26.00 samples/s" in capsys.readouterr().out
 
 
 def test_report_command(study_dir, capsys):

@@ -78,8 +78,11 @@ def run(args: argparse.Namespace) -> int:
               f"{reason[:70]}")
     best = best_record(study)
     if best.get("config"):
+        samples = best.get("samples") or []
         print(f"best: {best['short']} (trial {best['trial']}): {best['measured']['samples_per_s']:,.2f} samples/s, "
-              f"peak {format_bytes(best['measured']['peak_bytes'])}")
+              f"peak {format_bytes(best['measured']['peak_bytes'])}"
+              + (f"; median of {len(samples)} samples {best['median_samples_per_s']:,.2f} samples/s"
+                 if len(samples) > 1 else ""))
         print(f"reproduce: {best['reproduce']}")
     return 0
 
