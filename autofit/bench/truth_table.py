@@ -40,8 +40,8 @@ def explain(row) -> str:
         held = alloc - row.measured_peak_bytes  # allocator bytes beyond the live tensors the tracker counts
         if abs(held) / alloc > tol_alloc:
             notes.append(f"the allocator holds {mib(held)} MiB ({signed_pct(held / row.measured_peak_bytes)}) "
-                         "beyond the live tensors at its peak: buffers kernels take without making a tensor "
-                         "(oneDNN scratchpads, which no dispatch-level count sees)")
+                         "beyond the live tensors at its peak: buffers a kernel allocates inside itself (oneDNN "
+                         "scratchpads, convolution buffers), which no count at the dispatcher sees")
         est = relative_error(row.predicted_peak_bytes, row.measured_peak_bytes)
         if abs(est) > tol_alloc:
             notes.append(f"the estimate is {signed_pct(est)} off the live tensors themselves")
