@@ -31,6 +31,7 @@ import dataclasses
 import functools
 import json
 import os
+import resource
 import time
 import traceback
 import warnings
@@ -120,15 +121,18 @@ class TrialResult:
 
 def run_trial(workload: Workload | str, config: TrainConfig, *, device: str = "cpu", budget_bytes: int | None = None,
               warmup_steps: int = 2, measure_steps: int = 3, timeout_s: float = 300,
-              schedule: MeasureSchedule | None = None) -> TrialResult:
+              schedule: MeasureSchedule | None = None, memory_limit_bytes: int | None = None) -> TrialResult:
     """Run ``config`` on ``workload`` in a child process and measure it; never raises for the trial's sake.
 
     ``workload`` is a Workload or a ``--model`` spec (re-loaded in the child). The steps run
     are ``schedule`` (a :class:`autofit.schedule.MeasureSchedule`); without one,
     ``MeasureSchedule.from_steps(warmup_steps, measure_steps)``.
     ``timeout_s`` bounds the whole trial, the child's interpreter start and imports included
-    (about 5 s on a small CPU machine). Returns a TrialResult whose status is ``ok``, ``oom``,
-    ``error`` or ``timeout``. Raises ValueError only for invalid arguments.
+    (about 5 s on a small CPU machine). ``memory_limit_bytes``: the child's address space at most
+    (``RLIMIT_AS``, what ``ulimit -v`` sets; its imports count too), so a config that would exhaust
+    the host fails alone. Returns a TrialResult whose status is ``ok``, ``oom`` (over the budget, or
+    an allocation refused by the device or the host), ``error`` or ``timeout``. Raises ValueError
+    only for invalid arguments.
 
     Example::
 
@@ -145,7 +149,7 @@ def run_trial(workload: Workload | str, config: TrainConfig, *, device: str = "c
     source = workload if isinstance(workload, str) else workload.source
     name = workload if isinstance(workload, str) else workload.name
     request = {"source": source, "config": config.to_dict(), "device": device, "budget_bytes": budget_bytes,
-               "schedule": schedule.to_dict()}
+               "schedule": schedule.to_dict(), "memory_limit_bytes": memory_limit_bytes}
     start = time.monotonic()
     try:
         if source is not None:
@@ -212,6 +216,9 @@ def child_entry(request: dict, send: procs.Send | None = None, workload: Workloa
         from autofit.measure import measure_trial  # noqa: PLC0415 -- imported in the child only
         from autofit.workload import load_workload  # noqa: PLC0415
 
+        if request.get("memory_limit_bytes"):  # before the user's code allocates anything
+            _, hard = resource.getrlimit(resource.RLIMIT_AS)
+            resource.setrlimit(resource.RLIMIT_AS, (int(request["memory_limit_bytes"]), hard))
         if workload is None:
             workload = load_workload(request["source"])
         outcome = measure_trial(workload, TrainConfig.from_dict(request["config"]), device=request["device"],
@@ -221,7 +228,7 @@ def child_entry(request: dict, send: procs.Send | None = None, workload: Workloa
     except BaseException as exc:  # noqa: BLE001 -- SystemExit from user code is an error too
         if os.environ.get("AUTOFIT_TRIAL_TRACEBACK"):
             traceback.print_exc()
-        outcome = {"status": "error", "error": _last_line(exc)}
+        outcome = {"status": "oom" if _out_of_memory(exc) else "error", "error": _last_line(exc)}
         if workload is not None:
             outcome["workload"] = workload.name
     if isinstance(outcome.get("error"), str):
@@ -231,6 +238,12 @@ def child_entry(request: dict, send: procs.Send | None = None, workload: Workloa
     except (TypeError, ValueError) as exc:
         outcome = {"status": "error", "error": f"unserialisable trial result: {exc}"[:_MAX_ERROR_CHARS]}
     return outcome
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """An allocation the host refused: Python's MemoryError, or PyTorch's CPU allocator (a RuntimeError
+    saying so). The device's own, ``torch.OutOfMemoryError``, is caught in measure."""
+    return isinstance(exc, MemoryError) or (isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
 
 
 def _last_line(exc: BaseException) -> str:

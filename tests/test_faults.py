@@ -211,3 +211,97 @@ def test_two_hundred_trials_keep_the_parent_flat(tmp_path):
     growth = rss[-1] - rss[0]
     assert growth < 50 << 20, f"the search process grew by {growth / 2**20:.0f} MB over 200 trials"
     assert fds[-1] <= fds[0], f"file descriptors leak: {fds[0]} -> {fds[-1]}"
+
+
+# --- trials that misbehave; Ctrl-C --------------------------------------------------------------------
+
+
+def _vm_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads the address space from /proc")
+def test_trials_that_crash_hang_run_out_of_memory_or_flood_are_recorded_and_the_study_goes_on(tmp_path, monkeypatch,
+                                                                                               capfd):
+    from autofit.schedule import DEFAULT_SCHEDULE
+    from autofit.study import load_snapshot, search
+    from autofit.trial import run_trial
+    from fault_workloads import FAULTS_ENV, FLOOD_BYTES, HOG_BYTES, faulty
+
+    # The planner runs the largest micro-batch first (predicted fastest): the oom, whose widened margin
+    # prunes only configs predicted as large, then the others; 3 behaves.
+    monkeypatch.setenv(FAULTS_ENV, "8:hog,7:segfault,6:hang,5:flood")
+    monkeypatch.setenv("AUTOFIT_TEST_PIDFILE", str(tmp_path / "pids"))
+    limit = _vm_bytes() + (4 << 30)  # a trial may map 4 GiB more than this process holds; the hog asks for 12
+    assert HOG_BYTES > 4 << 30
+
+    def limited(workload, config, *, device, budget_bytes, timeout_s):
+        return run_trial(workload, config, device=device, budget_bytes=budget_bytes, timeout_s=timeout_s,
+                         schedule=DEFAULT_SCHEDULE, memory_limit_bytes=limit)
+
+    out = tmp_path / "study"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # a workload without a source: forked trials
+            search(faulty(), "1GB", space={"precision": ["fp32"], "micro_batch": [3, 5, 6, 7, 8]}, out_dir=out,
+                   device="cpu", patience=10, trial_timeout_s=10, trial_runner=limited)
+    finally:
+        flooded = len(capfd.readouterr().err)  # the trials' output, echoed to our stderr
+    first = {r.config.micro_batch: r for r in load_snapshot(out).records if r.status.ran and r.sample == 1}
+    status = {mb: (r.status.value, r.measurement.get("error")) for mb, r in first.items()}
+    assert status[8][0] == "oom" and "can't allocate memory" in status[8][1], status
+    assert status[7] == ("error", "killed by signal SIGSEGV"), status
+    assert status[6][0] == "timeout" and "limit of 10 s" in status[6][1], status
+    assert status[5] == ("ok", None) and status[3] == ("ok", None), status
+    assert flooded >= FLOOD_BYTES
+    hung = [int(pid) for pid in (tmp_path / "pids").read_text().split()]
+    assert hung and all(_gone(pid) for pid in hung), "the hung trial outlived its limit"
+
+
+def test_ctrl_c_records_the_running_trial_interrupted_and_the_study_resumes(tmp_path, write_space):
+    from fault_workloads import FAULTS_ENV
+
+    pids = tmp_path / "pids"
+    space = write_space(tmp_path / "space.toml", precision=["fp32"], micro_batch=[6, 8])
+    out = tmp_path / "study"
+    env = {**os.environ, "PYTHONPATH": str(REPO), FAULTS_ENV: "8:hang", "AUTOFIT_TEST_PIDFILE": str(pids)}
+    search = subprocess.Popen([sys.executable, "-m", "autofit", "search", "--model", FAULTY, "--budget", "1GB",
+                               "--space", str(space), "--device", "cpu", "--out", str(out)],
+                              env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (pids.is_file() and pids.read_text().strip()) and search.poll() is None:
+            assert time.monotonic() < deadline, "no trial started"
+            time.sleep(0.2)
+        search.send_signal(signal.SIGINT)  # Ctrl-C reaches the search only: a trial has its own session
+        stdout, stderr = search.communicate(timeout=120)
+    finally:
+        if search.poll() is None:
+            search.kill()
+    assert search.returncode == 130, stderr[-2000:]
+    assert stderr.strip().splitlines()[-1] == "autofit: interrupted" and "Traceback" not in stderr, stderr[-2000:]
+    assert all(_gone(int(pid)) for pid in pids.read_text().split()), "the trial outlived the search"
+    before = _ran(out)
+    assert list(before.values()) == [((TrainConfig("fp32", 8, 1), 1), "interrupted", None)], before
+    table = pd.read_csv(out / "trials.csv")
+    assert list(table.loc[table["status"] != "pruned", "status"]) == ["interrupted"]
+
+    from autofit.study import load_snapshot
+    from autofit.study import search as resume
+
+    assert load_snapshot(out).runs[-1]["stop_reason"] == "interrupted"
+    replay = Replay()
+    resume(FAULTY, "1GB", space=str(space), out_dir=out, device="cpu", trial_runner=replay)
+    assert replay.calls[0] == TrainConfig("fp32", 8, 1), "the interrupted config runs again, first"
+    after = _ran(out)
+    assert after[0] == before[0] and "running" not in {s for _, s, _ in after.values()}
+    assert {c for (c, _), s, _ in after.values() if s == "ok"} == {TrainConfig("fp32", 8, 1), TrainConfig("fp32", 6, 1)}
