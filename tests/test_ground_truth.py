@@ -75,6 +75,24 @@ def test_the_real_step_correction_scales_per_sample_and_never_lowers_a_peak():
     assert out1["pre_forward"] == fake1["pre_forward"] and fake1["layers"][0]["forward"][0] == 10  # inputs untouched
 
 
+def _row(predicted, tracker, allocator, resident=()):
+    from autofit.bench.accuracy import AccuracyRow
+
+    return AccuracyRow(workload="w", config=TrainConfig(Precision.FP32, 4), status="ok", predicted_peak_bytes=predicted,
+                       measured_peak_bytes=tracker, allocator_peak_bytes=allocator, resident_peak_bytes=resident)
+
+
+def test_a_disagreement_beyond_the_noise_is_explained_and_agreement_is_not():
+    from autofit.bench.truth_table import explain, truth_section
+
+    assert explain(_row(100.0, 100, (100, 100, 100), (101, 100, 102))) == ""
+    note = explain(_row(100.0, 100, (110, 110, 110), (80, 80, 81)))
+    assert "allocator holds" in note and "+10.00%" in note and "resident" in note and "under the allocator" in note
+    # resident noise of 30% swallows a 20% difference; the allocator's 0% noise does not
+    assert "resident" not in explain(_row(100.0, 100, (100, 100, 100), (120, 100, 130)))
+    assert "Against an independent ground truth" in truth_section([_row(100.0, 100, (110, 110, 110))])
+
+
 def _small_lstm() -> Workload:
     return Workload(name="small-lstm", model=lambda: LSTMLanguageModel(vocab_size=32, hidden=32, n_layer=2),
                     batch=lambda n: (torch.randint(32, (n, 16)), torch.randint(32, (n, 16))),
@@ -96,7 +114,7 @@ def test_the_real_step_puts_back_the_lstm_workspace_fake_tensors_miss(tmp_path, 
     assert corrected.for_precision("fp32").real_extra_bytes_per_sample * config.micro_batch > 0.1 * measured
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_a_cuda_trial_reports_allocated_reserved_and_context_and_fits_its_budget():
     workload, config = _big_weight(), TrainConfig(Precision.FP32, 4)
     budget = 4 * 2**30
