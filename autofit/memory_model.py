@@ -490,6 +490,9 @@ def estimate(profile: Profile, config: TrainConfig, budget_bytes: int | None = N
         notes.append(f"checkpoint_every {config.checkpoint_every} > {profile.n_layers} layers: one segment of all layers")
     if profile.device_type == "cuda":
         notes.append((overhead or fallback_overhead()).note())
+    real_check = profile.for_precision(config.precision).real_check
+    if real_check:  # what the profile's real steps found (autofit.real_check), corrections included
+        notes.append(f"profile: {real_check}")
     return MemoryEstimate(
         workload=profile.workload, device_type=profile.device_type, config=config,
         param_count=profile.param_count,
