@@ -55,6 +55,11 @@ MILLION = "precision = ['fp32', 'amp-bf16']\nmicro_batch = %s\ngrad_accum = %s\n
 CASES: dict[str, Case] = {
     # budgets
     "budget-bare-number": Case(_estimate(budget="8"), 2, ("'8'", "gb")),
+    # autofit bench --workloads: a part that names no workload, or a suite without workloads
+    "bench-workloads-unknown": Case(["bench", "--suite", "accuracy", "--workloads", "nosuchmodel", "--out", "{d}/b"], 2,
+                                    ("nosuchmodel", "gpt-tiny")),
+    "bench-workloads-wrong-suite": Case(["bench", "--suite", "search", "--workloads", "gpt", "--out", "{d}/b"], 2,
+                                        ("--workloads", "--suite accuracy")),
     "budget-negative": Case(_estimate(budget="-1GB"), 2, ("-1gb", "positive")),
     "budget-negative-equals": Case(["estimate", "--model", "tiny", "--budget=-1GB"], 2, ("-1gb", "positive")),
     "budget-zero": Case(_estimate(budget="0GB"), 2, ("0gb", "positive")),

@@ -577,3 +577,16 @@ def test_suite_runs_peers_live_on_the_first_cell_and_autofit_live_on_every_cell(
     assert live == [("autofit", 50), ("accelerate-x0.5 sweep", 50), ("autofit", 100)]
     text = (tmp_path / "search.md").read_text()
     assert "| synthetic @ 100 MiB | autofit |" in text and "| synthetic @ 100 MiB | 100.0% ✓ | 100.0% ✓ |" in text
+
+
+def test_accuracy_workloads_are_selected_by_parts_of_their_names():
+    from autofit.bench.accuracy import HF_WORKLOADS, USER_WORKLOADS, cases, select_workloads
+    from autofit.errors import ConfigError
+
+    assert select_workloads(("user_models",)) == USER_WORKLOADS
+    assert select_workloads(("hf:gpt2", "mixer")) == (HF_WORKLOADS[0], USER_WORKLOADS[1])
+    # Every selected HF decoder and user model is measured at a 2-stage split too.
+    for name in select_workloads(("hf:gpt2", "hf:llama", "hf:qwen3", "user_models")):
+        assert any(c.device_split == 2 for c in cases(workloads=(name,))[name]), name
+    with pytest.raises(ConfigError, match="'nope' matches none"):
+        select_workloads(("gpt-tiny", "nope"))

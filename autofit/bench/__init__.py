@@ -37,15 +37,24 @@ class BenchResults:
 
 
 def run_bench(suites: Sequence[str] = SUITES, *, out_dir: Path = DEFAULT_OUT, quick: bool = False,
-              command: str = "autofit bench", progress: Callable[[str], None] = lambda _m: None) -> BenchResults:
+              command: str = "autofit bench", progress: Callable[[str], None] = lambda _m: None,
+              workloads: Sequence[str] | None = None) -> BenchResults:
     """Run ``suites`` in order and write their tables to ``out_dir``.
 
-    Returns a :class:`BenchResults`. Raises ValueError for an unknown suite name. Every real
-    training step runs in a child process with ``OMP_WAIT_POLICY=PASSIVE`` (set here).
+    ``workloads``: parts of the accuracy suite's workload names; only those workloads are
+    measured (:func:`autofit.bench.accuracy.select_workloads`).
+    Returns a :class:`BenchResults`. Raises ValueError for an unknown suite name, ConfigError
+    for a ``workloads`` part that names none. Every real training step runs in a child process
+    with ``OMP_WAIT_POLICY=PASSIVE`` (set here).
     """
     unknown = [s for s in suites if s not in SUITES]
     if unknown:
         raise ValueError(f"unknown suite(s) {unknown}: expected {', '.join(SUITES)}")
+    selected = None
+    if workloads:
+        from autofit.bench.accuracy import select_workloads
+
+        selected = select_workloads(tuple(workloads), quick)
     apply_bench_env()
     env = environment(command)
     out_dir = Path(out_dir)
@@ -56,7 +65,7 @@ def run_bench(suites: Sequence[str] = SUITES, *, out_dir: Path = DEFAULT_OUT, qu
         if name == "accuracy":
             from autofit.bench.accuracy import run_accuracy
 
-            res = run_accuracy(out_dir, env, quick=quick, progress=progress)
+            res = run_accuracy(out_dir, env, quick=quick, workloads=selected, progress=progress)
         elif name == "search":
             from autofit.bench.search import run_search_suite
 

@@ -8,7 +8,11 @@ its oneDNN LSTM saves a workspace for backward that fake tensors do not allocate
 real step (:mod:`autofit.real_check`) measures it, and lstm-lm counts toward issue 13's targets
 (median <= 2%, largest <= 8% over every built-in). Beside the tracker, every single-device config
 is read against an independent ground truth (:mod:`autofit.ground_truth`, the allocator's and the
-OS's view, repeated for their noise; :mod:`autofit.bench.truth_table`).
+OS's view, repeated for their noise; :mod:`autofit.bench.truth_table`). Issue 12 adds tiny
+configs of four Hugging Face families (:data:`HF_WORKLOADS`), issue 13 two models written in a
+user's file (:data:`USER_WORKLOADS`: a ViT from ``nn.TransformerEncoderLayer`` with AdamW, an
+MLP-Mixer with RMSprop), device split included. ``autofit bench --suite accuracy --workloads hf:,user_models``
+measures only the workloads whose name contains one of the given parts.
 
 Measurement: a worker process per workload (:mod:`autofit.bench.worker`) runs each config on a
 fresh model with :func:`autofit.measure.measure_trial` -- the trial runner's own code, steady-
@@ -38,6 +42,7 @@ from autofit.bench.common import (
 )
 from autofit.bench.truth_table import truth_section
 from autofit.config import Precision, SplitMode, TrainConfig
+from autofit.errors import ConfigError
 from autofit.records import TrialStatus
 
 MAIN_WORKLOADS = ("gpt-tiny", "convnet-bn")
@@ -53,6 +58,10 @@ HF_WORKLOADS = (
     "hf:vit?num_hidden_layers=4&hidden_size=128&num_attention_heads=4&intermediate_size=512&image_size=64&patch_size=8",
 )
 HF_TARGET_MEDIAN = 0.02
+# Issue 13: models written as a user would write them in a file (not built-ins), loaded by
+# module path here so the tables name them the same on every machine; as files they load the
+# same way (``--model path/to/vit.py:workload``).
+USER_WORKLOADS = ("autofit.bench.user_models.vit:workload", "autofit.bench.user_models.mixer:workload")
 TARGET_MEDIAN = 0.03
 # Issue 13: over every built-in, lstm-lm included
 ALL_BUILTINS_TARGET_MEDIAN = 0.02
@@ -105,16 +114,23 @@ _CASES = {
 _HF_DECODER_CASES = [
     ("fp32", 4), ("fp32", 4, 1, 1), ("fp32", 4, 1, 2), ("amp-bf16", 4), ("amp-bf16", 4, 1, 1), ("amp-bf16", 4, 2, 2),
     ("bf16", 4, 2), ("bf16", 4, 1, 2), ("amp-fp16", 2), ("amp-fp16", 2, 1, 1),
-    ("fp32", 2, 2, 0, 2), ("amp-bf16", 2, 2, 1, 2),
+    # split 2: every precision, checkpointing at 1 and 2, 1F1B with k = p and k > p micro-batches
+    ("fp32", 2, 2, 0, 2), ("amp-bf16", 2, 2, 1, 2), ("fp32", 2, 4, 2, 2), ("bf16", 2, 3, 0, 2),
+    ("amp-fp16", 1, 2, 0, 2),
 ]
 _HF_ENCODER_CASES = [("fp32", 8), ("fp32", 8, 1, 1), ("fp32", 8, 1, 2), ("amp-bf16", 8, 2), ("amp-bf16", 8, 1, 2),
                      ("bf16", 8), ("bf16", 8, 2, 1), ("amp-fp16", 4)]
 _CASES.update({w: _HF_ENCODER_CASES if w.startswith("hf:vit") else _HF_DECODER_CASES for w in HF_WORKLOADS})
+_USER_CASES = [("fp32", 16), ("fp32", 16, 1, 1), ("fp32", 16, 1, 2), ("fp32", 8, 2), ("amp-bf16", 16),
+               ("amp-bf16", 16, 1, 1), ("bf16", 16), ("bf16", 8, 2, 2), ("amp-fp16", 4),
+               ("fp32", 8, 2, 0, 2), ("amp-bf16", 8, 4, 1, 2), ("bf16", 8, 2, 2, 2), ("amp-fp16", 2, 2, 0, 2)]
+_CASES.update({w: _USER_CASES for w in USER_WORKLOADS})
 
 _QUICK_CASES = {
     "gpt-tiny": [("fp32", 4), ("amp-bf16", 4, 2, 1), ("bf16", 4), ("amp-fp16", 1), ("fp32", 2, 2, 0, 2)],
     "convnet-bn": [("fp32", 16, 1, 1), ("amp-bf16", 16, 2), ("bf16", 16)],
     "lstm-lm": [("fp32", 8)],
+    USER_WORKLOADS[1]: [("amp-bf16", 8, 2, 0, 2)],
 }
 
 
@@ -123,6 +139,18 @@ def cases(quick: bool = False, workloads: tuple[str, ...] | None = None) -> dict
     table = _QUICK_CASES if quick else _CASES
     names = workloads or tuple(w for w in table if not w.startswith("hf:") or _has_transformers())
     return {w: [_c(*args) for args in table[w]] for w in names}
+
+
+def select_workloads(selectors: tuple[str, ...], quick: bool = False) -> tuple[str, ...]:
+    """The suite's workloads whose name contains one of ``selectors`` (e.g. ``hf:``, ``user_models``).
+
+    Raises ConfigError naming a selector that matches none, with the names it could match."""
+    names = tuple(_QUICK_CASES if quick else _CASES)
+    for sel in selectors:
+        if not any(sel in w for w in names):
+            raise ConfigError(f"--workloads {sel!r} matches none of the accuracy suite's workloads"
+                              f"{' (--quick)' if quick else ''}: {', '.join(names)}")
+    return tuple(w for w in names if any(sel in w for sel in selectors))
 
 
 def _has_transformers() -> bool:
@@ -291,6 +319,14 @@ def write_accuracy(out_dir: Path, env: dict, res: AccuracyResults) -> list[Path]
                 f"{pct(ALL_BUILTINS_TARGET_MEDIAN, 0)}, largest ≤ {pct(TARGET_MAX, 0)}, {bs.n} measured configs): "
                 f"**{b_verdict}** — median {pct(bs.median, 2)}, largest {pct(bs.max, 2)}. The independent ground "
                 "truth is in its own section below.")
+    user = tuple(w for w in USER_WORKLOADS if any(r.workload == w for r in res.rows))
+    if user:
+        us = res.stats(user)
+        user_verdict = "PASS" if us.n and us.median <= HF_TARGET_MEDIAN and us.max <= TARGET_MAX else "FAIL"
+        rep.add(f"**Issue 13 target, user models** (models written in a user's file, `autofit/bench/user_models/`: median |error| "
+                f"≤ {pct(HF_TARGET_MEDIAN, 0)}, largest ≤ {pct(TARGET_MAX, 0)}, {us.n} measured configs of "
+                f"{len(user)} models, device split included): **{user_verdict}** — median {pct(us.median, 2)}, "
+                f"largest {pct(us.max, 2)}.")
     covered = [r for r in res.rows if r.workload in main]
     rep.add("Coverage of the target set: " + ", ".join(
         f"{p.value} {sum(r.config.precision is p for r in covered)}" for p in Precision)
@@ -400,9 +436,11 @@ __all__ = [
     "MAIN_WORKLOADS",
     "TARGET_MAX",
     "TARGET_MEDIAN",
+    "USER_WORKLOADS",
     "AccuracyResults",
     "AccuracyRow",
     "cases",
     "run_accuracy",
     "safety",
+    "select_workloads",
 ]

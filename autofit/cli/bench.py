@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+from autofit.errors import ConfigError
+
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
@@ -21,7 +23,11 @@ def add_parser(subparsers) -> None:
                    help="which suite to run (default: all)")
     p.add_argument("--quick", action="store_true", help="a reduced version of each suite (minutes, not half an hour)")
     p.add_argument("--out", type=Path,
-                   help="output directory (default: results/benchmarks, or results/benchmarks/quick with --quick)")
+                   help="output directory (default: results/benchmarks, or results/benchmarks/quick with --quick; "
+                        "results/benchmarks/selected with --workloads)")
+    p.add_argument("--workloads", metavar="PART[,PART...]",
+                   help="accuracy suite only: measure just the workloads whose name contains one of these parts, "
+                        "e.g. --workloads hf:,user_models (default: all)")
     p.set_defaults(run=run)
 
 
@@ -35,28 +41,44 @@ def _restart_with_bench_env(args: argparse.Namespace) -> None:
     argv = [sys.executable, "-m", "autofit", "bench", "--suite", args.suite]
     argv += ["--quick"] if args.quick else []
     argv += ["--out", str(args.out)] if args.out else []
+    argv += ["--workloads", args.workloads] if args.workloads else []
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, argv, {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
 
 
+def _workload_parts(args: argparse.Namespace) -> tuple[str, ...]:
+    if args.workloads is None:
+        return ()
+    parts = tuple(p.strip() for p in args.workloads.split(",") if p.strip())
+    if not parts:
+        raise ConfigError(f"--workloads {args.workloads!r} names no workload: expected parts of workload names, "
+                          "e.g. --workloads hf:,user_models")
+    if args.suite != "accuracy":
+        raise ConfigError("--workloads selects the accuracy suite's workloads: use it with --suite accuracy")
+    return parts
+
+
 def run(args: argparse.Namespace) -> int:
     from autofit.bench import DEFAULT_OUT, SUITES, run_bench
 
+    workloads = _workload_parts(args)  # checked before the restart: a bad one is one line, exit 2
     if "OMP_WAIT_POLICY" not in os.environ:  # a policy the user chose is kept
         _restart_with_bench_env(args)
     from autofit.bench.readme import update_readme
     from autofit.bench.summary import headline, write_summary
 
     suites = SUITES if args.suite == "all" else (args.suite,)
-    out = args.out or (DEFAULT_OUT / "quick" if args.quick else DEFAULT_OUT)
+    # A run of some workloads never overwrites the committed tables of all of them.
+    out = args.out or (DEFAULT_OUT / "selected" if workloads else DEFAULT_OUT / "quick" if args.quick else DEFAULT_OUT)
     command = "autofit bench" + (f" --suite {args.suite}" if args.suite != "all" else "") + \
-              (" --quick" if args.quick else "") + (f" --out {args.out}" if args.out else "")
+              (" --quick" if args.quick else "") + (f" --out {args.out}" if args.out else "") + \
+              (f" --workloads {args.workloads}" if workloads else "")
 
     def progress(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
-    results = run_bench(suites, out_dir=out, quick=args.quick, command=command, progress=progress)
+    results = run_bench(suites, out_dir=out, quick=args.quick, command=command, progress=progress, workloads=workloads)
     summary = write_summary(out, results, command, complete=args.suite == "all")
     print(summary.read_text() if summary else "\n".join(f"- {line}" for line in headline(results)))
     written = results.files + ([summary] if summary else [])
