@@ -303,6 +303,14 @@ def test_a_precision_the_calibrated_model_rules_out_is_dropped_after_its_own_tri
     assert {planner.configs[p.index] for p in step.prunes} >= {TrainConfig("amp-bf16", m, 8 // m) for m in (1, 2, 4)}
     assert "time model's measured error (10%)" in next(p.text for p in step.prunes if p.reason.value == "slow_precision"
                                                        and planner.configs[p.index].precision == "amp-bf16")
+    # config by config within a precision that ran: fp32 mb=1 (predicted a third of mb=4's measurement)
+    # is dropped, mb=8 (predicted above it) is not
+    at = lambda c, k, x: ran_trial(planner, c, k, samples_per_s=x * planner.prediction(  # noqa: E731
+        planner.index[c], Calibration.prior())["samples_per_s"])
+    step = planner.step([at(TrainConfig("fp32", 4, 2), 0, 1.0), at(TrainConfig("fp32", 2, 4), 1, 1.01)])
+    slow = {planner.configs[p.index]: p.text for p in step.prunes if p.reason.value == "too_slow"}
+    assert "by more than the time model's measured error (10%)" in slow[TrainConfig("fp32", 1, 8)]
+    assert TrainConfig("fp32", 8, 1) not in slow and planner.configs[step.run] in (TrainConfig("fp32", 8, 1), amp)
     # the margin: errors of trials planned once their precision had run, else any trial's
     with_errors = lambda r, e: dataclasses.replace(r, errors={"step_time": e})  # noqa: E731
     first = with_errors(ran_trial(planner, fp32, 0), 0.6)

@@ -9,7 +9,9 @@ One planning step (every worker, before every trial, from what the storage holds
    ``duplicate`` (a checkpoint interval at least a stage's length is one segment per stage,
    the same config as the smallest such interval), ``over_budget`` (calibrated peak with its
    safety margin over the budget), ``too_slow`` (predicted throughput under 1/SLOW_FACTOR of
-   the best predicted, or a trial predicted to outlast the trial time limit), ``dominated``
+   the best predicted; or, in a precision that has run ok, under the best measured median by
+   more than the time model's measured error, see ``slow_precision``; or a trial predicted to
+   outlast the trial time limit), ``dominated``
    (the same precision, micro-batch, accumulation and split with less recomputation fits and
    is predicted faster: checkpointing only trades time for memory), ``slow_precision`` (every
    config left of a precision that has run ok is predicted, calibrated, below the best measured

@@ -283,6 +283,12 @@ class Planner:
                                   f"every {precision.value} config left is predicted at most {top:.3g} samples/s, "
                                   f"under the best measured {best_median:.3g} by more than the time model's measured "
                                   f"error ({margin:.0%})")
+                continue
+            for i in members:  # the same rule, config by config, within a precision the model knows
+                if sps[i] * (1 + margin) < best_median:
+                    reasons[i] = (PruneReason.TOO_SLOW,
+                                  f"predicted {sps[i]:.3g} samples/s, under the best measured {best_median:.3g} by "
+                                  f"more than the time model's measured error ({margin:.0%})")
 
     def _dominance(self, reasons, step_s, peak, failed_run) -> None:
         """Prune checkpointing that buys memory the budget does not need (see :mod:`autofit.study`)."""
