@@ -590,3 +590,16 @@ def test_accuracy_workloads_are_selected_by_parts_of_their_names():
         assert any(c.device_split == 2 for c in cases(workloads=(name,))[name]), name
     with pytest.raises(ConfigError, match="'nope' matches none"):
         select_workloads(("gpt-tiny", "nope"))
+
+
+def test_search_cells_are_valid_problems_whose_workloads_load():
+    """Every cell builds a Problem every peer variant accepts, and its workload (a file, for one) loads."""
+    from autofit.bench.search import CELLS
+    from autofit.workload import load_workload
+
+    for cell in CELLS:
+        problem = problem_for(cell, cell.budgets_mib[0] * MiB, 0)
+        assert st.USER_PRECISION in problem.precisions and problem.configs()
+        load_workload(cell.workload)
+    assert any(c.device_splits != (1,) for c in CELLS)
+    assert any(c.workload.endswith(".py:workload") for c in CELLS)

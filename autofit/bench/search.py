@@ -246,11 +246,14 @@ def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) 
         trials.append(r)
         progress(f"grid {cell.workload} [{i + 1}/{len(configs)}] {config.short()}: {r.status.value} "
                  f"{mib(r.peak_bytes)} MiB, {seconds(r.samples_per_s)} samples/s, {r.wall_s:.1f} s")
-    # A second throughput sample per config, at another moment (3 untracked steps, in one worker;
-    # a device split runs its ranks' processes through measure_trial, the trial's own code path).
-    second = run_jobs([_second_sample_job(cell.workload, c) for c, r in zip(configs, trials) if r.ok],
-                      job_timeout_s=TRIAL_TIMEOUT_S)
-    second_by_config = dict(zip([c for c, r in zip(configs, trials) if r.ok], second))
+    # A second throughput sample per config that fits one of the cell's budgets (over all of them, a
+    # config is only ever an OOM, whose cost uses the trial's step time), at another moment: 3
+    # untracked steps in one worker; a device split runs its ranks' processes through measure_trial
+    # (the trial's own code path), as long as a trial, so this skips most of a split cell's cost.
+    largest = max(cell.budgets_mib) * MiB
+    sampled = [c for c, r in zip(configs, trials) if r.ok and r.peak_bytes is not None and r.peak_bytes <= largest]
+    second = run_jobs([_second_sample_job(cell.workload, c) for c in sampled], job_timeout_s=TRIAL_TIMEOUT_S)
+    second_by_config = dict(zip(sampled, second))
     points = {}
     for config, r, pred in zip(configs, trials, predicted):
         other = second_by_config.get(config, {}).get("samples_per_s")
@@ -258,7 +261,8 @@ def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) 
         step = config.samples_per_step / best if best else r.step_time_s
         points[config] = GridPoint(config, r.status, r.peak_bytes, best, step, r.wall_s, pred, r.error,
                                    r.samples_per_s, other)
-    progress(f"grid {cell.workload}: second throughput sample of {len(second)} configs done")
+    progress(f"grid {cell.workload}: second throughput sample of {len(second)} configs (those that fit "
+             f"{max(cell.budgets_mib)} MiB) done")
     floor = run_trial(cell.workload, configs[0], device="cpu", budget_bytes=1, schedule=SCHEDULE,
                       timeout_s=TRIAL_TIMEOUT_S)
     progress(f"grid {cell.workload}: a trial over its budget at the first operator took {floor.wall_s:.1f} s "
@@ -282,7 +286,8 @@ class ReplayOracle(Oracle):
 
     A strategy sees what a real trial would have shown it, noise included: the first run of a
     config answers the grid trial's own throughput, a second run (a re-measurement) the grid's
-    second sample, and further runs take the two in turn (the grid holds two samples per config).
+    second sample, and further runs take the two in turn (the grid holds two samples per config
+    that fits one of its cell's budgets; over all of them a config has its trial's sample only).
     The answer is still scored by the ground truth (the larger of the two)."""
 
     def __init__(self, grid: Grid, budget_bytes: int) -> None:
