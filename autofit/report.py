@@ -3,7 +3,7 @@
 - ``trials.csv``: one row per trial: number, status (a :class:`autofit.records.TrialStatus`:
   ``ok``, ``oom``, ``error``, ``timeout``, ``pruned``; ``running`` and ``interrupted`` for a
   study in progress or interrupted), why it was pruned, the five config fields, predicted and measured peak bytes, samples/s,
-  step time, and the prediction errors;
+  step time, the prediction errors, and ``wait_s``, how long it waited for its device (another trial held it);
 - ``best.json``: the best config (the highest median over its samples among configs that ran ok
   under the budget: the top ones are measured again before the search ends), its first trial's
   measurements, every sample and their median, and the command that measures it again;
@@ -41,12 +41,13 @@ from autofit.study.planner import SLOW_FACTOR
 from autofit.study.settings import JOURNAL_NAME, redact
 
 STATUSES = tuple(s.value for s in TrialStatus)
+WAITED_S = 0.5             # a device lock taken within this is not a wait worth a line
 RAN = tuple(s.value for s in TrialStatus if s.ran)  # real trials that finished
 COLUMNS = (
     "number", "status", "sample", "reason_kind", "reason", *FIELDS,
     "predicted_peak_bytes", "calibrated_peak_bytes", "measured_peak_bytes", "peak_error",
     "predicted_step_time_s", "step_time_s", "step_time_error", "prior_step_time_error",
-    "predicted_samples_per_s", "samples_per_s", "objective", "basis", "tokens_per_s", "trial_wall_s", "error",
+    "predicted_samples_per_s", "samples_per_s", "objective", "basis", "tokens_per_s", "trial_wall_s", "wait_s", "error",
     "started", "finished",
 )
 
@@ -102,6 +103,7 @@ def trials_table(study: StudySnapshot) -> pd.DataFrame:
             "basis": basis(r.config, devices),
             "tokens_per_s": measured.get("tokens_per_s"),
             "trial_wall_s": measured.get("wall_s"),
+            "wait_s": measured.get("wait_s"),  # for its device: another trial held it (autofit.devicelock)
             "error": measured.get("error") or ("interrupted" if r.status is TrialStatus.INTERRUPTED else None),
             "started": _when(r.started), "finished": _when(r.finished),
         })
@@ -302,6 +304,7 @@ def summary_markdown(study: StudySnapshot, table: pd.DataFrame | None = None, *,
     out.append(f"- space: `{_shown_path((settings.get('space') or {}).get('source'))}`: {n_configs} configs")
     status_text = ", ".join(f"{v} {k}" for k, v in c["by_status"].items() if k != "pruned")
     out.append(f"- real trials: {c['real']} ({status_text or 'none'})")
+    out.extend(_waited_lines(table))
     out.append(f"- pruned by the estimate: {c['pruned']} of {n_configs} configs"
                + (f" ({100 * c['pruned'] / n_configs:.0f}%)" if n_configs else ""))
     out.append(f"- not tried: {not_tried} (the search stopped first: {study.stop_reason or 'running'})")
@@ -374,6 +377,16 @@ def summary_markdown(study: StudySnapshot, table: pd.DataFrame | None = None, *,
         out.append(f"- {key}={value}")
     out.append("")
     return "\n".join(out)
+
+
+def _waited_lines(table: pd.DataFrame) -> list[str]:
+    """A line naming the trials that waited for their device (another trial held it), if any did."""
+    waited = table[pd.to_numeric(table["wait_s"], errors="coerce").fillna(0.0) >= WAITED_S]
+    if waited.empty:
+        return []
+    shown = ", ".join(f"{int(n)} ({v:.0f} s)" for n, v in zip(waited["number"], waited["wait_s"]))
+    return [f"- waited for their device (another trial on this machine held it; wait_s in trials.csv, "
+            f"not in their time): {len(waited)} trial(s): {shown}"]
 
 
 def _rates_text(rates: dict | None) -> str:

@@ -49,6 +49,7 @@ import pandas as pd
 
 from autofit import procs
 from autofit.config import FIELDS, Precision, TrainConfig, stage_bounds
+from autofit.devicelock import DeviceLock, device_names
 from autofit.profile import Profile, cache_dir
 
 RATES_VERSION = 3  # 3: the CUDA probe also measures the context and the cuBLAS workspace
@@ -303,7 +304,8 @@ def probe_rates(device_type: str = "cpu", use_cache: bool = True) -> DeviceRates
                 return cached
         except (ValueError, TypeError, KeyError):
             pass  # an unreadable (or implausible) cache entry is re-measured
-    rates, doubt = measure_checked(device_type)
+    with DeviceLock(device_names(device_type), "device probe"):  # a trial beside it would halve its rates
+        rates, doubt = measure_checked(device_type)
     if doubt is not None:
         warnings.warn(f"the {device_type} rate probe is unsteady ({doubt}): using its best rates for this run "
                       "only; the time model's prior is rougher until trials calibrate it", RuntimeWarning,

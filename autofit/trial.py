@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 from autofit import forkserver, procs
 from autofit.config import TrainConfig
+from autofit.devicelock import DeviceLock, device_names
 from autofit.records import TrialStatus  # re-exported: a trial ends ok, oom, error or timeout
 from autofit.schedule import MeasureSchedule
 from autofit.tracker import CATEGORIES
@@ -61,7 +62,9 @@ class TrialResult:
       (values None when not measured).
     - ``samples_per_s``, ``tokens_per_s`` (None when the workload has no tokens_per_sample),
       ``step_time_s`` (one optimizer step), ``micro_step_time_s``, ``optimizer_step_time_s``.
-    - ``wall_s``: the whole trial, process start included.
+    - ``wall_s``: the whole trial, process start included (not the wait for its devices).
+    - ``wait_s``: how long it waited for its devices' locks (another trial held one;
+      :mod:`autofit.devicelock`); ``started_at``: ``time.time()`` when it got them and started.
     - ``budget_bytes``: the budget it ran under (None: none); ``peak_reserved_bytes``: CUDA's
       ``max_memory_reserved`` (None on the CPU).
     - CUDA only (None elsewhere): ``context_bytes``, the process's bytes on the card outside the
@@ -83,6 +86,8 @@ class TrialResult:
     optimizer_step_time_s: float | None = None
     error: str | None = None
     wall_s: float = 0.0
+    wait_s: float = 0.0
+    started_at: float | None = None
     budget_bytes: int | None = None
     peak_reserved_bytes: int | None = None
     context_bytes: int | None = None
@@ -132,7 +137,9 @@ def run_trial(workload: Workload | str, config: TrainConfig, *, device: str = "c
     (``RLIMIT_AS``, what ``ulimit -v`` sets; its imports count too), so a config that would exhaust
     the host fails alone. Returns a TrialResult whose status is ``ok``, ``oom`` (over the budget, or
     an allocation refused by the device or the host), ``error`` or ``timeout``. Raises ValueError
-    only for invalid arguments.
+    only for invalid arguments. The trial holds its devices for its whole run
+    (:class:`autofit.devicelock.DeviceLock`): it first waits, outside ``timeout_s``, while another
+    trial on this machine holds one.
 
     Example::
 
@@ -150,7 +157,15 @@ def run_trial(workload: Workload | str, config: TrainConfig, *, device: str = "c
     name = workload if isinstance(workload, str) else workload.name
     request = {"source": source, "config": config.to_dict(), "device": device, "budget_bytes": budget_bytes,
                "schedule": schedule.to_dict(), "memory_limit_bytes": memory_limit_bytes}
-    start = time.monotonic()
+    with DeviceLock(device_names(device, config.device_split), f"trial {name} {config.short()}") as lock:
+        start, started_at = time.monotonic(), time.time()
+        outcome = _start_and_supervise(workload, source, name, request, device, timeout_s)
+        wall_s = time.monotonic() - start
+    return _to_result(outcome, name, config, device, budget_bytes, wall_s, lock.wait_s, started_at)
+
+
+def _start_and_supervise(workload: Workload | str, source: str | None, name: str, request: dict, device: str,
+                         timeout_s: float) -> dict:
     try:
         if source is not None:
             child = _start_child(request, device, timeout_s)
@@ -159,13 +174,12 @@ def run_trial(workload: Workload | str, config: TrainConfig, *, device: str = "c
             warnings.warn(f"workload {name!r} has no source, so its trial runs in a forked child: on one CPU "
                           "thread (OpenMP is not fork-safe), and with CUDA only if this process never "
                           "initialised CUDA. Load it with autofit.load_workload(spec) to run it in a fresh "
-                          "process.", RuntimeWarning, stacklevel=2)
+                          "process.", RuntimeWarning, stacklevel=3)
             child = procs.fork(functools.partial(child_entry, workload=workload), request, timeout_s=timeout_s,
                                echo_stderr=True)
-        outcome = _supervise(child)
+        return _supervise(child)
     except Exception as exc:  # e.g. the interpreter cannot be started: still a result
-        outcome = {"status": "error", "error": _last_line(exc)}
-    return _to_result(outcome, name, config, device, budget_bytes, time.monotonic() - start)
+        return {"status": "error", "error": _last_line(exc)}
 
 
 def _start_child(request: dict, device: str, timeout_s: float) -> procs.Child:
@@ -194,18 +208,18 @@ def _supervise(child: procs.Child) -> dict:
 
 
 def _to_result(outcome: dict, name: str, config: TrainConfig, device: str, budget_bytes: int | None,
-               wall_s: float) -> TrialResult:
+               wall_s: float, wait_s: float = 0.0, started_at: float | None = None) -> TrialResult:
     try:
         status = TrialStatus(outcome.get("status"))
     except ValueError:
         status = TrialStatus.ERROR
     known = {f.name for f in dataclasses.fields(TrialResult)} - {"workload", "config", "device", "status", "wall_s",
-                                                                  "budget_bytes", "breakdown"}
+                                                                  "wait_s", "started_at", "budget_bytes", "breakdown"}
     values = {k: v for k, v in outcome.items() if k in known}
     breakdown = outcome.get("breakdown") or {}
     return TrialResult(workload=outcome.get("workload") or name, config=config, device=str(device), status=status,
-                       breakdown={k: breakdown.get(k) for k in CATEGORIES}, wall_s=wall_s,
-                       budget_bytes=budget_bytes, **values)
+                       breakdown={k: breakdown.get(k) for k in CATEGORIES}, wall_s=wall_s, wait_s=wait_s,
+                       started_at=started_at, budget_bytes=budget_bytes, **values)
 
 
 # --- the child side ---------------------------------------------------------------------------

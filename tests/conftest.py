@@ -60,3 +60,19 @@ def profile_cache(tmp_path_factory):
         os.environ.pop("AUTOFIT_CACHE_DIR", None)
     else:
         os.environ["AUTOFIT_CACHE_DIR"] = previous
+
+
+@pytest.fixture(scope="session", autouse=True)
+def device_locks(tmp_path_factory):
+    """One device-lock directory per test session (child processes inherit it): the suite's
+    trials take turns among themselves, never waiting on another program's trials."""
+    import os
+
+    path = tmp_path_factory.mktemp("autofit-locks")
+    previous = os.environ.get("AUTOFIT_LOCK_DIR")
+    os.environ["AUTOFIT_LOCK_DIR"] = str(path)
+    yield path
+    if previous is None:
+        os.environ.pop("AUTOFIT_LOCK_DIR", None)
+    else:
+        os.environ["AUTOFIT_LOCK_DIR"] = previous

@@ -9,7 +9,6 @@ Most fail before any trial runs, so no case trains anything.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import subprocess
@@ -176,26 +175,6 @@ def test_nothing_escapes_the_output_directory(outcomes, tmp_path_factory):
     # study-name-escapes ran in its own directory: nothing was created two levels up.
     d = tmp_path_factory.getbasetemp()
     assert not (d / "x").exists() and not (d.parent / "x").exists()
-
-
-def test_second_search_on_a_running_directory(tmp_path):
-    """While a search holds its directory, a second one there is refused and the study is intact."""
-    from autofit.study.storage import SEARCH_LOCK_NAME
-
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "study.journal").write_text("")
-    lock = os.open(out / SEARCH_LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-    os.write(lock, f"{os.getpid()}\n".encode())
-    fcntl.flock(lock, fcntl.LOCK_EX)  # as the running search holds it
-    try:
-        done = _run(Case(_search(str(out)), 1, ()), tmp_path)
-    finally:
-        os.close(lock)
-    lines = done.stderr.strip().splitlines()
-    assert done.returncode == 1, done.stderr
-    assert len(lines) == 1 and "another autofit search" in lines[0] and str(os.getpid()) in lines[0], done.stderr
-    assert (out / "study.journal").read_text() == ""
 
 
 def test_torn_journal_line_is_repaired(tmp_path):

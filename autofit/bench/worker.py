@@ -28,6 +28,7 @@ import traceback
 from collections.abc import Callable
 
 from autofit import procs
+from autofit.devicelock import DeviceLock, device_names
 from autofit.schedule import MeasureSchedule, run_steps
 
 
@@ -161,8 +162,15 @@ def run_jobs(jobs: list[dict], *, job_timeout_s: float = 300.0,
 
     Each job gets ``job_timeout_s``; a job past it is killed with its worker (and any stage
     processes in the worker's process group) and reported as ``timeout``; the remaining jobs
-    go to a fresh worker. ``on_result(job, result)`` is called as each one finishes.
+    go to a fresh worker. ``on_result(job, result)`` is called as each one finishes. The jobs
+    hold the CPU's device lock (:mod:`autofit.devicelock`), as a trial does: nothing else on this
+    machine measures beside them.
     """
+    with DeviceLock(device_names("cpu"), "bench jobs"):
+        return _run_jobs(jobs, job_timeout_s, on_result)
+
+
+def _run_jobs(jobs: list[dict], job_timeout_s: float, on_result) -> list[dict]:
     jobs = [{**job, "id": i} for i, job in enumerate(jobs)]
     results: dict[int, dict] = {}
     pending = list(jobs)

@@ -56,9 +56,12 @@ the same search again resumes it: finished trials are kept; a trial left ``RUNNI
 worker (its process is gone, or its heartbeat is older than STALE_S) is marked ``FAIL``
 (status ``interrupted``) and its config planned again.
 
-Known limitations: on a CPU every worker shares the same cores, so ``workers > 1`` measures
-each config under the others' load (their OpenMP threads are divided between them); a study's
-search space, budget, workload and device are fixed when it is created.
+One trial per device at a time: every trial holds its devices' locks (:mod:`autofit.devicelock`,
+machine-wide), so workers of one search, and searches started side by side (on one directory,
+where the second joins the study, or on two), take turns on a device instead of measuring each
+other's load. On a CPU, one device, ``workers > 1`` overlaps only planning and process start-up.
+
+Known limitations: a study's search space, budget, workload and device are fixed when it is created.
 
 Modules: :mod:`~autofit.study.settings` (what defines a study), :mod:`~autofit.study.storage`
 (the storage, its locks, and the record format: stored trial <-> :class:`autofit.records.TrialRecord`),

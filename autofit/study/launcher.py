@@ -10,7 +10,6 @@ process is gone; a trial it left running is marked interrupted by the next worke
 
 from __future__ import annotations
 
-import os
 import signal
 from pathlib import Path
 
@@ -27,28 +26,26 @@ POLL_S = 1.0               # how often progress is read from the storage
 
 
 def worker_env(settings: StudySettings, workers: int, gpus: list[str]) -> dict:
-    """A worker's environment: this autofit importable, its GPUs, a fair share of the CPU cores."""
-    extra = {}
-    if settings.device_type == "cuda":
-        extra["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-    elif "OMP_NUM_THREADS" not in os.environ:
-        extra["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
+    """A worker's environment: this autofit importable and its GPUs. Every core on the CPU: its
+    trials take turns with the other workers' (:mod:`autofit.devicelock`), never share them."""
+    extra = {"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if settings.device_type == "cuda" else {}
     return procs.child_env(extra, secrets=True)  # a worker opens the storage itself
 
 
 def run_workers(settings: StudySettings, workers: int, gpu_slices: list[list[str]], study: optuna.Study,
-                emit: ProgressCallback, started: float) -> str:
+                emit: ProgressCallback, started: float, log_tag: str = "") -> str:
     """Start ``workers`` worker processes on the study, report progress from the storage, wait for them.
 
     Returns the stop reason. A worker that fails makes this raise StudyError with its error
     (after the others finished); KeyboardInterrupt interrupts the workers (they mark their
-    running trials) and propagates.
+    running trials) and propagates. Worker ``w`` logs to ``worker-<w><log_tag>.log`` (a search
+    that joined another on its directory tags its own).
     """
     out_dir = Path(settings.out_dir)
     children = []
     try:
         for w in range(workers):
-            log_path = out_dir / f"worker-{w}.log"
+            log_path = out_dir / f"worker-{w}{log_tag}.log"
             log_path.write_text("")  # this run's log only
             children.append(procs.spawn(
                 "autofit.study.launcher:worker_entry", {"settings": settings.to_json()},

@@ -10,6 +10,7 @@ from pathlib import Path
 import optuna
 
 from autofit.budget import parse_budget
+from autofit.devicelock import visible_gpus
 from autofit.errors import RunFailure, StudyError
 from autofit.profile import profile_workload
 from autofit.space import SearchSpace, load_space, space_from_dict
@@ -45,24 +46,26 @@ def default_device() -> str:
 def _visible_gpus() -> list[str]:
     import torch
 
-    count = torch.cuda.device_count()  # no CUDA context: trials run in children
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = [v.strip() for v in visible.split(",") if v.strip()] if visible else [str(i) for i in range(count)]
-    return ids[:count]
+    return visible_gpus()[:torch.cuda.device_count()]  # no CUDA context: trials run in children
+
+
+def spread_gpus(gpus: list[str], workers: int, devices: int | None) -> tuple[int, list[list[str]]]:
+    """Devices per worker and each worker's GPU ids: the GPUs dealt out evenly, or, with more workers
+    than GPUs, one GPU each in turn (workers on one GPU take turns: :mod:`autofit.devicelock`)."""
+    if not gpus:
+        raise StudyError("--device cuda: no CUDA GPU is visible to this PyTorch")
+    if workers > len(gpus):
+        return 1, [[gpus[w % len(gpus)]] for w in range(workers)]
+    per_worker = len(gpus) // workers
+    slices = [gpus[w * per_worker:(w + 1) * per_worker] for w in range(workers)]
+    return (min(devices, per_worker) if devices else per_worker), slices
 
 
 def _devices(device: str, workers: int, devices: int | None) -> tuple[int, list[list[str]]]:
     """Devices per worker and, on CUDA, each worker's GPU ids."""
     if device != "cuda":
         return devices or 1, []
-    gpus = _visible_gpus()
-    if not gpus:
-        raise StudyError("--device cuda: no CUDA GPU is visible to this PyTorch")
-    per_worker = len(gpus) // workers
-    if per_worker < 1:
-        raise StudyError(f"{workers} workers need at least {workers} GPUs; {len(gpus)} are visible")
-    slices = [gpus[w * per_worker:(w + 1) * per_worker] for w in range(workers)]
-    return (min(devices, per_worker) if devices else per_worker), slices
+    return spread_gpus(_visible_gpus(), workers, devices)
 
 
 def _check(device: str, workers, trials, workload: Workload, trial_runner) -> None:
@@ -127,7 +130,7 @@ def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | 
     backend.check_storage_url(storage)
     out = Path(out_dir) if out_dir is not None else Path("results") / name
     backend.ensure_out_dir(out)
-    with backend.SearchLock(out):  # one search per directory: trials side by side measure each other
+    with backend.SearchLock(out) as directory:  # a second search here joins the study
         settings = StudySettings(
             workload_name=loaded.name, workload_source=loaded.source, budget_bytes=budget_bytes,
             budget_text=budget if isinstance(budget, str) else f"{budget}B", space=space_to_dict(resolved),
@@ -145,7 +148,8 @@ def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | 
                 stop = run_worker(settings, loaded, profile=profile, rates=probe_rates(device), progress=progress,
                                   started=started, runner=trial_runner or run_trial_isolated)
             else:
-                stop = run_workers(settings, workers, gpu_slices, study, emit, started)
+                stop = run_workers(settings, workers, gpu_slices, study, emit, started,
+                                   log_tag=f".{os.getpid()}" if directory.joined else "")
         finally:
             _record_run(study, settings, started_wall, workers, stop)
             try:

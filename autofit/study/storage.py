@@ -91,28 +91,33 @@ class ClaimLock:
 
 
 class SearchLock:
-    """Held by a search for its whole run on its output directory: a second ``autofit search``
-    there is refused (its trials would run beside ours and measure each other's load)."""
+    """Held by the first search on an output directory for its whole run. A second ``autofit
+    search`` there joins the study (``joined``): the claim lock gives each config to one worker,
+    and the device locks (:mod:`autofit.devicelock`) keep their trials from running side by side."""
 
     def __init__(self, out_dir: Path) -> None:
         self._path = Path(out_dir) / SEARCH_LOCK_NAME
+        self.joined = False
+        self._fd: int | None = None
 
     def __enter__(self) -> "SearchLock":
-        self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.read(self._fd, 32).decode(errors="replace").strip() or "?"
-            os.close(self._fd)
-            raise RunFailure(f"another autofit search (pid {holder}) is running on {self._path.parent}; wait for it, "
-                             "or run one search with --workers N") from None
-        os.ftruncate(self._fd, 0)
-        os.write(self._fd, f"{os.getpid()}\n".encode())
+            os.close(fd)
+            self.joined = True
+            return self
+        self._fd = fd
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
         return self
 
     def __exit__(self, *exc) -> None:
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
-        os.close(self._fd)
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
 
 
 def check_storage_url(url: str | None) -> None:

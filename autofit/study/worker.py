@@ -37,7 +37,8 @@ STALE_S = 600.0            # a RUNNING trial without a heartbeat for this long b
 ORPHAN_S = 60.0            # a RUNNING trial no worker signed within this long was orphaned at birth
 MEASURED_KEYS = ("peak_bytes", "per_device_peak_bytes", "peak_reserved_bytes", "context_bytes", "peak_card_bytes",
                  "breakdown", "samples_per_s",
-                 "tokens_per_s", "step_time_s", "micro_step_time_s", "optimizer_step_time_s", "error", "wall_s")
+                 "tokens_per_s", "step_time_s", "micro_step_time_s", "optimizer_step_time_s", "error", "wall_s",
+                 "wait_s", "started_at")
 
 
 class TrialRunner(Protocol):
