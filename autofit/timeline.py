@@ -102,6 +102,8 @@ class Recorder:
         the live bytes above start after every op, the same without grads)."""
         names = [m[0] for m in self.marks]
         i, j = names.index(start), names.index(end)
+        if j <= i:  # marked at once, end first: e.g. the last layer's output is the model's (one gradient, two hooks)
+            return 0, 0, 0, 0, [0], [0]
         live0, ng0 = self.marks[i][1], self.marks[i][2]
         peak = max(m[3] for m in self.marks[i + 1:j + 1])
         peak_ng = max(m[4] for m in self.marks[i + 1:j + 1])

@@ -164,3 +164,45 @@ def test_tied_weight_estimate_matches_measured_peak(precision):
     assert measured["status"] == "ok", measured["error"]
     predicted = estimate(profile, config).peak_bytes
     assert abs(predicted - measured["peak_bytes"]) / measured["peak_bytes"] <= 0.01
+
+
+class _LogitsFromLastBlock(torch.nn.Module):
+    """Embedding then three Linear blocks; the last block's output is the logits unless ``head``
+    (then the third Linear is a head after the list: the same ops, cut differently)."""
+
+    def __init__(self, head: bool) -> None:
+        super().__init__()
+        vocab, dim = 64, 32
+        blocks = [torch.nn.Linear(dim, dim), torch.nn.Linear(dim, dim), torch.nn.Linear(dim, vocab)]
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.blocks = torch.nn.ModuleList(blocks[:2] if head else blocks)
+        self.head = blocks[2] if head else torch.nn.Identity()
+
+    def forward(self, x):  # (B, 8) tokens -> (B, 8, 64) logits
+        x = self.emb(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_a_model_whose_last_block_output_is_the_logits():
+    """Nothing after the layer list (its last output's gradient reaches the model's and the
+    layer's hooks at once) profiles, and the unsplit peak is that of the same ops with a head."""
+    import torch.nn.functional as F
+
+    from autofit.config import TrainConfig
+    from autofit.memory_model import estimate_table
+    from autofit.workload import Workload
+
+    def workload(head: bool) -> Workload:
+        return Workload(name=f"logits-head{int(head)}", model=lambda: _LogitsFromLastBlock(head),
+                        batch=lambda n: (torch.randint(0, 64, (n, 8)), torch.randint(0, 64, (n, 8))),
+                        loss=lambda out, y: F.cross_entropy(out.reshape(-1, 64), y.reshape(-1)))
+
+    configs = [TrainConfig(p, mb) for p in ("fp32", "amp-bf16") for mb in (2, 16)]
+    profiles = [profile_workload(workload(head), ["fp32", "amp-bf16"], use_cache=False) for head in (False, True)]
+    peaks = [estimate_table(profile, configs)["peak_bytes"].tolist() for profile in profiles]
+    assert peaks[0] == peaks[1] and all(p > 0 for p in peaks[0])
+    # checkpointing and a split of the list (cut differently from the head model's) are estimated too
+    more = estimate_table(profiles[0], [TrainConfig("fp32", 16, 1, 1), TrainConfig("fp32", 16, 1, 0, 3)])
+    assert (more["peak_bytes"] > 0).all()
