@@ -23,7 +23,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -227,9 +229,10 @@ def layer_scales(profile, rates, counts, seconds: dict[str, list[float]]) -> dic
 
 
 def workload_prior(workload, profile, rates, precisions: list[str], use_cache: bool = True):
-    """:func:`autofit.time_model.op_counts` of ``workload`` with its measured :attr:`layer_scales`, for the
-    precisions whose layer is cheap enough to time (:data:`MAX_LAYER_S`); plain op counts when the
-    workload has no source, no layer can be timed, or the probe fails."""
+    """:func:`autofit.time_model.op_counts` of ``workload`` with its measured :attr:`layer_scales`, timed for
+    the precisions whose layer is cheap enough (:data:`MAX_LAYER_S`), the others given the timed ones'
+    geometric mean; plain op counts when the workload has no source, no layer can be timed, or the
+    probe fails. What a search's planner uses (:func:`autofit.study.worker.run_worker`)."""
     import dataclasses
 
     from autofit.time_model import layer_time_line, op_counts
@@ -249,4 +252,10 @@ def workload_prior(workload, profile, rates, precisions: list[str], use_cache: b
     if not seconds:
         return counts
     scales = layer_scales(profile, rates, counts, seconds)
-    return dataclasses.replace(counts, layer_scales=tuple((p, c, f) for p, (c, f) in scales.items()))
+    if not scales:
+        return counts
+    # A precision without its own factors (its slope lost in noise, or its layer too slow to time) gets
+    # the others' geometric mean: scaling some precisions and not others would reorder them by accident.
+    mean = tuple(math.exp(statistics.fmean(math.log(s[i]) for s in scales.values())) for i in (0, 1))
+    full = {p: scales.get(p, mean) for p in precisions}
+    return dataclasses.replace(counts, layer_scales=tuple((p, c, f) for p, (c, f) in full.items()))

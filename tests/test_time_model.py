@@ -187,3 +187,16 @@ def test_layer_scales_are_the_measured_line_over_the_models_and_rescale_the_micr
     scaled = predict_table(profile, [config], rates, doubled).iloc[0]
     assert scaled["micro_step_time_s"] == pytest.approx(2 * plain["micro_step_time_s"])
     assert scaled["optimizer_step_time_s"] == pytest.approx(plain["optimizer_step_time_s"])
+
+
+def test_a_precision_without_its_own_layer_factors_gets_the_others_mean(profile, monkeypatch):
+    from autofit import layer_probe
+    from autofit.time_model import layer_time_line
+
+    rates = _rates()
+    counts = op_counts(load_workload(TINY))
+    fixed, per_sample = layer_time_line(profile, "fp32", rates, counts)
+    line = [fixed + 4 * per_sample * b for b in layer_probe.LAYER_BATCHES]  # fixed x1, per sample x4
+    monkeypatch.setattr(layer_probe, "measure_layer_seconds", lambda *a, **k: {"fp32": line, "amp-bf16": [1.0, 0.5]})
+    prior = layer_probe.workload_prior(load_workload(TINY), profile, rates, ["fp32", "amp-bf16"])
+    assert prior.scales("fp32") == pytest.approx((4.0, 1.0)) and prior.scales("amp-bf16") == pytest.approx((4.0, 1.0))

@@ -216,13 +216,17 @@ class AccuracyResults:
 def _predicted_step_times(profile, workload, configs) -> tuple[list[float | None], str | None]:
     """Step times from ``autofit.time_model`` (its uncalibrated prior) when it exists in this checkout."""
     try:
-        from autofit.time_model import op_counts, predict_table, probe_rates
+        from autofit.layer_probe import workload_prior
+        from autofit.time_model import predict_table, probe_rates
     except ImportError:
         return [None] * len(configs), None
-    table = predict_table(profile, configs, probe_rates("cpu"), op_counts(workload))
+    rates = probe_rates("cpu")
+    precisions = list(dict.fromkeys(c.precision.value for c in configs))
+    table = predict_table(profile, configs, rates, workload_prior(workload, profile, rates, precisions))
     return [float(x) if math.isfinite(x) else None for x in table["step_time_s"]], (
-        "Predicted: `autofit.time_model.predict_table` — the uncalibrated prior from profiled FLOPs and the "
-        "probed device rates (a search calibrates it with its trials)")
+        "Predicted: `autofit.time_model.predict_table` — the uncalibrated prior a search starts from: profiled "
+        "FLOPs, the probed device rates and the workload's own layer timed once (`autofit.layer_probe`); a "
+        "search calibrates it with its trials")
 
 
 def run_accuracy(out_dir: Path, env: dict, *, quick: bool = False, workloads: tuple[str, ...] | None = None,

@@ -233,7 +233,15 @@ def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) 
         cold = time.perf_counter()
         probe_rates("cpu", use_cache=False)
         first_use_s += time.perf_counter() - cold
-        probe_rates("cpu")
+        rates = probe_rates("cpu")
+        from autofit.layer_probe import workload_prior
+
+        cold = time.perf_counter()  # the workload's own layer, timed for the prior (then cached for the runs)
+        cold_profile = profile_workload(workload, list(cell.precisions), device_type="cpu")
+        precisions = [p.value for p in cell.precisions]
+        workload_prior(workload, cold_profile, rates, precisions, use_cache=False)
+        first_use_s += time.perf_counter() - cold
+        workload_prior(workload, cold_profile, rates, precisions)
     except ImportError:
         pass
     progress(f"grid {cell.workload}: cold profile and device probe took {first_use_s:.1f} s")

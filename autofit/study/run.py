@@ -148,6 +148,9 @@ def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | 
                 stop = run_worker(settings, loaded, profile=profile, rates=probe_rates(device), progress=progress,
                                   started=started, runner=trial_runner or run_trial_isolated)
             else:
+                # Each worker reads the device's rates and the workload's layer timings from the disk cache
+                # filled here once, so no worker starts its trials late (or times its probes against another's).
+                warm_prior_cache(loaded, profile, device, resolved)
                 stop = run_workers(settings, workers, gpu_slices, study, emit, started,
                                    log_tag=f".{os.getpid()}" if directory.joined else "")
         finally:
@@ -179,3 +182,14 @@ def _record_run(study: optuna.Study, settings: StudySettings, started_wall: floa
             study.set_user_attr("runs", runs)
     except Exception:  # noqa: BLE001 -- bookkeeping must not mask the search's own outcome
         pass
+
+
+def warm_prior_cache(workload, profile, device: str, space) -> None:
+    """Probe the device and time the workload's layer now (both cached on disk), then stop the fork
+    server that timing started here: this process runs no trial itself."""
+    from autofit import forkserver
+    from autofit.layer_probe import workload_prior
+
+    rates = probe_rates(device)
+    workload_prior(workload, profile, rates, [p.value for p in space.precision])
+    forkserver.stop_server()

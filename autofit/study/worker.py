@@ -28,7 +28,8 @@ from autofit.schedule import DEFAULT_SCHEDULE
 from autofit.study.planner import Planner
 from autofit.study.progress import ProgressCallback, progress_of
 from autofit.study.settings import StudySettings
-from autofit.time_model import DeviceRates, op_counts, probe_rates
+from autofit.layer_probe import workload_prior
+from autofit.time_model import DeviceRates, probe_rates
 from autofit.trial import TrialResult, run_trial
 from autofit.workload import Workload
 
@@ -193,7 +194,9 @@ def run_worker(settings: StudySettings, workload: Workload, *, profile: Profile 
     space = settings.search_space()
     profile = profile or profile_workload(workload, list(space.precision), device_type=settings.device_type)
     rates = rates or probe_rates(settings.device_type)
-    worker = _Worker(settings, Planner(settings, profile, rates, op_counts(workload)), progress,
+    # The prior's operator counts, rescaled by the workload's own layer timed in a child (cached).
+    counts = workload_prior(workload, profile, rates, [p.value for p in space.precision])
+    worker = _Worker(settings, Planner(settings, profile, rates, counts), progress,
                      time.monotonic() if started is None else started)
     if "device_rates" not in worker.study.user_attrs:
         worker.study.set_user_attr("device_rates", rates.to_dict())
