@@ -4,8 +4,8 @@
 real kernels allocate more: oneDNN's LSTM (``mkldnn_rnn_layer`` on the CPU) returns a workspace
 that backward needs, and its fake kernel makes it empty, so a fake profile of an LSTM misses
 about 40% of the step. No table of such kernels is kept: after the fake runs, the profiler runs
-the same profiled step again on real tensors, on the real device, at the two small profiled
-micro-batches (where affordable: :func:`refusal`). Wherever a region's real bytes differ from its
+the same profiled step again on real tensors, on the real device, at the smaller profiled
+micro-batch, and where that finds more, at the larger one too (where affordable: :func:`refusal`). Wherever a region's real bytes differ from its
 fake bytes by more than :data:`REL_TOLERANCE` of the region's peak, each size's measured difference
 is added, so the region's lines (``c0 + c1·b``) are fitted through real bytes there: the extra
 memory grows with the micro-batch as measured (on oneDNN's LSTM, the workspace at micro-batch 4 is
