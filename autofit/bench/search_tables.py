@@ -159,7 +159,9 @@ def write_search(out_dir: Path, env: dict, res: SearchResults, strategies: tuple
             "and cell: " + (_live_plan(res.runs) or "none") + ".")
     rep.add("How a replayed trial is charged: a config that fits costs the grid's measured trial wall time; one "
             "over the budget costs the wall time of a trial that went over at its first operator plus one step of "
-            "that config. Answers are scored by the grid's throughput of the answered config over the grid's best "
+            "that config. A replayed trial shows the strategy the throughput that config's grid trial measured "
+            "(noise included); running the same config again (autofit's re-measurements) shows the grid's second "
+            "sample. Answers are scored by the grid's throughput of the answered config over the grid's best "
             "config that fits (0 when the answer does not fit or there is none). *Time to 95%*: the strategy's "
             "clock when the config it would answer at that point first reached 95% of the optimum.")
     rep.add("How the batch-size finders (Accelerate, Lightning, DeepSpeed's autotuner) are run: each tunes the "
