@@ -1,7 +1,7 @@
 """A workload that misbehaves on purpose in some trials: the fault-injection tests' (``tests/test_faults.py``).
 
 ``faulty()`` is the search tests' tiny language model, except that ``batch(n)`` misbehaves for
-the micro-batches named in ``AUTOFIT_TEST_FAULTS`` (``"8:segfault,7:hang"``), read when it is
+the micro-batches named in ``AUTOFIT_TEST_FAULTS`` (``"7:segfault,6:hang"``), read when it is
 called, so a test sets it in the environment the trial inherits:
 
 - ``segfault``: the process kills itself with SIGSEGV;
@@ -9,7 +9,8 @@ called, so a test sets it in the environment the trial inherits:
 - ``hog``: asks for :data:`HOG_BYTES` without touching them, which only a memory limit refuses;
 - ``flood``: writes :data:`FLOOD_BYTES` to its stdout, then behaves.
 
-The profiler builds real batches of 2 and 4 samples: fault those and profiling fails instead.
+autofit's own probes build real batches of 2, 4 and 8 samples (the profiler's real steps, the layer
+probe): fault those and a probe fails instead.
 """
 
 from __future__ import annotations

@@ -238,7 +238,7 @@ def test_trials_that_crash_hang_run_out_of_memory_or_flood_are_recorded_and_the_
     from fault_workloads import FAULTS_ENV, FLOOD_BYTES, HOG_BYTES, faulty
 
     # An oom widens the planner's margin to prune configs predicted as large as it: the hog is the largest.
-    monkeypatch.setenv(FAULTS_ENV, "8:hog,7:segfault,6:hang,5:flood")
+    monkeypatch.setenv(FAULTS_ENV, "7:hog,6:segfault,5:hang,3:flood")
     monkeypatch.setenv("AUTOFIT_TEST_PIDFILE", str(tmp_path / "pids"))
     limit = _vm_bytes() + (4 << 30)  # a trial may map 4 GiB more than this process holds; the hog asks for 12
     assert HOG_BYTES > 4 << 30
@@ -251,16 +251,16 @@ def test_trials_that_crash_hang_run_out_of_memory_or_flood_are_recorded_and_the_
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # a workload without a source: forked trials
-            search(faulty(), "1GB", space={"precision": ["fp32"], "micro_batch": [5, 6, 7, 8]}, out_dir=out,
+            search(faulty(), "1GB", space={"precision": ["fp32"], "micro_batch": [3, 5, 6, 7]}, out_dir=out,
                    device="cpu", patience=10, trial_timeout_s=10, trial_runner=limited)
     finally:
         flooded = len(capfd.readouterr().err)  # the trials' output, echoed to our stderr
     first = {r.config.micro_batch: r for r in load_snapshot(out).records if r.status.ran and r.sample == 1}
     status = {mb: (r.status.value, r.measurement.get("error")) for mb, r in first.items()}
-    assert status[8][0] == "oom" and "can't allocate memory" in status[8][1], status
-    assert status[7] == ("error", "killed by signal SIGSEGV"), status
-    assert status[6][0] == "timeout" and "limit of 10 s" in status[6][1], status
-    assert status[5] == ("ok", None), status
+    assert status[7][0] == "oom" and "can't allocate memory" in status[7][1], status
+    assert status[6] == ("error", "killed by signal SIGSEGV"), status
+    assert status[5][0] == "timeout" and "limit of 10 s" in status[5][1], status
+    assert status[3] == ("ok", None), status
     assert flooded >= FLOOD_BYTES
     hung = [int(pid) for pid in (tmp_path / "pids").read_text().split()]
     assert hung and all(_gone(pid) for pid in hung), "the hung trial outlived its limit"
@@ -270,9 +270,9 @@ def test_ctrl_c_records_the_running_trial_interrupted_and_the_study_resumes(tmp_
     from fault_workloads import FAULTS_ENV
 
     pids = tmp_path / "pids"
-    space = write_space(tmp_path / "space.toml", precision=["fp32"], micro_batch=[6, 8])
+    space = write_space(tmp_path / "space.toml", precision=["fp32"], micro_batch=[5, 6])
     out = tmp_path / "study"
-    env = {**os.environ, "PYTHONPATH": str(REPO), FAULTS_ENV: "8:hang", "AUTOFIT_TEST_PIDFILE": str(pids)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), FAULTS_ENV: "6:hang", "AUTOFIT_TEST_PIDFILE": str(pids)}
     search = subprocess.Popen([sys.executable, "-m", "autofit", "search", "--model", FAULTY, "--budget", "1GB",
                                "--space", str(space), "--device", "cpu", "--out", str(out)],
                               env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -290,7 +290,7 @@ def test_ctrl_c_records_the_running_trial_interrupted_and_the_study_resumes(tmp_
     assert stderr.strip().splitlines()[-1] == "autofit: interrupted" and "Traceback" not in stderr, stderr[-2000:]
     assert all(_gone(int(pid)) for pid in pids.read_text().split()), "the trial outlived the search"
     before = _ran(out)
-    assert list(before.values()) == [((TrainConfig("fp32", 8, 1), 1), "interrupted", None)], before
+    assert list(before.values()) == [((TrainConfig("fp32", 6, 1), 1), "interrupted", None)], before
     table = pd.read_csv(out / "trials.csv")
     assert list(table.loc[table["status"] != "pruned", "status"]) == ["interrupted"]
 
@@ -300,7 +300,7 @@ def test_ctrl_c_records_the_running_trial_interrupted_and_the_study_resumes(tmp_
     assert load_snapshot(out).runs[-1]["stop_reason"] == "interrupted"
     replay = Replay()
     resume(FAULTY, "1GB", space=str(space), out_dir=out, device="cpu", trial_runner=replay)
-    assert replay.calls[0] == TrainConfig("fp32", 8, 1), "the interrupted config runs again, first"
+    assert replay.calls[0] == TrainConfig("fp32", 6, 1), "the interrupted config runs again, first"
     after = _ran(out)
     assert after[0] == before[0] and "running" not in {s for _, s, _ in after.values()}
-    assert sorted(c.micro_batch for (c, _), s, _ in after.values() if s == "error") == [6, 8]
+    assert sorted(c.micro_batch for (c, _), s, _ in after.values() if s == "error") == [5, 6]
