@@ -31,9 +31,9 @@ def headline(results) -> list[str]:
                 fits, prunes = safety([r for r in acc.rows if r.workload == w], b)
                 n_fits, n_prunes = n_fits + len(fits), n_prunes + len(prunes)
         lines.append(f"At the search budgets: {n_fits} false fit(s), {n_prunes} false prune(s).")
-        if acc.prior:
-            from autofit.bench.prior import PRIORS, overall
+        from autofit.bench.prior import PRIORS, overall
 
+        if acc.prior and overall(acc.prior, PRIORS[0]) and overall(acc.prior, PRIORS[1]):
             (med, top), (bare_med, bare_top) = overall(acc.prior, PRIORS[1]), overall(acc.prior, PRIORS[0])
             lines.append(f"Time model prior error (before any trial calibrates it) over the search grids' configs, "
                          f"median/max: {pct(med, 0)}/{pct(top, 0)} with the workload's own layer timed, against "
