@@ -1,10 +1,14 @@
-"""The bad-input corpus: every case goes through the real command line (``python -m autofit``).
+"""The bad-input corpus: every case goes through the real command line.
 
 Each case asserts the exit status (2 for a usage error, 1 for a run-time failure), one line
 on stderr naming what was wrong and what is accepted, no traceback (unless ``--debug``), and
-where a study was there before, that it is still intact. The commands start at once, a few
-at a time (each pays ~2 s of imports), in a module fixture; the tests then read their outcomes.
-Most fail before any trial runs, so no case trains anything.
+where a study was there before, that it is still intact. Most cases run ``autofit.cli.main``
+(what ``python -m autofit`` runs) in this process, its stdout and stderr captured at the file
+descriptors (so what child processes write is seen too) -- a fresh interpreter per case paid
+~2 s of imports, most of this module's time. Cases marked ``process`` (user code calling
+``sys.exit``, a profiling child's error relayed, an unreachable database, the exit of an
+unknown command...) run as ``python -m autofit`` in a subprocess, at the same time as the
+others. Most fail before any trial runs, so no case trains anything.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +38,7 @@ class Case:
     says: tuple[str, ...]    # substrings (lower case) the message must hold: what was wrong, what is accepted
     files: dict = field(default_factory=dict)  # name -> text written in the case's directory first
     timeout_s: float = 180.0
+    process: bool = False    # run as `python -m autofit` in a subprocess rather than main() here
 
 
 def _estimate(*extra: str, model: str = "tiny", budget: str = "8GB") -> list[str]:
@@ -59,7 +65,7 @@ CASES: dict[str, Case] = {
                                     ("nosuchmodel", "gpt-tiny")),
     "bench-workloads-wrong-suite": Case(["bench", "--suite", "search", "--workloads", "gpt", "--out", "{d}/b"], 2,
                                         ("--workloads", "--suite accuracy")),
-    "budget-negative": Case(_estimate(budget="-1GB"), 2, ("-1gb", "positive")),
+    "budget-negative": Case(_estimate(budget="-1GB"), 2, ("-1gb", "positive"), process=True),
     "budget-negative-equals": Case(["estimate", "--model", "tiny", "--budget=-1GB"], 2, ("-1gb", "positive")),
     "budget-zero": Case(_estimate(budget="0GB"), 2, ("0gb", "positive")),
     "budget-unknown-unit": Case(_estimate(budget="8XB"), 2, ("8xb", "gib")),
@@ -101,8 +107,8 @@ CASES: dict[str, Case] = {
     "workload-missing-module": Case(_estimate(model="no_such_pkg.models:make"), 2, ("no_such_pkg", "cannot import")),
     "workload-raises": Case(_estimate(model=f"{BAD}:raises"), 2, ("raises()", "dataset path not configured")),
     "workload-wrong-type": Case(_estimate(model=f"{BAD}:wrong_type"), 2, ("dict", "autofit.workload")),
-    "workload-sys-exit": Case(_estimate(model=f"{BAD}:exits"), 2, ("exits()", "sys.exit", "workload")),
-    "workload-bad-shapes": Case(_estimate(model=f"{BAD}:bad_shapes"), 2, ("bad-shapes", "batch(n)", "[2, 19]")),
+    "workload-sys-exit": Case(_estimate(model=f"{BAD}:exits"), 2, ("exits()", "sys.exit", "workload"), process=True),
+    "workload-bad-shapes": Case(_estimate(model=f"{BAD}:bad_shapes"), 2, ("bad-shapes", "batch(n)", "[2, 19]"), process=True),
     "workload-nonscalar-loss": Case(_estimate(model=f"{BAD}:nonscalar_loss"), 2, ("nonscalar", "loss(", "scalar")),
     "workload-no-layers": Case(_estimate(model=f"{BAD}:no_layers"), 2, ("modulelist", "layers=")),
     "workload-all-frozen": Case(_estimate(model=f"{BAD}:frozen"), 2, ("frozen", "requires_grad")),
@@ -111,14 +117,14 @@ CASES: dict[str, Case] = {
     "storage-malformed-url": Case(_search("{d}/out", "--storage", "notaurl"), 2, ("notaurl", "postgresql://")),
     "storage-unknown-scheme": Case(_search("{d}/out", "--storage", "ftp://host/db"), 2, ("ftp", "sqlite")),
     "storage-unreachable-postgres": Case(_search("{d}/out", "--storage", SECRET_URL), 1,
-                                         ("user:***@127.0.0.1:1/db", "cannot"), timeout_s=60),
+                                         ("user:***@127.0.0.1:1/db", "cannot"), timeout_s=60, process=True),
     "report-no-study": Case(["report", "{d}"], 2, ("no study", "autofit search")),
     # output
-    "out-under-a-file": Case(_search("{d}/afile/out"), 1, ("afile", "directory"), files={"afile": "x"}),
+    "out-under-a-file": Case(_search("{d}/afile/out"), 1, ("afile", "directory"), files={"afile": "x"}, process=True),
     "study-name-escapes": Case(_search("{d}/out", "--study", "../../x"), 2, ("../../x", "letters")),
     "study-name-absolute": Case(_search("{d}/out", "--study", "/tmp/x"), 2, ("/tmp/x", "letters")),
     # the command line itself
-    "unknown-command": Case(["serch"], 2, ("serch", "search")),
+    "unknown-command": Case(["serch"], 2, ("serch", "search"), process=True),
     "unknown-device": Case(_estimate("--device", "tpu"), 2, ("tpu", "cuda")),
     "workers-zero": Case(_search("{d}/out", "--workers", "0"), 2, ("'0'", "positive")),
     "trials-not-a-number": Case(_search("{d}/out", "--trials", "many"), 2, ("many", "positive")),
@@ -126,6 +132,7 @@ CASES: dict[str, Case] = {
 
 
 def _run(case: Case, d: Path, debug: bool = False) -> subprocess.CompletedProcess:
+    """``python -m autofit ARGV`` in a fresh interpreter, in directory ``d``."""
     argv = [a.replace("{d}", str(d)) for a in case.argv]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1"}
@@ -133,18 +140,60 @@ def _run(case: Case, d: Path, debug: bool = False) -> subprocess.CompletedProces
                           capture_output=True, text=True, timeout=case.timeout_s)
 
 
+def _run_here(case: Case, d: Path) -> subprocess.CompletedProcess:
+    """``autofit.cli.main(ARGV)`` in this process, in directory ``d``, with file descriptors 1 and 2
+    (and sys.stdout, sys.stderr on them) captured: the same outcome ``python -m autofit`` has."""
+    from autofit.cli import main
+
+    argv = [a.replace("{d}", str(d)) for a in case.argv]
+    cwd, streams = os.getcwd(), (sys.stdout, sys.stderr)
+    saved = [os.dup(1), os.dup(2)]
+    files = [tempfile.TemporaryFile(), tempfile.TemporaryFile()]
+    for stream in streams:
+        stream.flush()
+    try:
+        os.chdir(d)
+        for fd, f in zip((1, 2), files):
+            os.dup2(f.fileno(), fd)
+        sys.stdout, sys.stderr = (open(fd, "w", buffering=1, closefd=False) for fd in (1, 2))  # noqa: SIM115
+        try:
+            status = main(argv)
+        except SystemExit as exc:  # argparse's own exit
+            status = exc.code if isinstance(exc.code, int) else 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        sys.stdout, sys.stderr = streams
+        for fd, copy in zip((1, 2), saved):
+            os.dup2(copy, fd)
+            os.close(copy)
+        os.chdir(cwd)
+    out, err = (f.seek(0) or f.read().decode(errors="replace") for f in files)
+    for f in files:
+        f.close()
+    return subprocess.CompletedProcess(["autofit", *argv], status, out, err)
+
+
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
-    """Every case run once, a few at a time: name -> CompletedProcess."""
+    """Every case run once: the ``process`` ones in subprocesses, a few at a time, while the others
+    run here one after another. name -> CompletedProcess."""
     dirs = {}
     for name, case in CASES.items():
         d = tmp_path_factory.mktemp(name)
         for file, text in case.files.items():
             (d / file).write_text(text)
         dirs[name] = d
-    with ThreadPoolExecutor(max_workers=max(4, os.cpu_count() or 1)) as pool:
-        futures = {name: pool.submit(_run, case, dirs[name]) for name, case in CASES.items()}
-        return {name: future.result() for name, future in futures.items()}
+    results = {}
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1)) as pool:
+        futures = {name: pool.submit(_run, case, dirs[name]) for name, case in CASES.items() if case.process}
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("AUTOFIT_PROFILE_WORKERS", "1")  # profile here: a child's relayed error is a process case
+            for name, case in CASES.items():
+                if not case.process:
+                    results[name] = _run_here(case, dirs[name])
+        results.update({name: future.result() for name, future in futures.items()})
+    return results
 
 
 def test_corpus_is_large_enough():
@@ -217,8 +266,7 @@ def test_bad_commands_leave_an_earlier_study_intact(tmp_path):
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     bad = [_search(str(out), budget="8"), _search(str(out), "--storage", "notaurl"),
            _search(str(out), "--study", "../escape"), _search(str(out), "--space", str(tmp_path / "none.toml"))]
-    with ThreadPoolExecutor(max_workers=len(bad)) as pool:
-        done = list(pool.map(lambda argv: _run(Case(argv, 2, ()), tmp_path), bad))
+    done = [_run_here(Case(argv, 2, ()), tmp_path) for argv in bad]
     for d in done:
         assert d.returncode == 2 and d.stderr.strip().splitlines()[-1].startswith("autofit: error: "), d.stderr
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before

@@ -130,6 +130,7 @@ def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | 
     backend.check_storage_url(storage)
     out = Path(out_dir) if out_dir is not None else Path("results") / name
     backend.ensure_out_dir(out)
+    backend.check_connection(storage, name)  # an unreachable database is said at once, not after profiling
     with backend.SearchLock(out) as directory:  # a second search here joins the study
         settings = StudySettings(
             workload_name=loaded.name, workload_source=loaded.source, budget_bytes=budget_bytes,

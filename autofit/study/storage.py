@@ -191,6 +191,19 @@ def _rdb_storage(url: str, engine_kwargs: dict, attempts: int = 5):
             time.sleep(0.5 * (attempt + 1))
 
 
+def check_connection(url: str | None, study_name: str) -> None:
+    """Open the database of ``url`` once (nothing for the journal): RunFailure when it cannot be,
+    said before a search spends its time profiling."""
+    if not url:
+        return
+    try:
+        make_storage(Path("."), url)
+    except AutofitError:
+        raise
+    except Exception as exc:  # a database driver's own errors (connection refused, bad password...)
+        raise storage_failure(f"study {study_name!r}", url, exc) from None
+
+
 def storage_failure(where: str, url: str | None, exc: BaseException) -> RunFailure:
     """A storage that could not be opened, as one line without the URL's password."""
     text = " ".join(str(exc).split("(Background on this error")[0].split())
