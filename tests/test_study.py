@@ -596,3 +596,45 @@ def test_fsdp_beside_pipeline_in_the_planner(tiny_profile, rates):
     two = planner.index[TrainConfig("fp32", 1, 4, 0, 2, "fsdp")]
     prediction = planner.prediction(two, Calibration.prior())
     assert prediction["objective"] == pytest.approx(4 * prediction["samples_per_s"])
+
+
+@pytest.mark.slow
+def test_four_local_workers_on_the_journal_with_reports_while_they_run(tmp_path):
+    """Four workers of one search on the default journal, `autofit report` read again and again
+    while they run: every trial accounted for, each config once, one best however it is read."""
+    import json
+
+    from autofit.study import load_snapshot
+
+    out = tmp_path / "study"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+    def autofit(*argv):
+        return subprocess.Popen([sys.executable, "-m", "autofit", *argv], cwd=tmp_path, env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    search = autofit("search", "--model", TINY, "--budget", "64MB", "--space", "tiny", "--device", "cpu", "--out",
+                     str(out), "--workers", "4", "--trials", "5", "--patience", "10", "--json")
+    during = 0
+    while search.poll() is None:
+        if not (out / "study.json").is_file():
+            time.sleep(0.5)
+            continue
+        report = autofit("report", str(out), "--json")
+        text, err = report.communicate(timeout=120)
+        assert report.returncode == 0 and "Traceback" not in err, err[-2000:]
+        assert "best" in json.loads(text)
+        during += search.poll() is None
+    text, err = search.communicate(timeout=600)
+    assert search.returncode == 0, err[-3000:]
+    assert during, "no report finished while the workers ran"
+    trials = _load(out).get_trials(deepcopy=False)
+    assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.FAIL, TrialState.WAITING)]
+    real = [(tuple(sorted(t.params.items())), t.user_attrs.get("sample", 1)) for t in trials
+            if t.state == TrialState.COMPLETE]
+    assert 1 <= len(real) == len(set(real)), "a measurement was taken twice"
+    snapshot_best = next(r.config.to_dict() for r in load_snapshot(out).records
+                         if r.number == json.loads(text)["best_trial"])
+    report = autofit("report", str(out), "--json")
+    after = json.loads(report.communicate(timeout=120)[0])["best"]
+    assert json.loads(text)["best"] == snapshot_best == after["config"]
