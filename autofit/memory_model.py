@@ -11,7 +11,9 @@ are laid end to end again for any config, as PyTorch would run it:
   on the last), and under 1F1B up to ``min(grad_accum, p - s)`` micro-batches in flight
   (GPipe: all ``grad_accum``) during its forwards and first backward, one fewer once later
   micro-steps run with the gradients made (:func:`in_flight_later`); its receive buffers
-  live through the optimizer step;
+  live through the optimizer step; a weight tied across the model's ends (embedding and head)
+  is one copy per end stage, each with its own gradient: the ends come from the profile of the
+  untied model (``PrecisionProfile.split_ends``);
 - the optimizer step: weights + gradients + state + the step's own temporaries;
 - on CUDA: the cuBLAS workspaces (allocated, but no tensor of the model), the allocator's
   fragmentation (reserved over allocated) and the context, which ``max_memory_reserved`` does not
@@ -417,10 +419,11 @@ def _score_group(profile: Profile, pp: PrecisionProfile, cuda_overhead: CudaOver
     best_parts = {name: np.zeros(n) for name in BREAKDOWN}
     best_phase = np.empty(n, dtype=object)
     stage_peaks = []
+    ends = (pp.split_ends or pp) if split > 1 else pp  # a split holds its own copy of each tied weight
     for s, (start, end) in enumerate(stage_bounds(profile.n_layers, split)):
-        st = _stage_lines(pp, start, end, s == 0, s == split - 1, every)
+        st = _stage_lines(ends, start, end, s == 0, s == split - 1, every)
         one = st.held[0] + st.held[1] * b                             # one micro-batch's activations
-        kept, pending = _pipeline_buffers(pp, start, end, s, split, k, b, schedule)
+        kept, pending = _pipeline_buffers(ends, start, end, s, split, k, b, schedule)
         buffers = kept + pending
         # other micro-batches in flight: during the first micro-step, and during later ones
         held = one * (in_flight(s, split, k, schedule) - 1) + buffers

@@ -13,6 +13,8 @@ device split and accumulation.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import hashlib
 import inspect
 import os
@@ -44,7 +46,7 @@ from autofit.timeline import (
 from autofit.training import build_trainee, forward_backward, to_device
 from autofit.workload import Workload, explain_failure
 
-PROFILE_VERSION = 9
+PROFILE_VERSION = 10
 # Micro-batch sizes profiled; every per-sample quantity is fitted as a line through them.
 PROFILE_BATCHES = (2, 4)
 # The CUDA caching allocator rounds every block up to 512 bytes (FACTS.md).
@@ -247,6 +249,8 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
         "optimizer_bytes": tensor_bytes(state, round_bytes),
         "opt_region": reg("end", "opt")[:4],
         "pre_param_bytes": tensor_bytes(pre_t, round_bytes),
+        # weights used before and after the layers (a tied embedding and head): a split copies them
+        "tied_bytes": tensor_bytes([t for t in pre_t if any(t is u for u in post_t)], round_bytes),
         "post_param_bytes": tensor_bytes(post_t, round_bytes),
         "pre_grad_bytes": tensor_bytes([t for t in pre_t if id(t) in grads], round_bytes),
         "post_grad_bytes": tensor_bytes([t for t in post_t if id(t) in grads], round_bytes),
@@ -343,6 +347,30 @@ def profile_precision(workload: Workload, precision: Precision, device_type: str
         except Exception as exc:
             raise WorkloadError(explain_failure(workload.name, exc)) from exc
     runs, real_note, real_extra = _real_check(workload, precision, device_type, runs, real_batches)
+    pp = _assemble(precision, runs, real_check=real_note, real_extra_bytes_per_sample=real_extra)
+    if runs[PROFILE_BATCHES[0]]["tied_bytes"]:
+        # A device split gives its first and last stages their own copy of a weight tied across
+        # the model's ends, each accumulating only its own gradient (no sum of the two): profile
+        # the ends as the stages run them, on the model with those weights untied.
+        untied = dataclasses.replace(workload, model=functools.partial(_build_untied, workload.model))
+        ends = _assemble(precision, {b: _run_fake(untied, precision, b, device_type, real_batches[b])
+                                     for b in PROFILE_BATCHES})
+        pp = dataclasses.replace(pp, split_ends=dataclasses.replace(ends, layers=pp.layers))
+    return pp
+
+
+def _build_untied(build) -> nn.Module:
+    """``build()`` with every parameter shared by two modules replaced, in the second, by a copy."""
+    model = build()
+    owner: dict[int, nn.Module] = {}
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if owner.setdefault(id(p), module) is not module:
+                setattr(module, name, nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad))
+    return model
+
+
+def _assemble(precision: Precision, runs: dict, **extra) -> PrecisionProfile:
     r1, r2 = runs[PROFILE_BATCHES[0]], runs[PROFILE_BATCHES[1]]
     layers = []
     for i, (l1, l2) in enumerate(zip(r1["layers"], r2["layers"])):
@@ -372,8 +400,7 @@ def profile_precision(workload: Workload, precision: Precision, device_type: str
         layers=tuple(layers),
         forward_flops=_flops_line(r2["forward_flops"]),
         backward_flops=_flops_line(r2["backward_flops"]),
-        optimizer_flops=0.0,
-        real_check=real_note, real_extra_bytes_per_sample=real_extra,
+        optimizer_flops=0.0, **extra,
     )
 
 

@@ -98,6 +98,9 @@ class PrecisionProfile:
     # autofit.real_check: what real steps found beside the fake runs (the regions above include it)
     real_check: str = ""
     real_extra_bytes_per_sample: float = 0.0
+    # The model's ends as a device split's first and last stages hold them: weights tied across
+    # the ends (an embedding and its head) untied, one copy a stage (None: nothing is tied).
+    split_ends: "PrecisionProfile | None" = None
 
 
 @dataclass(frozen=True)
@@ -146,4 +149,6 @@ def precision_from_dict(pp: dict) -> PrecisionProfile:
     regions = {k: region_from_dict(pp[k]) for k in ("pre_forward", "post_forward", "post_backward", "pre_backward")}
     regions.update({k: region_from_dict(pp[k]) for k in OUTPUT_REGIONS if pp.get(k) is not None})
     lines = {k: tuple(pp[k]) for k in ("input_bytes", "forward_flops", "backward_flops")}
-    return PrecisionProfile(**{**pp, **regions, **lines, "layers": layers, "grad_rows": rows_from_json(pp.get("grad_rows", ()))})
+    ends = pp.pop("split_ends", None)
+    return PrecisionProfile(**{**pp, **regions, **lines, "layers": layers, "grad_rows": rows_from_json(pp.get("grad_rows", ())),
+                               "split_ends": precision_from_dict(ends) if ends else None})

@@ -51,7 +51,7 @@ def _leaves(obj) -> list[float]:
         return [x for k in sorted(obj) for x in _leaves(obj[k])]
     if isinstance(obj, (list, tuple)):
         return [x for v in obj for x in _leaves(v)]
-    if isinstance(obj, bool) or isinstance(obj, str):
+    if obj is None or isinstance(obj, bool) or isinstance(obj, str):  # None: e.g. no split_ends
         return []
     return [float(obj)]
 
@@ -62,7 +62,7 @@ def _fill(template, values: list[float], pos: list[int]):
         return {k: _fill(template[k], values, pos) for k in sorted(template)}
     if isinstance(template, (list, tuple)):
         return [_fill(v, values, pos) for v in template]
-    if isinstance(template, bool) or isinstance(template, str):
+    if template is None or isinstance(template, bool) or isinstance(template, str):
         return template
     value = values[pos[0]]
     pos[0] += 1
@@ -118,6 +118,7 @@ def deepen(pp: PrecisionProfile, n_layers: int) -> PrecisionProfile:
         grad_bytes=grads, optimizer_bytes=int(round(pp.optimizer_bytes * grow)),
         optimizer_peak_bytes=pp.optimizer_peak_bytes if per_tensor else int(round(pp.optimizer_peak_bytes * grow)),
         forward_flops=fwd, backward_flops=(pp.backward_flops[0], pp.backward_flops[1] * fwd_grow),
+        split_ends=deepen(pp.split_ends, n_layers) if pp.split_ends is not None else None,
     )
 
 

@@ -55,3 +55,26 @@ def test_stage_peaks_of_a_user_file_model():
     spec = f"{USER_MODELS / 'mixer.py'}:workload"  # loaded from its file, as a user's model is
     errors = _stage_errors(spec, TrainConfig.parse("precision=amp-bf16,micro_batch=4,grad_accum=2,device_split=2"))
     assert max(abs(e) for e in errors) <= 0.02, errors
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_tied_weights_are_profiled_as_the_end_stages_hold_them(tie):
+    pytest.importorskip("transformers")
+    from autofit.hf import hf_workload
+
+    vocab, width = 2048, 64
+    w = hf_workload(f"gpt2?n_layer=2&n_embd={width}&n_head=2&vocab_size={vocab}&tie_word_embeddings={str(tie).lower()}",
+                    seq_len=16)
+    pp = profile_workload(w, ["fp32"], use_cache=False).for_precision("fp32")
+    if not tie:
+        assert pp.split_ends is None  # nothing shared: the stages hold what the model holds
+        return
+    tied = vocab * width * 4
+    ends = pp.split_ends
+    assert ends.layers == pp.layers
+    assert ends.grad_bytes == pp.grad_bytes + tied  # the first and the last stage each train a copy
+    # Unsplit, the head's gradient of the tied weight waits in autograd's buffer and is summed with
+    # the embedding's into a new tensor; the first stage never receives it: its embedding
+    # backward peaks one copy lower and ends one gradient higher.
+    assert ends.pre_backward.peak[0] == pytest.approx(pp.pre_backward.peak[0] - tied, abs=4096)
+    assert ends.pre_backward.delta[0] == pytest.approx(pp.pre_backward.delta[0] + tied, abs=4096)
