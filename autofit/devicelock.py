@@ -69,6 +69,7 @@ def lock_dir() -> Path:
     """Where the device locks live (see the module's docstring)."""
     chosen = os.environ.get(LOCK_DIR_ENV)
     if chosen:
+        Path(chosen).mkdir(parents=True, exist_ok=True)
         return Path(chosen)
     if _usable(SHARED_LOCK_DIR):
         return SHARED_LOCK_DIR

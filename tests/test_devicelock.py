@@ -82,8 +82,13 @@ def test_device_names(monkeypatch):
     assert device_names("cuda") == ["cuda-3"]
     assert device_names("cuda", 2) == ["cuda-3", "cuda-GPU-1a2b_x"]
     assert device_names("cuda:2") == ["cuda-5"]
-    monkeypatch.setenv("AUTOFIT_LOCK_DIR", "/x/y")
-    assert lock_dir() == Path("/x/y")
+
+
+def test_the_lock_directory_is_made_when_missing(monkeypatch, tmp_path):
+    monkeypatch.setenv("AUTOFIT_LOCK_DIR", str(tmp_path / "a" / "b"))
+    assert lock_dir() == tmp_path / "a" / "b"
+    with DeviceLock(["cpu"], "made"):
+        assert (tmp_path / "a" / "b" / "cpu.lock").read_text() == f"pid {os.getpid()}: made\n"
 
 
 def test_workers_spread_over_the_gpus():
