@@ -131,10 +131,11 @@ CASES: dict[str, Case] = {
 }
 
 
-def _run(case: Case, d: Path, debug: bool = False) -> subprocess.CompletedProcess:
-    """``python -m autofit ARGV`` in a fresh interpreter, in directory ``d``."""
+def _run(case: Case, d: Path, debug: bool = False, environ: dict | None = None) -> subprocess.CompletedProcess:
+    """``python -m autofit ARGV`` in a fresh interpreter, in directory ``d``, in ``environ`` (default ours)."""
     argv = [a.replace("{d}", str(d)) for a in case.argv]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    environ = dict(os.environ) if environ is None else environ
+    env = {**environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), environ.get("PYTHONPATH")])),
            "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "autofit", *(["--debug"] if debug else []), *argv], cwd=d, env=env,
                           capture_output=True, text=True, timeout=case.timeout_s)
@@ -186,7 +187,9 @@ def outcomes(tmp_path_factory):
         dirs[name] = d
     results = {}
     with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1)) as pool:
-        futures = {name: pool.submit(_run, case, dirs[name]) for name, case in CASES.items() if case.process}
+        environ = dict(os.environ)  # taken now: the cases run here change ours meanwhile
+        futures = {name: pool.submit(_run, case, dirs[name], environ=environ)
+                   for name, case in CASES.items() if case.process}
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("AUTOFIT_PROFILE_WORKERS", "1")  # profile here: a child's relayed error is a process case
             for name, case in CASES.items():
