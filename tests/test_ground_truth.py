@@ -88,6 +88,7 @@ def test_a_disagreement_beyond_the_noise_is_explained_and_agreement_is_not():
     assert explain(_row(100.0, 100, (100, 100, 100), (101, 100, 102))) == ""
     note = explain(_row(100.0, 100, (110, 110, 110), (80, 80, 81)))
     assert "allocator holds" in note and "+10.00%" in note and "resident" in note and "under the allocator" in note
+    assert "cause not identified" in explain(_row(100.0, 100, (95, 95, 95)))
     # resident noise of 30% swallows a 20% difference; the allocator's 0% noise does not
     assert "resident" not in explain(_row(100.0, 100, (100, 100, 100), (120, 100, 130)))
     assert "Against an independent ground truth" in truth_section([_row(100.0, 100, (110, 110, 110))])

@@ -38,7 +38,10 @@ def explain(row) -> str:
     tol_alloc = max(alloc_noise, NOISE_FLOOR)
     if abs(relative_error(row.predicted_peak_bytes, alloc)) > tol_alloc:
         held = alloc - row.measured_peak_bytes  # allocator bytes beyond the live tensors the tracker counts
-        if abs(held) / alloc > tol_alloc:
+        if -held / alloc > tol_alloc:
+            notes.append(f"the tracker counts {mib(-held)} MiB more than the allocator's events show at its peak "
+                         "(cause not identified: storages the profiler saw allocated elsewhere or earlier)")
+        elif held / alloc > tol_alloc:
             notes.append(f"the allocator holds {mib(held)} MiB ({signed_pct(held / row.measured_peak_bytes)}) "
                          "beyond the live tensors at its peak: buffers a kernel allocates inside itself (oneDNN "
                          "scratchpads, convolution buffers), which no count at the dispatcher sees")
