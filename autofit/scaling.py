@@ -77,6 +77,16 @@ def _non_numeric(obj):
     return obj if isinstance(obj, (bool, str)) else None
 
 
+def _without_notes(obj):
+    """``obj`` with its free-text notes blanked (``real_check`` says in words what a real step found,
+    with numbers that differ between anchors): only numbers are interpolated, and notes are not."""
+    if isinstance(obj, dict):
+        return {k: ("" if k == "real_check" else _without_notes(v)) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_without_notes(v) for v in obj]
+    return obj
+
+
 def lagrange_weights(anchors: list[float], x: float) -> np.ndarray:
     """Weights w with sum(w_i · f(anchor_i)) = the polynomial through the anchors at x."""
     w = np.ones(len(anchors))
@@ -160,7 +170,7 @@ def _interpolate(bases: list[_Base], weights: np.ndarray, exact: _Base) -> _Base
     tensor, itself interpolated: the largest tensor is a maximum that can switch between anchors."""
     out = {}
     for name, template in bases[0].precisions.items():
-        dicts = [dataclasses.asdict(b.precisions[name]) for b in bases]
+        dicts = [_without_notes(dataclasses.asdict(b.precisions[name])) for b in bases]
         shape = _non_numeric(dicts[0])
         if any(_non_numeric(d) != shape for d in dicts):
             raise SizeError(f"{name}: the anchors' profiles differ in structure; profile shapes directly")

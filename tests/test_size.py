@@ -208,3 +208,28 @@ def test_hf_family_scales_like_its_direct_profiles():
     assert family.roles.depth == "num_hidden_layers" and family.base["seq_len"] == 32
     _compare(spec, {"num_hidden_layers": [2], "hidden_size": [64, 128, 192, 256]}, ["hidden_size"],
              [{"num_hidden_layers": 2, "hidden_size": 128}], rtol=0.02)  # measured: 1.3% on one config
+
+
+def test_anchors_whose_real_check_notes_differ_still_interpolate(monkeypatch):
+    """The real-step note is words with numbers in them (e.g. "the step needs 61 MiB, over ..."),
+    which differ between anchors: only numbers are interpolated, so the notes must not stop it."""
+    import dataclasses
+
+    import autofit.scaling as scaling
+
+    original = scaling._profile_base
+    calls = []
+
+    def noted(*args, **kwargs):
+        base = original(*args, **kwargs)
+        calls.append(1)
+        note = f"anchor {len(calls)}: the step needs {len(calls)} MiB"
+        return dataclasses.replace(base, precisions={k: dataclasses.replace(v, real_check=note)
+                                                     for k, v in base.precisions.items()})
+
+    monkeypatch.setattr(scaling, "_profile_base", noted)
+    family = load_family("gpt-tiny")
+    shapes = [family.resolve({"n_layer": 2, "n_embd": e, "seq_len": 32}) for e in (96, 144, 192, 384)]
+    scaled, info = shape_profiles(family, shapes, ["n_embd"], PRECISIONS)  # raised SizeError before
+    assert info["interpolated"] >= 1 and len(calls) >= 3
+    assert all(sp is not None and sp.profile.param_count > 0 for sp in scaled)
