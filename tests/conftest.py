@@ -46,33 +46,30 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def _session_dir(tmp_path_factory, variable: str, name: str):
+    """A fresh directory in ``variable`` for the test session (child processes inherit it), the
+    variable as it was restored afterwards. (A session fixture cannot use ``monkeypatch``.)"""
+    import os
+
+    path = tmp_path_factory.mktemp(name)
+    previous = os.environ.get(variable)
+    os.environ[variable] = str(path)
+    yield path
+    if previous is None:
+        os.environ.pop(variable, None)
+    else:
+        os.environ[variable] = previous
+
+
 @pytest.fixture(scope="session", autouse=True)
 def profile_cache(tmp_path_factory):
     """One fresh profile cache per test session (child processes inherit it): tests never
     read a developer's ~/.cache, and a workload is profiled once per session."""
-    import os
-
-    path = tmp_path_factory.mktemp("autofit-cache")
-    previous = os.environ.get("AUTOFIT_CACHE_DIR")
-    os.environ["AUTOFIT_CACHE_DIR"] = str(path)
-    yield path
-    if previous is None:
-        os.environ.pop("AUTOFIT_CACHE_DIR", None)
-    else:
-        os.environ["AUTOFIT_CACHE_DIR"] = previous
+    yield from _session_dir(tmp_path_factory, "AUTOFIT_CACHE_DIR", "autofit-cache")
 
 
 @pytest.fixture(scope="session", autouse=True)
 def device_locks(tmp_path_factory):
     """One device-lock directory per test session (child processes inherit it): the suite's
     trials take turns among themselves, never waiting on another program's trials."""
-    import os
-
-    path = tmp_path_factory.mktemp("autofit-locks")
-    previous = os.environ.get("AUTOFIT_LOCK_DIR")
-    os.environ["AUTOFIT_LOCK_DIR"] = str(path)
-    yield path
-    if previous is None:
-        os.environ.pop("AUTOFIT_LOCK_DIR", None)
-    else:
-        os.environ["AUTOFIT_LOCK_DIR"] = previous
+    yield from _session_dir(tmp_path_factory, "AUTOFIT_LOCK_DIR", "autofit-locks")

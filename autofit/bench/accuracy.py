@@ -286,6 +286,11 @@ def safety(rows: list[AccuracyRow], budget_bytes: int) -> tuple[list[AccuracyRow
     return fits, prunes
 
 
+def _verdict(stats, median_target: float) -> str:
+    """PASS when some configs were measured, their median |error| is within ``median_target`` and the largest within TARGET_MAX."""
+    return "PASS" if stats.n and stats.median <= median_target and stats.max <= TARGET_MAX else "FAIL"
+
+
 def write_accuracy(out_dir: Path, env: dict, res: AccuracyResults) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     files = [write_csv(out_dir / "accuracy.csv", [r.to_dict() for r in res.rows])]
@@ -304,21 +309,21 @@ def write_accuracy(out_dir: Path, env: dict, res: AccuracyResults) -> list[Path]
             f"{pct(main_stats.max, 2)}.\n\nAnchors: {ANCHORS}")
     fsdp = ErrorStats.of(r.error_rel for r in res.rows if r.workload in main and r.config.split_mode is SplitMode.FSDP)
     if fsdp.n:
-        fsdp_verdict = "PASS" if fsdp.median <= TARGET_MEDIAN and fsdp.max <= TARGET_MAX else "FAIL"
+        fsdp_verdict = _verdict(fsdp, TARGET_MEDIAN)
         rep.add(f"**Issue 9 target** (FSDP ranks, split_mode=fsdp, on {' and '.join(main)}: median |error| ≤ "
                 f"{pct(TARGET_MEDIAN, 0)}, largest ≤ {pct(TARGET_MAX, 0)} against the largest rank's measured peak; "
                 f"{fsdp.n} configs): **{fsdp_verdict}** — median {pct(fsdp.median, 2)}, largest {pct(fsdp.max, 2)}.")
     hf = tuple(w for w in HF_WORKLOADS if any(r.workload == w for r in res.rows))
     if hf:
         hs = res.stats(hf)
-        hf_verdict = "PASS" if hs.n and hs.median <= HF_TARGET_MEDIAN and hs.max <= TARGET_MAX else "FAIL"
+        hf_verdict = _verdict(hs, HF_TARGET_MEDIAN)
         rep.add(f"**Issue 12 target** (Hugging Face models: median |error| ≤ {pct(HF_TARGET_MEDIAN, 0)}, largest ≤ "
                 f"{pct(TARGET_MAX, 0)}, {hs.n} measured configs of {len(hf)} families): **{hf_verdict}** — median "
                 f"{pct(hs.median, 2)}, largest {pct(hs.max, 2)}.")
     builtins = tuple(w for w in MAIN_WORKLOADS + EXTRA_WORKLOADS if any(r.workload == w for r in res.rows))
     if set(builtins) - set(main):
         bs = res.stats(builtins)
-        b_verdict = "PASS" if bs.n and bs.median <= ALL_BUILTINS_TARGET_MEDIAN and bs.max <= TARGET_MAX else "FAIL"
+        b_verdict = _verdict(bs, ALL_BUILTINS_TARGET_MEDIAN)
         rep.add(f"**Issue 13 target** (every built-in, lstm-lm included: median |error| ≤ "
                 f"{pct(ALL_BUILTINS_TARGET_MEDIAN, 0)}, largest ≤ {pct(TARGET_MAX, 0)}, {bs.n} measured configs): "
                 f"**{b_verdict}** — median {pct(bs.median, 2)}, largest {pct(bs.max, 2)}. The independent ground "
@@ -326,7 +331,7 @@ def write_accuracy(out_dir: Path, env: dict, res: AccuracyResults) -> list[Path]
     user = tuple(w for w in USER_WORKLOADS if any(r.workload == w for r in res.rows))
     if user:
         us = res.stats(user)
-        user_verdict = "PASS" if us.n and us.median <= HF_TARGET_MEDIAN and us.max <= TARGET_MAX else "FAIL"
+        user_verdict = _verdict(us, HF_TARGET_MEDIAN)
         rep.add(f"**Issue 13 target, user models** (models written in a user's file, `autofit/bench/user_models/`: median |error| "
                 f"≤ {pct(HF_TARGET_MEDIAN, 0)}, largest ≤ {pct(TARGET_MAX, 0)}, {us.n} measured configs of "
                 f"{len(user)} models, device split included): **{user_verdict}** — median {pct(us.median, 2)}, "
