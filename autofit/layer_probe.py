@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from autofit import forkserver, procs
+from autofit.files import write_atomic
 
 LAYER_BATCHES = (2, 8)
 MAX_LAYER_S = 0.5      # predicted seconds of one layer's forward + backward at the larger micro-batch
@@ -200,9 +201,7 @@ def measure_layer_seconds(source: str, precisions: list[str], device_type: str =
     if use_cache:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(message))
-            tmp.replace(path)
+            write_atomic(path, json.dumps(message))  # a concurrent reader never sees half a file
         except OSError:
             pass
     return message["seconds"]

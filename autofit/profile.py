@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_leaves
 from autofit import procs
 from autofit.config import Precision, TrainConfig
 from autofit.errors import WorkloadError
+from autofit.files import write_atomic
 from autofit.profile_data import OUTPUT_REGIONS, LayerProfile, Line, PrecisionProfile, Profile, Region, precision_from_dict
 from autofit.real_check import RealTensors, correct_runs, refusal
 from autofit.timeline import (
@@ -563,9 +564,7 @@ def profile_workload(workload: Workload, precisions: Iterable[Precision | str] =
     if use_cache:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(profile.to_json())
-            tmp.replace(path)  # atomic: a concurrent reader never sees half a file
+            write_atomic(path, profile.to_json())  # a concurrent reader never sees half a file
         except OSError:
             pass  # a read-only cache only costs time
     return profile

@@ -50,6 +50,7 @@ import pandas as pd
 from autofit import procs
 from autofit.config import FIELDS, Precision, TrainConfig, stage_bounds
 from autofit.devicelock import DeviceLock, device_names
+from autofit.files import write_atomic
 from autofit.profile import Profile, cache_dir
 
 RATES_VERSION = 3  # 3: the CUDA probe also measures the context and the cuBLAS workspace
@@ -314,9 +315,7 @@ def probe_rates(device_type: str = "cpu", use_cache: bool = True) -> DeviceRates
     if use_cache:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(rates.to_dict()))
-            tmp.replace(path)
+            write_atomic(path, json.dumps(rates.to_dict()))  # a concurrent reader never sees half a file
         except OSError:
             pass
     return rates
