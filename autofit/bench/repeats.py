@@ -1,0 +1,81 @@
+"""Re-measuring an accuracy row whose first sample misses the estimate.
+
+One measurement per config is the suite's rule (the tracker's count is deterministic for most
+configs), but a multi-process trial is not always: on an FSDP rank a collective's buffer can
+outlive its step by a moment, depending on when gloo's worker thread drops the last reference
+to it, and a peak read at that moment carries it (measured once: ``convnet-bn amp-fp16 mb=1``
+FSDP over 2 ranks, rank 1 +0.88 MiB, one layer's gathered fp32 weights, in one run of three).
+So a row whose first sample is off the estimate by more than :data:`REPEAT_ABOVE` is measured
+:data:`EXTRA_SAMPLES` more times with the same job; the row reports the median sample and keeps
+every sample, first first, so a miss is never hidden, only weighed against its repeats.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+from autofit.bench.common import mib, relative_error, signed_pct
+
+__all__ = ["EXTRA_SAMPLES", "REPEAT_ABOVE", "median_sample", "misses", "resample", "samples_cell"]
+
+# A first sample further off the estimate than this (|error|) is measured again.
+REPEAT_ABOVE = 0.02
+# How many more samples a missing row gets (three in all: the median is one of them).
+EXTRA_SAMPLES = 2
+
+
+def misses(predicted_bytes: float | None, out: dict) -> bool:
+    """Whether a measured result is ``ok`` and off ``predicted_bytes`` by more than :data:`REPEAT_ABOVE`."""
+    if out.get("status") != "ok" or not out.get("peak_bytes") or predicted_bytes is None:
+        return False
+    return abs(relative_error(predicted_bytes, out["peak_bytes"])) > REPEAT_ABOVE
+
+
+def resample(jobs: list[dict], first: list[dict], predicted: list[float | None],
+             run: Callable[[list[dict]], list[dict]]) -> list[list[dict]]:
+    """Every job's samples: its first result, plus :data:`EXTRA_SAMPLES` more where the first :func:`misses`.
+
+    ``run(jobs) -> results`` measures a list of jobs (the suite's :func:`autofit.bench.worker.run_jobs`);
+    the repeats are the same jobs without the ground truth (read once, on the first sample), all in one call.
+    """
+    samples = [[out] for out in first]
+    again = [i for i, (out, pred) in enumerate(zip(first, predicted)) if misses(pred, out)]
+    if not again:
+        return samples
+    repeats = run([{**jobs[i], "truth_repeats": 0} for i in again for _ in range(EXTRA_SAMPLES)])
+    for k, i in enumerate(again):
+        samples[i].extend(repeats[k * EXTRA_SAMPLES:(k + 1) * EXTRA_SAMPLES])
+    return samples
+
+
+def median_sample(samples: list[dict]) -> dict:
+    """The sample with the median peak among the ``ok`` ones (the lower middle of an even count);
+    the first sample when fewer than two are ``ok``."""
+    ok = [s for s in samples if s.get("status") == "ok" and s.get("peak_bytes") is not None]
+    if len(ok) < 2:
+        return samples[0]
+    peak = statistics.median_low(s["peak_bytes"] for s in ok)
+    return next(s for s in ok if s["peak_bytes"] == peak)
+
+
+def samples_cell(predicted_bytes: float | None, peaks: tuple) -> str:
+    """Every sample's peak (MiB) and error, first first, for a repeated row's table cell; empty for one sample."""
+    if len(peaks) < 2:
+        return ""
+    return " / ".join(f"{mib(p)} ({signed_pct(relative_error(predicted_bytes, p))})" if p is not None else "failed"
+                      for p in peaks)
+
+
+def repeats_note(rows: list) -> str:
+    """The suite's paragraph on re-measured rows (accuracy rows with ``peak_samples_bytes``): which, and every sample."""
+    repeated = [r for r in rows if len(r.peak_samples_bytes) > 1]
+    head = (f"Rows whose first sample missed the estimate by more than {REPEAT_ABOVE:.0%} were measured "
+            f"{EXTRA_SAMPLES} more times (the same job, on a fresh model); such a row reports the median sample, "
+            "and the tables judge it by that. Every sample is listed, first first.")
+    if not repeated:
+        return head + " No row missed."
+    lines = [f"- `{r.workload} {r.config.short()}`: estimate {mib(r.predicted_peak_bytes)} MiB; samples "
+             f"{samples_cell(r.predicted_peak_bytes, r.peak_samples_bytes)}; median {signed_pct(r.error_rel)}"
+             for r in repeated]
+    return head + f" {len(repeated)} rows were repeated:\n\n" + "\n".join(lines)
