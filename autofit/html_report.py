@@ -120,12 +120,19 @@ def best_exports(config, settings) -> dict[str, str]:
     from autofit.errors import AutofitError
     from autofit.exports import TARGETS, export
 
+    from autofit.workload import load_workload
+
+    workload = settings.get("workload_source")
+    try:  # loaded once for every target (each export would load and key it again)
+        workload = load_workload(workload) if workload else None
+    except Exception:  # noqa: BLE001 -- each export below then says why it has no peaks
+        pass
     out = {}
     for target in TARGETS:
         if target == "torchrun" and (config.device_split < 2 or config.split_mode.value != "pipeline"):
             continue
         try:
-            out[target] = export(config, target, workload=settings.get("workload_source"),
+            out[target] = export(config, target, workload=workload,
                                  budget=settings.get("budget_bytes"), device=settings.get("device_type")).text
         except AutofitError as exc:
             out[target] = f"(not exported: {exc})"

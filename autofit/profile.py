@@ -446,6 +446,21 @@ def cache_dir() -> Path:
 
 def _source_of(obj: Any) -> str:
     try:
+        return _cached_source_of(obj)
+    except TypeError:  # an unhashable callable (a bound method of an unhashable object)
+        return _read_source(obj)
+
+
+# Memoised per object: inspect.getsource re-parses a class's whole module (ast) on every call, and
+# a search keys its profile several times (its start, then each export of the best config). An
+# edited and re-run definition is a new object, so a stale source is never returned.
+@functools.lru_cache(maxsize=512)
+def _cached_source_of(obj: Any) -> str:
+    return _read_source(obj)
+
+
+def _read_source(obj: Any) -> str:
+    try:
         return inspect.getsource(obj)
     except (TypeError, OSError):
         return f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', repr(obj))}"
