@@ -49,6 +49,28 @@ def test_both_views_read_a_known_weight_and_its_gradient():
         assert 0.9 * known <= resident <= 2 * known
 
 
+class _TiedWeight(nn.Module):
+    """One 1 MiB weight used twice: autograd sums its two gradient contributions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.full((512, 512), 0.01))
+        self.blocks = nn.ModuleList([nn.Identity()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.w @ self.w).sum(-1)
+
+
+def test_observing_sums_a_tied_weights_gradients_out_of_place():
+    """Under a no-op dispatch mode autograd sums the two 1 MiB contributions in a fresh buffer; unobserved in place."""
+    tied = Workload(name="tied", model=_TiedWeight, batch=lambda n: (torch.randn(n, 512), torch.randn(n)),
+                    loss=F.mse_loss, optimizer=lambda p: torch.optim.SGD(p, lr=1e-3), layers=lambda m: m.blocks)
+    config = TrainConfig(Precision.FP32, 2)
+    plain = allocator_peak_bytes(tied, config, SCHEDULE)
+    observed = allocator_peak_bytes(tied, config, SCHEDULE, observed=True)
+    assert 0.9 * 2**20 <= observed - plain <= 1.1 * 2**20
+
+
 def test_the_peak_of_allocator_events_is_taken_inside_the_window():
     events = [(0, 100), (1, 50), (2, -120), (3, 400), (4, -400), (5, 1000)]
     assert peak_of_events(events, 2, 4) == 430  # 30 live at the window's start, +400 inside; the 1000 after it
@@ -89,6 +111,11 @@ def test_a_disagreement_beyond_the_noise_is_explained_and_agreement_is_not():
     note = explain(_row(100.0, 100, (110, 110, 110), (80, 80, 81)))
     assert "allocator holds" in note and "+10.00%" in note and "resident" in note and "under the allocator" in note
     assert "cause not identified" in explain(_row(100.0, 100, (95, 95, 95)))
+    observing = _row(100.0, 100, (95, 95, 95))
+    observing.observed_allocator_peak_bytes = 100
+    assert "observing changes the run" in explain(observing) and "cause not identified" not in explain(observing)
+    observing.observed_allocator_peak_bytes = 96
+    assert "cause not identified" in explain(observing)
     # resident noise of 30% swallows a 20% difference; the allocator's 0% noise does not
     assert "resident" not in explain(_row(100.0, 100, (100, 100, 100), (120, 100, 130)))
     assert "Against an independent ground truth" in truth_section([_row(100.0, 100, (110, 110, 110))])

@@ -178,6 +178,8 @@ class AccuracyRow:
     resident_peak_bytes: tuple = ()
     # every sample's peak, first first, when the first missed the estimate (autofit.bench.repeats); else empty
     peak_samples_bytes: tuple = ()
+    # the allocator under a no-op dispatch mode, read where the tracker counts more (autofit.ground_truth)
+    observed_allocator_peak_bytes: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "status", TrialStatus(self.status))
@@ -197,7 +199,8 @@ class AccuracyRow:
                 "job_s": self.job_s, "error": self.error or "",
                 "allocator_peak_bytes": list(self.allocator_peak_bytes),
                 "resident_peak_bytes": list(self.resident_peak_bytes),
-                "peak_samples_bytes": list(self.peak_samples_bytes)}
+                "peak_samples_bytes": list(self.peak_samples_bytes),
+                "observed_allocator_peak_bytes": self.observed_allocator_peak_bytes}
 
 
 @dataclass
@@ -275,6 +278,7 @@ def run_accuracy(out_dir: Path, env: dict, *, quick: bool = False, workloads: tu
                 job_s=sum(s.get("job_s") or 0.0 for s in taken) or None, error=first.get("error"),
                 allocator_peak_bytes=tuple(first.get("allocator_peak_bytes") or ()),
                 resident_peak_bytes=tuple(first.get("resident_peak_bytes") or ()),
+                observed_allocator_peak_bytes=first.get("observed_allocator_peak_bytes"),
                 peak_samples_bytes=tuple(s.get("peak_bytes") if s.get("status") == "ok" else None for s in taken)
                 if len(taken) > 1 else ()))
     prior = []

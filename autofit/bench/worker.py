@@ -69,7 +69,8 @@ def _memory(job: dict) -> dict:
         from autofit.ground_truth import ground_truth
 
         # after the trial's own steps, on fresh models: nothing timed runs under the profiler
-        out.update(ground_truth(workload, config, schedule, int(job["truth_repeats"])))
+        out.update(ground_truth(workload, config, schedule, int(job["truth_repeats"]),
+                                tracker_peak_bytes=out["peak_bytes"]))
     return out
 
 
