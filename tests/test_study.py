@@ -319,6 +319,34 @@ def test_a_precision_the_calibrated_model_rules_out_is_dropped_after_its_own_tri
     assert time_margin([first, with_errors(ran_trial(planner, fp32_4, 1), 0.01)]) == TIME_MARGIN_MIN
 
 
+def test_one_split_modes_calibration_does_not_rule_out_another(tiny_profile, rates):
+    """FSDP trials measured far slower than the prior (its gathers and reductions, on a shared CPU)
+    say little about a pipeline's step: the pipeline keeps its trial (as on the committed gpt-tiny
+    grid, where the 2-stage pipeline was the optimum); once it ran, its own group can be ruled out."""
+    from autofit.study.planner import time_margin
+
+    planner = make_planner(tiny_profile, rates, devices=2, precision=["fp32"], micro_batch=[1, 2], global_batch=4,
+                           checkpoint_every=[0], device_split=[2], split_mode=["pipeline", "fsdp"])
+    fsdp = [TrainConfig("fp32", m, 2 // m, device_split=2, split_mode="fsdp") for m in (2, 1)]
+    pipes = {TrainConfig("fp32", m, 4 // m, device_split=2, split_mode="pipeline") for m in (1, 2)}
+    prior = {c: planner.prediction(planner.index[c], Calibration.prior())["samples_per_s"] for c in planner.configs}
+    assert max(prior[c] for c in pipes) < max(prior[c] for c in fsdp)  # the premise: FSDP predicted faster
+    # both FSDP configs 2.2x slower than predicted; the second as its calibrated prediction said (error 0)
+    trials = [ran_trial(planner, c, k, samples_per_s=prior[c] / 2.2) for k, c in enumerate(fsdp)]
+    trials[1] = dataclasses.replace(trials[1], errors={"step_time": 0.0})
+    assert time_margin(trials) == 0.10
+    step = planner.step(trials)
+    assert not kinds(step).get("slow_precision") and not kinds(step).get("too_slow")
+    assert planner.configs[step.run] in pipes
+    assert time_margin(trials + [ran_trial(planner, planner.configs[step.run], 2, samples_per_s=1.0)]) == 0.10
+    # a pipeline that ran 10x slower than the prior rules out the other pipeline config, by its own group's rule
+    ran = planner.configs[step.run]
+    trials.append(dataclasses.replace(ran_trial(planner, ran, 2, samples_per_s=prior[ran] / 10), errors={}))
+    other = next(iter(pipes - {ran}))
+    pruned = {planner.configs[p.index]: p for p in planner.step(trials).prunes}
+    assert pruned[other].reason is PruneReason.SLOW_PRECISION and "every fp32 split=2 config left" in pruned[other].text
+
+
 def test_stale_running_trials():
     import datetime
     import socket

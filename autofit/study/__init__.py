@@ -9,16 +9,18 @@ One planning step (every worker, before every trial, from what the storage holds
    ``duplicate`` (a checkpoint interval at least a stage's length is one segment per stage,
    the same config as the smallest such interval), ``over_budget`` (calibrated peak with its
    safety margin over the budget), ``too_slow`` (predicted throughput under 1/SLOW_FACTOR of
-   the best predicted; or, in a precision that has run ok, under the best measured median by
-   more than the time model's measured error, see ``slow_precision``; or a trial predicted to
+   the best predicted; or, in a calibration group that has run ok, under the best measured median
+   by more than the time model's measured error, see ``slow_precision``; or a trial predicted to
    outlast the trial time limit), ``dominated``
    (the same precision, micro-batch, accumulation and split with less recomputation fits and
    is predicted faster: checkpointing only trades time for memory), ``slow_precision`` (every
-   config left of a precision that has run ok is predicted, calibrated, below the best measured
-   median by more than the time model's measured error: the largest error of a step time
-   predicted once its precision had run, :func:`~autofit.study.planner.time_margin`; a precision
-   that has not run is never ruled out this way, since across precisions the prior's error is
-   up to 2x on a CPU). A prune is re-examined at
+   config left of a calibration group -- a precision on one layout: one device, or a split of
+   that many devices in that mode, :func:`~autofit.study.planner.calibration_group` -- that
+   has run ok is predicted, calibrated, below the best measured median by more than the time
+   model's measured error: the largest error of a step time predicted once its group had run,
+   :func:`~autofit.study.planner.time_margin`; a group that has not run is never ruled out this
+   way, since across precisions the prior's error is up to 2x on a CPU, and across layouts each
+   has costs of its own: a pipeline's bubble and sends, FSDP's gathers). A prune is re-examined at
    every step: if its reason no longer holds (the config that dominated it ran out of memory,
    calibration shrank the margin), the config becomes a candidate again;
 3. **stop** when the real-trial limit is reached, the time is up, ``patience`` real trials in a

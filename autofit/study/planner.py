@@ -16,7 +16,7 @@ import numpy as np
 
 from autofit.budget import format_bytes
 from autofit.calibration import Calibration, calibrate, observations
-from autofit.config import FIELDS, stage_bounds
+from autofit.config import FIELDS, SplitMode, TrainConfig, stage_bounds
 from autofit.memory_model import BREAKDOWN, estimate_table
 from autofit.objective import objective
 from autofit.profile import Profile
@@ -66,18 +66,37 @@ class Step:
     sample: int = 1            # 1: the config's first trial; more: a re-measurement of a top config
 
 
+def calibration_group(config: TrainConfig) -> tuple:
+    """What one trial's calibration of the time model vouches for: its precision on its layout (one
+    device, or a split of that many devices in that mode). Across precisions the prior's error
+    differs up to 2x on a CPU; across layouts too, since each has costs of its own that the prior
+    estimates apart (a pipeline's bubble and sends, FSDP's gathers and reductions: on the committed
+    gpt-tiny grid the prior was 55% fast for FSDP and 13% fast for a pipeline of the same model)."""
+    layout = (1, None) if config.device_split == 1 else (config.device_split, config.split_mode)
+    return (config.precision, *layout)
+
+
+def group_name(group: tuple) -> str:
+    """``bf16`` (one device), ``bf16 split=2`` (a pipeline) or ``bf16 fsdp=2``."""
+    precision, split, mode = group
+    if split == 1:
+        return precision.value
+    return f"{precision.value} {'fsdp' if mode is SplitMode.FSDP else 'split'}={split}"
+
+
 def time_margin(records: Sequence[TrialRecord]) -> float | None:
-    """The calibrated time model's measured error within a precision: the largest relative error of
-    the step time predicted for an ok trial whose precision had already run ok when it was planned
-    (predicted before it ran, so out of sample), at least TIME_MARGIN_MIN. None until there is one
-    (a precision's first trial shows the prior's error, which its calibration then corrects)."""
+    """The calibrated time model's measured error within a calibration group (precision and layout,
+    :func:`calibration_group`): the largest relative error of the step time predicted for an ok
+    trial whose group had already run ok when it was planned (predicted before it ran, so out of
+    sample), at least TIME_MARGIN_MIN. None until there is one (a group's first trial shows the
+    prior's error, which its calibration then corrects)."""
     ok = sorted((r for r in records if r.feasible and r.errors.get("step_time") is not None), key=lambda r: r.number)
     seen: set = set()
     within = []
     for r in ok:
-        if r.config.precision in seen:
+        if calibration_group(r.config) in seen:
             within.append(abs(r.errors["step_time"]))
-        seen.add(r.config.precision)
+        seen.add(calibration_group(r.config))
     return max([TIME_MARGIN_MIN] + within) if within else None
 
 
@@ -265,26 +284,27 @@ class Planner:
 
     def _slow_precisions(self, reasons, sps, claimed, ran_ok, best_median: float | None,
                          margin: float | None) -> None:
-        """Prune every config left of a precision that ran ok (``ran_ok``: per config) whose best
-        calibrated prediction is below the best measured median by more than the time model's
-        measured error ``margin``: once its own trial has calibrated it, a precision the model
-        rules out costs no more trials."""
+        """Prune every config left of a calibration group (precision and layout,
+        :func:`calibration_group`) that ran ok (``ran_ok``: per config) whose best calibrated
+        prediction is below the best measured median by more than the time model's measured error
+        ``margin``: once its own trial has calibrated it, a group the model rules out costs no more
+        trials."""
         if best_median is None or margin is None:
             return
-        # Only precisions that ran: across precisions the prior's error is far larger (its measured
-        # ratios differ up to 2x between fp32 and bf16 on a CPU) than a trial's calibration can bound.
-        for precision in {self.configs[i].precision for i in np.flatnonzero(ran_ok)}:
+        # Only groups that ran: across them the prior's error is far larger than one trial's
+        # calibration can bound (see calibration_group); such configs keep their trial.
+        for group in {calibration_group(self.configs[i]) for i in np.flatnonzero(ran_ok)}:
             members = [i for i, c in enumerate(self.configs)
-                       if c.precision is precision and reasons[i] is None and not claimed[i]]
+                       if calibration_group(c) == group and reasons[i] is None and not claimed[i]]
             top = max((sps[i] for i in members), default=math.nan)
             if members and top * (1 + margin) < best_median:
                 for i in members:
                     reasons[i] = (PruneReason.SLOW_PRECISION,
-                                  f"every {precision.value} config left is predicted at most {top:.3g} samples/s, "
+                                  f"every {group_name(group)} config left is predicted at most {top:.3g} samples/s, "
                                   f"under the best measured {best_median:.3g} by more than the time model's measured "
                                   f"error ({margin:.0%})")
                 continue
-            for i in members:  # the same rule, config by config, within a precision the model knows
+            for i in members:  # the same rule, config by config, within a group the model knows
                 if sps[i] * (1 + margin) < best_median:
                     reasons[i] = (PruneReason.TOO_SLOW,
                                   f"predicted {sps[i]:.3g} samples/s, under the best measured {best_median:.3g} by "
