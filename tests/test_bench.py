@@ -277,6 +277,8 @@ def test_replay_answers_the_trial_sample_then_the_second_and_loads_back_from_csv
                                          second_samples_per_s=12.0)
     oracle = ReplayOracle(grid, 10**12)
     assert [oracle.run(c).samples_per_s for _ in range(3)] == [9.0, 12.0, 9.0]
+    swapped = ReplayOracle(grid, 10**12, first_sample=1)  # the other draw of the noise
+    assert [swapped.run(c).samples_per_s for _ in range(3)] == [12.0, 9.0, 12.0]
     assert oracle.history[0].outcome.step_time_s == pytest.approx(c.samples_per_step / 9.0)
     halving = HALVING
     runs = [run_strategy(halving, grid, 50 * MiB, 0, ReplayOracle(grid, 50 * MiB), "replay")]

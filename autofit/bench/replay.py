@@ -75,15 +75,16 @@ def load_grids(csv_path: Path, markdown: Path | None = None) -> list[Grid]:
     return grids
 
 
-def replay(grids: list[Grid], strategies: tuple[Strategy, ...], seeds: int) -> list[RunResult]:
-    """Every strategy on every cell (grid x budget) and seed, replayed."""
+def replay(grids: list[Grid], strategies: tuple[Strategy, ...], seeds: int, first_sample: int = 0) -> list[RunResult]:
+    """Every strategy on every cell (grid x budget) and seed, replayed (``first_sample``: see
+    :class:`~autofit.bench.search.ReplayOracle`)."""
     runs = []
     for grid in grids:
         for budget_mib in grid.cell.budgets_mib:
             for strategy in strategies:
                 for seed in range(seeds):
                     budget = budget_mib * MiB
-                    runs.append(run_strategy(strategy, grid, budget, seed, ReplayOracle(grid, budget), "replay"))
+                    runs.append(run_strategy(strategy, grid, budget, seed, ReplayOracle(grid, budget, first_sample), "replay"))
     return runs
 
 
@@ -109,12 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strategy", action="append", help="strategy names (default: autofit)")
     parser.add_argument("--done-when", action="store_true",
                         help="replay autofit, TPE and the finder sweeps and print issue 13's done-when table")
+    parser.add_argument("--swap-samples", action="store_true",
+                        help="answer each config's second grid sample first (the other draw of the noise)")
     args = parser.parse_args(argv)
     names = args.strategy or ["autofit"]
     if args.done_when:
         names += ["autofit", "optuna-tpe"] + [s.name for s in sweeps(STRATEGIES)]
     strategies = tuple(s for s in STRATEGIES if s.name in names)
-    runs = replay(load_grids(args.grid), strategies, args.seeds)
+    runs = replay(load_grids(args.grid), strategies, args.seeds, int(args.swap_samples))
     print(table(runs))
     if args.done_when:
         print(done_when_table(runs, strategies))

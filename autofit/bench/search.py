@@ -296,12 +296,15 @@ class ReplayOracle(Oracle):
     config answers the grid trial's own throughput, a second run (a re-measurement) the grid's
     second sample, and further runs take the two in turn (the grid holds two samples per config
     that fits one of its cell's budgets; over all of them a config has its trial's sample only).
-    The answer is still scored by the ground truth (the larger of the two)."""
+    The answer is still scored by the ground truth (the larger of the two). ``first_sample`` 1
+    answers the second sample first: the other draw of the noise, to see whether a strategy's
+    answer holds under it."""
 
-    def __init__(self, grid: Grid, budget_bytes: int) -> None:
+    def __init__(self, grid: Grid, budget_bytes: int, first_sample: int = 0) -> None:
         super().__init__()
         self.grid = grid
         self.budget_bytes = budget_bytes
+        self.first_sample = first_sample
         self.runs: dict[TrainConfig, int] = {}
 
     def sample(self, point: GridPoint) -> float | None:
@@ -309,7 +312,7 @@ class ReplayOracle(Oracle):
         samples = [s for s in (point.trial_samples_per_s, point.second_samples_per_s) if s] or [point.samples_per_s]
         k = self.runs.get(point.config, 0)
         self.runs[point.config] = k + 1
-        return samples[k % len(samples)]
+        return samples[(k + self.first_sample) % len(samples)]
 
     def _run(self, config: TrainConfig) -> Outcome:
         point = self.grid.points.get(config)
