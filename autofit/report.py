@@ -5,8 +5,8 @@
   study in progress or interrupted), why it was pruned, the five config fields, predicted and measured peak bytes, samples/s,
   step time, the prediction errors, and ``wait_s``, how long it waited for its device (another trial held it);
 - ``best.json``: the best config (the highest median over its samples among configs that ran ok
-  under the budget: the top ones are measured again before the search ends), its first trial's
-  measurements, every sample and their median, and the command that measures it again;
+  under the budget: it, and a runner-up within the measured noise of it, are measured again
+  before the search ends), its first trial's measurements, every sample and their median, and the command that measures it again;
 - ``summary.md``: the top configs, what the estimate pruned and why, the calibration, the
   prediction error of every real trial, the device, versions and wall time;
 - ``calibration.json``: the calibration the next planning step would use.
@@ -329,7 +329,8 @@ def summary_markdown(study: StudySnapshot, table: pd.DataFrame | None = None, *,
         if len(best["samples"]) > 1:
             out.append(f"- measured {len(best['samples'])} times: median {best['median_samples_per_s']:.2f} samples/s ("
                        + ", ".join(f"{x['samples_per_s']:.2f}" for x in best["samples"]) + "); the best config is "
-                       "the highest median among the top configs, each measured again before the search ended")
+                       "the highest median; it, and a runner-up within the measured noise of it, were measured again before the "
+                       "search ended")
         out.append(f"- measured peak: {_bytes(m.get('peak_bytes'))} = {100 * best['peak_fraction_of_budget']:.1f}% of "
                    f"the budget (predicted {_bytes(p.get('peak_bytes'))})")
         out.append(f"- reproduce: `{best['reproduce']}`\n")

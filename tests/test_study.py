@@ -266,6 +266,28 @@ def test_the_top_configs_are_measured_again_and_the_best_is_the_highest_median(t
     assert best_of(trials).config == a
 
 
+def test_the_runner_up_is_measured_again_only_within_the_measured_noise(tiny_profile, rates):
+    from autofit.records import config_samples
+    from autofit.study.planner import NOISE_MIN, sample_noise
+
+    planner = make_planner(tiny_profile, rates, precision=["fp32"], micro_batch=[1, 2, 4, 8], global_batch=8)
+    a, b, c, d = (TrainConfig("fp32", m, 8 // m) for m in (8, 4, 2, 1))
+    first = [ran_trial(planner, a, 0, samples_per_s=100.0), ran_trial(planner, b, 1, samples_per_s=85.0),
+             ran_trial(planner, c, 2, samples_per_s=60.0), ran_trial(planner, d, 3, samples_per_s=40.0)]
+    assert sample_noise(config_samples(first)) == NOISE_MIN  # no config has two samples yet
+    step = planner.step(first)
+    assert planner.configs[step.run] == a and step.sample == 2  # the best is always measured again
+    # a's two samples agree (2%): b, 15% below with one sample, is beyond the noise floor: no trial for it
+    steady = first + [ran_trial(planner, a, 4, samples_per_s=98.0, sample=2)]
+    step = planner.step(steady)
+    assert step.run is None and "then 1 re-measurement(s)" in step.stop
+    # a's samples differ by 25% (median 90): b (85) is within that noise of a, so it is measured again
+    noisy = first + [ran_trial(planner, a, 4, samples_per_s=80.0, sample=2)]
+    assert sample_noise(config_samples(noisy)) == pytest.approx(0.25)
+    step = planner.step(noisy)
+    assert planner.configs[step.run] == b and step.sample == 2
+
+
 def test_re_measurements_count_towards_the_trial_limit(tiny_profile, rates):
     planner = make_planner(tiny_profile, rates, precision=["fp32", "amp-bf16"], micro_batch=[1, 2, 4, 8],
                            global_batch=8)

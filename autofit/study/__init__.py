@@ -27,9 +27,12 @@ One planning step (every worker, before every trial, from what the storage holds
    row did not improve the best by ``min_improvement``, the best remaining candidate is
    predicted below BOUND of the best measured, or no candidate is left; but first (unless the
    time is up) **re-measure the top**: one throughput sample is noisy (on a shared CPU two
-   samples of a config differ by 10% in the median, up to a third), so the REMEASURE_TOP
-   configs with the highest median (within REMEASURE_WITHIN of the best) are each run again up
-   to REMEASURE_SAMPLES samples, and the best is the config with the highest median
+   samples of a config differ by 10% in the median, up to a third), so the config with the
+   highest median is run again up to REMEASURE_SAMPLES samples, and so is the runner-up (up to
+   REMEASURE_TOP configs) when its median, raised by the measured noise, reaches the best's
+   (the noise: the largest spread between two samples of one config so far, at least
+   NOISE_MIN, :func:`~autofit.study.planner.sample_noise`); the best is the config with the
+   highest median
    (:func:`autofit.records.best_of`). A re-measurement is a real trial of the same config with
    a higher ``sample`` number: it counts towards the trial limit (exploration leaves up to a
    quarter of the limit for them), not towards patience; one that fails or goes over the budget
@@ -85,7 +88,7 @@ _HOMES = {
     "autofit.study.storage": ("JOURNAL_NAME", "META_NAME", "ClaimLock", "FlockLock", "config_of", "create_or_load",
                               "distributions", "load_snapshot", "make_storage", "open_study", "read_records",
                               "record_of", "snapshot"),
-    "autofit.study.planner": ("BOUND", "NEAR", "REMEASURE_SAMPLES", "REMEASURE_TOP", "REMEASURE_WITHIN", "SLOW_FACTOR",
+    "autofit.study.planner": ("BOUND", "NEAR", "NOISE_MIN", "REMEASURE_SAMPLES", "REMEASURE_TOP", "SLOW_FACTOR",
                               "TRIAL_STARTUP_S", "Planner", "Prune", "Step"),
     "autofit.study.progress": ("ProgressCallback", "SearchProgress", "progress_of"),
     "autofit.study.worker": ("HEARTBEAT_S", "ORPHAN_S", "STALE_S", "TrialRunner", "fail_stale_trials", "is_stale",

@@ -32,11 +32,13 @@ BOUND = 0.5                # stop: the best candidate is predicted below this fr
 MIN_TRIAL_TIMEOUT_S = 60.0
 TRIAL_TIMEOUT_FACTOR = 4.0  # a trial may take this many times its (calibrated) prediction
 TRIAL_STARTUP_S = 8.0      # interpreter start + imports of a trial child (and of each extra stage)
-# Before the best is crowned, the top configs are measured again (one throughput sample is noisy:
-# on a shared CPU two samples of one config differ by 10% in the median and up to a third):
-REMEASURE_TOP = 2          # the configs with the highest median measured...
-REMEASURE_WITHIN = 0.75    # ...that are within this fraction of the best median...
-REMEASURE_SAMPLES = 2      # ...are each brought to this many samples; the best is the highest median
+# Before the best is crowned, it is measured again (one throughput sample is noisy: on a shared
+# CPU two samples of one config differ by 10% in the median and up to a third), and so is the
+# runner-up when noise could have put it second:
+REMEASURE_TOP = 2          # the configs with the highest median measured that may be re-measured...
+REMEASURE_SAMPLES = 2      # ...each brought to this many samples; the best is the highest median
+NOISE_MIN = 0.10           # the runner-up is re-measured if its median, raised by the noise, reaches the best's;
+#                            the noise: the largest spread between two samples of a config so far, at least this
 REMEASURE_MAX = 2 * REMEASURE_TOP * (REMEASURE_SAMPLES - 1)  # re-measurements in a study at most
 TIME_MARGIN_MIN = 0.10     # the time model's error margin is never taken below two samples' median spread
 REMEASURE_RESERVE = 4      # with a trial limit, exploration leaves up to 1/this of it for them
@@ -98,6 +100,15 @@ def time_margin(records: Sequence[TrialRecord]) -> float | None:
             within.append(abs(r.errors["step_time"]))
         seen.add(calibration_group(r.config))
     return max([TIME_MARGIN_MIN] + within) if within else None
+
+
+def sample_noise(by_config: dict) -> float:
+    """The measured sample-to-sample noise of throughput: the largest relative spread (max / min - 1)
+    between the samples of one config (``by_config``: :func:`autofit.records.config_samples`), at
+    least NOISE_MIN (before any config has two samples, it is NOISE_MIN)."""
+    spreads = [max(r.value for r in s) / min(r.value for r in s) - 1.0 for s in by_config.values()
+               if len(s) > 1 and min(r.value for r in s) > 0]
+    return max([NOISE_MIN] + spreads)
 
 
 class Planner:
@@ -242,16 +253,17 @@ class Planner:
 
     def _remeasure(self, records: Sequence[TrialRecord], by_config: dict) -> list[tuple[int, int]]:
         """The re-measurements still due before the best is crowned, as (config index, sample number):
-        the REMEASURE_TOP configs with the highest median (within REMEASURE_WITHIN of the best),
-        each brought to REMEASURE_SAMPLES samples; running ones count (another worker has them)."""
+        the config with the highest median, and the next (up to REMEASURE_TOP) whose median raised by
+        :func:`sample_noise` reaches the best's, each brought to REMEASURE_SAMPLES samples; running
+        ones count (another worker has them)."""
         claimed = [r for r in records if r.claimed and r.config in self.index]
         if sum(r.sample > 1 for r in claimed) >= REMEASURE_MAX or not by_config:
             return []
         ranked = sorted(by_config.items(), key=lambda kv: (-median_value(kv[1]), kv[1][0].number))
-        best = median_value(ranked[0][1])
+        best, noise = median_value(ranked[0][1]), sample_noise(by_config)
         due = []
         for config, done in ranked[:REMEASURE_TOP]:
-            if median_value(done) < REMEASURE_WITHIN * best:
+            if median_value(done) * (1 + noise) < best:
                 break
             mine = [r for r in claimed if r.config == config]
             if len(done) + sum(r.status is TrialStatus.RUNNING for r in mine) < REMEASURE_SAMPLES:
