@@ -96,7 +96,9 @@ def truth_section(rows: list) -> str:
         "sum of its allocation events over the measured steps (every block PyTorch's CPU allocator hands out, "
         "tensor or not; input batches made before it starts);",
         "- **resident**: the process's anonymous resident bytes after the warm-up over those before the model was "
-        "built (both after `malloc_trim`), plus the growth of `VmHWM` (reset) over the measured steps.\n",
+        "built (both after `malloc_trim`), plus the growth of `VmHWM` (reset) over the measured steps.",
+        "- where the tracker counts more than the allocator: the allocator once more, the steps run under a dispatch "
+        "mode that only calls each operator (what observing alone changes).\n",
         f"Over {len(rows)} configs: estimate against the allocator median |error| {pct(est_alloc.median, 2)}, max "
         f"{pct(est_alloc.max, 2)} (mean signed {signed_pct(est_alloc.mean_signed)}); the tracker against the "
         f"allocator median {pct(trk_alloc.median, 2)}, max {pct(trk_alloc.max, 2)}; estimate against resident median "
