@@ -43,15 +43,18 @@ import time
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
 
-from autofit import procs
+from autofit import forkserver, procs
 from autofit.config import FIELDS, Precision, TrainConfig, stage_bounds
 from autofit.devicelock import DeviceLock, device_names
 from autofit.files import write_atomic
 from autofit.profile import Profile, cache_dir
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 RATES_VERSION = 3  # 3: the CUDA probe also measures the context and the cuBLAS workspace
 # The dtype of the matmuls each precision runs (autocast runs matmuls in its low-precision dtype).
@@ -248,10 +251,25 @@ def probe_env(device_type: str) -> dict[str, str]:
     return procs.child_env({"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")})
 
 
+def start_probe_child(entry: str, request: dict, device_type: str, timeout_s: float) -> procs.Child:
+    """A probe child running ``entry``: forked from the trials' fork server (:mod:`autofit.forkserver`:
+    no interpreter to start nor torch to import, and the server is warm for the first trial) when
+    that child would run in the probe's environment -- on the CPU, with an OpenMP wait policy already
+    set in ours (OpenMP reads it when the server loads it, so the server's must be the probe's) --
+    else spawned with :func:`probe_env`."""
+    if (device_type == "cpu" and forkserver.enabled()
+            and os.environ.get("OMP_WAIT_POLICY") == probe_env(device_type)["OMP_WAIT_POLICY"]):
+        try:
+            return forkserver.start_trial(entry, request, timeout_s=timeout_s, echo_stderr=False)
+        except OSError:
+            pass  # no fork server here: a fresh interpreter
+    return procs.spawn(entry, request, timeout_s=timeout_s, env=probe_env(device_type))
+
+
 def _probe_once(device_type: str) -> list[DeviceRates]:
     """One probe child: its measurements (two, back to back). Raises RuntimeError when it fails."""
-    child = procs.spawn("autofit.time_model:probe_child", {"device_type": device_type, "repeats": 2},
-                        timeout_s=PROBE_TIMEOUT_S, env=probe_env(device_type))
+    child = start_probe_child("autofit.time_model:probe_child", {"device_type": device_type, "repeats": 2},
+                              device_type, PROBE_TIMEOUT_S)
     try:
         finished = child.wait()
     finally:
@@ -436,6 +454,8 @@ def predict_table(profile: Profile, configs: list[TrainConfig], rates: DeviceRat
     block's count is assumed. Configs with more stages than layers get NaN times. Raises KeyError if the profile or the
     rates lack a precision of ``configs``.
     """
+    import pandas as pd  # here, not at the top: the probe child imports this module and needs no pandas
+
     n = len(configs)
     cols = {f: np.array([getattr(getattr(c, f), "value", getattr(c, f)) for c in configs]) for f in FIELDS}
     out = {k: np.full(n, np.nan) for k in ("micro_step_time_s", "optimizer_step_time_s", "step_time_s",

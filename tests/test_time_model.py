@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from autofit import procs
+from autofit import forkserver, procs
 from autofit.config import TrainConfig
 from autofit.time_model import DeviceRates, op_counts, predict_table, probe_rates
 from autofit.workload import load_workload
@@ -33,7 +33,13 @@ def test_probe_measures_every_dtype_and_is_cached(monkeypatch, tmp_path):
 
     monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(time_model, "RATE_AGREEMENT", math.inf)  # a loaded machine's repeats may differ: not judged here
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.delenv("AUTOFIT_TRIAL_SERVER", raising=False)
+    forked = []
+    start_trial = forkserver.start_trial
+    monkeypatch.setattr(forkserver, "start_trial", lambda entry, *a, **k: forked.append(entry) or start_trial(entry, *a, **k))
     rates = probe_rates("cpu")
+    assert forked == ["autofit.time_model:probe_child"]  # the trials' fork server: no interpreter to start
     assert set(rates.matmul_flops_per_s) == {"float32", "bfloat16", "float16"}
     assert all(rate > 0 for rate in rates.matmul_flops_per_s.values())
     assert rates.memory_bytes_per_s > 0 and rates.op_latency_s > 0
@@ -162,6 +168,29 @@ def test_the_probe_child_runs_with_a_passive_openmp_policy_unless_the_user_chose
     assert probe_env("cpu")["OMP_WAIT_POLICY"] == "PASSIVE"
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     assert probe_env("cpu")["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_the_probe_forks_from_the_trial_server_only_where_its_policy_is_the_probes(monkeypatch):
+    from autofit.time_model import start_probe_child
+
+    spawned, forked = [], []
+    monkeypatch.setattr(procs, "spawn", lambda entry, request, **kw: spawned.append(kw["env"]) or "spawned")
+    monkeypatch.setattr(forkserver, "start_trial", lambda entry, request, **kw: forked.append(entry) or "forked")
+    monkeypatch.delenv("AUTOFIT_TRIAL_SERVER", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)  # the server would spin-wait: a PASSIVE child instead
+    assert start_probe_child("m:f", {}, "cpu", 1.0) == "spawned" and spawned[-1]["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    assert start_probe_child("m:f", {}, "cpu", 1.0) == "forked" and forked == ["m:f"]
+    assert start_probe_child("m:f", {}, "cuda", 1.0) == "spawned"  # a forked child cannot use CUDA
+    monkeypatch.setenv("AUTOFIT_TRIAL_SERVER", "0")
+    assert start_probe_child("m:f", {}, "cpu", 1.0) == "spawned"
+
+    def refuse(*_a, **_k):
+        raise OSError("no server")
+
+    monkeypatch.setenv("AUTOFIT_TRIAL_SERVER", "1")
+    monkeypatch.setattr(forkserver, "start_trial", refuse)
+    assert start_probe_child("m:f", {}, "cpu", 1.0) == "spawned" and len(spawned) == 4
 
 
 def test_the_layer_probe_times_the_workloads_first_layer_in_each_precision():
