@@ -71,6 +71,7 @@ class TimePoint:
     checkpoint_every: int
     device_split: int
     ratio: float
+    split_mode: str = "pipeline"   # calibration data written before the field existed: pipelines
 
 
 @dataclass(frozen=True)
@@ -110,11 +111,14 @@ class Calibration:
     def time_ratios(self, table: pd.DataFrame) -> np.ndarray:
         """Per row of ``table`` (with the five config columns): the ratio to apply to its predicted time.
 
-        ``log(ratio) = mu + a[precision] + b[micro_batch] + c * checkpointed + d * log2(split)``
+        ``log(ratio) = mu + a[precision] + b[micro_batch] + c * checkpointed + d[split_mode] * log2(split)``
         (accumulation is in the prior's step composition already), fitted by least squares to the measured ratios with a ridge
         penalty (an unseen precision gets the mean, ``a = 0``) and a smoothness penalty on ``b``
         over log2(micro_batch) (an unseen micro-batch is interpolated from its neighbours). So
-        what one precision's trials show about micro-batches carries over to the others.
+        what one precision's trials show about micro-batches carries over to the others. Each
+        split mode has its own split effect: a pipeline's and FSDP's coordination costs differ
+        (the prior was 13-20% fast for a gpt-tiny pipeline and 55% fast for its FSDP), so once
+        both have run, neither's correction is the other's.
         """
         n = len(table)
         if not self.time_points:
@@ -123,10 +127,11 @@ class Calibration:
         y = np.log(points["ratio"].to_numpy(dtype=np.float64))
         precisions = sorted(set(points["precision"]) | set(table["precision"]))
         levels = np.array(sorted(set(points["micro_batch"]) | set(table["micro_batch"])), dtype=np.float64)
+        modes = sorted(set(points["split_mode"]) | set(_split_modes(table)))
 
         def design(frame: pd.DataFrame) -> np.ndarray:
             m = len(frame)
-            x = np.zeros((m, 1 + len(precisions) + len(levels) + 2))
+            x = np.zeros((m, 1 + len(precisions) + len(levels) + 1 + len(modes)))
             x[:, 0] = 1.0
             prec = frame["precision"].to_numpy()
             for j, name in enumerate(precisions):
@@ -136,7 +141,10 @@ class Calibration:
                 x[:, 1 + len(precisions) + j] = mb == level
             k = 1 + len(precisions) + len(levels)
             x[:, k] = frame["checkpoint_every"].to_numpy() > 0
-            x[:, k + 1] = np.log2(frame["device_split"].to_numpy(dtype=np.float64))
+            splits = np.log2(frame["device_split"].to_numpy(dtype=np.float64))
+            mode = _split_modes(frame)
+            for j, name in enumerate(modes):
+                x[:, k + 1 + j] = splits * (mode == name)
             return x
 
         x = design(points)
@@ -167,6 +175,13 @@ class Calibration:
         data["peak_errors"] = tuple(data.get("peak_errors", ()))
         data["time_errors"] = tuple(data.get("time_errors", ()))
         return cls(**data)
+
+
+def _split_modes(frame: pd.DataFrame) -> np.ndarray:
+    """The split mode of each row, as its string value (``pipeline`` where the column is absent)."""
+    if "split_mode" not in frame.columns:
+        return np.full(len(frame), "pipeline", dtype=object)
+    return np.array([getattr(m, "value", m) for m in frame["split_mode"]], dtype=object)
 
 
 def relative_error(predicted: float | None, measured: float | None) -> float | None:
@@ -220,7 +235,8 @@ def calibrate(observations: list[Observation], device_type: str = "cpu") -> Cali
         if o.measured_step_time_s and o.predicted_step_time_s and math.isfinite(o.predicted_step_time_s):
             c = o.config
             points.append(TimePoint(c.precision.value, c.micro_batch, c.grad_accum, c.checkpoint_every,
-                                    c.device_split, o.measured_step_time_s / o.predicted_step_time_s))
+                                    c.device_split, o.measured_step_time_s / o.predicted_step_time_s,
+                                    c.split_mode.value))
             time_errors.append(relative_error(o.predicted_step_time_s, o.measured_step_time_s))
     return Calibration(
         device_type=device_type, peak_ratio=peak_ratio, peak_margin=peak_margin, time_points=tuple(points),

@@ -434,6 +434,22 @@ def test_time_calibration_carries_the_micro_batch_effect_across_precisions():
     assert Calibration().time_ratios(query).tolist() == [1.0, 1.0]
 
 
+def test_time_calibration_keeps_each_split_modes_own_correction():
+    import pandas as pd
+
+    # measured as on the committed gpt-tiny grid: FSDP 2.2x slower than the prior, the pipeline 1.2x
+    points = tuple(TimePoint("bf16", m, 4 // m // d, 0, 2, r, mode) for m in (1, 2)
+                   for mode, d, r in (("fsdp", 2, 2.2), ("pipeline", 1, 1.2)))
+    rows = [{"precision": "bf16", "micro_batch": 1, "grad_accum": 4, "checkpoint_every": 0, "device_split": 2,
+             "split_mode": mode} for mode in ("pipeline", "fsdp")]
+    pipeline, fsdp = Calibration(time_points=points).time_ratios(pd.DataFrame(rows))
+    assert pipeline == pytest.approx(1.2, rel=0.05) and fsdp == pytest.approx(2.2, rel=0.05)
+    # calibration data written before split modes were recorded reads as pipelines
+    old = {"time_points": [{"precision": "fp32", "micro_batch": 1, "grad_accum": 4, "checkpoint_every": 0,
+                            "device_split": 2, "ratio": 1.5}]}
+    assert Calibration.from_dict(old).time_points[0].split_mode == "pipeline"
+
+
 def test_calibration_round_trips_and_relative_error():
     cal = calibrate([_obs(pred=100, meas=110, pred_t=1.0, meas_t=3.0)])
     again = Calibration.from_dict(cal.to_dict())
