@@ -19,8 +19,9 @@ fresh model with :func:`autofit.measure.measure_trial` -- the trial runner's own
 state peak over the steps after two warm-up steps. amp-fp16 configs run only the tracked
 steps, untimed (on CPUs without native fp16 kernels a step is ~1000x slower); device splits run PyTorch's
 pipeline engine, a process per stage. A config whose first sample misses the estimate by more than 2%
-is measured twice more (:mod:`autofit.bench.repeats`: an FSDP rank's peak can carry a gloo
-buffer freed a moment late); its row reports the median sample and lists every sample.
+is measured again, a third time if the two disagree (:mod:`autofit.bench.repeats`: an FSDP rank's
+peak can carry a gloo buffer freed a moment late); its row reports the median sample and lists
+every sample.
 """
 
 from __future__ import annotations

@@ -11,9 +11,13 @@ the late free spans the rank's peak moment, the peak carries one unit's gathered
 once (not caught in the act, but the size fits): ``convnet-bn amp-fp16 mb=1`` FSDP over 2 ranks,
 rank 1 920,064 bytes over rank 0, where the unit ``layers[4]``'s fp32 weights are 920,576 bytes;
 seven re-runs, and two by ``autofit measure``, gave both ranks 8,542,940 bytes. Such bytes are
-really held, so the count is not wrong; it is one draw. So a row whose first sample is off the estimate by more than :data:`REPEAT_ABOVE` is
-measured :data:`EXTRA_SAMPLES` more times with the same job; the row reports the median sample
-and keeps every sample, first first, so a miss is never hidden, only weighed against its repeats.
+really held, so the count is not wrong; it is one draw.
+
+So a row whose first sample is off the estimate by more than :data:`REPEAT_ABOVE` is measured
+again with the same job, and a third time when the two samples differ by more than
+:data:`AGREE_WITHIN` (a systematic miss repeats exactly: a third sample would add nothing but
+time); the row reports the median sample and keeps every sample, first first, so a miss is never
+hidden, only weighed against its repeats.
 """
 
 from __future__ import annotations
@@ -23,12 +27,14 @@ from collections.abc import Callable
 
 from autofit.bench.common import mib, relative_error, signed_pct
 
-__all__ = ["EXTRA_SAMPLES", "REPEAT_ABOVE", "median_sample", "misses", "resample", "samples_cell"]
+__all__ = ["AGREE_WITHIN", "EXTRA_SAMPLES", "REPEAT_ABOVE", "median_sample", "misses", "resample", "samples_cell"]
 
 # A first sample further off the estimate than this (|error|) is measured again.
 REPEAT_ABOVE = 0.02
-# How many more samples a missing row gets (three in all: the median is one of them).
+# At most this many more samples for a missing row (three in all: the median is one of them).
 EXTRA_SAMPLES = 2
+# Two samples this close (relative) agree: the miss is systematic and no third sample is taken.
+AGREE_WITHIN = 0.005
 
 
 def misses(predicted_bytes: float | None, out: dict) -> bool:
@@ -38,20 +44,27 @@ def misses(predicted_bytes: float | None, out: dict) -> bool:
     return abs(relative_error(predicted_bytes, out["peak_bytes"])) > REPEAT_ABOVE
 
 
+def _agree(a: dict, b: dict) -> bool:
+    ok = a.get("status") == b.get("status") == "ok" and a.get("peak_bytes") and b.get("peak_bytes")
+    return bool(ok) and abs(relative_error(b["peak_bytes"], a["peak_bytes"])) <= AGREE_WITHIN
+
+
 def resample(jobs: list[dict], first: list[dict], predicted: list[float | None],
              run: Callable[[list[dict]], list[dict]]) -> list[list[dict]]:
-    """Every job's samples: its first result, plus :data:`EXTRA_SAMPLES` more where the first :func:`misses`.
+    """Every job's samples: its first result, plus up to :data:`EXTRA_SAMPLES` more where the first :func:`misses`
+    (another while the samples so far disagree).
 
     ``run(jobs) -> results`` measures a list of jobs (the suite's :func:`autofit.bench.worker.run_jobs`);
-    the repeats are the same jobs without the ground truth (read once, on the first sample), all in one call.
+    the repeats are the same jobs without the ground truth (read once, on the first sample), one call per round.
     """
     samples = [[out] for out in first]
     again = [i for i, (out, pred) in enumerate(zip(first, predicted)) if misses(pred, out)]
-    if not again:
-        return samples
-    repeats = run([{**jobs[i], "truth_repeats": 0} for i in again for _ in range(EXTRA_SAMPLES)])
-    for k, i in enumerate(again):
-        samples[i].extend(repeats[k * EXTRA_SAMPLES:(k + 1) * EXTRA_SAMPLES])
+    for _ in range(EXTRA_SAMPLES):
+        if not again:
+            break
+        for i, out in zip(again, run([{**jobs[i], "truth_repeats": 0} for i in again])):
+            samples[i].append(out)
+        again = [i for i in again if not _agree(samples[i][0], samples[i][-1])]
     return samples
 
 
@@ -74,11 +87,12 @@ def samples_cell(predicted_bytes: float | None, peaks: tuple) -> str:
 
 
 def repeats_note(rows: list) -> str:
-    """The suite's paragraph on re-measured rows (accuracy rows with ``peak_samples_bytes``): which, and every sample."""
+    """The suite's paragraph on re-measured rows (rows with ``peak_samples_bytes``): which, and every sample."""
     repeated = [r for r in rows if len(r.peak_samples_bytes) > 1]
-    head = (f"Rows whose first sample missed the estimate by more than {REPEAT_ABOVE:.0%} were measured "
-            f"{EXTRA_SAMPLES} more times (the same job, on a fresh model); such a row reports the median sample, "
-            "and the tables judge it by that. Every sample is listed, first first.")
+    head = (f"Rows whose first sample missed the estimate by more than {REPEAT_ABOVE:.0%} were measured again "
+            f"(the same job, on a fresh model), and a third time when the two differ by more than "
+            f"{AGREE_WITHIN:.1%}; such a row reports the median sample (the lower of two that agree), and the tables "
+            "judge it by that. Every sample is listed, first first.")
     if not repeated:
         return head + " No row missed."
     lines = [f"- `{r.workload} {r.config.short()}`: estimate {mib(r.predicted_peak_bytes)} MiB; samples "
