@@ -37,9 +37,10 @@ import time
 
 from autofit import procs
 
-# Imported by the zygote before it forks (what every trial imports); never anything that runs ops.
+# Imported by the zygote before it forks (what every trial and profiling worker imports, torch._dynamo
+# with them: building an optimizer or a FakeTensorMode imports it); never anything that runs ops.
 PRELOAD = ("torch", "torch.distributed._tools.mem_tracker", "autofit.trial", "autofit.measure", "autofit.training",
-           "autofit.tracker", "autofit.workload", "autofit.workloads")
+           "autofit.tracker", "autofit.workload", "autofit.workloads", "autofit.profile")
 READY_TIMEOUT_S = 300.0   # the zygote's imports, on a loaded machine
 _MAX_REQUEST_BYTES = 1 << 20
 _REAP_POLL_S = 0.02
@@ -79,10 +80,12 @@ class TrialServer:
         procs.pump([self.zygote], 0)  # drains its stderr (never blocks it on a full pipe)
         return not self.zygote.done
 
-    def start(self, entry: str, request: dict, *, timeout_s: float | None, echo_stderr: bool) -> procs.Child:
-        """Fork ``entry`` (``"package.module:function"``) with ``request`` in a fresh trial process.
-        Raises OSError when the zygote is gone or refuses."""
-        payload = json.dumps({"entry": entry, "request": request, "env": procs.child_env(),
+    def start(self, entry: str, request: dict, *, timeout_s: float | None, echo_stderr: bool,
+              env: dict[str, str] | None = None) -> procs.Child:
+        """Fork ``entry`` (``"package.module:function"``) with ``request`` in a fresh trial process, its
+        environment ours plus ``env`` (read by Python code; libraries loaded in the zygote keep what
+        they read there). Raises OSError when the zygote is gone or refuses."""
+        payload = json.dumps({"entry": entry, "request": request, "env": procs.child_env(env),
                               "cwd": os.getcwd()}).encode()
         if len(payload) > _MAX_REQUEST_BYTES:
             raise OSError(f"a request over {_MAX_REQUEST_BYTES} bytes")
@@ -174,11 +177,22 @@ def ensure_server() -> TrialServer:
         return _SERVER
 
 
-def start_trial(entry: str, request: dict, *, timeout_s: float | None, echo_stderr: bool) -> procs.Child:
-    """Fork a trial (``entry``, ``"package.module:function"``, called with ``request``) from this
-    process's zygote (:func:`ensure_server`). Raises OSError when no zygote can be started or used:
-    the caller spawns instead."""
-    return ensure_server().start(entry, request, timeout_s=timeout_s, echo_stderr=echo_stderr)
+def start_trial(entry: str, request: dict, *, timeout_s: float | None, echo_stderr: bool,
+                env: dict[str, str] | None = None) -> procs.Child:
+    """Fork a trial (``entry``, ``"package.module:function"``, called with ``request``, ``env`` added to
+    our environment) from this process's zygote (:func:`ensure_server`). Raises OSError when no zygote
+    can be started or used: the caller spawns instead."""
+    return ensure_server().start(entry, request, timeout_s=timeout_s, echo_stderr=echo_stderr, env=env)
+
+
+def start_server_soon() -> None:
+    """Start this process's zygote in the background (a thread), so that it is ready, or nearly,
+    when a trial or profiling worker is first forked; a failure is left for that call to meet."""
+    def start() -> None:
+        with contextlib.suppress(OSError):
+            ensure_server()
+
+    threading.Thread(target=start, name="autofit-zygote-start", daemon=True).start()
 
 
 def stop_server() -> None:

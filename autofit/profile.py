@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import glob
 import hashlib
 import inspect
 import os
@@ -28,7 +29,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils._pytree import tree_leaves
 
-from autofit import procs
+from autofit import forkserver, procs
 from autofit.config import Precision, TrainConfig
 from autofit.errors import WorkloadError
 from autofit.files import write_atomic
@@ -508,22 +509,15 @@ def _profile_many(workload: Workload, precisions: list[Precision], device_type: 
     """Profile several precisions, in parallel processes when there are spare cores.
 
     Fake-tensor dispatch is pure Python and single-threaded, so a process per precision is
-    the only way to use a second core. They are fresh interpreters running this module
-    (not multiprocessing, whose spawn would re-run a caller's unguarded ``__main__``).
-    Workloads without a ``source`` (built in Python, not loadable by name) are profiled here.
+    the only way to use a second core. On the CPU they are forked from the trials' fork server
+    (:mod:`autofit.forkserver`: torch, torch._dynamo and autofit already imported); elsewhere, or
+    when it cannot start, they are fresh interpreters running this module (not multiprocessing,
+    whose spawn would re-run a caller's unguarded ``__main__``). Workloads without a ``source``
+    (built in Python, not loadable by name) are profiled here.
     """
-    workers = min(len(precisions), os.cpu_count() or 1)
-    # On CUDA the real step (autofit.real_check) must not create a context in the caller: always a child.
-    alone = workers <= 1 and device_type != "cuda"
-    if alone or not workload.source or os.environ.get("AUTOFIT_PROFILE_WORKERS") == "1":
+    if not _in_children(workload, precisions, device_type):
         return {p.value: profile_precision(workload, p, device_type) for p in precisions}
-    env = procs.child_env({"AUTOFIT_PROFILE_WORKERS": "1", "OMP_NUM_THREADS": "1"})
-    # One process per core, each taking several precisions: start-up (imports, first-op
-    # warm-up) costs a few seconds per process, so fewer processes finish sooner.
-    chunks = [precisions[i::workers] for i in range(workers)]
-    children = [procs.spawn("autofit.profile:profile_child", {"source": workload.source, "device_type": device_type,
-                                                              "precisions": [p.value for p in chunk]}, env=env)
-                for chunk in chunks]
+    children = _start_children(workload, precisions, device_type)
     found: dict[str, PrecisionProfile] = {}
     failure = None
     try:
@@ -542,6 +536,45 @@ def _profile_many(workload: Workload, precisions: list[Precision], device_type: 
     return found
 
 
+def _in_children(workload: Workload, precisions: list[Precision], device_type: str) -> bool:
+    """Whether :func:`_profile_many` profiles in child processes (else in this one)."""
+    # On CUDA the real step (autofit.real_check) must not create a context in the caller: always a child.
+    alone = min(len(precisions), os.cpu_count() or 1) <= 1 and device_type != "cuda"
+    return bool(precisions) and not alone and bool(workload.source) and os.environ.get("AUTOFIT_PROFILE_WORKERS") != "1"
+
+
+def _surely_forks(workload: Workload, precisions: list[Precision], device_type: str, use_cache: bool) -> bool:
+    """Whether profiling ``workload`` will fork workers from the fork server, known before its cache key
+    is: no cache to read, or none for this workload at all."""
+    if device_type != "cpu" or not forkserver.enabled() or not _in_children(workload, precisions, device_type):
+        return False
+    return not use_cache or not any(cache_dir().glob(f"{glob.escape(workload.name)}-{device_type}-*.json"))
+
+
+def _start_children(workload: Workload, precisions: list[Precision], device_type: str) -> list[procs.Child]:
+    """The profiling workers, each taking some of ``precisions``: one per precision when forked (a fork
+    costs milliseconds), one per core when spawned (start-up, imports and first-op warm-up, costs
+    seconds per process, so fewer processes finish sooner)."""
+    def request(chunk: list[Precision]) -> dict:
+        return {"source": workload.source, "device_type": device_type, "precisions": [p.value for p in chunk],
+                "threads": 1}
+
+    env = {"AUTOFIT_PROFILE_WORKERS": "1", "OMP_NUM_THREADS": "1"}
+    children: list[procs.Child] = []
+    if device_type == "cpu" and forkserver.enabled():
+        try:
+            for p in precisions:
+                children.append(forkserver.start_trial("autofit.profile:profile_child", request([p]), timeout_s=None,
+                                                       echo_stderr=False, env=env))
+            return children
+        except OSError:  # no fork server here: fresh interpreters
+            for child in children:
+                child.kill()
+    workers = min(len(precisions), os.cpu_count() or 1)
+    return [procs.spawn("autofit.profile:profile_child", request(precisions[i::workers]), env=procs.child_env(env))
+            for i in range(workers)]
+
+
 def profile_workload(workload: Workload, precisions: Iterable[Precision | str] = tuple(Precision),
                      device_type: str = "cpu", use_cache: bool = True) -> Profile:
     """Profile ``workload`` for each precision on fake tensors, using the on-disk cache.
@@ -550,6 +583,9 @@ def profile_workload(workload: Workload, precisions: Iterable[Precision | str] =
     followed on fake tensors. Profiles are cached per precision under :func:`cache_dir`.
     """
     started = time.perf_counter()
+    precisions = [Precision(p) for p in precisions]
+    if _surely_forks(workload, precisions, device_type, use_cache):
+        forkserver.start_server_soon()  # its imports overlap the key's fake build below
     try:
         key, param_count, n_layers = profile_key(workload, device_type)
     except WorkloadError:
@@ -558,7 +594,6 @@ def profile_workload(workload: Workload, precisions: Iterable[Precision | str] =
         raise WorkloadError(f"{workload.name}: cannot build the model on fake tensors ({type(exc).__name__}: {exc})") from exc
     if n_layers == 0:
         raise WorkloadError(f"{workload.name}: layers(model) is empty; it must list the repeated blocks")
-    precisions = [Precision(p) for p in precisions]
     found: dict[str, PrecisionProfile] = {}
     path = cache_dir() / f"{workload.name}-{device_type}-{key}.json"
     if use_cache and path.is_file():
@@ -590,6 +625,8 @@ def profile_child(request: dict, send: procs.Send | None = None) -> dict:
     from autofit.errors import AutofitError
     from autofit.workload import load_workload
 
+    if request.get("threads"):  # a forked worker: the zygote's libraries loaded before OMP_NUM_THREADS=1
+        torch.set_num_threads(request["threads"])
     try:
         workload = load_workload(request["source"])
         return {"profiles": {p: asdict(profile_precision(workload, Precision(p), request["device_type"]))

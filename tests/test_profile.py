@@ -206,3 +206,36 @@ def test_a_model_whose_last_block_output_is_the_logits():
     # checkpointing and a split of the list (cut differently from the head model's) are estimated too
     more = estimate_table(profiles[0], [TrainConfig("fp32", 16, 1, 1), TrainConfig("fp32", 16, 1, 0, 3)])
     assert (more["peak_bytes"] > 0).all()
+
+
+def test_workers_forked_from_the_fork_server_profile_as_this_process(tmp_path, monkeypatch, trial_workload_spec):
+    """The profiling workers, forked from the trials' fork server (one per precision), give the
+    profile made in this process, byte for byte, untied ends included."""
+    import json
+    import os
+
+    from autofit import forkserver
+    from autofit.workload import load_workload
+
+    monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)  # workers even on a one-core machine
+    forked = []
+    start = forkserver.start_trial
+    monkeypatch.setattr(forkserver, "start_trial", lambda entry, *a, **k: forked.append(entry) or start(entry, *a, **k))
+    workload = load_workload(trial_workload_spec("tiny_tied_lm"))
+    precisions = [Precision.FP32, Precision.BF16]
+
+    def profiled() -> dict:
+        profile = json.loads(profile_workload(workload, precisions, use_cache=False).to_json())
+        profile.pop("profile_s")
+        return profile
+
+    try:
+        there = profiled()
+        assert forked == ["autofit.profile:profile_child"] * 2
+        assert there["precisions"]["fp32"]["split_ends"] is not None
+        monkeypatch.setenv("AUTOFIT_PROFILE_WORKERS", "1")
+        here = profiled()
+    finally:
+        forkserver.stop_server()
+    assert len(forked) == 2 and there == here

@@ -163,3 +163,15 @@ def tiny_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def tiny_lm() -> Workload:
     """The search tests' workload: a few hundred KiB, trials dominated by process start."""
     return Workload(name="tiny-lm", model=TinyLM, batch=tiny_lm_batch, loss=tiny_lm_loss, tokens_per_sample=LM_SEQ)
+
+
+class TiedLM(TinyLM):
+    """TinyLM with its head tied to its embedding (the profiler also profiles the untied ends)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head.weight = self.embed.weight
+
+
+def tiny_tied_lm() -> Workload:
+    return Workload(name="tiny-tied-lm", model=TiedLM, batch=tiny_lm_batch, loss=tiny_lm_loss, tokens_per_sample=LM_SEQ)
