@@ -212,6 +212,7 @@ def problem_for(cell: Cell, budget_bytes: int, param_count: int) -> Problem:
 
 def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) -> Grid:
     """Run every config of ``cell`` (no budget), plus one trial that dies at once (the OOM cost floor)."""
+    from autofit import forkserver
     from autofit.bench.worker import run_jobs
     from autofit.memory_model import estimate_table
     from autofit.profile import profile_workload
@@ -223,7 +224,9 @@ def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) 
     workload = load_workload(cell.workload)
     problem = problem_for(cell, cell.budgets_mib[0] * MiB, param_count(workload))
     configs = problem.configs()
-    # autofit's first-use cost on this workload, with cold caches (then the caches are filled for its runs).
+    # autofit's first-use cost on this workload, with cold caches (then the caches are filled for its runs),
+    # and no fork server yet (a search process starts one; an earlier cell's would be warm here).
+    forkserver.stop_server()
     cold = time.perf_counter()
     profile_workload(workload, list(cell.precisions), device_type="cpu", use_cache=False)
     first_use_s = time.perf_counter() - cold
