@@ -204,7 +204,21 @@ def stop_server() -> None:
             _SERVER = None
 
 
-atexit.register(stop_server)
+def _stop_at_exit() -> None:
+    """At exit, stop the zygote; one still starting (:func:`start_server_soon`'s thread holds the lock
+    for seconds) is not waited for: it dies with us (:func:`autofit.procs.die_with_parent`)."""
+    global _SERVER
+    if not _SERVER_LOCK.acquire(blocking=False):
+        return
+    try:
+        if _SERVER is not None:
+            _SERVER.close()
+            _SERVER = None
+    finally:
+        _SERVER_LOCK.release()
+
+
+atexit.register(_stop_at_exit)
 
 
 # --- the zygote --------------------------------------------------------------------------------

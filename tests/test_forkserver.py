@@ -56,3 +56,31 @@ def test_a_forked_trial_dies_with_its_zygote(server_env):
         assert child.exited()
     finally:
         child.kill()
+
+
+def _zygotes_of(pid: int) -> list[int]:
+    """Processes running a zygote for parent ``pid`` (procs.spawn passes the parent's pid last)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            args = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"autofit.forkserver:zygote_main" in args and str(pid).encode() in args[-3:]:
+            found.append(int(entry))
+    return found
+
+
+def test_exiting_while_the_zygote_starts_does_not_wait_for_it_and_leaves_none(server_env):
+    import subprocess
+    import sys
+
+    code = ("import os, time; from autofit import forkserver; forkserver.start_server_soon(); time.sleep(0.2); "
+            "forkserver._stop_at_exit(); print(forkserver._SERVER_LOCK.locked(), os.getpid())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    starting, pid = done.stdout.split()
+    assert done.returncode == 0 and starting == "True"  # returned while the start held the lock
+    end = time.monotonic() + 30
+    while time.monotonic() < end and _zygotes_of(int(pid)):
+        time.sleep(0.1)
+    assert not _zygotes_of(int(pid))
