@@ -197,13 +197,24 @@ def _walk_stage(pp: PrecisionProfile, start: int, end: int, first_stage: bool, l
     if last_stage:  # an earlier stage's output gradient arrives in a receive buffer
         w.region(*bwd(pp.post_backward), "backward", 0.0 if later else pp.post_grad_bytes)
     grad_of = (lambda i: 0.0) if later else (lambda i: layers[i].grad_bytes)
+    # An earlier stage's output is an end of its autograd graph: the pipeline schedule keeps it
+    # (its forward cache) until the micro-batch's backward returns, and the output's gradient
+    # lives in a receive buffer (counted in _pipeline_buffers). The profile saw the last layer's
+    # backward free both: the gradient always, the output too where the layer saves it (a final
+    # ReLU). Here neither is freed: add them back after that backward.
+    sends_output = not last_stage
+    boundary = layers[end - 1].output
+    kept_after_last_backward = (_add(boundary, boundary, 1.0 if layers[end - 1].output_saved else 0.0)
+                                if sends_output else (0.0, 0.0))
     if every:
         for s, e in reversed(segments):
             # The segment's forward output is not kept twice: either recomputation stops before
             # it (nothing in the segment saves it) or, when a layer saves its own output (a final
             # ReLU), the original was freed with the next segment's saved inputs and the
-            # recomputed copy takes its place.
-            if layers[e - 1].output_saved:
+            # recomputed copy takes its place. A stage's own output is not freed (see above):
+            # its recomputed copy adds to it, and the layer's backward frees only that copy.
+            stage_output_kept = sends_output and e == end and layers[e - 1].output_saved
+            if layers[e - 1].output_saved and not stage_output_kept:
                 w.live = _add(w.live, layers[e - 1].output, -1.0)
             for i in range(s, e):  # recompute the segment's forward, saving its activations
                 w.region(layers[i].forward.peaks, layers[i].forward.delta, "backward")
@@ -212,9 +223,13 @@ def _walk_stage(pp: PrecisionProfile, start: int, end: int, first_stage: bool, l
                 w.live = _add(w.live, layers[e - 1].output, -1.0)
             for i in reversed(range(s, e)):
                 w.region(*bwd(layers[i].backward), "backward", grad_of(i))
+                if i == end - 1 and sends_output:  # the output was never subtracted: its gradient only
+                    w.live = _add(w.live, boundary)
     else:
         for i in reversed(range(start, end)):
             w.region(*bwd(layers[i].backward), "backward", grad_of(i))
+            if i == end - 1:
+                w.live = _add(w.live, kept_after_last_backward)
     if first_stage:
         w.region(*bwd(pp.pre_backward), "backward", 0.0 if later else pp.pre_grad_bytes)
     return w, held
