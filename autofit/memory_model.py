@@ -11,7 +11,8 @@ are laid end to end again for any config, as PyTorch would run it:
   on the last), and under 1F1B up to ``min(grad_accum, p - s)`` micro-batches in flight
   (GPipe: all ``grad_accum``) during its forwards and first backward, one fewer once later
   micro-steps run with the gradients made (:func:`in_flight_later`); its receive buffers
-  live through the optimizer step; a weight tied across the model's ends (embedding and head)
+  live through the optimizer step; an earlier stage's output and that output's gradient live
+  until the micro-batch's backward returns (the unsplit profile saw its last layer free them); a weight tied across the model's ends (embedding and head)
   is one copy per end stage, each with its own gradient: the ends come from the profile of the
   untied model (``PrecisionProfile.split_ends``);
 - the optimizer step: weights + gradients + state + the step's own temporaries;

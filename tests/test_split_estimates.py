@@ -12,12 +12,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from autofit.config import TrainConfig
 from autofit.memory_model import estimate, in_flight, in_flight_later
 from autofit.pipeline import measure_split
 from autofit.profile import profile_workload
-from autofit.workload import load_workload
+from autofit.workload import Workload, load_workload
 
 USER_MODELS = Path(__file__).resolve().parent.parent / "autofit" / "bench" / "user_models"
 
@@ -78,3 +79,41 @@ def test_tied_weights_are_profiled_as_the_end_stages_hold_them(tie):
     # backward peaks one copy lower and ends one gradient higher.
     assert ends.pre_backward.peak[0] == pytest.approx(pp.pre_backward.peak[0] - tied, abs=4096)
     assert ends.pre_backward.delta[0] == pytest.approx(pp.pre_backward.delta[0] + tied, abs=4096)
+
+
+# Blocks that end in a ReLU (its backward needs its output) with outputs large beside their
+# weights: a stage's output is a large share of what it holds.
+WIDTH, LAYERS = 64, 4
+
+
+class _ReluStack(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU())
+                                          for _ in range(LAYERS))
+        self.head = torch.nn.Linear(WIDTH, 4)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+RELU_STACK = Workload(name="relu-stack", model=_ReluStack,
+                      batch=lambda n: (torch.randn(n, WIDTH), torch.randint(0, 4, (n,))),
+                      loss=torch.nn.functional.cross_entropy,
+                      optimizer=lambda params: torch.optim.SGD(params, lr=0.1), layers=lambda m: m.layers)
+
+
+@pytest.mark.parametrize("every", [0, 1])
+def test_an_earlier_stage_keeps_its_output_and_its_gradient_through_its_backward(every):
+    # The schedule holds stage 0's output until that micro-batch's backward returns and the
+    # output's gradient stays in its receive buffer, where an unsplit model frees both in the
+    # last layer's backward. Stage 0 peaks after that backward here, with checkpointing and
+    # without: counting both freed under-estimated it by 14% (convnet-bn checkpointed: 6%).
+    config = TrainConfig.parse(f"precision=fp32,micro_batch=256,grad_accum=2,checkpoint_every={every},device_split=2")
+    predicted = estimate(profile_workload(RELU_STACK, [config.precision], use_cache=False), config)
+    measured = measure_split(RELU_STACK, config, device_type="cpu", budget_bytes=None, measure_steps=1)
+    assert measured["status"] == "ok", measured["error"]
+    errors = [(p - m) / m for p, m in zip(predicted.per_device_peak_bytes, measured["per_device_peak_bytes"])]
+    assert max(abs(e) for e in errors) <= 0.02, errors
