@@ -12,7 +12,8 @@ are laid end to end again for any config, as PyTorch would run it:
   (GPipe: all ``grad_accum``) during its forwards and first backward, one fewer once later
   micro-steps run with the gradients made (:func:`in_flight_later`); its receive buffers
   live through the optimizer step; an earlier stage's output and that output's gradient live
-  until the micro-batch's backward returns (the unsplit profile saw its last layer free them); a weight tied across the model's ends (embedding and head)
+  until the micro-batch's backward returns (the unsplit profile saw its last layer free them:
+  :func:`_walk_stage` adds them back from that layer's backward on); a weight tied across the model's ends (embedding and head)
   is one copy per end stage, each with its own gradient: the ends come from the profile of the
   untied model (``PrecisionProfile.split_ends``);
 - the optimizer step: weights + gradients + state + the step's own temporaries;
@@ -202,11 +203,18 @@ def _walk_stage(pp: PrecisionProfile, start: int, end: int, first_stage: bool, l
     # (its forward cache) until the micro-batch's backward returns, and the output's gradient
     # lives in a receive buffer (counted in _pipeline_buffers). The profile saw the last layer's
     # backward free both: the gradient always, the output too where the layer saves it (a final
-    # ReLU). Here neither is freed: add them back after that backward.
-    sends_output = not last_stage
-    boundary = layers[end - 1].output
-    kept_after_last_backward = (_add(boundary, boundary, 1.0 if layers[end - 1].output_saved else 0.0)
-                                if sends_output else (0.0, 0.0))
+    # ReLU). Here neither is freed: add them back from the end of that backward on. Inside it,
+    # the profile's peak is kept: a lower bound, since it cannot say whether the peak came
+    # before those frees (nn.LSTM's fused backward) or after them (a conv block's, where stage 0
+    # of convnet-bn without checkpointing stays ~2% under); counting them through the whole
+    # region instead over-estimates a Linear+ReLU stack by 8%.
+    boundary = layers[end - 1].output if not last_stage else (0.0, 0.0)
+
+    def layer_backward(i: int, output_freed: bool) -> None:
+        w.region(*bwd(layers[i].backward), "backward", grad_of(i))
+        if i == end - 1:
+            w.live = _add(w.live, _add(boundary, boundary, 1.0 if output_freed else 0.0))
+
     if every:
         for s, e in reversed(segments):
             # The segment's forward output is not kept twice: either recomputation stops before
@@ -214,7 +222,7 @@ def _walk_stage(pp: PrecisionProfile, start: int, end: int, first_stage: bool, l
             # ReLU), the original was freed with the next segment's saved inputs and the
             # recomputed copy takes its place. A stage's own output is not freed (see above):
             # its recomputed copy adds to it, and the layer's backward frees only that copy.
-            stage_output_kept = sends_output and e == end and layers[e - 1].output_saved
+            stage_output_kept = not last_stage and e == end and layers[e - 1].output_saved
             if layers[e - 1].output_saved and not stage_output_kept:
                 w.live = _add(w.live, layers[e - 1].output, -1.0)
             for i in range(s, e):  # recompute the segment's forward, saving its activations
@@ -222,15 +230,11 @@ def _walk_stage(pp: PrecisionProfile, start: int, end: int, first_stage: bool, l
             w.live = _add(w.live, (-sum(cache[s:e]) + sum(saved[s:e]), 0.0))  # recompute's autocast exits
             if not layers[e - 1].output_saved:
                 w.live = _add(w.live, layers[e - 1].output, -1.0)
-            for i in reversed(range(s, e)):
-                w.region(*bwd(layers[i].backward), "backward", grad_of(i))
-                if i == end - 1 and sends_output:  # the output was never subtracted: its gradient only
-                    w.live = _add(w.live, boundary)
+            for i in reversed(range(s, e)):  # the recomputed output is freed, the stage's own kept
+                layer_backward(i, output_freed=False)
     else:
         for i in reversed(range(start, end)):
-            w.region(*bwd(layers[i].backward), "backward", grad_of(i))
-            if i == end - 1:
-                w.live = _add(w.live, kept_after_last_backward)
+            layer_backward(i, output_freed=layers[i].output_saved)
     if first_stage:
         w.region(*bwd(pp.pre_backward), "backward", 0.0 if later else pp.pre_grad_bytes)
     return w, held
