@@ -323,7 +323,7 @@ def test_a_precision_the_calibrated_model_rules_out_is_dropped_after_its_own_tri
     dropped = {planner.configs[i] for i in kinds(step)["slow_precision"]}
     assert {TrainConfig("amp-bf16", m, 8 // m) for m in (2, 4)} <= dropped  # (mb=1 is too slow by 20x anyway)
     assert {planner.configs[p.index] for p in step.prunes} >= {TrainConfig("amp-bf16", m, 8 // m) for m in (1, 2, 4)}
-    assert "time model's measured error (10%)" in next(p.text for p in step.prunes if p.reason.value == "slow_precision"
+    assert "10% faster (the time model's measured error)" in next(p.text for p in step.prunes if p.reason.value == "slow_precision"
                                                        and planner.configs[p.index].precision == "amp-bf16")
     # config by config within a precision that ran: fp32 mb=1 (predicted a third of mb=4's measurement)
     # is dropped, mb=8 (predicted above it) is not
@@ -331,8 +331,20 @@ def test_a_precision_the_calibrated_model_rules_out_is_dropped_after_its_own_tri
         planner.index[c], Calibration.prior())["samples_per_s"])
     step = planner.step([at(TrainConfig("fp32", 4, 2), 0, 1.0), at(TrainConfig("fp32", 2, 4), 1, 1.01)])
     slow = {planner.configs[p.index]: p.text for p in step.prunes if p.reason.value == "too_slow"}
-    assert "by more than the time model's measured error (10%)" in slow[TrainConfig("fp32", 1, 8)]
+    assert "10% faster (the time model's measured error) it would not beat" in slow[TrainConfig("fp32", 1, 8)]
     assert TrainConfig("fp32", 8, 1) not in slow and planner.configs[step.run] in (TrainConfig("fp32", 8, 1), amp)
+    # a config must be able to beat the best by min_improvement: asked for a gain mb=8 cannot reach
+    # even at the top of the margin, it is dropped too
+    ran = [at(TrainConfig("fp32", 4, 2), 0, 1.0), at(TrainConfig("fp32", 2, 4), 1, 1.01)]
+    calibration = planner.step(ran).calibration
+    upper = planner.prediction(planner.index[fp32], calibration)["samples_per_s"] * (1 + TIME_MARGIN_MIN)
+    best = max(r.value for r in ran)
+    assert upper > best  # by the margin alone mb=8 might beat the best...
+    asked = upper / best - 1 + 0.05
+    strict = Planner(dataclasses.replace(planner.settings, min_improvement=asked), tiny_profile, rates)
+    slow = {strict.configs[p.index]: p.text for p in strict.step(ran).prunes
+            if p.reason.value in ("too_slow", "slow_precision")}
+    assert f"by {asked:.0%}" in slow[fp32]  # ...but not by as much as asked
     # the margin: errors of trials planned once their precision had run, else any trial's
     with_errors = lambda r, e: dataclasses.replace(r, errors={"step_time": e})  # noqa: E731
     first = with_errors(ran_trial(planner, fp32, 0), 0.6)

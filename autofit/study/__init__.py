@@ -9,15 +9,17 @@ One planning step (every worker, before every trial, from what the storage holds
    ``duplicate`` (a checkpoint interval at least a stage's length is one segment per stage,
    the same config as the smallest such interval), ``over_budget`` (calibrated peak with its
    safety margin over the budget), ``too_slow`` (predicted throughput under 1/SLOW_FACTOR of
-   the best predicted; or, in a calibration group that has run ok, under the best measured median
-   by more than the time model's measured error, see ``slow_precision``; or a trial predicted to
+   the best predicted; or, in a calibration group that has run ok, not above the best measured
+   median by ``min_improvement`` even raised by the time model's measured error, see
+   ``slow_precision``; or a trial predicted to
    outlast the trial time limit), ``dominated``
    (the same precision, micro-batch, accumulation and split with less recomputation fits and
    is predicted faster: checkpointing only trades time for memory), ``slow_precision`` (every
    config left of a calibration group -- a precision on one layout: one device, or a split of
    that many devices in that mode, :func:`~autofit.study.planner.calibration_group` -- that
-   has run ok is predicted, calibrated, below the best measured median by more than the time
-   model's measured error: the largest error of a step time predicted once its group had run,
+   has run ok is predicted, calibrated, so low that even raised by the time model's measured
+   error it would not beat the best measured median by ``min_improvement``, below which a gain
+   is noise, as for patience; the error: the largest of a step time predicted once its group had run,
    :func:`~autofit.study.planner.time_margin`; a group that has not run is never ruled out this
    way, since across precisions the prior's error is up to 2x on a CPU, and across layouts each
    has costs of its own: a pipeline's bubble and sends, FSDP's gathers). A prune is re-examined at

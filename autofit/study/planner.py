@@ -298,29 +298,33 @@ class Planner:
                          margin: float | None) -> None:
         """Prune every config left of a calibration group (precision and layout,
         :func:`calibration_group`) that ran ok (``ran_ok``: per config) whose best calibrated
-        prediction is below the best measured median by more than the time model's measured error
-        ``margin``: once its own trial has calibrated it, a group the model rules out costs no more
-        trials."""
+        prediction, raised by the time model's measured error ``margin``, does not beat the best
+        measured median by the study's ``min_improvement``: once its own trial has calibrated it, a
+        group the model rules out costs no more trials."""
         if best_median is None or margin is None:
             return
+        # A config must be able to beat the best by more than min_improvement (below it a gain is
+        # noise, as for patience) at the top of the model's error margin to be worth a trial.
+        bar = best_median * (1 + self.settings.min_improvement)
         # Only groups that ran: across them the prior's error is far larger than one trial's
         # calibration can bound (see calibration_group); such configs keep their trial.
         for group in {calibration_group(self.configs[i]) for i in np.flatnonzero(ran_ok)}:
             members = [i for i, c in enumerate(self.configs)
                        if calibration_group(c) == group and reasons[i] is None and not claimed[i]]
             top = max((sps[i] for i in members), default=math.nan)
-            if members and top * (1 + margin) < best_median:
+            if members and top * (1 + margin) < bar:
                 for i in members:
                     reasons[i] = (PruneReason.SLOW_PRECISION,
-                                  f"every {group_name(group)} config left is predicted at most {top:.3g} samples/s, "
-                                  f"under the best measured {best_median:.3g} by more than the time model's measured "
-                                  f"error ({margin:.0%})")
+                                  f"every {group_name(group)} config left is predicted at most {top:.3g} samples/s: "
+                                  f"even {margin:.0%} faster (the time model's measured error) it would not beat the "
+                                  f"best measured {best_median:.3g} by {self.settings.min_improvement:.0%}")
                 continue
             for i in members:  # the same rule, config by config, within a group the model knows
-                if sps[i] * (1 + margin) < best_median:
+                if sps[i] * (1 + margin) < bar:
                     reasons[i] = (PruneReason.TOO_SLOW,
-                                  f"predicted {sps[i]:.3g} samples/s, under the best measured {best_median:.3g} by "
-                                  f"more than the time model's measured error ({margin:.0%})")
+                                  f"predicted {sps[i]:.3g} samples/s: even {margin:.0%} faster (the time model's "
+                                  f"measured error) it would not beat the best measured {best_median:.3g} by "
+                                  f"{self.settings.min_improvement:.0%}")
 
     def _dominance(self, reasons, step_s, peak, failed_run) -> None:
         """Prune checkpointing that buys memory the budget does not need (see :mod:`autofit.study`)."""
