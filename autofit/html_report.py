@@ -119,7 +119,6 @@ def best_exports(config, settings) -> dict[str, str]:
     fails to export says why in place of its text."""
     from autofit.errors import AutofitError
     from autofit.exports import TARGETS, export
-
     from autofit.workload import load_workload
 
     workload = settings.get("workload_source")

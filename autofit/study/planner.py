@@ -129,6 +129,7 @@ class Planner:
         self._times = {k: self.table[k].to_numpy(dtype=np.float64)
                        for k in ("step_time_s", "micro_step_time_s", "optimizer_step_time_s")}
         self.n_layers = profile.n_layers
+        self._groups = [calibration_group(c) for c in self.configs]  # read at every step
         self._static = self._static_reasons()
         rng = np.random.default_rng(settings.seed)
         self._tiebreak = rng.permutation(len(self.configs))  # seeded order among equal predictions
@@ -308,9 +309,9 @@ class Planner:
         bar = best_median * (1 + self.settings.min_improvement)
         # Only groups that ran: across them the prior's error is far larger than one trial's
         # calibration can bound (see calibration_group); such configs keep their trial.
-        for group in {calibration_group(self.configs[i]) for i in np.flatnonzero(ran_ok)}:
-            members = [i for i, c in enumerate(self.configs)
-                       if calibration_group(c) == group and reasons[i] is None and not claimed[i]]
+        for group in {self._groups[i] for i in np.flatnonzero(ran_ok)}:
+            members = [i for i, g in enumerate(self._groups)
+                       if g == group and reasons[i] is None and not claimed[i]]
             top = max((sps[i] for i in members), default=math.nan)
             if members and top * (1 + margin) < bar:
                 for i in members:
