@@ -195,12 +195,20 @@ def start_server_soon() -> None:
     threading.Thread(target=start, name="autofit-zygote-start", daemon=True).start()
 
 
-def stop_server(wait: bool = True) -> None:
-    """Stop this process's zygote, if any. ``wait=False`` (at exit) leaves one still starting
-    (:func:`start_server_soon`'s thread holds the lock for seconds) to die with us
-    (:func:`autofit.procs.die_with_parent`) rather than waiting for it."""
+def stop_server() -> None:
+    """Stop this process's zygote, if any (at exit; it would also die with us)."""
     global _SERVER
-    if not _SERVER_LOCK.acquire(blocking=wait):
+    with _SERVER_LOCK:
+        if _SERVER is not None:
+            _SERVER.close()
+            _SERVER = None
+
+
+def _stop_at_exit() -> None:
+    """At exit, stop the zygote; one still starting (:func:`start_server_soon`'s thread holds the lock
+    for seconds) is not waited for: it dies with us (:func:`autofit.procs.die_with_parent`)."""
+    global _SERVER
+    if not _SERVER_LOCK.acquire(blocking=False):
         return
     try:
         if _SERVER is not None:
@@ -210,7 +218,7 @@ def stop_server(wait: bool = True) -> None:
         _SERVER_LOCK.release()
 
 
-atexit.register(stop_server, wait=False)
+atexit.register(_stop_at_exit)
 
 
 # --- the zygote --------------------------------------------------------------------------------

@@ -76,7 +76,7 @@ def test_exiting_while_the_zygote_starts_does_not_wait_for_it_and_leaves_none(se
     import sys
 
     code = ("import os, time; from autofit import forkserver; forkserver.start_server_soon(); time.sleep(0.2); "
-            "forkserver.stop_server(wait=False); print(forkserver._SERVER_LOCK.locked(), os.getpid())")
+            "forkserver._stop_at_exit(); print(forkserver._SERVER_LOCK.locked(), os.getpid())")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     starting, pid = done.stdout.split()
     assert done.returncode == 0 and starting == "True"  # returned while the start held the lock
