@@ -56,6 +56,7 @@ class TrialServer:
 
     def __init__(self, env: dict[str, str], preload: tuple[str, ...] = PRELOAD) -> None:
         self.env = env
+        self.import_env: dict[str, str] = {}  # what the zygote's imports set in its environment
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.zygote = procs.spawn("autofit.forkserver:zygote_main", {"socket_fd": theirs.fileno(),
@@ -74,7 +75,15 @@ class TrialServer:
             failure = self.zygote.failure(not self.zygote.timed_out)
             self.close()
             raise OSError(f"the trial fork server did not start: {failure}")
+        self.import_env = dict(ready.get("import_env") or {})
         self.zygote.extend_deadline(None)
+
+    def serves(self, env: dict[str, str]) -> bool:
+        """Whether a trial started with ``env`` sees what one forked from this zygote sees: ``env`` is the
+        zygote's own, except for variables that importing torch sets (e.g. torch._dynamo sets
+        ``TORCHINDUCTOR_CACHE_DIR``), which our process gets too once it imports the same modules."""
+        return all(env.get(k) == self.env.get(k) or (k in self.import_env and env.get(k) == self.import_env[k])
+                   for k in set(env) | set(self.env))
 
     def alive(self) -> bool:
         procs.pump([self.zygote], 0)  # drains its stderr (never blocks it on a full pipe)
@@ -169,7 +178,7 @@ def ensure_server() -> TrialServer:
     global _SERVER
     env = {k: v for k, v in procs.child_env().items() if k != "AUTOFIT_TRIAL_SERVER"}
     with _SERVER_LOCK:
-        if _SERVER is not None and (_SERVER.env != env or not _SERVER.alive()):
+        if _SERVER is not None and (not _SERVER.serves(env) or not _SERVER.alive()):
             _SERVER.close()
             _SERVER = None
         if _SERVER is None:
@@ -228,9 +237,12 @@ def zygote_main(request: dict, send: procs.Send) -> None:
     """In the zygote: import, say ready, then fork one trial per request until the socket closes."""
     sock = socket.socket(fileno=request["socket_fd"])
     own_message_fd = int(sys.argv[2])  # procs.child_main's message pipe to our parent: no trial keeps it
+    started_env = dict(os.environ)
     for name in request["preload"]:
         importlib.import_module(name)
-    send({"ready": True})
+    # Our parent sets these too when it imports the same modules; it must not read that as a changed
+    # environment and start another zygote (two seconds of imports, at every search's first use).
+    send({"ready": True, "import_env": {k: v for k, v in os.environ.items() if started_env.get(k) != v}})
     while True:
         _report_exits(sock)
         if not select.select([sock], [], [], _REAP_POLL_S)[0]:

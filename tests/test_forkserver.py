@@ -84,3 +84,29 @@ def test_exiting_while_the_zygote_starts_does_not_wait_for_it_and_leaves_none(se
     while time.monotonic() < end and _zygotes_of(int(pid)):
         time.sleep(0.1)
     assert not _zygotes_of(int(pid))
+
+
+def test_a_variable_the_zygotes_imports_set_is_not_a_changed_environment(server_env):
+    env = {k: v for k, v in procs.child_env().items() if k != "AUTOFIT_TEST_SET_BY_IMPORT"}
+    server = forkserver.TrialServer(env, preload=("sets_env_on_import",))
+    try:
+        assert server.import_env == {"AUTOFIT_TEST_SET_BY_IMPORT": "yes"}
+        assert server.serves(env) and server.serves({**env, "AUTOFIT_TEST_SET_BY_IMPORT": "yes"})
+        assert not server.serves({**env, "AUTOFIT_TEST_SET_BY_IMPORT": "no"})
+        assert not server.serves({**env, "AUTOFIT_TEST_MARKER": "two"})
+    finally:
+        server.close()
+
+
+def test_importing_torch_dynamo_after_the_zygote_started_keeps_the_zygote(server_env):
+    """torch._dynamo sets TORCHINDUCTOR_CACHE_DIR when imported; a search imports it (fake tensors) after
+    starting its zygote, which must not be restarted for that (it was: two seconds at every first use)."""
+    import subprocess
+    import sys
+
+    code = ("import os; os.environ.pop('TORCHINDUCTOR_CACHE_DIR', None); from autofit import forkserver; "
+            "a = forkserver.ensure_server().zygote.pid; import torch._dynamo; "
+            "assert 'TORCHINDUCTOR_CACHE_DIR' in os.environ; print(a == forkserver.ensure_server().zygote.pid)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True"]
