@@ -24,6 +24,10 @@ class WorkloadError(AutofitError, ValueError):
     """A --model value that does not resolve to a usable Workload."""
 
 
+class ProfileError(AutofitError, ValueError):
+    """A profile that lacks what an estimate needs (e.g. made without split ends, asked for a pipeline split)."""
+
+
 class StudyError(AutofitError, ValueError):
     """A study that cannot be created, resumed or read."""
 

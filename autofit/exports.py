@@ -375,14 +375,15 @@ def _peaks(notes: list[Note], ctx: Context) -> list[Note]:
     wanted = [n.nearest_config for n in notes if n.nearest_config is not None]
     if not wanted or (ctx.workload is None and not ctx.model_spec):
         return [dataclasses.replace(n, budget_bytes=ctx.budget_bytes) for n in notes]
-    from autofit.memory_model import estimate_table
+    from autofit.memory_model import estimate_table, needs_split_ends
     from autofit.profile import profile_workload
     from autofit.workload import load_workload
 
     try:
         workload = ctx.workload if ctx.workload is not None else load_workload(ctx.model_spec)
+        # split ends only where a note's config needs them: a search without splits cached its profile without
         profile = profile_workload(workload, sorted({c.precision for c in wanted}, key=str),
-                                   device_type=ctx.device_type)
+                                   device_type=ctx.device_type, split_ends=needs_split_ends(wanted))
     except AutofitError as exc:  # e.g. a cuda export on a CPU-only torch: the export itself still holds
         return [dataclasses.replace(n, budget_bytes=ctx.budget_bytes, no_peak_reason=str(exc)) for n in notes]
     table = estimate_table(profile, wanted, ctx.budget_bytes)

@@ -41,6 +41,7 @@ each accumulation micro-step's detached loss (a few bytes) is not counted.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -49,7 +50,7 @@ import pandas as pd
 
 from autofit.config import FIELDS, PipelineSchedule, Precision, SplitMode, TrainConfig, stage_bounds
 from autofit.cuda_memory import FALLBACK_CONTEXT_BYTES, FRAGMENTATION, CudaOverhead, fallback_overhead
-from autofit.errors import ConfigError
+from autofit.errors import ConfigError, ProfileError
 from autofit.fsdp_memory import FSDP_EXTRA_COLUMNS, score_fsdp
 from autofit.profile_data import Line, PrecisionProfile, Profile, Region
 
@@ -348,7 +349,8 @@ def estimate_table(profile: Profile, configs: list[TrainConfig], budget_bytes: i
     peak), ``model_state_bytes``, ``peak_bytes``, ``per_device_peak_bytes`` (a tuple),
     ``peak_phase``, ``fits`` (None without a budget) and ``valid`` / ``reason`` (False with a
     reason when the config cannot run at all, e.g. more stages than layers; its peak is NaN).
-    Raises KeyError if the profile lacks a precision in ``configs``.
+    Raises KeyError if the profile lacks a precision in ``configs``, ProfileError if it lacks the
+    split ends a pipeline split of a model with tied weights needs (:func:`needs_split_ends`).
     """
     n = len(configs)
     cols = {f: np.array([getattr(getattr(c, f), "value", getattr(c, f)) for c in configs]) for f in FIELDS}
@@ -373,6 +375,11 @@ def estimate_table(profile: Profile, configs: list[TrainConfig], budget_bytes: i
             per_device[idx] = [()] * len(idx)
             continue
         pp = profile.for_precision(precision)
+        if split > 1 and pp.split_ends_skipped and not profile.split_refusal:
+            raise ProfileError(
+                f"{profile.workload} {precision.value}: device_split {split} (pipeline) needs the profile's split ends "
+                "(each end stage holds its own copy of the weights tied across the model's ends), but it was made "
+                "with split_ends=False; profile with profile_workload(..., split_ends=True)")
         _score_group(profile, pp, overhead or fallback_overhead(), min(every, profile.n_layers), split,
                      cols["micro_batch"][idx].astype(np.float64), cols["grad_accum"][idx].astype(np.int64),
                      schedule, idx, out, per_device, phase)
@@ -389,6 +396,12 @@ def estimate_table(profile: Profile, configs: list[TrainConfig], budget_bytes: i
     table["reason"] = reason
     table["fits"] = (table["peak_bytes"] <= budget_bytes) & valid if budget_bytes is not None else None
     return table
+
+
+def needs_split_ends(configs: Iterable[TrainConfig]) -> bool:
+    """Whether estimating ``configs`` needs the profile's split ends (``profile_workload(split_ends=...)``):
+    only a pipeline split gives its end stages their own copy of a tied weight (FSDP keeps it tied)."""
+    return any(c.device_split > 1 and c.split_mode is SplitMode.PIPELINE for c in configs)
 
 
 def _structures(configs: list[TrainConfig]) -> dict[tuple[Precision, int, int, SplitMode], list[int]]:

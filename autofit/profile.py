@@ -56,7 +56,8 @@ CUDA_BLOCK_BYTES = 512
 
 # The profile's data types live in autofit.profile_data; they are importable from here too.
 __all__ = ["CUDA_BLOCK_BYTES", "LayerProfile", "Line", "PROFILE_BATCHES", "PROFILE_VERSION", "PrecisionProfile",
-           "Profile", "Region", "cache_dir", "profile_key", "profile_precision", "profile_workload"]
+           "Profile", "Region", "cache_dir", "profile_key", "profile_precision", "profile_split_ends",
+           "profile_workload", "with_split_ends"]
 
 
 def param_rows(params) -> tuple[tuple[int, int], ...]:
@@ -337,8 +338,12 @@ def _run_fake(workload: Workload, precision: Precision, micro_batch: int, device
         return _run_once(workload, precision, micro_batch, device_type, FakeTensorMode(), real_batch, count_flops)
 
 
-def profile_precision(workload: Workload, precision: Precision, device_type: str = "cpu") -> PrecisionProfile:
-    """Profile one precision on fake tensors. Raises WorkloadError if the model can't be traced."""
+def profile_precision(workload: Workload, precision: Precision, device_type: str = "cpu",
+                      split_ends: bool = True) -> PrecisionProfile:
+    """Profile one precision on fake tensors. Raises WorkloadError if the model can't be traced.
+
+    ``split_ends=False`` leaves out :func:`profile_split_ends` (a model with tied weights is then
+    marked ``split_ends_skipped``): for callers that estimate no pipeline split."""
     runs = {}
     real_batches = {b: workload.batch(b) for b in PROFILE_BATCHES}
     for b in PROFILE_BATCHES:
@@ -350,15 +355,29 @@ def profile_precision(workload: Workload, precision: Precision, device_type: str
             raise WorkloadError(explain_failure(workload.name, exc)) from exc
     runs, real_note, real_extra = _real_check(workload, precision, device_type, runs, real_batches)
     pp = _assemble(precision, runs, real_check=real_note, real_extra_bytes_per_sample=real_extra)
-    if runs[PROFILE_BATCHES[0]]["tied_bytes"]:
-        # A device split gives its first and last stages their own copy of a weight tied across
-        # the model's ends, each accumulating only its own gradient (no sum of the two): profile
-        # the ends as the stages run them, on the model with those weights untied.
-        untied = dataclasses.replace(workload, model=functools.partial(_build_untied, workload.model))
-        ends = _assemble(precision, {b: _run_fake(untied, precision, b, device_type, real_batches[b])
-                                     for b in PROFILE_BATCHES})
-        pp = dataclasses.replace(pp, split_ends=dataclasses.replace(ends, layers=pp.layers))
-    return pp
+    if not runs[PROFILE_BATCHES[0]]["tied_bytes"]:
+        return pp
+    if not split_ends:
+        return dataclasses.replace(pp, split_ends_skipped=True)
+    return with_split_ends(pp, profile_split_ends(workload, precision, device_type, real_batches))
+
+
+def profile_split_ends(workload: Workload, precision: Precision, device_type: str = "cpu",
+                       real_batches: dict | None = None) -> PrecisionProfile:
+    """The model's ends as a device split's first and last stages run them, for a model with a
+    weight tied across its ends. Each of those stages holds its own copy of that weight and
+    accumulates only its own gradient (no sum of the two): the ends are profiled on the model with
+    those weights untied (fake runs only; :func:`with_split_ends` attaches them)."""
+    untied = dataclasses.replace(workload, model=functools.partial(_build_untied, workload.model))
+    real_batches = real_batches or {b: workload.batch(b) for b in PROFILE_BATCHES}
+    return _assemble(precision, {b: _run_fake(untied, precision, b, device_type, real_batches[b])
+                                 for b in PROFILE_BATCHES})
+
+
+def with_split_ends(pp: PrecisionProfile, ends: PrecisionProfile) -> PrecisionProfile:
+    """``pp`` with ``ends`` (:func:`profile_split_ends`) as its split ends; the layers stay ``pp``'s
+    (the real check's corrections included)."""
+    return dataclasses.replace(pp, split_ends=dataclasses.replace(ends, layers=pp.layers), split_ends_skipped=False)
 
 
 def _build_untied(build) -> nn.Module:
@@ -505,7 +524,15 @@ def profile_key(workload: Workload, device_type: str) -> tuple[str, int, int]:
     return digest, param_count, len(layers)
 
 
-def _profile_many(workload: Workload, precisions: list[Precision], device_type: str) -> dict[str, PrecisionProfile]:
+def _profile_one(workload: Workload, precision: Precision, device_type: str, split_ends: bool,
+                 ends_only: bool) -> PrecisionProfile:
+    if ends_only:
+        return profile_split_ends(workload, precision, device_type)
+    return profile_precision(workload, precision, device_type, split_ends)
+
+
+def _profile_many(workload: Workload, precisions: list[Precision], device_type: str, split_ends: bool = True,
+                  ends_only: bool = False) -> dict[str, PrecisionProfile]:
     """Profile several precisions, in parallel processes when there are spare cores.
 
     Fake-tensor dispatch is pure Python and single-threaded, so a process per precision is
@@ -513,11 +540,12 @@ def _profile_many(workload: Workload, precisions: list[Precision], device_type: 
     (:mod:`autofit.forkserver`: torch, torch._dynamo and autofit already imported); elsewhere, or
     when it cannot start, they are fresh interpreters running this module (not multiprocessing,
     whose spawn would re-run a caller's unguarded ``__main__``). Workloads without a ``source``
-    (built in Python, not loadable by name) are profiled here.
+    (built in Python, not loadable by name) are profiled here. ``ends_only``: each precision's
+    :func:`profile_split_ends` instead of its profile.
     """
     if not _in_children(workload, precisions, device_type):
-        return {p.value: profile_precision(workload, p, device_type) for p in precisions}
-    children = _start_children(workload, precisions, device_type)
+        return {p.value: _profile_one(workload, p, device_type, split_ends, ends_only) for p in precisions}
+    children = _start_children(workload, precisions, device_type, split_ends, ends_only)
     found: dict[str, PrecisionProfile] = {}
     failure = None
     try:
@@ -551,13 +579,14 @@ def _surely_forks(workload: Workload, precisions: list[Precision], device_type: 
     return not use_cache or not any(cache_dir().glob(f"{glob.escape(workload.name)}-{device_type}-*.json"))
 
 
-def _start_children(workload: Workload, precisions: list[Precision], device_type: str) -> list[procs.Child]:
+def _start_children(workload: Workload, precisions: list[Precision], device_type: str, split_ends: bool,
+                    ends_only: bool) -> list[procs.Child]:
     """The profiling workers, each taking some of ``precisions``: one per precision when forked (a fork
     costs milliseconds), one per core when spawned (start-up, imports and first-op warm-up, costs
     seconds per process, so fewer processes finish sooner)."""
     def request(chunk: list[Precision]) -> dict:
         return {"source": workload.source, "device_type": device_type, "precisions": [p.value for p in chunk],
-                "threads": 1}
+                "threads": 1, "split_ends": split_ends, "ends_only": ends_only}
 
     env = {"AUTOFIT_PROFILE_WORKERS": "1", "OMP_NUM_THREADS": "1"}
     children: list[procs.Child] = []
@@ -576,11 +605,15 @@ def _start_children(workload: Workload, precisions: list[Precision], device_type
 
 
 def profile_workload(workload: Workload, precisions: Iterable[Precision | str] = tuple(Precision),
-                     device_type: str = "cpu", use_cache: bool = True) -> Profile:
+                     device_type: str = "cpu", use_cache: bool = True, split_ends: bool = True) -> Profile:
     """Profile ``workload`` for each precision on fake tensors, using the on-disk cache.
 
     Returns a :class:`Profile`. Raises WorkloadError when the model cannot be built or
     followed on fake tensors. Profiles are cached per precision under :func:`cache_dir`.
+    ``split_ends=False``: a caller that estimates no pipeline split (``device_split > 1``,
+    :func:`autofit.memory_model.needs_split_ends`) skips profiling the ends of a model with tied
+    weights untied (about 40% of its profile); a cached profile without them is completed when
+    they are asked for.
     """
     started = time.perf_counter()
     precisions = [Precision(p) for p in precisions]
@@ -602,7 +635,10 @@ def profile_workload(workload: Workload, precisions: Iterable[Precision | str] =
         except (ValueError, TypeError, KeyError):
             found = {}  # an unreadable cache entry is rebuilt, never trusted
     missing = [p for p in precisions if p.value not in found]
-    found.update(_profile_many(workload, missing, device_type))
+    endless = [p for p in precisions if split_ends and p.value in found and found[p.value].split_ends_skipped]
+    found.update(_profile_many(workload, missing, device_type, split_ends))
+    ends = _profile_many(workload, endless, device_type, ends_only=True) if endless else {}
+    found.update({name: with_split_ends(found[name], pp) for name, pp in ends.items()})
     with torch.device("meta"):
         optimizer_name = type(workload.optimizer([nn.Parameter(torch.empty(1))])).__name__
     profile = Profile(
@@ -629,7 +665,8 @@ def profile_child(request: dict, send: procs.Send | None = None) -> dict:
         torch.set_num_threads(request["threads"])
     try:
         workload = load_workload(request["source"])
-        return {"profiles": {p: asdict(profile_precision(workload, Precision(p), request["device_type"]))
+        return {"profiles": {p: asdict(_profile_one(workload, Precision(p), request["device_type"],
+                                                    request.get("split_ends", True), request.get("ends_only", False)))
                              for p in request["precisions"]}}
     except AutofitError as exc:
         return {"error": str(exc)}

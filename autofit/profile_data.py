@@ -101,6 +101,9 @@ class PrecisionProfile:
     # The model's ends as a device split's first and last stages hold them: weights tied across
     # the ends (an embedding and its head) untied, one copy a stage (None: nothing is tied).
     split_ends: "PrecisionProfile | None" = None
+    # True: weights are tied across the ends but split_ends was not profiled (profile_workload's
+    # split_ends=False, for a search without pipeline splits); a pipeline split's estimate refuses it.
+    split_ends_skipped: bool = False
 
 
 @dataclass(frozen=True)

@@ -214,7 +214,7 @@ def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) 
     """Run every config of ``cell`` (no budget), plus one trial that dies at once (the OOM cost floor)."""
     from autofit import forkserver
     from autofit.bench.worker import run_jobs
-    from autofit.memory_model import estimate_table
+    from autofit.memory_model import estimate_table, needs_split_ends
     from autofit.profile import profile_workload
     from autofit.trial import run_trial
     from autofit.workload import load_workload
@@ -225,10 +225,12 @@ def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) 
     problem = problem_for(cell, cell.budgets_mib[0] * MiB, param_count(workload))
     configs = problem.configs()
     # autofit's first-use cost on this workload, with cold caches (then the caches are filled for its runs),
-    # and no fork server yet (a search process starts one; an earlier cell's would be warm here).
+    # and no fork server yet (a search process starts one; an earlier cell's would be warm here). Split ends
+    # as the search over this space profiles them (autofit.study.run): only for a pipeline split.
+    split_ends = needs_split_ends(configs)
     forkserver.stop_server()
     cold = time.perf_counter()
-    profile_workload(workload, list(cell.precisions), device_type="cpu", use_cache=False)
+    profile_workload(workload, list(cell.precisions), device_type="cpu", use_cache=False, split_ends=split_ends)
     first_use_s = time.perf_counter() - cold
     try:
         from autofit.time_model import probe_rates
@@ -240,7 +242,7 @@ def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) 
         from autofit.layer_probe import workload_prior
 
         cold = time.perf_counter()  # the workload's own layer, timed for the prior (then cached for the runs)
-        cold_profile = profile_workload(workload, list(cell.precisions), device_type="cpu")
+        cold_profile = profile_workload(workload, list(cell.precisions), device_type="cpu", split_ends=split_ends)
         precisions = [p.value for p in cell.precisions]
         workload_prior(workload, cold_profile, rates, precisions, use_cache=False)
         first_use_s += time.perf_counter() - cold
@@ -248,7 +250,7 @@ def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) 
     except ImportError:
         pass
     progress(f"grid {cell.workload}: cold profile and device probe took {first_use_s:.1f} s")
-    profile = profile_workload(workload, list(cell.precisions), device_type="cpu")
+    profile = profile_workload(workload, list(cell.precisions), device_type="cpu", split_ends=split_ends)
     predicted = estimate_table(profile, configs)["peak_bytes"].tolist()
     trials = []
     for i, config in enumerate(configs):

@@ -12,6 +12,7 @@ import optuna
 from autofit.budget import parse_budget
 from autofit.devicelock import visible_gpus
 from autofit.errors import RunFailure, StudyError
+from autofit.memory_model import needs_split_ends
 from autofit.profile import profile_workload
 from autofit.space import SearchSpace, load_space, space_from_dict
 from autofit.study import storage as backend  # the module; `storage` is search()'s URL argument
@@ -139,7 +140,8 @@ def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | 
             trials=trials, deadline=None if timeout_s is None else started_wall + timeout_s, patience=patience,
             min_improvement=min_improvement, trial_timeout_s=trial_timeout_s, command=redact(command),
         )
-        profile = profile_workload(loaded, list(resolved.precision), device_type=device)  # user errors surface here
+        profile = profile_workload(loaded, list(resolved.precision), device_type=device,  # user errors surface here
+                                   split_ends=needs_split_ends(resolved.configs()))
         study = backend.create_or_load(settings)
         emit = progress or (lambda event: None)
         emit(progress_of(backend.read_records(study), f"study {name} in {out}", started))

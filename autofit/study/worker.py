@@ -21,6 +21,7 @@ from optuna.samplers import BaseSampler
 from autofit.budget import format_bytes
 from autofit.calibration import relative_error
 from autofit.config import TrainConfig
+from autofit.memory_model import needs_split_ends
 from autofit.profile import Profile, profile_workload
 from autofit.records import PruneReason, TrialRecord, TrialStatus
 from autofit.study import storage
@@ -192,7 +193,8 @@ def run_worker(settings: StudySettings, workload: Workload, *, profile: Profile 
     cannot be opened; KeyboardInterrupt marks the running trial interrupted and propagates.
     """
     space = settings.search_space()
-    profile = profile or profile_workload(workload, list(space.precision), device_type=settings.device_type)
+    profile = profile or profile_workload(workload, list(space.precision), device_type=settings.device_type,
+                                          split_ends=needs_split_ends(space.configs()))
     rates = rates or probe_rates(settings.device_type)
     # The prior's operator counts, rescaled by the workload's own layer timed in a child (cached).
     counts = workload_prior(workload, profile, rates, [p.value for p in space.precision])
