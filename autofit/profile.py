@@ -16,24 +16,31 @@ import contextlib
 import dataclasses
 import functools
 import glob
-import hashlib
-import inspect
 import os
 import time
 from dataclasses import asdict
-from pathlib import Path
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
-from torch.utils._pytree import tree_leaves
 
 from autofit import forkserver, procs
 from autofit.config import Precision, TrainConfig
 from autofit.errors import WorkloadError
 from autofit.files import write_atomic
-from autofit.profile_data import OUTPUT_REGIONS, LayerProfile, Line, PrecisionProfile, Profile, Region, precision_from_dict
+from autofit.profile_cache import cache_dir, profile_key, split_refusal
+from autofit.profile_data import (
+    OUTPUT_REGIONS,
+    PROFILE_BATCHES,
+    PROFILE_VERSION,
+    LayerProfile,
+    Line,
+    PrecisionProfile,
+    Profile,
+    Region,
+    precision_from_dict,
+)
 from autofit.real_check import RealTensors, correct_runs, refusal
 from autofit.timeline import (
     Recorder,
@@ -48,13 +55,11 @@ from autofit.timeline import (
 from autofit.training import build_trainee, forward_backward, to_device
 from autofit.workload import Workload, explain_failure
 
-PROFILE_VERSION = 10
-# Micro-batch sizes profiled; every per-sample quantity is fitted as a line through them.
-PROFILE_BATCHES = (2, 4)
 # The CUDA caching allocator rounds every block up to 512 bytes (FACTS.md).
 CUDA_BLOCK_BYTES = 512
 
-# The profile's data types live in autofit.profile_data; they are importable from here too.
+# The profile's data types live in autofit.profile_data, its cache key in autofit.profile_cache;
+# they are importable from here too.
 __all__ = ["CUDA_BLOCK_BYTES", "LayerProfile", "Line", "PROFILE_BATCHES", "PROFILE_VERSION", "PrecisionProfile",
            "Profile", "Region", "cache_dir", "profile_key", "profile_precision", "profile_split_ends",
            "profile_workload", "with_split_ends"]
@@ -453,76 +458,6 @@ def _real_check(workload: Workload, precision: Precision, device_type: str, runs
             f"{extra:,.0f} bytes per sample more kept than on fake tensors", float(extra))
 
 
-# --------------------------------------------------------------------------------------
-# Cache: profiles are keyed by everything that can change them, so an edited model,
-# optimizer, batch or loss is never served a stale profile.
-
-
-def cache_dir() -> Path:
-    """``$AUTOFIT_CACHE_DIR``, else ``~/.cache/autofit/profiles``."""
-    root = os.environ.get("AUTOFIT_CACHE_DIR")
-    return Path(root) if root else Path.home() / ".cache" / "autofit" / "profiles"
-
-
-def _source_of(obj: Any) -> str:
-    try:
-        return _cached_source_of(obj)
-    except TypeError:  # an unhashable callable (a bound method of an unhashable object)
-        return _read_source(obj)
-
-
-# Memoised per object: inspect.getsource re-parses a class's whole module (ast) on every call, and
-# a search keys its profile several times (its start, then each export of the best config). An
-# edited and re-run definition is a new object, so a stale source is never returned.
-@functools.lru_cache(maxsize=512)
-def _cached_source_of(obj: Any) -> str:
-    return _read_source(obj)
-
-
-def _read_source(obj: Any) -> str:
-    try:
-        return inspect.getsource(obj)
-    except (TypeError, OSError):
-        return f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', repr(obj))}"
-
-
-def _split_refusal(workload: Workload) -> str | None:
-    """``workload.split.refusal`` on a model built on the meta device (no memory), if it has one."""
-    refusal = getattr(workload.split, "refusal", None)
-    if refusal is None:
-        return None
-    with torch.device("meta"):
-        return refusal(workload.model())
-
-
-def profile_key(workload: Workload, device_type: str) -> tuple[str, int, int]:
-    """(cache key, parameter count, layer count), from a fake build of the model."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode():
-        model = workload.model()
-        layers = workload.layers(model)
-        optimizer = workload.optimizer(model.parameters())
-    params = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()]
-    buffers = [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()]
-    classes = sorted({type(m) for m in model.modules()}, key=lambda c: c.__qualname__)
-    # Plain attributes (flags, rates, config dataclasses) change behaviour without changing shapes.
-    settings = [sorted((k, repr(v)) for k, v in vars(m).items()
-                       if not k.startswith("_") and (isinstance(v, (bool, int, float, str, tuple))
-                                                     or hasattr(v, "__dataclass_fields__")))
-                for m in model.modules()]
-    batch = workload.batch(PROFILE_BATCHES[0])
-    batch_shapes = [(tuple(t.shape), str(t.dtype)) for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
-    parts = [
-        PROFILE_VERSION, torch.__version__, device_type, workload.name, repr(model), params, buffers,
-        [_source_of(c) for c in classes], settings, repr(optimizer), type(optimizer).__qualname__,
-        [_source_of(f) for f in (workload.model, workload.batch, workload.loss, workload.optimizer, workload.layers)],
-        batch_shapes, len(layers),
-    ]
-    digest = hashlib.sha256(repr(parts).encode()).hexdigest()[:20]
-    param_count = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    return digest, param_count, len(layers)
-
 
 def _profile_one(workload: Workload, precision: Precision, device_type: str, split_ends: bool,
                  ends_only: bool) -> PrecisionProfile:
@@ -642,7 +577,7 @@ def profile_workload(workload: Workload, precisions: Iterable[Precision | str] =
     with torch.device("meta"):
         optimizer_name = type(workload.optimizer([nn.Parameter(torch.empty(1))])).__name__
     profile = Profile(
-        split_refusal=_split_refusal(workload),
+        split_refusal=split_refusal(workload),
         workload=workload.name, device_type=device_type, param_count=param_count, n_layers=n_layers,
         tokens_per_sample=workload.tokens_per_sample, optimizer=optimizer_name, key=key,
         profile_s=time.perf_counter() - started, precisions=found,

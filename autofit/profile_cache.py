@@ -1,0 +1,86 @@
+"""The profile cache's key: everything that can change a profile, so an edited model, optimizer,
+batch or loss is never served a stale one (:func:`autofit.profile.profile_workload` reads and
+writes the cache under :func:`cache_dir`)."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from autofit.profile_data import PROFILE_BATCHES, PROFILE_VERSION
+from autofit.workload import Workload
+
+__all__ = ["cache_dir", "profile_key", "split_refusal"]
+
+
+def cache_dir() -> Path:
+    """``$AUTOFIT_CACHE_DIR``, else ``~/.cache/autofit/profiles``."""
+    root = os.environ.get("AUTOFIT_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "autofit" / "profiles"
+
+
+def _source_of(obj: Any) -> str:
+    try:
+        return _cached_source_of(obj)
+    except TypeError:  # an unhashable callable (a bound method of an unhashable object)
+        return _read_source(obj)
+
+
+# Memoised per object: inspect.getsource re-parses a class's whole module (ast) on every call, and
+# a search keys its profile several times (its start, then each export of the best config). An
+# edited and re-run definition is a new object, so a stale source is never returned.
+@functools.lru_cache(maxsize=512)
+def _cached_source_of(obj: Any) -> str:
+    return _read_source(obj)
+
+
+def _read_source(obj: Any) -> str:
+    try:
+        return inspect.getsource(obj)
+    except (TypeError, OSError):
+        return f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', repr(obj))}"
+
+
+def split_refusal(workload: Workload) -> str | None:
+    """``workload.split.refusal`` on a model built on the meta device (no memory), if it has one."""
+    refusal = getattr(workload.split, "refusal", None)
+    if refusal is None:
+        return None
+    with torch.device("meta"):
+        return refusal(workload.model())
+
+
+def profile_key(workload: Workload, device_type: str) -> tuple[str, int, int]:
+    """(cache key, parameter count, layer count), from a fake build of the model."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        model = workload.model()
+        layers = workload.layers(model)
+        optimizer = workload.optimizer(model.parameters())
+    params = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()]
+    buffers = [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()]
+    classes = sorted({type(m) for m in model.modules()}, key=lambda c: c.__qualname__)
+    # Plain attributes (flags, rates, config dataclasses) change behaviour without changing shapes.
+    settings = [sorted((k, repr(v)) for k, v in vars(m).items()
+                       if not k.startswith("_") and (isinstance(v, (bool, int, float, str, tuple))
+                                                     or hasattr(v, "__dataclass_fields__")))
+                for m in model.modules()]
+    batch = workload.batch(PROFILE_BATCHES[0])
+    batch_shapes = [(tuple(t.shape), str(t.dtype)) for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    parts = [
+        PROFILE_VERSION, torch.__version__, device_type, workload.name, repr(model), params, buffers,
+        [_source_of(c) for c in classes], settings, repr(optimizer), type(optimizer).__qualname__,
+        [_source_of(f) for f in (workload.model, workload.batch, workload.loss, workload.optimizer, workload.layers)],
+        batch_shapes, len(layers),
+    ]
+    digest = hashlib.sha256(repr(parts).encode()).hexdigest()[:20]
+    param_count = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    return digest, param_count, len(layers)
