@@ -28,6 +28,7 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Callable
 
 from autofit import forkserver, procs
 from autofit.files import write_atomic
@@ -167,21 +168,28 @@ def _cache_path(source: str, precisions: list[str], device_type: str) -> Path:
 
 
 def measure_layer_seconds(source: str, precisions: list[str], device_type: str = "cpu",
-                          use_cache: bool = True) -> dict[str, list[float]] | None:
+                          use_cache: bool = True, note: Callable[[str], None] | None = None) -> dict[str, list[float]] | None:
     """Seconds of the first layer's forward + backward at :data:`LAYER_BATCHES`, per precision, measured
     in a child forked from the trials' fork server (in the trials' environment), else a fresh one
     (``OMP_WAIT_POLICY=PASSIVE``, as the device probe), and cached. None when the
-    workload has no layer to time or the child fails (the prior stays the bare-matmul one)."""
+    workload has no layer to time or the child fails (the prior stays the bare-matmul one).
+    ``note`` is called with a line for a user: the timings read from the cache, or the timing starting and done."""
     from autofit.time_model import probe_env
 
     if device_type != "cpu" or not precisions:
         return None  # on CUDA the probe child would need its own context: the bare-matmul prior stays
+    note = note or (lambda line: None)
     path = _cache_path(source, precisions, device_type)
     if use_cache and path.is_file():
         try:
-            return json.loads(path.read_text())["seconds"]
+            seconds = json.loads(path.read_text())["seconds"]
+            note(f"the workload's layer timings read from the cache ({path})")
+            return seconds
         except (OSError, ValueError, KeyError):
             pass
+    note(f"timing one layer of the workload for real ({', '.join(precisions)}; micro-batches "
+         f"{' and '.join(map(str, LAYER_BATCHES))})...")
+    started = time.perf_counter()
     request = {"source": source, "precisions": precisions, "batches": list(LAYER_BATCHES)}
     child = None
     if forkserver.enabled():  # as a trial runs (and it warms the fork server for the first trial)
@@ -197,7 +205,10 @@ def measure_layer_seconds(source: str, precisions: list[str], device_type: str =
         child.kill()
     message = child.last_message()
     if not message or "seconds" not in message:
+        note(f"timing the layer failed after {time.perf_counter() - started:.1f} s: the prior stays "
+             "the device probe's")
         return None
+    note(f"timed the layer in {time.perf_counter() - started:.1f} s")
     if use_cache:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -227,11 +238,13 @@ def layer_scales(profile, rates, counts, seconds: dict[str, list[float]]) -> dic
     return scales
 
 
-def workload_prior(workload, profile, rates, precisions: list[str], use_cache: bool = True):
+def workload_prior(workload, profile, rates, precisions: list[str], use_cache: bool = True,
+                   note: Callable[[str], None] | None = None):
     """:func:`autofit.time_model.op_counts` of ``workload`` with its measured :attr:`layer_scales`, timed for
     the precisions whose layer is cheap enough (:data:`MAX_LAYER_S`), the others given the timed ones'
     geometric mean; plain op counts when the workload has no source, no layer can be timed, or the
-    probe fails. What a search's planner uses (:func:`autofit.study.worker.run_worker`)."""
+    probe fails. What a search's planner uses (:func:`autofit.study.worker.run_worker`). ``note``:
+    as :func:`measure_layer_seconds`'s."""
     import dataclasses
 
     from autofit.time_model import layer_time_line, op_counts
@@ -247,7 +260,7 @@ def workload_prior(workload, profile, rates, precisions: list[str], use_cache: b
             continue
         if fixed + per_sample * LAYER_BATCHES[-1] <= MAX_LAYER_S:
             cheap.append(precision)
-    seconds = measure_layer_seconds(workload.source, cheap, profile.device_type, use_cache) if cheap else None
+    seconds = measure_layer_seconds(workload.source, cheap, profile.device_type, use_cache, note) if cheap else None
     if not seconds:
         return counts
     scales = layer_scales(profile, rates, counts, seconds)

@@ -19,7 +19,7 @@ import glob
 import os
 import time
 from dataclasses import asdict
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -29,7 +29,7 @@ from autofit import forkserver, procs
 from autofit.config import Precision, TrainConfig
 from autofit.errors import WorkloadError
 from autofit.files import write_atomic
-from autofit.profile_cache import cache_dir, profile_key, split_refusal
+from autofit.profile_cache import cache_dir, cache_outcome, profile_key, split_refusal
 from autofit.profile_data import (
     OUTPUT_REGIONS,
     PROFILE_BATCHES,
@@ -540,7 +540,8 @@ def _start_children(workload: Workload, precisions: list[Precision], device_type
 
 
 def profile_workload(workload: Workload, precisions: Iterable[Precision | str] = tuple(Precision),
-                     device_type: str = "cpu", use_cache: bool = True, split_ends: bool = True) -> Profile:
+                     device_type: str = "cpu", use_cache: bool = True, split_ends: bool = True,
+                     note: Callable[[str], None] | None = None) -> Profile:
     """Profile ``workload`` for each precision on fake tensors, using the on-disk cache.
 
     Returns a :class:`Profile`. Raises WorkloadError when the model cannot be built or
@@ -548,10 +549,13 @@ def profile_workload(workload: Workload, precisions: Iterable[Precision | str] =
     ``split_ends=False``: a caller that estimates no pipeline split (``device_split > 1``,
     :func:`autofit.memory_model.needs_split_ends`) skips profiling the ends of a model with tied
     weights untied (about 40% of its profile); a cached profile without them is completed when
-    they are asked for.
+    they are asked for. ``note`` is called with a line for a user as profiling starts and ends
+    (read from the cache or traced).
     """
     started = time.perf_counter()
     precisions = [Precision(p) for p in precisions]
+    note = note or (lambda line: None)
+    note(f"profiling {workload.name} on fake tensors ({', '.join(p.value for p in precisions)})...")
     if _surely_forks(workload, precisions, device_type, use_cache):
         forkserver.start_server_soon()  # its imports overlap the key's fake build below
     try:
@@ -574,6 +578,7 @@ def profile_workload(workload: Workload, precisions: Iterable[Precision | str] =
     found.update(_profile_many(workload, missing, device_type, split_ends))
     ends = _profile_many(workload, endless, device_type, ends_only=True) if endless else {}
     found.update({name: with_split_ends(found[name], pp) for name, pp in ends.items()})
+    note(cache_outcome(workload.name, precisions, missing, endless, time.perf_counter() - started, path))
     with torch.device("meta"):
         optimizer_name = type(workload.optimizer([nn.Parameter(torch.empty(1))])).__name__
     profile = Profile(
@@ -582,7 +587,7 @@ def profile_workload(workload: Workload, precisions: Iterable[Precision | str] =
         tokens_per_sample=workload.tokens_per_sample, optimizer=optimizer_name, key=key,
         profile_s=time.perf_counter() - started, precisions=found,
     )
-    if use_cache:
+    if use_cache and (missing or endless):  # else the file already holds every precision found
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(path, profile.to_json())  # a concurrent reader never sees half a file

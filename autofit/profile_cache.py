@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_leaves
 from autofit.profile_data import PROFILE_BATCHES, PROFILE_VERSION
 from autofit.workload import Workload
 
-__all__ = ["cache_dir", "profile_key", "split_refusal"]
+__all__ = ["cache_dir", "cache_outcome", "profile_key", "split_refusal"]
 
 
 def cache_dir() -> Path:
@@ -84,3 +84,15 @@ def profile_key(workload: Workload, device_type: str) -> tuple[str, int, int]:
     digest = hashlib.sha256(repr(parts).encode()).hexdigest()[:20]
     param_count = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     return digest, param_count, len(layers)
+
+
+def cache_outcome(name: str, precisions: list, missing: list, endless: list, seconds: float, path: Path) -> str:
+    """What :func:`autofit.profile.profile_workload` did, as a line for a user: the profile read from
+    the cache, or which precisions it traced (``missing``) or completed with untied ends (``endless``)."""
+    if not missing and not endless:
+        return f"profile of {name} read from the cache in {seconds:.1f} s ({path})"
+    done = [f"traced {', '.join(p.value for p in missing)}"] if missing else []
+    done += [f"traced the untied ends of {', '.join(p.value for p in endless)}"] if endless else []
+    cached = [p.value for p in precisions if p not in missing]
+    done += [f"{', '.join(cached)} read from the cache"] if cached else []
+    return f"profiled {name} in {seconds:.1f} s: {'; '.join(done)} (cache: {path.parent})"

@@ -43,7 +43,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -305,7 +305,8 @@ def measure_checked(device_type: str, attempts: int = PROBE_ATTEMPTS) -> tuple[D
     return fallback, f"after {attempts} probes, {doubt}"
 
 
-def probe_rates(device_type: str = "cpu", use_cache: bool = True) -> DeviceRates:
+def probe_rates(device_type: str = "cpu", use_cache: bool = True,
+                note: Callable[[str], None] | None = None) -> DeviceRates:
     """The device's rates, measured once per machine, device type, thread count and torch version.
 
     Cached under :func:`autofit.profile.cache_dir`. The probe runs in a child process (so the caller
@@ -313,18 +314,26 @@ def probe_rates(device_type: str = "cpu", use_cache: bool = True) -> DeviceRates
     threads) with ``OMP_WAIT_POLICY=PASSIVE`` (:func:`probe_env`), and measures twice: rates that
     are zero, infinite or far off their repeat (:func:`implausible`, :func:`disagreement`) are probed
     again, and if they never settle the best plausible ones are used with a warning, never cached.
-    Raises RuntimeError when the probe child fails or measures nothing plausible.
+    Raises RuntimeError when the probe child fails or measures nothing plausible. ``note`` is
+    called with a line for a user: the rates read from the cache, or the probe starting and done.
     """
+    note = note or (lambda line: None)
     path = _cache_path(device_type)
     if use_cache and path.is_file():
         try:
             cached = DeviceRates.from_dict(json.loads(path.read_text()))
             if implausible(cached) is None:
+                note(f"{device_type} rates read from the cache ({path})")
                 return cached
         except (ValueError, TypeError, KeyError):
             pass  # an unreadable (or implausible) cache entry is re-measured
+    note(f"probing the {device_type}'s rates (matmuls and operator latency in a child; once per machine)...")
+    started = time.perf_counter()
     with DeviceLock(device_names(device_type), "device probe"):  # a trial beside it would halve its rates
         rates, doubt = measure_checked(device_type)
+    note(f"probed the {device_type} in {time.perf_counter() - started:.1f} s: "
+         f"{rates.matmul_flops_per_s.get('float32', 0.0) / 1e9:,.1f} GFLOP/s fp32 matmul, "
+         f"{rates.op_latency_s * 1e6:,.1f} us per operator")
     if doubt is not None:
         warnings.warn(f"the {device_type} rate probe is unsteady ({doubt}): using its best rates for this run "
                       "only; the time model's prior is rougher until trials calibrate it", RuntimeWarning,

@@ -36,6 +36,7 @@ def test_search_then_rerun_then_report(tmp_path, write_space):
     first = _autofit(*args, "--json", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     data = json.loads(first.stdout)
+    assert "profiling" not in first.stderr and "] study " not in first.stderr  # --json: no progress lines
     out = tmp_path / "results" / "tiny-lm-64MB"  # the default --out: results/<model>-<budget>
     assert data["study"] == "tiny-lm-64MB" and Path(data["out_dir"]) == Path("results/tiny-lm-64MB")
     assert data["n_real"] == 2 and data["stop_reason"].startswith("trial limit")
@@ -55,6 +56,11 @@ def test_search_then_rerun_then_report(tmp_path, write_space):
     assert "stopped    trial limit" in again.stdout and "wall time" in again.stdout
     # plain progress lines on a pipe, one per event
     assert "[" in again.stderr and "stopped: trial limit" in again.stderr
+    # the start-up phases, each read from the cache the first run filled
+    for line in ("] profiling tiny-lm on fake tensors (fp32, amp-bf16)...", "] profile of tiny-lm read from the cache",
+                 "] cpu rates read from the cache", "] the workload's layer timings read from the cache",
+                 "] writing the tables, the pictures and report.html..."):
+        assert line in again.stderr, (line, again.stderr)
 
     report = _autofit("report", str(out), "--top", "3", cwd=tmp_path)
     assert report.returncode == 0 and "best: " in report.stdout

@@ -555,6 +555,41 @@ def test_a_search_runs_its_trials_through_the_injected_runner(tmp_path):
     assert (tmp_path / "s" / "trials.csv").is_file()
 
 
+def test_start_up_progress_says_what_was_computed_then_what_came_from_the_cache(tmp_path, monkeypatch):
+    from autofit.study import search
+
+    from autofit import time_model
+
+    monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path / "cache"))  # cold: profile, device probe, layer timing
+    fixed = time_model.DeviceRates("cpu", "test", 2, {"float32": 1e11, "bfloat16": 5e10, "float16": 1e9}, 1e10, 5e-6,
+                                   0.0, "x")
+    monkeypatch.setattr(time_model, "measure_checked", lambda device_type: (fixed, None))  # the probe's seconds spared
+    space = {**SMALL_SPACE, "precision": ["fp32"], "micro_batch": [2], "checkpoint_every": [0]}
+    runs = []
+    for out in ("cold", "warm"):
+        events = []
+        search(TINY, "64MB", space=space, out_dir=tmp_path / out, device="cpu", trial_runner=FakeRunner(),
+               progress=events.append)
+        runs.append(events)
+    cold, warm = ([e.message for e in events] for events in runs)
+    assert cold[0] == "profiling tiny-lm on fake tensors (fp32)..."
+    assert cold[1].startswith("profiled tiny-lm in ") and "traced fp32 (cache: " in cold[1]
+    assert cold[2].startswith("study ")
+    assert cold[3].startswith("probing the cpu's rates") and cold[4].startswith("probed the cpu in ")
+    assert cold[4].startswith("probed the cpu in ") and "100.0 GFLOP/s fp32 matmul, 5.0 us per operator" in cold[4]
+    assert cold[5].startswith("timing one layer of the workload for real (fp32;")
+    assert cold[6].startswith("timed the layer in ")
+    assert "read from the cache" not in " ".join(cold)
+    assert warm[0] == cold[0] and warm[1].startswith("profile of tiny-lm read from the cache in ")
+    assert warm[3].startswith("cpu rates read from the cache (")
+    assert warm[4].startswith("the workload's layer timings read from the cache (")
+    assert not any(m.startswith(("probing", "timing", "profiled")) for m in warm)
+    # the events from before the study is open say so (their counts are not read); then the writing of the reports
+    for events in runs:
+        assert [e.starting for e in events[:3]] == [True, True, False] and not any(e.starting for e in events[3:])
+        assert events[-2].message == "writing the tables, the pictures and report.html..." and events[-1].done
+
+
 def test_an_interrupted_trial_is_recorded_interrupted_and_the_interrupt_propagates(tmp_path):
     from autofit.errors import StudyError
     from autofit.study import load_snapshot, search

@@ -61,8 +61,8 @@ class _Progress:
     def __call__(self, event: SearchProgress) -> None:
         best = "-" if event.best_samples_per_s is None else f"{event.best_samples_per_s:,.2f} samples/s"
         if self.tty:
-            line = (f"[{event.elapsed_s:5.0f}s] {event.real} real, {event.pruned} pruned, best {best} | "
-                    f"{event.message}")[:160]
+            counts = "" if event.starting else f"{event.real} real, {event.pruned} pruned, best {best} | "
+            line = f"[{event.elapsed_s:5.0f}s] {counts}{event.message}"[:160]
             self.stream.write("\r" + line.ljust(self.width))
             self.width = len(line)
             if event.done:

@@ -16,7 +16,8 @@ class SearchProgress:
 
     ``real``: real trials finished; ``pruned``: configs pruned by the estimate; ``running``;
     ``best_samples_per_s``/``best_config``: the best config so far and its median objective (None before);
-    ``message``: one line about what just happened; ``elapsed_s``; ``done``: the search ended.
+    ``message``: one line about what just happened; ``elapsed_s``; ``done``: the search ended;
+    ``starting``: the study is not open yet (profiling the workload): the counts are not read (zero).
     """
 
     real: int
@@ -27,6 +28,12 @@ class SearchProgress:
     message: str
     elapsed_s: float
     done: bool = False
+    starting: bool = False
+
+
+def starting_progress(message: str, started: float) -> SearchProgress:
+    """An event from before the study is opened: no counts yet (``started``: a time.monotonic())."""
+    return SearchProgress(0, 0, 0, None, None, message, time.monotonic() - started, starting=True)
 
 
 ProgressCallback = Callable[[SearchProgress], None]

@@ -5,23 +5,26 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import optuna
 
+from autofit import forkserver
 from autofit.budget import parse_budget
 from autofit.devicelock import visible_gpus
 from autofit.errors import RunFailure, StudyError
+from autofit.layer_probe import workload_prior
 from autofit.memory_model import needs_split_ends
 from autofit.profile import profile_workload
 from autofit.space import SearchSpace, load_space, space_from_dict
 from autofit.study import storage as backend  # the module; `storage` is search()'s URL argument
 from autofit.study.launcher import run_workers
-from autofit.study.progress import ProgressCallback, progress_of
+from autofit.study.progress import ProgressCallback, progress_of, starting_progress
 from autofit.study.settings import (JOURNAL_NAME, MIN_IMPROVEMENT, PATIENCE, TRIAL_TIMEOUT_S, StudySettings,
                                     check_study_name, default_study_name, redact, space_to_dict)
 from autofit.study.worker import TrialRunner, run_trial_isolated, run_worker
-from autofit.time_model import probe_rates
+from autofit.time_model import DeviceRates, OpCounts, probe_rates
 from autofit.workload import Workload, load_workload
 
 
@@ -140,24 +143,30 @@ def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | 
             trials=trials, deadline=None if timeout_s is None else started_wall + timeout_s, patience=patience,
             min_improvement=min_improvement, trial_timeout_s=trial_timeout_s, command=redact(command),
         )
-        profile = profile_workload(loaded, list(resolved.precision), device_type=device,  # user errors surface here
-                                   split_ends=needs_split_ends(resolved.configs()))
-        study = backend.create_or_load(settings)
         emit = progress or (lambda event: None)
+        profile = profile_workload(loaded, list(resolved.precision), device_type=device,  # user errors surface here
+                                   split_ends=needs_split_ends(resolved.configs()),
+                                   note=None if progress is None else lambda line: emit(starting_progress(line, started)))
+        study = backend.create_or_load(settings)
+        note = None if progress is None else lambda line: emit(progress_of(backend.read_records(study), line, started))
         emit(progress_of(backend.read_records(study), f"study {name} in {out}", started))
         stop = None
         try:
+            rates, counts = device_prior(loaded, profile, device, resolved, note)
             if workers == 1:
-                stop = run_worker(settings, loaded, profile=profile, rates=probe_rates(device), progress=progress,
+                stop = run_worker(settings, loaded, profile=profile, rates=rates, counts=counts, progress=progress,
                                   started=started, runner=trial_runner or run_trial_isolated)
             else:
                 # Each worker reads the device's rates and the workload's layer timings from the disk cache
-                # filled here once, so no worker starts its trials late (or times its probes against another's).
-                warm_prior_cache(loaded, profile, device, resolved)
+                # filled above once, so no worker starts its trials late (or times its probes against another's);
+                # this process runs no trial itself: the fork server the layer timing started goes.
+                forkserver.stop_server()
                 stop = run_workers(settings, workers, gpu_slices, study, emit, started,
                                    log_tag=f".{os.getpid()}" if directory.joined else "")
         finally:
             _record_run(study, settings, started_wall, workers, stop)
+            if note is not None:
+                note("writing the tables, the pictures and report.html...")
             try:
                 write_reports(backend.snapshot(study), out, html=True)
             except OSError as exc:  # a full disk: the tables are whole or old (written atomically), the study kept
@@ -187,12 +196,10 @@ def _record_run(study: optuna.Study, settings: StudySettings, started_wall: floa
         pass
 
 
-def warm_prior_cache(workload, profile, device: str, space) -> None:
-    """Probe the device and time the workload's layer now (both cached on disk), then stop the fork
-    server that timing started here: this process runs no trial itself."""
-    from autofit import forkserver
-    from autofit.layer_probe import workload_prior
-
-    rates = probe_rates(device)
-    workload_prior(workload, profile, rates, [p.value for p in space.precision])
-    forkserver.stop_server()
+def device_prior(workload: Workload, profile, device: str, space: SearchSpace,
+                 note: Callable[[str], None] | None = None) -> tuple[DeviceRates, OpCounts | None]:
+    """The device's rates (:func:`autofit.time_model.probe_rates`) and the time model's prior of
+    ``workload`` (:func:`autofit.layer_probe.workload_prior`), each read from the disk cache or
+    measured (and cached); ``note`` is told which, a line at a time."""
+    rates = probe_rates(device, note=note)
+    return rates, workload_prior(workload, profile, rates, [p.value for p in space.precision], note=note)

@@ -30,7 +30,7 @@ from autofit.study.planner import Planner
 from autofit.study.progress import ProgressCallback, progress_of
 from autofit.study.settings import StudySettings
 from autofit.layer_probe import workload_prior
-from autofit.time_model import DeviceRates, probe_rates
+from autofit.time_model import DeviceRates, OpCounts, probe_rates
 from autofit.trial import TrialResult, run_trial
 from autofit.workload import Workload
 
@@ -184,20 +184,23 @@ def _prune_summary(prunes) -> str:
 
 
 def run_worker(settings: StudySettings, workload: Workload, *, profile: Profile | None = None,
-               rates: DeviceRates | None = None, progress: ProgressCallback | None = None,
-               started: float | None = None, runner: TrialRunner = run_trial_isolated) -> str:
+               rates: DeviceRates | None = None, counts: OpCounts | None = None,
+               progress: ProgressCallback | None = None, started: float | None = None,
+               runner: TrialRunner = run_trial_isolated) -> str:
     """Plan, prune and run trials of one study until a stop rule holds. Returns the stop reason.
 
-    ``runner`` runs each trial (default: an isolated child process). Several workers
-    (processes, machines) may run on one study at once. Raises StudyError when the study
-    cannot be opened; KeyboardInterrupt marks the running trial interrupted and propagates.
+    ``profile``, ``rates``, ``counts``: the workload's profile, the device's rates and the time
+    model's prior (:func:`autofit.layer_probe.workload_prior`), computed (or read from the disk
+    cache) when not given. ``runner`` runs each trial (default: an isolated child process).
+    Several workers (processes, machines) may run on one study at once. Raises StudyError when
+    the study cannot be opened; KeyboardInterrupt marks the running trial interrupted and propagates.
     """
     space = settings.search_space()
     profile = profile or profile_workload(workload, list(space.precision), device_type=settings.device_type,
                                           split_ends=needs_split_ends(space.configs()))
     rates = rates or probe_rates(settings.device_type)
     # The prior's operator counts, rescaled by the workload's own layer timed in a child (cached).
-    counts = workload_prior(workload, profile, rates, [p.value for p in space.precision])
+    counts = counts or workload_prior(workload, profile, rates, [p.value for p in space.precision])
     worker = _Worker(settings, Planner(settings, profile, rates, counts), progress,
                      time.monotonic() if started is None else started)
     if "device_rates" not in worker.study.user_attrs:
