@@ -35,13 +35,23 @@ TOP_BREAKDOWN = 5
 DPI = 110
 
 
-def _figure(width: float = 7.5, height: float = 4.8):
+def _figure(width: float = 7.5, height: float = 4.8, *, top: float = 0.4, right: float = 0.2, bottom: float = 0.6,
+            left: float = 0.9, wspace: float = 0.2):
+    """A figure on an Agg canvas with fixed margins in inches (``left`` fits six-digit tick labels and
+    the axis label). A layout engine would cost a second draw of every figure at savefig."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
+    fig = Figure(figsize=(width, height), dpi=DPI)
     FigureCanvasAgg(fig)
+    fig.subplots_adjust(left=left / width, right=1 - right / width, bottom=bottom / height, top=1 - top / height,
+                        wspace=wspace)
     return fig
+
+
+def _title(ax, text: str) -> None:
+    # At y=1 given, matplotlib does not look for tick labels above the axes (there are none here) at each draw.
+    ax.set_title(text, y=1.0)
 
 
 def _unit(max_bytes: float) -> tuple[str, float]:
@@ -83,7 +93,7 @@ def throughput_vs_peak(table: pd.DataFrame, budget_bytes: int, best: int | None,
                    color="gold", edgecolors="black", zorder=4, label=f"best (trial {best})")
     ax.set_xlabel(f"peak memory per device ({unit}; measured, predicted for pruned)")
     ax.set_ylabel("throughput (samples/s)")
-    ax.set_title(f"{title}: throughput against peak memory")
+    _title(ax, f"{title}: throughput against peak memory")
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
@@ -118,15 +128,15 @@ def _identity_panel(ax, predicted: np.ndarray, measured: np.ndarray, statuses: p
 def predicted_vs_measured(table: pd.DataFrame, title: str):
     """Predicted against measured peak and step time for every real trial, with the identity line."""
     real = table[table["status"].isin(REAL)]
-    fig = _figure(11.0, 4.8)
+    fig = _figure(11.0, 4.8, top=0.6)  # room for the figure's title above the panels' own
     left, right = fig.subplots(1, 2)
     predicted, measured = _num(real["predicted_peak_bytes"]), _num(real["measured_peak_bytes"])
     unit, size = _unit(np.nanmax(np.r_[predicted, measured, 1.0]))
     _identity_panel(left, predicted, measured, real["status"], size, unit, "peak per device")
-    left.set_title("peak memory")
+    _title(left, "peak memory")
     _identity_panel(right, _num(real["predicted_step_time_s"]), _num(real["step_time_s"]), real["status"], 1.0, "s",
                     "step time")
-    right.set_title("optimizer step time")
+    _title(right, "optimizer step time")
     fig.suptitle(f"{title}: predicted against measured, every real trial")
     return fig
 
@@ -137,35 +147,35 @@ def memory_breakdown(table: pd.DataFrame, breakdowns: dict[int, tuple[dict, dict
 
     done = table[(table["status"] == "ok") & table["number"].isin(list(breakdowns))]
     top = done.assign(_r=_num(done["samples_per_s"])).sort_values("_r", ascending=False).head(TOP_BREAKDOWN)
-    fig = _figure(max(7.5, 1.9 * len(top) + 2.5), 5.2)
+    # room for a two-line title, three-line tick labels and the legend right of the bars
+    fig = _figure(max(7.5, 1.9 * len(top) + 2.5), 5.2, top=0.6, right=1.5, bottom=0.7)
     ax = fig.add_subplot()
     if top.empty:
         ax.text(0.5, 0.5, "no trial ran ok yet", ha="center", va="center", transform=ax.transAxes)
         ax.set_axis_off()
-        ax.set_title(f"{title}: memory at the peak of the top configs")
+        _title(ax, f"{title}: memory at the peak of the top configs")
         return fig
     largest = max(max(sum(v or 0 for v in b.values()) for b in breakdowns[n]) for n in top["number"])
     unit, size = _unit(max(largest, budget_bytes if budget_bytes < 4 * largest else 0))
-    labels, x = [], 0.0
-    for _, row in top.iterrows():
-        predicted, measured = breakdowns[int(row["number"])]
-        for offset, (kind, parts) in enumerate((("predicted", predicted), ("measured", measured))):
-            bottom = 0.0
-            for colour, (key, label) in zip(CATEGORY_COLOURS, CATEGORY_LABELS.items()):
-                value = float(parts.get(key) or 0) / size
-                ax.bar(x + offset * 0.4, value, width=0.38, bottom=bottom, color=colour,
-                       alpha=0.55 if kind == "predicted" else 1.0, edgecolor="white", linewidth=0.5,
-                       label=label if not labels and kind == "measured" else None)
-                bottom += value
-            ax.text(x + offset * 0.4, bottom, kind[:4] + ".", ha="center", va="bottom", fontsize=7)
-        config = TrainConfig.from_dict({f: row[f] for f in FIELDS})
-        labels.append((x + 0.2, f"#{int(row['number'])}\n{config.short().replace(' ckpt', chr(10) + 'ckpt')}"))
-        x += 1.0
+    numbers = [int(n) for n in top["number"]]
+    x = np.arange(len(numbers), dtype=float)  # a config's predicted bar at x, its measured one at x + 0.4
+    for offset, kind in enumerate(("predicted", "measured")):
+        bottom = np.zeros(len(numbers))
+        for colour, (key, label) in zip(CATEGORY_COLOURS, CATEGORY_LABELS.items()):  # one call a layer of the stacks
+            values = np.array([float(breakdowns[n][offset].get(key) or 0) for n in numbers]) / size
+            ax.bar(x + offset * 0.4, values, width=0.38, bottom=bottom, color=colour,
+                   alpha=0.55 if kind == "predicted" else 1.0, edgecolor="white", linewidth=0.5,
+                   label=label if kind == "measured" else None)
+            bottom += values
+        for position, height in zip(x + offset * 0.4, bottom):
+            ax.text(position, height, kind[:4] + ".", ha="center", va="bottom", fontsize=7)
     if budget_bytes / size <= 1.6 * largest / size:
         ax.axhline(budget_bytes / size, color="black", linestyle="--", linewidth=1, label="budget")
-    ax.set_xticks([p for p, _ in labels], [t for _, t in labels], fontsize=7)
+    configs = [TrainConfig.from_dict({f: row[f] for f in FIELDS}) for _, row in top.iterrows()]
+    ax.set_xticks(x + 0.2, [f"#{n}\n{c.short().replace(' ckpt', chr(10) + 'ckpt')}" for n, c in zip(numbers, configs)],
+                  fontsize=7)
     ax.set_ylabel(f"bytes at the peak ({unit})")
-    ax.set_title(f"{title}: memory at the peak, top {len(top)} configs\n(left, pale: predicted; right, solid: measured)")
+    _title(ax, f"{title}: memory at the peak, top {len(top)} configs\n(left, pale: predicted; right, solid: measured)")
     ax.margins(y=0.1)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.grid(axis="y", alpha=0.3)
@@ -195,7 +205,7 @@ def best_so_far(table: pd.DataFrame, title: str):
         ax.legend(fontsize=8, loc="lower right")
     ax.set_xlabel("wall time since the study's first trial (s)")
     ax.set_ylabel("throughput (samples/s)")
-    ax.set_title(f"{title}: best throughput so far")
+    _title(ax, f"{title}: best throughput so far")
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
