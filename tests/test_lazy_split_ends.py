@@ -151,3 +151,24 @@ def test_forked_workers_skip_and_complete_the_ends_as_this_process_does(tmp_path
     assert all(lazy.for_precision(p).split_ends_skipped for p in precisions)
     monkeypatch.setenv("AUTOFIT_PROFILE_WORKERS", "1")
     assert _precisions(completed) == _precisions(profile_workload(workload, precisions, use_cache=False))
+
+
+@pytest.mark.parametrize("split, expected", [([1], False), ([1, 2], True)])
+def test_a_worker_without_the_searchs_profile_profiles_as_the_search_does(monkeypatch, trial_workload_spec, split, expected):
+    from autofit.study import worker
+    from autofit.study.settings import StudySettings
+
+    asked = []
+
+    def profiled(*args, split_ends=True, **kwargs):
+        asked.append(split_ends)
+        raise WorkloadError("stop after profiling")
+
+    monkeypatch.setattr(worker, "profile_workload", profiled)
+    spec = trial_workload_spec("tiny_tied_lm")
+    settings = StudySettings(workload_name="tiny-tied-lm", workload_source=spec, budget_bytes=64_000_000,
+                             budget_text="64MB", space={"precision": ["fp32"], "micro_batch": [2], "device_split": split},
+                             device_type="cpu", devices=2, study_name="s", out_dir="unused")
+    with pytest.raises(WorkloadError, match="stop after profiling"):
+        worker.run_worker(settings, load_workload(spec))
+    assert asked == [expected]
