@@ -381,7 +381,7 @@ def _peaks(notes: list[Note], ctx: Context) -> list[Note]:
 
     try:
         workload = ctx.workload if ctx.workload is not None else load_workload(ctx.model_spec)
-        # split ends only where a note's config needs them: a search without splits cached its profile without
+        # split ends only where a note's config needs them (a search without splits cached its profile without them)
         profile = profile_workload(workload, sorted({c.precision for c in wanted}, key=str),
                                    device_type=ctx.device_type, split_ends=needs_split_ends(wanted))
     except AutofitError as exc:  # e.g. a cuda export on a CPU-only torch: the export itself still holds

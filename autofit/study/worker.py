@@ -200,7 +200,8 @@ def run_worker(settings: StudySettings, workload: Workload, *, profile: Profile 
                                           split_ends=needs_split_ends(space.configs()))
     rates = rates or probe_rates(settings.device_type)
     # The prior's operator counts, rescaled by the workload's own layer timed in a child (cached).
-    counts = counts or workload_prior(workload, profile, rates, [p.value for p in space.precision])
+    if counts is None:
+        counts = workload_prior(workload, profile, rates, [p.value for p in space.precision])
     worker = _Worker(settings, Planner(settings, profile, rates, counts), progress,
                      time.monotonic() if started is None else started)
     if "device_rates" not in worker.study.user_attrs:
