@@ -76,13 +76,16 @@ def param_rows(params) -> tuple[tuple[int, int], ...]:
 
 
 def _run_once(workload: Workload, precision: Precision, micro_batch: int, device_type: str,
-              fake_mode, real_batch, count_flops: bool = True) -> dict:
-    """One profiled micro-step plus optimizer step at ``micro_batch`` samples; raw integers."""
+              fake_mode, real_batch, count_flops: bool = True, step_optimizer: bool = True) -> dict:
+    """One profiled micro-step at ``micro_batch`` samples, plus the optimizer step (its state made
+    first) when ``step_optimizer``; raw integers. Without it, the run has no ``optimizer_bytes`` nor
+    ``opt_region``: neither depends on the micro-batch, so one run of the two holds them."""
     round_bytes = CUDA_BLOCK_BYTES if device_type == "cuda" else 1
     config = TrainConfig(precision=precision, micro_batch=micro_batch)
     with fake_mode:
         trainee = build_trainee(workload, config, device=device_type, fake=True)
-        init_optimizer_state(trainee)
+        if step_optimizer:  # its state exists before the step, as in every step after the first
+            init_optimizer_state(trainee)
         float_dtype = torch.bfloat16 if precision is Precision.BF16 else None
         inputs, targets = to_device(
             tuple(fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in real_batch),
@@ -208,8 +211,9 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
             backward_stops()
             bwd_counter.__exit__(None, None, None)
             rec.mark("end")
-            trainee.optimizer.step()
-            rec.mark("opt")
+            if step_optimizer:
+                trainee.optimizer.step()
+                rec.mark("opt")
     for h in handles:
         h.remove()
 
@@ -254,8 +258,8 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
         "static_param_bytes": tensor_bytes(params + buffers, round_bytes),
         "grad_bytes": tensor_bytes(grads.values(), round_bytes),
         "grad_rows": param_rows(grads.values()),
-        "optimizer_bytes": tensor_bytes(state, round_bytes),
-        "opt_region": reg("end", "opt")[:4],
+        **({"optimizer_bytes": tensor_bytes(state, round_bytes), "opt_region": reg("end", "opt")[:4]}
+           if step_optimizer else {}),
         "pre_param_bytes": tensor_bytes(pre_t, round_bytes),
         # weights used before and after the layers (a tied embedding and head): a split copies them
         "tied_bytes": tensor_bytes([t for t in pre_t if any(t is u for u in post_t)], round_bytes),
@@ -333,14 +337,16 @@ def _run_fake(workload: Workload, precision: Precision, micro_batch: int, device
     device measure the real one and calibration corrects the estimate."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    count_flops = micro_batch == PROFILE_BATCHES[-1]
+    # FLOPs and the optimizer step do not depend on the micro-batch: counted and run at the larger one only
+    # (each costs about as much as the forward and backward on fake tensors).
+    full = micro_batch == PROFILE_BATCHES[-1]
     try:
-        return _run_once(workload, precision, micro_batch, device_type, FakeTensorMode(), real_batch, count_flops)
+        return _run_once(workload, precision, micro_batch, device_type, FakeTensorMode(), real_batch, full, full)
     except Exception as exc:
         if device_type != "cuda" or "cudnn" not in f"{type(exc).__name__} {exc}".lower():
             raise
     with torch.backends.cudnn.flags(enabled=False):
-        return _run_once(workload, precision, micro_batch, device_type, FakeTensorMode(), real_batch, count_flops)
+        return _run_once(workload, precision, micro_batch, device_type, FakeTensorMode(), real_batch, full, full)
 
 
 def profile_precision(workload: Workload, precision: Precision, device_type: str = "cpu",
@@ -412,7 +418,7 @@ def _assemble(precision: Precision, runs: dict, **extra) -> PrecisionProfile:
     return PrecisionProfile(
         precision=precision.value,
         static_param_bytes=r1["static_param_bytes"], grad_bytes=r1["grad_bytes"],
-        optimizer_bytes=r1["optimizer_bytes"], optimizer_peak_bytes=max(0, opt_peak), grad_rows=r1["grad_rows"],
+        optimizer_bytes=r2["optimizer_bytes"], optimizer_peak_bytes=max(0, opt_peak), grad_rows=r1["grad_rows"],
         pre_param_bytes=r1["pre_param_bytes"], post_param_bytes=r1["post_param_bytes"],
         pre_grad_bytes=r1["pre_grad_bytes"], post_grad_bytes=r1["post_grad_bytes"],
         pre_max_grad_tensor_bytes=r1["pre_max_grad_tensor_bytes"],
@@ -441,7 +447,7 @@ def _real_check(workload: Workload, precision: Precision, device_type: str, runs
 
     def real_run(b: int) -> dict:
         with torch.random.fork_rng(devices=[]):  # the caller's random stream is left as it was
-            return _run_once(workload, precision, b, device_type, RealTensors(), real_batches[b], False)
+            return _run_once(workload, precision, b, device_type, RealTensors(), real_batches[b], False, False)
 
     try:
         real1 = real_run(b1)

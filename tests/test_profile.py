@@ -239,3 +239,22 @@ def test_workers_forked_from_the_fork_server_profile_as_this_process(tmp_path, m
     finally:
         forkserver.stop_server()
     assert len(forked) == 2 and there == here
+
+
+def test_the_optimizer_steps_in_one_profiled_run_of_the_two(tiny):
+    """The optimizer's state and step do not depend on the micro-batch: only the fake run at the larger
+    micro-batch makes the state and steps (two steps), not the smaller one nor the real check's run;
+    the model states stay exact (test_adamw_model_states)."""
+    import dataclasses
+
+    steps = []
+
+    def counted(params):
+        optimizer = tiny.optimizer(params)
+        optimizer.register_step_post_hook(lambda *_: steps.append(1))
+        return optimizer
+
+    pp = profile_precision(dataclasses.replace(tiny, optimizer=counted), Precision.FP32, split_ends=False)
+    assert pp.real_check.startswith("real step")  # the real run took place, without an optimizer step
+    assert len(steps) == 2  # the state's warm-up and the profiled step, at the larger micro-batch
+    assert pp.optimizer_bytes > 0 and pp.optimizer_peak_bytes > 0
