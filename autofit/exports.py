@@ -118,6 +118,7 @@ class Context:
     budget_bytes: int | None = None
     model_spec: str | None = None          # a --model spec (for torchrun and the peaks)
     workload: Any = None                   # a Workload, or None to load model_spec
+    profile: Any = None                    # the workload's Profile when known (a study's): no profiling
     extra: dict = dataclasses.field(default_factory=dict)  # json target: predicted/measured, study
 
 
@@ -373,17 +374,22 @@ def _together(config: TrainConfig, notes: list[Note]) -> list[Note]:
 def _peaks(notes: list[Note], ctx: Context) -> list[Note]:
     """Fill each note's nearest-setting peak from autofit's estimate (one profile for all)."""
     wanted = [n.nearest_config for n in notes if n.nearest_config is not None]
-    if not wanted or (ctx.workload is None and not ctx.model_spec):
+    if not wanted or (ctx.workload is None and not ctx.model_spec and ctx.profile is None):
         return [dataclasses.replace(n, budget_bytes=ctx.budget_bytes) for n in notes]
     from autofit.memory_model import estimate_table, needs_split_ends
     from autofit.profile import profile_workload
     from autofit.workload import load_workload
 
+    precisions = sorted({c.precision for c in wanted}, key=str)
+    split_ends = needs_split_ends(wanted)  # only where a note's config needs them (a search without splits skips them)
     try:
-        workload = ctx.workload if ctx.workload is not None else load_workload(ctx.model_spec)
-        # split ends only where a note's config needs them (a search without splits cached its profile without them)
-        profile = profile_workload(workload, sorted({c.precision for c in wanted}, key=str),
-                                   device_type=ctx.device_type, split_ends=needs_split_ends(wanted))
+        profile = ctx.profile if profile_covers(ctx.profile, precisions, split_ends, ctx.device_type) else None
+        if profile is None:
+            if ctx.workload is None and not ctx.model_spec:
+                raise ConfigError(f"the profile given lacks {', '.join(p.value for p in precisions)} on {ctx.device_type} "
+                                  "and no workload was given to profile")
+            workload = ctx.workload if ctx.workload is not None else load_workload(ctx.model_spec)
+            profile = profile_workload(workload, precisions, device_type=ctx.device_type, split_ends=split_ends)
     except AutofitError as exc:  # e.g. a cuda export on a CPU-only torch: the export itself still holds
         return [dataclasses.replace(n, budget_bytes=ctx.budget_bytes, no_peak_reason=str(exc)) for n in notes]
     table = estimate_table(profile, wanted, ctx.budget_bytes)
@@ -393,13 +399,25 @@ def _peaks(notes: list[Note], ctx: Context) -> list[Note]:
             for n in notes]
 
 
+def profile_covers(profile: Any, precisions: list, split_ends: bool, device_type: str) -> bool:
+    """Whether ``profile`` (a Profile or None) estimates every one of ``precisions`` (with the untied
+    ends a pipeline split needs when ``split_ends``) on ``device_type``."""
+    if profile is None or profile.device_type != device_type:
+        return False
+    held = [profile.precisions.get(Precision(p).value) for p in precisions]
+    return all(pp is not None and not (split_ends and pp.split_ends_skipped) for pp in held)
+
+
 def export(config: TrainConfig | str | dict, target: str, *, workload: Any = None, budget: str | int | None = None,
-           device: str | None = None, extra: dict | None = None) -> Export:
+           device: str | None = None, extra: dict | None = None, profile: Any = None) -> Export:
     """``config`` in ``target``'s own form (one of :data:`TARGETS`).
 
     ``workload`` (a Workload or a ``--model`` spec) lets notes give the estimated peak of the
     nearest setting a target can express; ``budget`` says whether it fits; ``device`` is where
-    training runs (``cuda`` or ``cpu``; default cuda when this torch sees a GPU). Raises ConfigError for an unknown target or config,
+    training runs (``cuda`` or ``cpu``; default cuda when this torch sees a GPU). ``profile``: the
+    workload's :class:`autofit.profile.Profile` on that device when known (a study's,
+    :func:`autofit.profile_cache.study_profile`): the peaks come from it when it holds their
+    precisions, without profiling the workload. Raises ConfigError for an unknown target or config,
     or a torchrun export of a config that does not split.
     """
     if target not in TARGETS:
@@ -416,7 +434,8 @@ def export(config: TrainConfig | str | dict, target: str, *, workload: Any = Non
         config = TrainConfig.from_dict(config)
     spec = workload if isinstance(workload, str) else getattr(workload, "source", None)
     ctx = Context(device_type=device, budget_bytes=parse_budget(budget) if budget is not None else None,
-                  model_spec=spec, workload=None if isinstance(workload, str) else workload, extra=extra or {})
+                  model_spec=spec, workload=None if isinstance(workload, str) else workload, extra=extra or {},
+                  profile=profile)
     kwargs, extra_out, notes = _BUILDERS[target](config, ctx)
     notes = _peaks(notes + _together(config, notes), ctx)
     comment = [n.text() for n in notes]
@@ -431,6 +450,7 @@ def export_study(out_dir: str | Path, target: str, *, storage: str | None = None
     and budget come from the study. Raises StudyError when the study has no best config yet.
     """
     from autofit.errors import StudyError
+    from autofit.profile_cache import study_profile
     from autofit.report import best_record
     from autofit.study import load_snapshot
 
@@ -446,4 +466,4 @@ def export_study(out_dir: str | Path, target: str, *, storage: str | None = None
     if best.get("config") and config == base:  # what was measured belongs only to the config that ran
         extra.update(trial=best.get("trial"), measured=best.get("measured"), predicted=best.get("predicted"))
     return export(config, target, workload=settings.get("workload_source"), budget=settings.get("budget_bytes"),
-                  device=settings.get("device_type"), extra=extra)
+                  device=settings.get("device_type"), extra=extra, profile=study_profile(study))

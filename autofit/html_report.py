@@ -114,25 +114,29 @@ def page(title: str, summary_md: str, pictures: dict[str, bytes], exports: dict[
             + "\n".join(body) + "\n</body></html>\n")
 
 
-def best_exports(config, settings) -> dict[str, str]:
+def best_exports(config, settings, profile=None) -> dict[str, str]:
     """The best config in every target's form (torchrun only for a pipeline split); a target that
-    fails to export says why in place of its text."""
+    fails to export says why in place of its text. ``profile``: the study's (its peaks need no
+    profiling when it holds every precision)."""
+    from autofit.config import Precision
     from autofit.errors import AutofitError
-    from autofit.exports import TARGETS, export
+    from autofit.exports import TARGETS, export, profile_covers
     from autofit.workload import load_workload
 
     workload = settings.get("workload_source")
-    try:  # loaded once for every target (each export would load and key it again)
-        workload = load_workload(workload) if workload else None
-    except Exception:  # noqa: BLE001 -- each export below then says why it has no peaks
-        pass
+    device = settings.get("device_type")
+    if not profile_covers(profile, list(Precision), config.device_split > 1, device):
+        try:  # loaded once for every target (each export would load and key it again)
+            workload = load_workload(workload) if workload else None
+        except Exception:  # noqa: BLE001 -- each export below then says why it has no peaks
+            pass
     out = {}
     for target in TARGETS:
         if target == "torchrun" and (config.device_split < 2 or config.split_mode.value != "pipeline"):
             continue
         try:
-            out[target] = export(config, target, workload=workload,
-                                 budget=settings.get("budget_bytes"), device=settings.get("device_type")).text
+            out[target] = export(config, target, workload=workload, budget=settings.get("budget_bytes"),
+                                 device=device, profile=profile).text
         except AutofitError as exc:
             out[target] = f"(not exported: {exc})"
         except Exception as exc:  # noqa: BLE001 -- the user's workload runs here; a finished search keeps its page
@@ -146,6 +150,7 @@ def write_page(study, table, summary_md: str, out_dir) -> dict:
 
     from autofit import pictures
     from autofit.files import write_atomic
+    from autofit.profile_cache import study_profile
     from autofit.records import best_of
 
     best = best_of(list(study.records))
@@ -153,7 +158,7 @@ def write_page(study, table, summary_md: str, out_dir) -> dict:
     pngs = pictures.render(table, pictures.breakdowns_of(study.records), settings.get("budget_bytes") or 0,
                            best.number if best else None, study.study_name)
     paths = pictures.write(pngs, out_dir)
-    exports = best_exports(best.config, settings) if best else {}
+    exports = best_exports(best.config, settings, study_profile(study)) if best else {}
     paths["report.html"] = Path(out_dir) / "report.html"
     write_atomic(paths["report.html"], page(f"autofit: {study.study_name}", summary_md, pngs, exports))
     return paths

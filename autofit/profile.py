@@ -29,7 +29,7 @@ from autofit import forkserver, procs
 from autofit.config import Precision, TrainConfig
 from autofit.errors import WorkloadError
 from autofit.files import write_atomic
-from autofit.profile_cache import cache_dir, cache_outcome, profile_key, split_refusal
+from autofit.profile_cache import cache_dir, cache_outcome, cache_path, profile_key, split_refusal
 from autofit.profile_data import (
     OUTPUT_REGIONS,
     PROFILE_BATCHES,
@@ -573,7 +573,7 @@ def profile_workload(workload: Workload, precisions: Iterable[Precision | str] =
     if n_layers == 0:
         raise WorkloadError(f"{workload.name}: layers(model) is empty; it must list the repeated blocks")
     found: dict[str, PrecisionProfile] = {}
-    path = cache_dir() / f"{workload.name}-{device_type}-{key}.json"
+    path = cache_path(workload.name, device_type, key)
     if use_cache and path.is_file():
         try:
             found = dict(Profile.from_json(path.read_text()).precisions)

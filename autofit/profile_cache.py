@@ -14,16 +14,40 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from autofit.profile_data import PROFILE_BATCHES, PROFILE_VERSION
+from autofit.profile_data import PROFILE_BATCHES, PROFILE_VERSION, Profile
 from autofit.workload import Workload
 
-__all__ = ["cache_dir", "cache_outcome", "profile_key", "split_refusal"]
+__all__ = ["cache_dir", "cache_outcome", "cache_path", "profile_key", "split_refusal", "study_profile"]
 
 
 def cache_dir() -> Path:
     """``$AUTOFIT_CACHE_DIR``, else ``~/.cache/autofit/profiles``."""
     root = os.environ.get("AUTOFIT_CACHE_DIR")
     return Path(root) if root else Path.home() / ".cache" / "autofit" / "profiles"
+
+
+def cache_path(workload_name: str, device_type: str, key: str) -> Path:
+    """The cache file of the profile of ``workload_name`` on ``device_type`` under ``key``."""
+    return cache_dir() / f"{workload_name}-{device_type}-{key}.json"
+
+
+def study_profile(study) -> Profile | None:
+    """The profile the search of ``study`` (a StudySnapshot) estimated with, read from the cache by
+    the key it stored; None for a study stored without one (an older autofit), by another profile
+    version, or whose profile is not in this machine's cache (the caller then profiles the workload).
+
+    A report of a finished study wants the peaks of the profile its predictions came from, and this
+    read costs no fake build of the model (whose torch._dynamo import alone takes seconds).
+    """
+    stored = study.profile or {}
+    name, device_type = study.settings.get("workload_name"), study.settings.get("device_type")
+    if stored.get("version") != PROFILE_VERSION or not stored.get("key") or not name or not device_type:
+        return None
+    try:
+        profile = Profile.from_json(cache_path(name, device_type, stored["key"]).read_text())
+    except (OSError, ValueError, TypeError, KeyError):
+        return None  # gone or unreadable: profiled again, never trusted
+    return profile if profile.key == stored["key"] else None
 
 
 def _source_of(obj: Any) -> str:

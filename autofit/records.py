@@ -148,7 +148,8 @@ class StudySnapshot:
     ``settings``: the search settings as stored (workload, budget, device, space, command...);
     ``runs``: one entry per search command (wall time, workers, stop reason); ``stop_reason``:
     why the last planning step stopped (None while running); ``versions``: the environment
-    that created it; ``device_rates``: the device probe's rates.
+    that created it; ``device_rates``: the device probe's rates; ``profile``: which cached profile
+    the search estimated with (``{"key", "version"}``, :func:`autofit.profile_cache.study_profile`).
     """
 
     study_name: str
@@ -158,6 +159,7 @@ class StudySnapshot:
     stop_reason: str | None = None
     versions: Mapping[str, Any] = field(default_factory=dict)
     device_rates: Mapping[str, Any] | None = None
+    profile: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "records", tuple(self.records))

@@ -19,8 +19,12 @@ import pytest
 
 import autofit
 from autofit.cli import main
+from autofit.config import TrainConfig
+from autofit.html_report import best_exports
 from autofit.pictures import PICTURES
-from autofit.study import open_study
+from autofit.profile_cache import study_profile
+from autofit.profile_data import PROFILE_VERSION
+from autofit.study import load_snapshot, open_study
 
 SPACE = {"precision": ["fp32", "amp-bf16"], "micro_batch": [2, 4], "global_batch": 4, "checkpoint_every": [0, 1],
          "device_split": [1, 2]}
@@ -154,6 +158,46 @@ def test_export_from_the_study_and_from_the_result(finished, capsys):
     assert main(["export", str(finished.out_dir), "--to", "hf", "--config", "micro_batch=1"]) == 0
     assert json.loads(capsys.readouterr().out)["training_arguments"]["per_device_train_batch_size"] == 1
     assert main(["export", str(finished.out_dir), "--to", "hf", "--model", "gpt2"]) == 2  # the study says the model
+
+
+def test_a_fresh_report_and_export_read_the_searchs_profile_without_torch_dynamo(finished):
+    """Reviewing a finished study costs no fake build of the model (its torch._dynamo import alone
+    takes seconds): the search stored its profile's key and the report reads that profile."""
+    assert open_study(finished.out_dir).user_attrs["profile"]["version"] == PROFILE_VERSION
+    code = ("import sys; from autofit.cli import main; out = sys.argv[1]; "
+            "assert main(['report', out, '--html', '--top', '1']) == 0; "
+            "assert main(['export', out, '--to', 'hf', '--config', 'checkpoint_every=2']) == 0; "
+            "print('torch._dynamo imported:', 'torch._dynamo' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code, str(finished.out_dir)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "estimated peak" in proc.stdout  # the export's note has its peak, from the stored profile
+    assert proc.stdout.rstrip().endswith("torch._dynamo imported: False")
+
+
+def test_the_studys_profile_gives_the_exports_a_fresh_profile_gives(finished):
+    snap = load_snapshot(finished.out_dir)
+    profile = study_profile(snap)
+    assert profile is not None and profile.key == snap.profile["key"]
+    config = TrainConfig("amp-bf16", 2, 2, 2, 1)  # hf checkpoints every layer or none: a note with a peak
+    stored = best_exports(config, snap.settings, profile)
+    assert "estimated peak" in stored["hf"]
+    assert stored == best_exports(config, snap.settings, None)
+
+
+@pytest.mark.parametrize("stored", [None, {"key": "0" * 20, "version": PROFILE_VERSION}, {"version": -1}],
+                         ids=["older-autofit", "not-in-this-cache", "another-profile-version"])
+def test_a_study_without_a_usable_profile_key_still_reports(finished, tmp_path, stored):
+    copy = tmp_path / "study"
+    shutil.copytree(finished.out_dir, copy)
+    study = open_study(copy)
+    if stored is not None and "key" not in stored:
+        stored = {**study.user_attrs["profile"], **stored}
+    study.set_user_attr("profile", stored)
+    assert study_profile(load_snapshot(copy)) is None  # so the report profiles the workload again
+    (copy / "report.html").unlink()
+    assert main(["report", str(copy), "--html", "--top", "1"]) == 0
+    assert "training_arguments" in (copy / "report.html").read_text()
 
 
 def test_a_search_where_nothing_fits_says_what_would(tmp_path, capsys):

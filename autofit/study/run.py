@@ -148,6 +148,7 @@ def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | 
                                    split_ends=needs_split_ends(resolved.configs()),
                                    note=None if progress is None else lambda line: emit(starting_progress(line, started)))
         study = backend.create_or_load(settings)
+        backend.record_profile(study, profile.key)
         note = None if progress is None else lambda line: emit(progress_of(backend.read_records(study), line, started))
         emit(progress_of(backend.read_records(study), f"study {name} in {out}", started))
         stop = None

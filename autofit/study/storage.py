@@ -38,6 +38,7 @@ from autofit.config import FIELDS, TrainConfig
 from autofit.errors import AutofitError, RunFailure, StudyError
 from autofit.files import write_atomic
 from autofit.objective import objective
+from autofit.profile_data import PROFILE_VERSION
 from autofit.records import PruneReason, StudySnapshot, TrialRecord, TrialStatus
 from autofit.space import SearchSpace
 from autofit.study.settings import JOURNAL_NAME, StudySettings, redact
@@ -294,6 +295,15 @@ def create_or_load(settings: StudySettings) -> optuna.Study:
     return study
 
 
+def record_profile(study: optuna.Study, key: str) -> None:
+    """Store the key of the profile this search estimates with, so that a report of the study reads
+    it from the cache (:func:`autofit.profile_cache.study_profile`) instead of keying the workload
+    again: a fake build whose import of torch._dynamo alone costs a fresh process seconds."""
+    stored = {"key": key, "version": PROFILE_VERSION}
+    if study.user_attrs.get("profile") != stored:  # a resumed search adds nothing to the journal
+        study.set_user_attr("profile", stored)
+
+
 def _versions() -> dict:
     import platform
 
@@ -381,7 +391,8 @@ def snapshot(study: optuna.Study) -> StudySnapshot:
     attrs = study.user_attrs
     return StudySnapshot(study_name=study.study_name, records=read_records(study), settings=attrs.get("settings") or {},
                          runs=attrs.get("runs") or (), stop_reason=attrs.get("stop_reason"),
-                         versions=attrs.get("versions") or {}, device_rates=attrs.get("device_rates"))
+                         versions=attrs.get("versions") or {}, device_rates=attrs.get("device_rates"),
+                         profile=attrs.get("profile"))
 
 
 def load_snapshot(out_dir: str | Path, storage: str | None = None, study_name: str | None = None) -> StudySnapshot:
