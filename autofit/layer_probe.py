@@ -155,31 +155,35 @@ def layer_probe_child(request: dict, send=None) -> dict:
     return {"seconds": out}
 
 
-def _cache_path(source: str, precisions: list[str], device_type: str) -> Path:
+def _cache_path(key: str, precisions: list[str], device_type: str) -> Path:
+    """``key``: the workload's profile key (:func:`autofit.profile_cache.profile_key`: its model's
+    shapes, settings and code by content, never a path or an mtime), so the profile and the layer
+    timings of a workload are stale or reused together, across checkouts and ``touch`` alike."""
     import torch
 
     from autofit.profile import cache_dir
 
-    ident = repr((LAYER_PROBE_VERSION, source, sorted(precisions), LAYER_BATCHES, device_type, torch.__version__,
+    ident = repr((LAYER_PROBE_VERSION, key, sorted(precisions), LAYER_BATCHES, device_type, torch.__version__,
                   os.environ.get("OMP_NUM_THREADS") or str(torch.get_num_threads())))
-    if ":" in source and os.path.isfile(source.rsplit(":", 1)[0]):  # a user's file: its edits count
-        ident += repr(os.path.getmtime(source.rsplit(":", 1)[0]))
     return cache_dir() / f"layer-{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json"
 
 
 def measure_layer_seconds(source: str, precisions: list[str], device_type: str = "cpu",
-                          use_cache: bool = True, note: Callable[[str], None] | None = None) -> dict[str, list[float]] | None:
+                          use_cache: bool = True, note: Callable[[str], None] | None = None,
+                          key: str | None = None) -> dict[str, list[float]] | None:
     """Seconds of the first layer's forward + backward at :data:`LAYER_BATCHES`, per precision, measured
     in a child forked from the trials' fork server (in the trials' environment), else a fresh one
     (``OMP_WAIT_POLICY=PASSIVE``, as the device probe), and cached. None when the
     workload has no layer to time or the child fails (the prior stays the bare-matmul one).
-    ``note`` is called with a line for a user: the timings read from the cache, or the timing starting and done."""
+    ``note`` is called with a line for a user: the timings read from the cache, or the timing starting and done.
+    ``key``: the workload's profile key, under which the timings are cached (without one, nothing is)."""
     from autofit.time_model import probe_env
 
     if device_type != "cpu" or not precisions:
         return None  # on CUDA the probe child would need its own context: the bare-matmul prior stays
     note = note or (lambda line: None)
-    path = _cache_path(source, precisions, device_type)
+    use_cache = use_cache and bool(key)
+    path = _cache_path(key or "", precisions, device_type)
     if use_cache and path.is_file():
         try:
             seconds = json.loads(path.read_text())["seconds"]
@@ -260,7 +264,8 @@ def workload_prior(workload, profile, rates, precisions: list[str], use_cache: b
             continue
         if fixed + per_sample * LAYER_BATCHES[-1] <= MAX_LAYER_S:
             cheap.append(precision)
-    seconds = measure_layer_seconds(workload.source, cheap, profile.device_type, use_cache, note) if cheap else None
+    seconds = (measure_layer_seconds(workload.source, cheap, profile.device_type, use_cache, note, key=profile.key)
+               if cheap else None)
     if not seconds:
         return counts
     scales = layer_scales(profile, rates, counts, seconds)

@@ -1,6 +1,8 @@
 """The profile cache's key: everything that can change a profile, so an edited model, optimizer,
 batch or loss is never served a stale one (:func:`autofit.profile.profile_workload` reads and
-writes the cache under :func:`cache_dir`)."""
+writes the cache under :func:`cache_dir`). Code counts by content (the sources and the digests of
+the files that define the workload), never by path or modification time: another checkout of the
+same code, or a ``touch``, reuses the cache. The layer probe's timings are keyed by this key too."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from torch.utils._pytree import tree_leaves
 from autofit.profile_data import PROFILE_BATCHES, PROFILE_VERSION, Profile
 from autofit.workload import Workload
 
-__all__ = ["cache_dir", "cache_outcome", "cache_path", "profile_key", "split_refusal", "study_profile"]
+__all__ = ["cache_dir", "cache_outcome", "cache_path", "code_digests", "profile_key", "split_refusal", "study_profile"]
 
 
 def cache_dir() -> Path:
@@ -72,6 +74,29 @@ def _read_source(obj: Any) -> str:
         return f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', repr(obj))}"
 
 
+def code_digests(objs) -> list[str]:
+    """The content digests of the files defining ``objs`` (classes, functions), in file order: an
+    edit anywhere in them (a helper the model calls, a constant) changes the key, while a copy in
+    another checkout or a ``touch`` does not -- no path or modification time enters a key."""
+    files = sorted({path for path in map(_source_file, objs) if path})
+    return [digest for digest in map(_file_digest, files) if digest]
+
+
+def _source_file(obj: Any) -> str | None:
+    try:
+        return inspect.getsourcefile(obj)
+    except TypeError:  # a builtin, a functools.partial
+        return None
+
+
+def _file_digest(path: str) -> str | None:
+    # read every time (a few source files: well under a millisecond), never memoised by mtime
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+    except OSError:  # a notebook cell's pseudo-file: its source text is keyed instead
+        return None
+
+
 def split_refusal(workload: Workload) -> str | None:
     """``workload.split.refusal`` on a model built on the meta device (no memory), if it has one."""
     refusal = getattr(workload.split, "refusal", None)
@@ -99,11 +124,12 @@ def profile_key(workload: Workload, device_type: str) -> tuple[str, int, int]:
                 for m in model.modules()]
     batch = workload.batch(PROFILE_BATCHES[0])
     batch_shapes = [(tuple(t.shape), str(t.dtype)) for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    functions = (workload.model, workload.batch, workload.loss, workload.optimizer, workload.layers)
     parts = [
         PROFILE_VERSION, torch.__version__, device_type, workload.name, repr(model), params, buffers,
         [_source_of(c) for c in classes], settings, repr(optimizer), type(optimizer).__qualname__,
-        [_source_of(f) for f in (workload.model, workload.batch, workload.loss, workload.optimizer, workload.layers)],
-        batch_shapes, len(layers),
+        [_source_of(f) for f in functions], batch_shapes, len(layers),
+        code_digests([*functions, *(c for c in classes if not c.__module__.startswith("torch."))]),
     ]
     digest = hashlib.sha256(repr(parts).encode()).hexdigest()[:20]
     param_count = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
