@@ -285,7 +285,9 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
                 "grad_rows": param_rows([p for p in layer_params[i] if p.requires_grad]),
                 "output": layer_out[i],
                 "output_saved": output_saved[i],
-                "forward": reg(f"f{i}", f"F{i}"),
+                # to the next layer's start: what dies between two layers (a frozen block's input,
+                # which no backward keeps, once the next block has its output) is this layer's
+                "forward": reg(f"f{i}", f"f{i + 1}" if i < n - 1 else f"F{i}"),
                 "backward": reg(f"b{i}", f"B{i}"),
                 "forward_flops": layer_flops[i],
             }

@@ -13,7 +13,7 @@ from autofit.config import Precision
 __all__ = ["OUTPUT_REGIONS", "PROFILE_BATCHES", "PROFILE_VERSION", "LayerProfile", "Line", "PrecisionProfile", "Profile", "Region", "precision_from_dict", "region_from_dict"]
 
 # The profile's format: a cache entry of another version is never read (autofit.profile_cache).
-PROFILE_VERSION = 10
+PROFILE_VERSION = 11
 # Micro-batch sizes profiled; every per-sample quantity is fitted as a line through them.
 PROFILE_BATCHES = (2, 4)
 

@@ -115,3 +115,20 @@ def test_frozen_parameters_have_no_gradient_or_optimizer_state():
     assert pp.grad_bytes == 4 * trainable < pp.static_param_bytes
     assert pp.optimizer_bytes == 8 * trainable + 4 * sum(p.requires_grad for p in model.parameters())  # + AdamW steps
     assert abs(_error(workload, "precision=fp32,micro_batch=64,checkpoint_every=2")) <= 0.02
+
+
+class FrozenPrefix(Shared):
+    """A fine-tune that freezes its first blocks: their inputs need no gradient, so nothing keeps
+    a frozen block's input once the next block has it (the model frees it between the layers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(6))
+        self.stem.requires_grad_(False)
+        for block in self.blocks[:4]:
+            block.requires_grad_(False)
+
+
+@pytest.mark.parametrize("config", ["precision=fp32,micro_batch=256", "precision=amp-bf16,micro_batch=256"])
+def test_frozen_prefix_frees_inputs_between_layers(config):
+    assert abs(_error(_workload("mlp-frozen-prefix", FrozenPrefix), config)) <= 0.02
