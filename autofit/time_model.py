@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from autofit import forkserver, procs
+from autofit.collectives import fsdp_micro_step_seconds, send_seconds
 from autofit.config import FIELDS, Precision, TrainConfig, stage_bounds
 from autofit.devicelock import DeviceLock, device_names
 from autofit.files import write_atomic
@@ -105,6 +106,15 @@ class DeviceRates:
     torch_version: str
     # CUDA only (autofit.cuda_memory): the card's bytes outside the tensors, measured by the probe child
     cuda_overhead: dict | None = None
+    # Device splits only (autofit.collectives): {world size: LinkRates dict}, what moving bytes between ranks costs
+    links: dict | None = None
+
+    def link(self, world_size: int):
+        """The measured :class:`autofit.collectives.LinkRates` of ``world_size`` ranks, or None."""
+        from autofit.collectives import LinkRates
+
+        found = (self.links or {}).get(str(world_size))
+        return LinkRates.from_dict(found) if found else None
 
     def memory_overhead(self):
         """The measured :class:`autofit.cuda_memory.CudaOverhead` (None on the CPU or when not measured)."""
@@ -448,8 +458,21 @@ def _stage_terms(profile: Profile, precision: str, split: int, checkpointed: boo
             "ops": ops * (AMP_OPS_FACTOR if amp else 1.0),
             "optimizer_ops": OPTIMIZER_OPS_PER_TENSOR * max(tensors, 1),
             "boundary_bytes_per_sample": pp.layers[end - 1].output[1] if not last else 0.0,
+            # per boundary it sends over or receives from (after it, before it): bytes per sample
+            "boundaries_bytes_per_sample": ([pp.layers[end - 1].output[1]] if not last else [])
+                                           + ([pp.layers[start - 1].output[1]] if not first else []),
         })
     return terms
+
+
+def exposed(comm_s, compute_s, device_type: str):
+    """The part of FSDP's communication ``comm_s`` a micro-step waits for, next to its compute ``compute_s``.
+    On the CPU all of it: gloo's copies and reductions run on the cores that compute (the ranks share
+    them). On CUDA NCCL runs on streams of its own beside the compute (FSDP2 prefetches the next
+    unit's gather), so only what the compute cannot hide."""
+    if device_type == "cuda":
+        return np.maximum(comm_s - compute_s, 0.0)
+    return comm_s
 
 
 def predict_table(profile: Profile, configs: list[TrainConfig], rates: DeviceRates,
@@ -475,9 +498,17 @@ def predict_table(profile: Profile, configs: list[TrainConfig], rates: DeviceRat
         idx = np.nonzero(keys == key)[0]
         precision, checkpointed, split, ranks = key.split("|")
         split, ranks = int(split), int(ranks)
+        links = rates.link(max(split, ranks))  # measured collectives (autofit.collectives); None: not costed
+        comm = np.zeros(len(idx))
         if ranks > 1:
             # FSDP: every rank runs the whole model on its micro-batch (one stage), the optimizer on
-            # its shards. The all-gathers and reduce-scatters are not costed: a search calibrates them.
+            # its shards, and gathers and reduce-scatters every unit (a layer or a checkpoint segment)
+            # at each micro-step.
+            if links is not None:
+                every = cols["checkpoint_every"][idx]
+                for k in np.unique(every):
+                    comm[every == k] = fsdp_micro_step_seconds(profile.for_precision(precision), profile.n_layers,
+                                                               int(k), links, rates.memory_bytes_per_s)
             split = 1
         elif split > profile.n_layers:
             continue
@@ -490,10 +521,15 @@ def predict_table(profile: Profile, configs: list[TrainConfig], rates: DeviceRat
         flops = np.zeros(len(idx))
         recompute = np.zeros(len(idx))
         for t in _stage_terms(profile, precision, split, checkpointed == "1", counts):
+            # A boundary's transfers: measured sends, on both of its stages (the receiver waits for them);
+            # without the link probe, a copy at the memory rate on the sender.
+            copied = 0.0 if links is not None else 2 * t["boundary_bytes_per_sample"]
+            sends = sum(send_seconds(x * b, links) for x in t["boundaries_bytes_per_sample"]) if links is not None else 0.0
             per_sample = (t["flops_per_sample"] / rate + (ACTIVATION_TRAFFIC * t["saved_bytes_per_sample"]
-                          + 2 * t["boundary_bytes_per_sample"]) / rates.memory_bytes_per_s) * b
+                          + copied) / rates.memory_bytes_per_s) * b
             fixed = WEIGHT_TRAFFIC * t["weight_bytes"] / rates.memory_bytes_per_s + t["ops"] * rates.op_latency_s
-            stage_micro.append(per_sample_scale * per_sample + fixed_scale * fixed)
+            compute = per_sample_scale * per_sample + fixed_scale * fixed
+            stage_micro.append(compute + sends + exposed(comm, compute, rates.device_type))
             stage_opt.append(OPTIMIZER_TRAFFIC * t["optimizer_bytes"] / rates.memory_bytes_per_s
                              + t["optimizer_ops"] * rates.op_latency_s)
             flops += t["flops_per_sample"] * b * m

@@ -166,7 +166,7 @@ class Grid:
     oom_floor_s: float          # wall time of a trial that goes over its budget at the first operator
     param_count: int
     wall_s: float = 0.0
-    first_use_s: float = 0.0    # autofit's cold start: profiling on fake tensors and the device probe, no caches
+    first_use_s: float = 0.0    # autofit's cold start: profiling on fake tensors, the device (and link) probes, no caches
 
     def feasible(self, budget_bytes: int) -> list[GridPoint]:
         return [p for p in self.points.values()
@@ -239,6 +239,13 @@ def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) 
         probe_rates("cpu", use_cache=False)
         first_use_s += time.perf_counter() - cold
         rates = probe_rates("cpu")
+        from autofit.collectives import split_sizes, with_links
+
+        if split_sizes(configs, max(cell.device_splits)):  # the splits' collectives, timed as a search times them
+            cold = time.perf_counter()
+            with_links(rates, configs, max(cell.device_splits), use_cache=False)
+            first_use_s += time.perf_counter() - cold
+            with_links(rates, configs, max(cell.device_splits))
         from autofit.layer_probe import workload_prior
 
         cold = time.perf_counter()  # the workload's own layer, timed for the prior (then cached for the runs)

@@ -189,7 +189,7 @@ def write_search(out_dir: Path, env: dict, res: SearchResults, strategies: tuple
                     f"(median trial {seconds(median_and_spread([p.wall_s for p in grid.points.values()])[0])} s; "
                     f"a trial that dies at its first operator: {grid.oom_floor_s:.1f} s). autofit's clock is charged "
                     f"{grid.first_use_s:.1f} s per run for its first use on this workload: profiling on fake tensors "
-                    "and probing the device, both with cold caches.")
+                    "and probing the device (and, where a split runs, its collectives), with cold caches.")
         lines = [title, "", measured]
         pairs = [(p.trial_samples_per_s, p.second_samples_per_s) for p in grid.points.values()
                  if p.trial_samples_per_s and p.second_samples_per_s]

@@ -12,6 +12,7 @@ import optuna
 
 from autofit import forkserver
 from autofit.budget import parse_budget
+from autofit.collectives import with_links
 from autofit.devicelock import visible_gpus
 from autofit.errors import RunFailure, StudyError
 from autofit.layer_probe import workload_prior
@@ -153,7 +154,7 @@ def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | 
         emit(progress_of(backend.read_records(study), f"study {name} in {out}", started))
         stop = None
         try:
-            rates, counts = device_prior(loaded, profile, device, resolved, note)
+            rates, counts = device_prior(loaded, profile, device, resolved, note, devices)
             if workers == 1:
                 stop = run_worker(settings, loaded, profile=profile, rates=rates, counts=counts, progress=progress,
                                   started=started, runner=trial_runner or run_trial_isolated)
@@ -198,9 +199,10 @@ def _record_run(study: optuna.Study, settings: StudySettings, started_wall: floa
 
 
 def device_prior(workload: Workload, profile, device: str, space: SearchSpace,
-                 note: Callable[[str], None] | None = None) -> tuple[DeviceRates, OpCounts | None]:
-    """The device's rates (:func:`autofit.time_model.probe_rates`) and the time model's prior of
-    ``workload`` (:func:`autofit.layer_probe.workload_prior`), each read from the disk cache or
+                 note: Callable[[str], None] | None = None, devices: int = 1) -> tuple[DeviceRates, OpCounts | None]:
+    """The device's rates (:func:`autofit.time_model.probe_rates`; with the collectives' costs of the
+    device splits that run on ``devices``, :func:`autofit.collectives.with_links`) and the time model's
+    prior of ``workload`` (:func:`autofit.layer_probe.workload_prior`), each read from the disk cache or
     measured (and cached); ``note`` is told which, a line at a time."""
-    rates = probe_rates(device, note=note)
+    rates = with_links(probe_rates(device, note=note), space.configs(), devices, note=note)
     return rates, workload_prior(workload, profile, rates, [p.value for p in space.precision], note=note)

@@ -20,6 +20,7 @@ from optuna.samplers import BaseSampler
 
 from autofit.budget import format_bytes
 from autofit.calibration import relative_error
+from autofit.collectives import with_links
 from autofit.config import TrainConfig
 from autofit.memory_model import needs_split_ends
 from autofit.profile import Profile, profile_workload
@@ -199,6 +200,8 @@ def run_worker(settings: StudySettings, workload: Workload, *, profile: Profile 
     profile = profile or profile_workload(workload, list(space.precision), device_type=settings.device_type,
                                           split_ends=needs_split_ends(space.configs()))
     rates = rates or probe_rates(settings.device_type)
+    if rates.links is None:  # a worker started on its own: the splits' link costs, from the cache the search filled
+        rates = with_links(rates, space.configs(), settings.devices)
     # The prior's operator counts, rescaled by the workload's own layer timed in a child (cached).
     if counts is None:
         counts = workload_prior(workload, profile, rates, [p.value for p in space.precision])
