@@ -26,9 +26,11 @@ a stage are the whole model's backward in proportion to the stage's forward FLOP
 
 Known limitations: matmuls are costed at the probe's large-matrix rate (small matrices run
 slower: the prior favours small micro-batches too much until calibrated); the operator count is
-estimated from the parameter tensors, not counted; pipeline stages are assumed to run on separate devices
-(stages sharing one CPU get no speed-up, which the prior does not know) and their activation
-transfers are costed at the memory rate.
+estimated from the parameter tensors, not counted; pipeline stages and FSDP ranks are assumed to run on
+separate devices (ranks sharing one CPU get no speed-up, which the prior does not know). A split's
+communication (FSDP's gathers and reduce-scatters, a pipeline's sends) is costed from the profile's
+bytes and the measured links (:mod:`autofit.collectives`) when the search probed them; without them
+a pipeline's transfers are a copy at the memory rate and FSDP's are left out.
 """
 
 from __future__ import annotations
