@@ -587,8 +587,8 @@ def profile_workload(workload: Workload, precisions: Iterable[Precision | str] =
     ends = _profile_many(workload, endless, device_type, ends_only=True) if endless else {}
     found.update({name: with_split_ends(found[name], pp) for name, pp in ends.items()})
     note(cache_outcome(workload.name, precisions, missing, endless, time.perf_counter() - started, path))
-    with torch.device("meta"):
-        optimizer_name = type(workload.optimizer([nn.Parameter(torch.empty(1))])).__name__
+    with torch.device("meta"):  # over the model's own parameters: a factory may pick some (only matrices)
+        optimizer_name = type(workload.optimizer(workload.model().parameters())).__name__
     profile = Profile(
         split_refusal=split_refusal(workload),
         workload=workload.name, device_type=device_type, param_count=param_count, n_layers=n_layers,

@@ -6,6 +6,7 @@ import dataclasses
 import importlib
 import importlib.util
 import sys
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -29,7 +30,8 @@ def largest_module_list(model: nn.Module) -> nn.ModuleList:
                 best, best_count = module, count
     if best is None:
         raise WorkloadError(
-            f"{type(model).__name__} has no nn.ModuleList of layers; pass layers=lambda m: m.<your blocks>"
+            f"{type(model).__name__} has no nn.ModuleList of layers; pass layers=lambda m: m.<your blocks>, "
+            "or layers=lambda m: nn.ModuleList([m]) for a model without repeated blocks (the whole model one layer)"
         )
     return best
 
@@ -95,9 +97,24 @@ _FAILURE_HINTS = (  # torch's words for the usual workload mistakes -> what the 
 )
 
 
+def _failing_optimizer(exc: BaseException) -> str | None:
+    """The class name of the optimizer whose ``step`` raised ``exc``, if one did."""
+    for frame, _ in traceback.walk_tb(exc.__traceback__):
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, torch.optim.Optimizer):
+            return type(owner).__name__
+    return None
+
+
 def explain_failure(name: str, exc: BaseException) -> str:
     """One line on why a workload failed to train a step, naming the mistake when torch's words show it."""
     text = " ".join(str(exc).split())
+    optimizer = _failing_optimizer(exc)
+    if optimizer is not None:  # not the model's fault: say so, and what a profiled optimizer must not do
+        why = (" (it reads a tensor's value, e.g. .item(), which fake tensors do not have)"
+               if "_local_scalar_dense" in text or "data-dependent" in text.lower() else "")
+        return (f"{name}: the optimizer's step ({optimizer}) cannot run on fake tensors{why}, so autofit cannot "
+                f"profile it ({type(exc).__name__}: {text}); use one that can, e.g. torch.optim.AdamW, SGD, RMSprop, Adagrad")
     for needles, hint in _FAILURE_HINTS:
         if any(n in text for n in needles):
             return f"{name}: {hint} ({type(exc).__name__}: {text})"

@@ -76,6 +76,12 @@ def frozen() -> Workload:
     return _workload("frozen", model=model)
 
 
+def optimizer_reads_values() -> Workload:
+    """ASGD's step reads a tensor's value (``.item()``): it cannot run on fake tensors."""
+    return Workload(name="asgd", model=Net, batch=_batch, loss=F.mse_loss,
+                    optimizer=lambda params: torch.optim.ASGD(params, lr=0.01))
+
+
 def fine() -> Workload:
     return _workload("fine")
 

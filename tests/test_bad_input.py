@@ -110,7 +110,9 @@ CASES: dict[str, Case] = {
     "workload-sys-exit": Case(_estimate(model=f"{BAD}:exits"), 2, ("exits()", "sys.exit", "workload"), process=True),
     "workload-bad-shapes": Case(_estimate(model=f"{BAD}:bad_shapes"), 2, ("bad-shapes", "batch(n)", "[2, 19]"), process=True),
     "workload-nonscalar-loss": Case(_estimate(model=f"{BAD}:nonscalar_loss"), 2, ("nonscalar", "loss(", "scalar")),
-    "workload-no-layers": Case(_estimate(model=f"{BAD}:no_layers"), 2, ("modulelist", "layers=")),
+    "workload-no-layers": Case(_estimate(model=f"{BAD}:no_layers"), 2, ("modulelist", "layers=", "modulelist([m])")),
+    "workload-optimizer-reads-values": Case(_estimate(model=f"{BAD}:optimizer_reads_values"), 2,
+                                            ("asgd", "optimizer's step", ".item()", "adamw")),
     "workload-all-frozen": Case(_estimate(model=f"{BAD}:frozen"), 2, ("frozen", "requires_grad")),
     "workload-hf-option-on-builtin": Case(_estimate("--seq-len", "16"), 2, ("--seq-len", "hf:")),
     # storages

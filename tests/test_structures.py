@@ -132,3 +132,13 @@ class FrozenPrefix(Shared):
 @pytest.mark.parametrize("config", ["precision=fp32,micro_batch=256", "precision=amp-bf16,micro_batch=256"])
 def test_frozen_prefix_frees_inputs_between_layers(config):
     assert abs(_error(_workload("mlp-frozen-prefix", FrozenPrefix), config)) <= 0.02
+
+
+def test_an_optimizer_over_some_parameters_only():
+    """A factory may pick what it optimizes (only matrices, as for Muon): autofit hands it the model's
+    own parameters, never a stand-in it would filter down to nothing."""
+    workload = Workload(name="mlp-matrices-only", model=NoStem, batch=_batch, loss=F.cross_entropy,
+                        optimizer=lambda ps: torch.optim.SGD([p for p in ps if p.dim() == 2], lr=0.1, momentum=0.9))
+    profile = profile_workload(workload, ["fp32"], use_cache=False)
+    assert profile.optimizer == "SGD"
+    assert profile.for_precision("fp32").optimizer_bytes == 4 * (4 * WIDTH * WIDTH + 10 * WIDTH)  # momentum of the matrices
