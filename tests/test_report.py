@@ -142,6 +142,20 @@ def test_report_of_a_directory_without_a_study(tmp_path, capsys):
     assert capsys.readouterr().err.startswith("autofit: error: ")
 
 
+def test_report_of_a_study_without_a_finished_trial(tmp_path, capsys):
+    space = space_from_dict(dict(SPACE))
+    settings = StudySettings(workload_name="tiny", workload_source="tiny.py:make", budget_bytes=BUDGET,
+                             budget_text="1MB", space=space_to_dict(space), device_type="cpu", devices=1,
+                             study_name="fresh", out_dir=str(tmp_path / "fresh"), command="autofit search ...")
+    create_or_load(settings)  # a search that has not finished a trial yet
+    assert main(["report", settings.out_dir]) == 0
+    out = capsys.readouterr().out
+    assert "fresh: 0 trials" in out and out.rstrip().endswith("best: none (no trial ran ok under the budget yet)")
+    assert main(["export", settings.out_dir, "--to", "hf"]) == 2
+    assert capsys.readouterr().err.strip() == ("autofit: error: study fresh: no config ran under the budget yet; "
+                                               "nothing to export (pass --config to export one anyway)")
+
+
 def test_a_study_cannot_be_resumed_with_another_budget(study_dir):
     import dataclasses
 

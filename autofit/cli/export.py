@@ -44,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
     for note in exp.notes:
         sys.stderr.write(f"autofit: note: {note.text()}\n")
     if args.out:
+        if Path(args.out).is_dir():
+            raise ConfigError(f"--out {args.out} is a directory; pass a file path (e.g. {Path(args.out) / 'export.json'})")
         try:
             Path(args.out).write_text(exp.text)
         except OSError as exc:

@@ -84,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
               + (f"; median of {len(samples)} samples {best['median_samples_per_s']:,.2f} samples/s"
                  if len(samples) > 1 else ""))
         print(f"reproduce: {best['reproduce']}")
+    else:
+        print(f"best: none ({best.get('reason') or 'no trial ran ok under the budget yet'})")
     return 0
 
 

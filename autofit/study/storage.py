@@ -230,32 +230,52 @@ def open_study(out_dir: str | Path, storage: str | None = None, study_name: str 
     Raises StudyError when the directory holds no study or the storage cannot be read.
     """
     out_dir = Path(out_dir)
+    _check_study_dir(out_dir, storage)
     meta_path = out_dir / META_NAME
     meta = {}
     if meta_path.is_file():
         try:
             meta = json.loads(meta_path.read_text())
         except ValueError:
-            raise StudyError(f"{meta_path}: not valid JSON") from None
+            raise StudyError(f"{meta_path}: not valid JSON (autofit search writes it; remove it to read "
+                             f"{JOURNAL_NAME} alone)") from None
     elif not (out_dir / JOURNAL_NAME).is_file() and storage is None:
         raise StudyError(f"{out_dir}: no study here (no {META_NAME} or {JOURNAL_NAME}); run `autofit search --out {out_dir}`")
     url = storage or meta.get("storage")
     if url and "***" in url:
         raise StudyError(f"{out_dir}: the study is in {url}; pass the storage URL with its password (--storage)")
     name = study_name or meta.get("study_name")
+    where = redact(url) or out_dir / JOURNAL_NAME
+    if not url and not (out_dir / JOURNAL_NAME).is_file():  # else opening it would create an empty one
+        raise StudyError(f"{where}: missing, though {meta_path.name} names study {name!r}; the trials are "
+                         "stored in that file (copy it back, or pass --storage if they are in a database)")
     quiet_optuna()
     try:
         backend = make_storage(out_dir, url)
-        if name is None:
-            names = optuna.get_all_study_names(storage=backend)
-            if len(names) != 1:
-                raise StudyError(f"{out_dir}: {len(names)} studies in the storage; name one (--study)")
-            name = names[0]
-        return optuna.load_study(study_name=name, storage=backend)
+        names = optuna.get_all_study_names(storage=backend)
+        if name is None and len(names) != 1:
+            raise StudyError(f"{out_dir}: {len(names)} studies in the storage; name one (--study)" if names else
+                             f"{where}: holds no study (empty, cut short, or not an Optuna journal)")
+        if name is not None and name not in names:
+            raise StudyError(f"{where}: holds no study {name!r} (" + (f"it holds {', '.join(map(repr, names))}; "
+                             "name one with --study)" if names else "empty, cut short, or not an Optuna journal)"))
+        return optuna.load_study(study_name=name or names[0], storage=backend)
     except StudyError:
         raise
     except Exception as exc:  # bad files, a database driver's own errors (connection refused, ...)
         raise storage_failure(f"{out_dir}: study {name!r}", url, exc) from None
+
+
+def _check_study_dir(out_dir: Path, storage: str | None) -> None:
+    """StudyError for a path that cannot be a study's directory: missing, or a file (a study's own
+    study.json, study.journal or trials.csv passed instead of the directory that holds them)."""
+    if out_dir.is_dir() or (storage is not None and not out_dir.exists()):
+        return
+    if not out_dir.exists():
+        raise StudyError(f"{out_dir}: no such directory; pass a study's output directory (autofit search --out)")
+    if (out_dir.parent / META_NAME).is_file() or (out_dir.parent / JOURNAL_NAME).is_file():
+        raise StudyError(f"{out_dir} is a file; pass the study's directory that holds it: {out_dir.parent}")
+    raise StudyError(f"{out_dir} is a file, not a study's output directory (autofit search --out)")
 
 
 def _identity(settings: StudySettings) -> dict:
