@@ -11,7 +11,8 @@ ranks run (:func:`autofit.ranks.join_group`: same backend, rendezvous and thread
 ``seconds = latency_s + bytes / bytes_per_s`` per operation (bytes: the gathered tensor, the
 tensor before the scatter, the tensor sent); then what an FSDP unit adds to a micro-step beyond
 its bytes (FSDP2's hooks, copies and collectives on a stack of tiny ``fully_shard``-ed layers,
-against the same stack unsharded). It runs only when the space has splits that run,
+against the same stack unsharded) and what an operator on a sharded parameter (a DTensor) costs
+beyond a plain tensor's. It runs only when the space has splits that run,
 once per machine and world size, cached next to the device rates.
 
 From those lines and the profile's bytes of the model in hand (:func:`fsdp_micro_step_seconds`,
@@ -23,6 +24,9 @@ micro-step of one rank or stage::
             + 2 * params_u / all_gather_rate + grads_u / reduce_scatter_rate  # the bytes of the collectives
             + (2 * 2 * params_u + 2 * grads_u) * (1 + 1/N) / memory_rate  # FSDP2's copy-in / copy-out
     stage = per boundary it touches: send(activations) + send(activation gradients)
+
+and an FSDP rank's optimizer step moves 1/N of the bytes but still runs its operators on every
+tensor (it holds a shard of each), each a DTensor: ``ops * (op_latency + dtensor_op_s)``.
 
 Known limitations: the probe measures one pair of sizes, not each unit's; FSDP's gathers of a
 unit's parameters are priced in the bytes the profile gives them (weights and buffers).
@@ -40,7 +44,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-LINKS_VERSION = 2  # 2: FSDP's per-unit overhead
+LINKS_VERSION = 3  # 2: FSDP's per-unit overhead; 3: a DTensor operator's
 OPS = ("all_gather", "reduce_scatter", "send")
 PROBE_BYTES = (16 * 1024, 4 * 2**20)  # a latency-bound and a bandwidth-bound size (bytes of the full tensor)
 PROBE_REPEATS = 5
@@ -59,6 +63,7 @@ class LinkRates:
     latency_s: dict[str, float]
     bytes_per_s: dict[str, float]
     fsdp_unit_s: float  # what one FSDP unit adds to a micro-step beyond its bytes (hooks, copies, latencies)
+    dtensor_op_s: float  # what an operator on a sharded parameter (a DTensor: the optimizer's) adds
     probe_s: float
     torch_version: str
 
@@ -80,8 +85,9 @@ def implausible_links(links: LinkRates) -> str | None:
         for what, value in (("latency", links.latency_s.get(op)), ("bytes/s", links.bytes_per_s.get(op))):
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 return f"{op} {what} is {value!r}"
-    if not (math.isfinite(links.fsdp_unit_s) and links.fsdp_unit_s >= 0):
-        return f"an FSDP unit's overhead is {links.fsdp_unit_s!r}"
+    for what, value in (("an FSDP unit's overhead", links.fsdp_unit_s), ("a DTensor operator's", links.dtensor_op_s)):
+        if not (math.isfinite(value) and value >= 0):
+            return f"{what} is {value!r}"
     return None
 
 
@@ -173,11 +179,13 @@ def _measure(device, world_size: int, rank: int) -> dict[str, list[float]]:
     return out
 
 
-def _fsdp_unit_seconds(device, units: int = PROBE_UNITS, width: int = 64) -> float:
-    """Seconds one FSDP unit adds to a micro-step beyond its bytes: ``units`` small linear layers
-    (their bytes negligible), each ``fully_shard``-ed as :func:`autofit.fsdp.shard_model` does, timed
-    forward and backward against the same stack unsharded on this rank. What it measures is FSDP2's
-    own work per unit (hooks, copies, the collectives' latency), as a trial's rank meets it."""
+def _fsdp_overheads(device, units: int = PROBE_UNITS, width: int = 64) -> tuple[float, float]:
+    """(seconds one FSDP unit adds to a micro-step beyond its bytes, seconds an operator on a sharded
+    parameter takes beyond the same on a plain tensor). ``units`` small linear layers (their bytes
+    negligible), each ``fully_shard``-ed as :func:`autofit.fsdp.shard_model` does, timed forward and
+    backward against the same stack unsharded on this rank: FSDP2's own work per unit (hooks, copies,
+    the collectives' latency), as a trial's rank meets it. Then an in-place operator on each of
+    their parameters, DTensors (what the optimizer steps) against plain ones."""
     import torch
     from torch import nn
     from torch.distributed.fsdp import fully_shard
@@ -212,7 +220,22 @@ def _fsdp_unit_seconds(device, units: int = PROBE_UNITS, width: int = 64) -> flo
     for layer in sharded:
         fully_shard(layer, reshard_after_forward=True)
     fully_shard(sharded, reshard_after_forward=True)
-    return max(best(sharded) - plain, 0.0) / units
+    unit_s = max(best(sharded) - plain, 0.0) / units
+
+    def per_op(tensors) -> float:
+        with torch.no_grad():
+            out = math.inf
+            for _ in range(PROBE_REPEATS + 1):  # the first: warm-up
+                sync()
+                start = time.perf_counter()
+                for t in tensors:
+                    t.mul_(1.0)
+                sync()
+                out = min(out, time.perf_counter() - start)
+        return out / len(tensors)
+
+    params = [p.detach() for p in sharded.parameters()]
+    return unit_s, max(per_op(params) - per_op([p.to_local().clone() for p in params]), 0.0)
 
 
 def link_probe_child(request: dict, send=None) -> dict:
@@ -228,31 +251,43 @@ def link_probe_child(request: dict, send=None) -> dict:
         return {"status": "error", "error": f"{type(exc).__name__}: {last_line(exc)}"}
     try:
         seconds = _measure(device, request["world_size"], request["rank"])
-        return {"status": "ok", "seconds": seconds, "backend": dist.get_backend(),
-                "fsdp_unit_s": _fsdp_unit_seconds(device)}
+        unit_s, dtensor_op_s = _fsdp_overheads(device)
+        return {"status": "ok", "seconds": seconds, "backend": dist.get_backend(), "fsdp_unit_s": unit_s,
+                "dtensor_op_s": dtensor_op_s}
     except Exception as exc:  # noqa: BLE001
         return {"status": "error", "error": f"{type(exc).__name__}: {last_line(exc)}"}
     finally:
         leave_group()
 
 
+def _start_rank(request: dict, device_type: str):
+    """A probe rank in a trial rank's environment: forked from the trials' fork server on the CPU (no
+    interpreter to start; our environment, as the ranks a trial spawns), else a fresh interpreter."""
+    from autofit import forkserver, procs
+
+    entry = "autofit.collectives:link_probe_child"
+    if device_type == "cpu" and forkserver.enabled():
+        try:
+            return forkserver.start_trial(entry, request, timeout_s=PROBE_TIMEOUT_S, echo_stderr=False)
+        except OSError:
+            pass  # no fork server here: a fresh interpreter
+    return procs.spawn(entry, request, timeout_s=PROBE_TIMEOUT_S)
+
+
 def measure_links(device_type: str, world_size: int) -> LinkRates:
-    """Run the probe's ``world_size`` ranks (children, as :func:`autofit.time_model.start_probe_child`
-    starts them). Raises RuntimeError when a rank fails or what it measured is implausible."""
+    """Run the probe's ``world_size`` ranks (:func:`_start_rank`) and fit their timings. Raises
+    RuntimeError when a rank fails or what it measured is implausible."""
     import torch
 
     from autofit.ranks import free_port
-    from autofit.time_model import start_probe_child
 
     started = time.perf_counter()
     port = free_port()
     children = []
     try:
         for rank in range(world_size):
-            request = {"rank": rank, "world_size": world_size, "port": port, "device_type": device_type,
-                       "pg_timeout_s": PROBE_TIMEOUT_S}
-            children.append(start_probe_child("autofit.collectives:link_probe_child", request, device_type,
-                                              PROBE_TIMEOUT_S))
+            children.append(_start_rank({"rank": rank, "world_size": world_size, "port": port,
+                                         "device_type": device_type, "pg_timeout_s": PROBE_TIMEOUT_S}, device_type))
         for child in children:
             child.wait()
     finally:
@@ -270,6 +305,7 @@ def measure_links(device_type: str, world_size: int) -> LinkRates:
         latency[op], rate[op] = _fit(PROBE_BYTES, worst)
     links = LinkRates(device_type=device_type, world_size=world_size, backend=results[0]["backend"],
                       latency_s=latency, bytes_per_s=rate, fsdp_unit_s=max(r["fsdp_unit_s"] for r in results),
+                      dtensor_op_s=max(r["dtensor_op_s"] for r in results),
                       probe_s=time.perf_counter() - started,
                       torch_version=torch.__version__)
     why = implausible_links(links)

@@ -20,6 +20,7 @@ Narayanan et al. SC'21)::
 
     t_step  = (m + p - 1) * max_s t_micro[s] + max_s t_optimizer[s]     # bubble (p - 1) / (m + p - 1)
     t_optimizer = 2 * (weights + grads + optimizer state) / memory_rate + ops * op_latency
+    # an FSDP rank of N: the bytes / N, the ops on every tensor (a shard of each), each + a DTensor's overhead
 
 With ``p = 1`` this is ``grad_accum * t_micro + t_optimizer`` (FACTS.md). Backward FLOPs of
 a stage are the whole model's backward in proportion to the stage's forward FLOPs.
@@ -501,12 +502,13 @@ def predict_table(profile: Profile, configs: list[TrainConfig], rates: DeviceRat
         precision, checkpointed, split, ranks = key.split("|")
         split, ranks = int(split), int(ranks)
         links = rates.link(max(split, ranks))  # measured collectives (autofit.collectives); None: not costed
-        comm = np.zeros(len(idx))
+        comm, dtensor_op_s = np.zeros(len(idx)), 0.0
         if ranks > 1:
             # FSDP: every rank runs the whole model on its micro-batch (one stage), the optimizer on
-            # its shards, and gathers and reduce-scatters every unit (a layer or a checkpoint segment)
-            # at each micro-step.
+            # its shards (below), and gathers and reduce-scatters every unit (a layer or a checkpoint
+            # segment) at each micro-step.
             if links is not None:
+                dtensor_op_s = links.dtensor_op_s
                 every = cols["checkpoint_every"][idx]
                 for k in np.unique(every):
                     comm[every == k] = fsdp_micro_step_seconds(profile.for_precision(precision), profile.n_layers,
@@ -532,12 +534,13 @@ def predict_table(profile: Profile, configs: list[TrainConfig], rates: DeviceRat
             fixed = WEIGHT_TRAFFIC * t["weight_bytes"] / rates.memory_bytes_per_s + t["ops"] * rates.op_latency_s
             compute = per_sample_scale * per_sample + fixed_scale * fixed
             stage_micro.append(compute + sends + exposed(comm, compute, rates.device_type))
-            stage_opt.append(OPTIMIZER_TRAFFIC * t["optimizer_bytes"] / rates.memory_bytes_per_s
-                             + t["optimizer_ops"] * rates.op_latency_s)
+            # An FSDP rank steps 1/ranks of the bytes, but every tensor (a shard of each), as DTensors.
+            stage_opt.append(OPTIMIZER_TRAFFIC * t["optimizer_bytes"] / rates.memory_bytes_per_s / ranks
+                             + t["optimizer_ops"] * (rates.op_latency_s + dtensor_op_s))
             flops += t["flops_per_sample"] * b * m
             recompute += t["recompute_flops_per_sample"] * b * m
         t_micro = np.max(np.stack(stage_micro), axis=0)
-        t_opt = float(max(stage_opt)) / ranks
+        t_opt = float(max(stage_opt))
         flops, recompute = flops * ranks, recompute * ranks  # the whole job's
         out["micro_step_time_s"][idx] = t_micro
         out["optimizer_step_time_s"][idx] = t_opt

@@ -29,9 +29,10 @@ def _rates(links: LinkRates | None = None) -> DeviceRates:
                        links={"2": links.to_dict()} if links is not None else None)
 
 
-def _link(bytes_per_s=math.inf, unit_s=0.0, latency_s=0.0) -> LinkRates:
+def _link(bytes_per_s=math.inf, unit_s=0.0, latency_s=0.0, dtensor_op_s=0.0) -> LinkRates:
     ops = ("all_gather", "reduce_scatter", "send")
-    return LinkRates("cpu", 2, "gloo", {op: latency_s for op in ops}, {op: bytes_per_s for op in ops}, unit_s, 0.1, "x")
+    return LinkRates("cpu", 2, "gloo", {op: latency_s for op in ops}, {op: bytes_per_s for op in ops}, unit_s,
+                     dtensor_op_s, 0.1, "x")
 
 
 def _step(profile, config: TrainConfig, links: LinkRates | None) -> float:
@@ -67,6 +68,21 @@ def test_fsdp_pays_its_measured_overhead_once_per_unit(profile):
     assert added(1) == pytest.approx(added(0))
 
 
+def test_an_fsdp_rank_steps_a_shard_of_every_tensor_as_dtensors(profile):
+    def optimizer_s(rates: DeviceRates) -> tuple[float, float]:
+        one, fsdp = predict_table(profile, [TrainConfig("fp32", 4, 2, 0), _fsdp()], rates)["optimizer_step_time_s"]
+        return one, fsdp
+
+    ops_only = dataclasses.replace(_rates(), op_latency_s=1e-5)
+    one, fsdp = optimizer_s(ops_only)
+    assert one > 0 and fsdp == pytest.approx(one)  # as many tensors (shards), as many operators
+    one, fsdp = optimizer_s(dataclasses.replace(_rates(), memory_bytes_per_s=1e9))
+    assert one > 0 and fsdp == pytest.approx(one / 2)  # half the bytes
+    # each of those operators on a DTensor costs what the probe measured beyond a plain one
+    one, fsdp = optimizer_s(dataclasses.replace(_rates(_link(dtensor_op_s=1e-5)), op_latency_s=1e-5))
+    assert fsdp == pytest.approx(2 * one)
+
+
 def test_a_pipeline_sends_activations_and_their_gradients_at_each_boundary(profile):
     def added(micro_batch: int, link: LinkRates) -> float:
         config = TrainConfig("fp32", micro_batch, 4, 0, device_split=2)
@@ -99,7 +115,7 @@ def test_probe_times_gloo_ranks_and_is_cached(monkeypatch, tmp_path):
     links = probe_links("cpu", 2, note=lines.append)
     assert links is not None and links.backend == "gloo" and links.world_size == 2
     assert all(v > 0 for v in [*links.latency_s.values(), *links.bytes_per_s.values()])
-    assert links.fsdp_unit_s >= 0
+    assert links.fsdp_unit_s >= 0 and links.dtensor_op_s >= 0
     assert probe_links("cpu", 2, note=lines.append) == links  # read back, not measured again
     assert "read from the cache" in lines[-1]
     rates = with_links(_rates(), [TrainConfig("fp32", 2, 1, 0, device_split=2, split_mode="fsdp")], devices=2)
