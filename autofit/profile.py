@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import functools
 import glob
+import logging
 import os
 import time
 from dataclasses import asdict
@@ -53,7 +54,7 @@ from autofit.timeline import (
     tensor_bytes,
 )
 from autofit.training import build_trainee, forward_backward, to_device
-from autofit.workload import Workload, explain_failure
+from autofit.workload import Workload, explain_failure, training_cache_caveat
 
 # The CUDA caching allocator rounds every block up to 512 bytes (FACTS.md).
 CUDA_BLOCK_BYTES = 512
@@ -588,7 +589,10 @@ def profile_workload(workload: Workload, precisions: Iterable[Precision | str] =
     found.update({name: with_split_ends(found[name], pp) for name, pp in ends.items()})
     note(cache_outcome(workload.name, precisions, missing, endless, time.perf_counter() - started, path))
     with torch.device("meta"):  # over the model's own parameters: a factory may pick some (only matrices)
-        optimizer_name = type(workload.optimizer(workload.model().parameters())).__name__
+        model = workload.model()
+        optimizer_name = type(workload.optimizer(model.parameters())).__name__
+    if (caveat := training_cache_caveat(workload.name, model)) is not None:
+        logging.getLogger(__name__).warning(caveat)
     profile = Profile(
         split_refusal=split_refusal(workload),
         workload=workload.name, device_type=device_type, param_count=param_count, n_layers=n_layers,

@@ -97,6 +97,16 @@ _FAILURE_HINTS = (  # torch's words for the usual workload mistakes -> what the 
 )
 
 
+def training_cache_caveat(name: str, model: nn.Module) -> str | None:
+    """Why the estimate of a transformers model that caches keys and values while it trains is low, if it does."""
+    if getattr(getattr(model, "config", None), "use_cache", None) is not True:
+        return None
+    return (f"{name}: config.use_cache is True, so the model keeps every layer's keys and values in a cache while "
+            "it trains, which a checkpointed segment cannot free: checkpointed configs are estimated low (9% for a "
+            "3-layer GPT-2 at checkpoint_every=1); set use_cache=False, as transformers does for its own gradient "
+            "checkpointing")
+
+
 def _failing_optimizer(exc: BaseException) -> str | None:
     """The class name of the optimizer whose ``step`` raised ``exc``, if one did."""
     for frame, _ in traceback.walk_tb(exc.__traceback__):

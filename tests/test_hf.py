@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 transformers = pytest.importorskip("transformers")
 
@@ -212,3 +213,23 @@ def test_tied_embeddings_are_tied_in_the_profile_and_estimated_right(tie):
     measured = measure_trial(w, config, measure_steps=1)
     assert measured["status"] == "ok", measured["error"]
     assert abs(predicted - measured["peak_bytes"]) / measured["peak_bytes"] <= 0.01
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_a_user_built_model_that_caches_keys_while_training_is_warned_about(use_cache, caplog):
+    """transformers' use_cache keeps every layer's keys and values alive through a checkpointed segment,
+    which the estimate cannot see: the profile says so (hf: workloads turn it off themselves)."""
+    from autofit import Workload
+    from autofit.profile import profile_workload
+
+    def model():
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0,
+            use_cache=use_cache))
+
+    workload = Workload(name=f"gpt2-cache-{use_cache}", model=model, batch=lambda n: (torch.randint(0, 64, (n, 16)),) * 2,
+                        loss=lambda out, labels: torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), labels.flatten()),
+                        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    profile_workload(workload, ["fp32"], use_cache=False)
+    warned = [r for r in caplog.records if r.levelname == "WARNING" and "use_cache is True" in r.getMessage()]
+    assert len(warned) == (1 if use_cache else 0)
