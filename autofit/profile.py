@@ -54,7 +54,7 @@ from autofit.timeline import (
     tensor_bytes,
 )
 from autofit.training import build_trainee, forward_backward, to_device
-from autofit.workload import Workload, explain_failure, training_cache_caveat
+from autofit.workload import Workload, checked_batch, explain_failure, training_cache_caveat
 
 # The CUDA caching allocator rounds every block up to 512 bytes (FACTS.md).
 CUDA_BLOCK_BYTES = 512
@@ -359,7 +359,7 @@ def profile_precision(workload: Workload, precision: Precision, device_type: str
     ``split_ends=False`` leaves out :func:`profile_split_ends` (a model with tied weights is then
     marked ``split_ends_skipped``): for callers that estimate no pipeline split."""
     runs = {}
-    real_batches = {b: workload.batch(b) for b in PROFILE_BATCHES}
+    real_batches = {b: checked_batch(workload, b) for b in PROFILE_BATCHES}
     for b in PROFILE_BATCHES:
         try:
             runs[b] = _run_fake(workload, precision, b, device_type, real_batches[b])

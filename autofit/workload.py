@@ -78,6 +78,13 @@ class Workload:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise WorkloadError("Workload.name must be a non-empty string")
+        if isinstance(self.model, nn.Module):  # callable too (its forward), so say it here
+            raise WorkloadError(f"Workload.model must be a function returning a fresh nn.Module (model={type(self.model).__name__} "
+                                f"or model=lambda: {type(self.model).__name__}(...)), got a {type(self.model).__name__} instance")
+        if isinstance(self.optimizer, torch.optim.Optimizer):
+            raise WorkloadError(f"Workload.optimizer must be a function of the parameters (e.g. optimizer=lambda params: "
+                                f"torch.optim.{type(self.optimizer).__name__}(params, lr=...)), got a "
+                                f"{type(self.optimizer).__name__} instance")
         for attr in ("model", "batch", "loss", "optimizer", "layers"):
             if not callable(getattr(self, attr)):
                 raise WorkloadError(f"Workload.{attr} must be callable, got {type(getattr(self, attr)).__name__}")
@@ -95,6 +102,16 @@ _FAILURE_HINTS = (  # torch's words for the usual workload mistakes -> what the 
      "batch(n)'s inputs or targets do not fit the model or the loss: batch(n) must return (inputs, targets) "
      "the model and loss accept"),
 )
+
+
+def checked_batch(workload: Workload, n: int) -> tuple:
+    """``workload.batch(n)``, refused unless it is the pair ``(inputs, targets)``."""
+    batch = workload.batch(n)
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        got = f"a {len(batch)}-tuple" if isinstance(batch, (tuple, list)) else type(batch).__name__
+        raise WorkloadError(f"{workload.name}: batch({n}) returned {got}; it must return (inputs, targets), "
+                            "e.g. (torch.randn(n, 3, 32, 32), torch.randint(0, 10, (n,)))")
+    return tuple(batch)
 
 
 def training_cache_caveat(name: str, model: nn.Module) -> str | None:
@@ -152,6 +169,10 @@ def load_workload(spec: str | Workload) -> Workload:
         return dataclasses.replace(BUILTINS[spec](), source=spec)
     if "+" in spec and spec.partition("+")[0] in PRESETS:  # a preset with GPTConfig overrides
         return dataclasses.replace(preset_from_spec(spec), source=spec)
+    if ":" not in spec and (spec.endswith(".py") or Path(spec).is_file()):
+        where = "names a file" if Path(spec).is_file() else "is no file (no such path) and names"
+        raise WorkloadError(f"{spec!r} {where} but no function: add :function, the one returning an "
+                            f"autofit.Workload (e.g. {spec}:workload)")
     if ":" not in spec:
         raise WorkloadError(
             f"unknown model {spec!r}: expected a built-in ({', '.join(BUILTINS)}), "
@@ -167,6 +188,8 @@ def load_workload(spec: str | Workload) -> Workload:
     except SystemExit as exc:  # user code must not end autofit's process
         raise WorkloadError(f"{spec!r}: {func_name}() called sys.exit({exc.code!r}); a workload function must "
                             "return an autofit.Workload") from exc
+    except WorkloadError as exc:  # already says what is wrong (e.g. Workload's own checks)
+        raise WorkloadError(f"{spec!r}: {exc}") from exc
     except Exception as exc:  # user code: report, don't crash
         raise WorkloadError(f"{spec!r}: {func_name}() raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(workload, Workload):

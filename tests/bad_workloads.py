@@ -82,6 +82,19 @@ def optimizer_reads_values() -> Workload:
                     optimizer=lambda params: torch.optim.ASGD(params, lr=0.01))
 
 
+def one_tensor_batch() -> Workload:
+    return _workload("one-tensor", batch=lambda n: torch.randn(n, DIM))
+
+
+def model_instance() -> Workload:
+    return Workload(name="instance", model=Net(), batch=_batch, loss=F.mse_loss)
+
+
+def optimizer_instance() -> Workload:
+    return Workload(name="instance", model=Net, batch=_batch, loss=F.mse_loss,
+                    optimizer=torch.optim.SGD(Net().parameters(), lr=0.1))
+
+
 def fine() -> Workload:
     return _workload("fine")
 
