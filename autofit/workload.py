@@ -214,6 +214,9 @@ def _import_target(target: str, spec: str):
     try:
         return importlib.import_module(target)
     except ImportError as exc:
-        raise WorkloadError(f"{spec!r}: cannot import module {target!r} ({exc})") from exc
+        # `python -m autofit` can import a module of the current directory; an installed `autofit` cannot
+        local = Path(*target.split(".")).with_suffix(".py")
+        hint = f"; for the file {local} here, give its path: {local}:{spec.rpartition(':')[2]}" if local.is_file() else ""
+        raise WorkloadError(f"{spec!r}: cannot import module {target!r} ({exc}){hint}") from exc
     except Exception as exc:
         raise WorkloadError(f"{spec!r}: importing {target} raised {type(exc).__name__}: {exc}") from exc

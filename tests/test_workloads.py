@@ -200,3 +200,12 @@ def test_gpt_preset_overrides_and_errors():
         gpt_preset("gpt-tiny", n_heads=3)
     with pytest.raises(WorkloadError):
         GPTConfig(n_embd=100, n_head=3)
+
+
+def test_a_module_of_this_directory_that_cannot_be_imported_is_named_by_path(tmp_path, monkeypatch):
+    """An installed `autofit` (unlike `python -m autofit`) has no current directory on sys.path:
+    `--model my_model:workload` then fails to import, and the error gives the path form."""
+    (tmp_path / "my_model_not_on_path.py").write_text("x = 1\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(WorkloadError, match=r"give its path: my_model_not_on_path\.py:workload"):
+        load_workload("my_model_not_on_path:workload")
