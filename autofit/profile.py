@@ -54,7 +54,7 @@ from autofit.timeline import (
     tensor_bytes,
 )
 from autofit.training import build_trainee, forward_backward, to_device
-from autofit.workload import Workload, checked_batch, explain_failure, training_cache_caveat
+from autofit.workload import Workload, checked_batch, explain_build_failure, explain_failure, training_cache_caveat
 
 # The CUDA caching allocator rounds every block up to 512 bytes (FACTS.md).
 CUDA_BLOCK_BYTES = 512
@@ -572,7 +572,7 @@ def profile_workload(workload: Workload, precisions: Iterable[Precision | str] =
     except WorkloadError:
         raise
     except Exception as exc:
-        raise WorkloadError(f"{workload.name}: cannot build the model on fake tensors ({type(exc).__name__}: {exc})") from exc
+        raise WorkloadError(explain_build_failure(workload, exc)) from exc
     if n_layers == 0:
         raise WorkloadError(f"{workload.name}: layers(model) is empty; it must list the repeated blocks")
     found: dict[str, PrecisionProfile] = {}

@@ -104,6 +104,23 @@ _FAILURE_HINTS = (  # torch's words for the usual workload mistakes -> what the 
 )
 
 
+def explain_build_failure(workload: Workload, exc: BaseException) -> str:
+    """One line on why building the model (and its layers) failed: a wrong return type named, else ``exc``."""
+    generic = f"{workload.name}: cannot build the model on fake tensors ({type(exc).__name__}: {exc})"
+    try:
+        with torch.device("meta"):
+            model = workload.model()
+            if not isinstance(model, nn.Module):
+                return f"{workload.name}: model() returned {type(model).__name__}; it must return a fresh nn.Module"
+            layers = workload.layers(model)
+    except Exception:  # the first failure is the one to report
+        return generic
+    if not isinstance(layers, nn.ModuleList):
+        return (f"{workload.name}: layers(model) returned {type(layers).__name__}; it must return the nn.ModuleList "
+                "of repeated blocks (e.g. m.blocks; for one block, nn.ModuleList([m.block]))")
+    return generic
+
+
 def checked_batch(workload: Workload, n: int) -> tuple:
     """``workload.batch(n)``, refused unless it is the pair ``(inputs, targets)``."""
     batch = workload.batch(n)

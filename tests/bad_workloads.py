@@ -95,6 +95,14 @@ def optimizer_instance() -> Workload:
                     optimizer=torch.optim.SGD(Net().parameters(), lr=0.1))
 
 
+def model_returns_none() -> Workload:
+    return _workload("no-model", model=lambda: None)
+
+
+def layers_not_a_list() -> Workload:
+    return Workload(name="one-layer", model=Net, batch=_batch, loss=F.mse_loss, layers=lambda m: m.blocks[0])
+
+
 def fine() -> Workload:
     return _workload("fine")
 

@@ -113,6 +113,8 @@ CASES: dict[str, Case] = {
     "workload-no-layers": Case(_estimate(model=f"{BAD}:no_layers"), 2, ("modulelist", "layers=", "modulelist([m])")),
     "workload-file-without-function": Case(_estimate(model=str(BAD)), 2, ("bad_workloads.py", "no function", ":workload")),
     "workload-missing-file-without-function": Case(_estimate(model="{d}/nope.py"), 2, ("nope.py", "no such path", ":function")),
+    "workload-model-returns-none": Case(_estimate(model=f"{BAD}:model_returns_none"), 2, ("model()", "nonetype", "nn.module")),
+    "workload-layers-not-a-list": Case(_estimate(model=f"{BAD}:layers_not_a_list"), 2, ("layers(model)", "linear", "nn.modulelist")),
     "workload-one-tensor-batch": Case(_estimate(model=f"{BAD}:one_tensor_batch"), 2, ("one-tensor", "batch(2)", "tensor",
                                                                                       "(inputs, targets)")),
     "workload-model-instance": Case(_estimate(model=f"{BAD}:model_instance"), 2, ("workload.model", "model=net", "instance")),
