@@ -176,7 +176,7 @@ def ensure_server() -> TrialServer:
     """This process's zygote, started (or restarted, when our environment changed or it died) if need
     be. Raises OSError when it cannot start."""
     global _SERVER
-    env = {k: v for k, v in procs.child_env().items() if k != "AUTOFIT_TRIAL_SERVER"}
+    env = _server_env()
     with _SERVER_LOCK:
         if _SERVER is not None and (not _SERVER.serves(env) or not _SERVER.alive()):
             _SERVER.close()
@@ -184,6 +184,21 @@ def ensure_server() -> TrialServer:
         if _SERVER is None:
             _SERVER = TrialServer(env)
         return _SERVER
+
+
+def _server_env() -> dict[str, str]:
+    return {k: v for k, v in procs.child_env().items() if k != "AUTOFIT_TRIAL_SERVER"}
+
+
+def ready() -> bool:
+    """Whether this process's zygote is up and would serve a trial started now, without waiting for
+    one that is starting (:func:`start_server_soon`) and without starting one."""
+    if not _SERVER_LOCK.acquire(blocking=False):
+        return False  # being started, restarted or stopped
+    try:
+        return _SERVER is not None and _SERVER.serves(_server_env()) and _SERVER.alive()
+    finally:
+        _SERVER_LOCK.release()
 
 
 def start_trial(entry: str, request: dict, *, timeout_s: float | None, echo_stderr: bool,

@@ -15,18 +15,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import glob
 import logging
-import os
 import time
-from dataclasses import asdict
 from typing import Callable, Iterable
 
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from autofit import forkserver, procs
+from autofit import forkserver
 from autofit.config import Precision, TrainConfig
 from autofit.errors import WorkloadError
 from autofit.files import write_atomic
@@ -40,8 +37,8 @@ from autofit.profile_data import (
     PrecisionProfile,
     Profile,
     Region,
-    precision_from_dict,
 )
+from autofit.profile_workers import profile_many, surely_forks
 from autofit.real_check import RealTensors, correct_runs, refusal
 from autofit.timeline import (
     Recorder,
@@ -468,86 +465,6 @@ def _real_check(workload: Workload, precision: Precision, device_type: str, runs
 
 
 
-def _profile_one(workload: Workload, precision: Precision, device_type: str, split_ends: bool,
-                 ends_only: bool) -> PrecisionProfile:
-    if ends_only:
-        return profile_split_ends(workload, precision, device_type)
-    return profile_precision(workload, precision, device_type, split_ends)
-
-
-def _profile_many(workload: Workload, precisions: list[Precision], device_type: str, split_ends: bool = True,
-                  ends_only: bool = False) -> dict[str, PrecisionProfile]:
-    """Profile several precisions, in parallel processes when there are spare cores.
-
-    Fake-tensor dispatch is pure Python and single-threaded, so a process per precision is
-    the only way to use a second core. On the CPU they are forked from the trials' fork server
-    (:mod:`autofit.forkserver`: torch, torch._dynamo and autofit already imported); elsewhere, or
-    when it cannot start, they are fresh interpreters running this module (not multiprocessing,
-    whose spawn would re-run a caller's unguarded ``__main__``). Workloads without a ``source``
-    (built in Python, not loadable by name) are profiled here. ``ends_only``: each precision's
-    :func:`profile_split_ends` instead of its profile.
-    """
-    if not _in_children(workload, precisions, device_type):
-        return {p.value: _profile_one(workload, p, device_type, split_ends, ends_only) for p in precisions}
-    children = _start_children(workload, precisions, device_type, split_ends, ends_only)
-    found: dict[str, PrecisionProfile] = {}
-    failure = None
-    try:
-        for child in children:
-            child.wait()
-            out = child.last_message()
-            if out is None or "error" in out:
-                failure = failure or (out["error"] if out else child.failure())
-                continue
-            found.update({name: precision_from_dict(pp) for name, pp in out["profiles"].items()})
-    finally:
-        for child in children:
-            child.kill()
-    if failure:
-        raise WorkloadError(failure)
-    return found
-
-
-def _in_children(workload: Workload, precisions: list[Precision], device_type: str) -> bool:
-    """Whether :func:`_profile_many` profiles in child processes (else in this one)."""
-    # On CUDA the real step (autofit.real_check) must not create a context in the caller: always a child.
-    alone = min(len(precisions), os.cpu_count() or 1) <= 1 and device_type != "cuda"
-    return bool(precisions) and not alone and bool(workload.source) and os.environ.get("AUTOFIT_PROFILE_WORKERS") != "1"
-
-
-def _surely_forks(workload: Workload, precisions: list[Precision], device_type: str, use_cache: bool) -> bool:
-    """Whether profiling ``workload`` will fork workers from the fork server, known before its cache key
-    is: no cache to read, or none for this workload at all."""
-    if device_type != "cpu" or not forkserver.enabled() or not _in_children(workload, precisions, device_type):
-        return False
-    return not use_cache or not any(cache_dir().glob(f"{glob.escape(workload.name)}-{device_type}-*.json"))
-
-
-def _start_children(workload: Workload, precisions: list[Precision], device_type: str, split_ends: bool,
-                    ends_only: bool) -> list[procs.Child]:
-    """The profiling workers, each taking some of ``precisions``: one per precision when forked (a fork
-    costs milliseconds), one per core when spawned (start-up, imports and first-op warm-up, costs
-    seconds per process, so fewer processes finish sooner)."""
-    def request(chunk: list[Precision]) -> dict:
-        return {"source": workload.source, "device_type": device_type, "precisions": [p.value for p in chunk],
-                "threads": 1, "split_ends": split_ends, "ends_only": ends_only}
-
-    env = {"AUTOFIT_PROFILE_WORKERS": "1", "OMP_NUM_THREADS": "1"}
-    children: list[procs.Child] = []
-    if device_type == "cpu" and forkserver.enabled():
-        try:
-            for p in precisions:
-                children.append(forkserver.start_trial("autofit.profile:profile_child", request([p]), timeout_s=None,
-                                                       echo_stderr=False, env=env))
-            return children
-        except OSError:  # no fork server here: fresh interpreters
-            for child in children:
-                child.kill()
-    workers = min(len(precisions), os.cpu_count() or 1)
-    return [procs.spawn("autofit.profile:profile_child", request(precisions[i::workers]), env=procs.child_env(env))
-            for i in range(workers)]
-
-
 def profile_workload(workload: Workload, precisions: Iterable[Precision | str] = tuple(Precision),
                      device_type: str = "cpu", use_cache: bool = True, split_ends: bool = True,
                      note: Callable[[str], None] | None = None) -> Profile:
@@ -565,7 +482,7 @@ def profile_workload(workload: Workload, precisions: Iterable[Precision | str] =
     precisions = [Precision(p) for p in precisions]
     note = note or (lambda line: None)
     note(f"profiling {workload.name} on fake tensors ({', '.join(p.value for p in precisions)})...")
-    if _surely_forks(workload, precisions, device_type, use_cache):
+    if surely_forks(workload, precisions, device_type, use_cache):
         forkserver.start_server_soon()  # its imports overlap the key's fake build below
     try:
         key, param_count, n_layers = profile_key(workload, device_type)
@@ -584,8 +501,8 @@ def profile_workload(workload: Workload, precisions: Iterable[Precision | str] =
             found = {}  # an unreadable cache entry is rebuilt, never trusted
     missing = [p for p in precisions if p.value not in found]
     endless = [p for p in precisions if split_ends and p.value in found and found[p.value].split_ends_skipped]
-    found.update(_profile_many(workload, missing, device_type, split_ends))
-    ends = _profile_many(workload, endless, device_type, ends_only=True) if endless else {}
+    found.update(profile_many(workload, missing, device_type, split_ends))
+    ends = profile_many(workload, endless, device_type, ends_only=True) if endless else {}
     found.update({name: with_split_ends(found[name], pp) for name, pp in ends.items()})
     note(cache_outcome(workload.name, precisions, missing, endless, time.perf_counter() - started, path))
     with torch.device("meta"):  # over the model's own parameters: a factory may pick some (only matrices)
@@ -606,19 +523,3 @@ def profile_workload(workload: Workload, precisions: Iterable[Precision | str] =
         except OSError:
             pass  # a read-only cache only costs time
     return profile
-
-
-def profile_child(request: dict, send: procs.Send | None = None) -> dict:
-    """A profiling worker (an :mod:`autofit.procs` child): ``{"profiles": {precision: asdict}}`` or ``{"error"}``."""
-    from autofit.errors import AutofitError
-    from autofit.workload import load_workload
-
-    if request.get("threads"):  # a forked worker: the zygote's libraries loaded before OMP_NUM_THREADS=1
-        torch.set_num_threads(request["threads"])
-    try:
-        workload = load_workload(request["source"])
-        return {"profiles": {p: asdict(_profile_one(workload, Precision(p), request["device_type"],
-                                                    request.get("split_ends", True), request.get("ends_only", False)))
-                             for p in request["precisions"]}}
-    except AutofitError as exc:
-        return {"error": str(exc)}

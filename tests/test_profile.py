@@ -209,12 +209,15 @@ def test_a_model_whose_last_block_output_is_the_logits():
 
 
 def test_workers_forked_from_the_fork_server_profile_as_this_process(tmp_path, monkeypatch, trial_workload_spec):
-    """The profiling workers, forked from the trials' fork server (one per precision), give the
-    profile made in this process, byte for byte, untied ends included."""
+    """With the fork server up, all precisions but one are forked (a worker each) and that one is profiled
+    here; while it starts, this process profiles, and the precisions left when it is up are forked; if
+    it never comes, this process profiles them all. Each way, the profile is the one this process makes
+    alone, byte for byte, untied ends included."""
     import json
     import os
+    import time
 
-    from autofit import forkserver
+    from autofit import forkserver, profile_workers
     from autofit.workload import load_workload
 
     monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path))
@@ -222,23 +225,52 @@ def test_workers_forked_from_the_fork_server_profile_as_this_process(tmp_path, m
     forked = []
     start = forkserver.start_trial
     monkeypatch.setattr(forkserver, "start_trial", lambda entry, *a, **k: forked.append(entry) or start(entry, *a, **k))
+    monkeypatch.setattr(forkserver, "start_server_soon", lambda: None)  # each case says when the server is up
     workload = load_workload(trial_workload_spec("tiny_tied_lm"))
-    precisions = [Precision.FP32, Precision.BF16]
+    precisions = [Precision.FP32, Precision.AMP_BF16, Precision.BF16]
 
     def profiled() -> dict:
         profile = json.loads(profile_workload(workload, precisions, use_cache=False).to_json())
         profile.pop("profile_s")
         return profile
 
+    def up_after_one_here(m) -> None:
+        """The server comes up once this process has profiled one precision, which waits for the forks."""
+        here, ensure, one = [], forkserver.ensure_server, profile_workers.profile_one
+        m.setattr(forkserver, "ensure_server", lambda: (_wait_for(lambda: here), ensure())[1])
+
+        def profile_here(*args):
+            out = one(*args)
+            here.append(args[1])
+            _wait_for(lambda: len(forked) == 4)
+            return out
+        m.setattr(profile_workers, "profile_one", profile_here)
+
+    def _wait_for(condition, timeout_s=120.0):
+        end = time.monotonic() + timeout_s
+        while not condition() and time.monotonic() < end:
+            time.sleep(0.01)
+
     try:
+        forkserver.ensure_server()
         there = profiled()
-        assert forked == ["autofit.profile:profile_child"] * 2
+        assert forked == ["autofit.profile_workers:profile_child"] * 2
         assert there["precisions"]["fp32"]["split_ends"] is not None
+        forkserver.stop_server()
+        with monkeypatch.context() as m:
+            up_after_one_here(m)
+            coming = profiled()
+        assert len(forked) == 4  # the two precisions left
+        forkserver.stop_server()
+        with monkeypatch.context() as m:  # a fork server that cannot start
+            m.setattr(forkserver, "ensure_server", lambda: (_ for _ in ()).throw(OSError("no server")))
+            alone = profiled()
+        assert len(forked) == 4
         monkeypatch.setenv("AUTOFIT_PROFILE_WORKERS", "1")
         here = profiled()
     finally:
         forkserver.stop_server()
-    assert len(forked) == 2 and there == here
+    assert there == coming == alone == here
 
 
 def test_the_optimizer_steps_in_one_profiled_run_of_the_two(tiny):
