@@ -176,7 +176,7 @@ def _walk(pp: PrecisionProfile, n_ranks: int, every: int, later: bool, cuda: boo
             live = _plus(live, layers[e - 1].output)
         else:
             t.peaks(live, layers[s].forward, "forward", gathered=gathered, grads=g_sh)
-            live = _plus(live, layers[s].forward.delta)
+            live = _plus(live, _plus(layers[s].forward.delta, layers[s].after))
     t.peaks(live, head_fwd, "forward", gathered=root + held, grads=g_sh)
     live = _plus(live, head_fwd.delta)
     # the root's post-forward frees its weights and the held buffer; the loss runs without them
@@ -207,7 +207,7 @@ def _walk(pp: PrecisionProfile, n_ranks: int, every: int, later: bool, cuda: boo
                 live = _plus(live, layers[e - 1].output, -1.0)
             for i in range(s, e):  # recomputation under the gathered unit
                 t.peaks(live, layers[i].forward, "backward", gathered=gathered, grads=g_sh + root_grads)
-                live = _plus(live, layers[i].forward.delta)
+                live = _plus(live, layers[i].forward.delta if i == s else _plus(layers[i].forward.delta, layers[i].after))
             if not layers[e - 1].output_saved:
                 live = _plus(live, layers[e - 1].output, -1.0)
         whole = 0.0

@@ -192,6 +192,8 @@ def _walk_stage(pp: PrecisionProfile, start: int, end: int, first_stage: bool, l
     else:
         for i in range(start, end):
             w.region(*fwd(layers[i].forward), "forward")
+            if first_stage or i > start:  # a later stage's input stays in its receive buffer
+                w.live = _add(w.live, layers[i].after)
     if last_stage:
         w.region(*fwd(pp.post_forward), "forward")
     w.live = _add(w.live, (-sum(saved[start:end]), 0.0))  # autocast exits: its cache is freed
@@ -228,6 +230,8 @@ def _walk_stage(pp: PrecisionProfile, start: int, end: int, first_stage: bool, l
                 w.live = _add(w.live, layers[e - 1].output, -1.0)
             for i in range(s, e):  # recompute the segment's forward, saving its activations
                 w.region(layers[i].forward.peaks, layers[i].forward.delta, "backward")
+                if i > s:  # the segment's input is the checkpoint's
+                    w.live = _add(w.live, layers[i].after)
             w.live = _add(w.live, (-sum(cache[s:e]) + sum(saved[s:e]), 0.0))  # recompute's autocast exits
             if not layers[e - 1].output_saved:
                 w.live = _add(w.live, layers[e - 1].output, -1.0)

@@ -283,9 +283,9 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
                 "grad_rows": param_rows([p for p in layer_params[i] if p.requires_grad]),
                 "output": layer_out[i],
                 "output_saved": output_saved[i],
-                # to the next layer's start: what dies between two layers (a frozen block's input,
-                # which no backward keeps, once the next block has its output) is this layer's
-                "forward": reg(f"f{i}", f"f{i + 1}" if i < n - 1 else f"F{i}"),
+                "forward": reg(f"f{i}", f"F{i}"),
+                # what dies before the next layer starts: this layer's input, when no backward keeps it
+                "after": reg(f"F{i}", f"f{i + 1}")[0] if i < n - 1 else 0,
                 "backward": reg(f"b{i}", f"B{i}"),
                 "forward_flops": layer_flops[i],
             }
@@ -411,7 +411,7 @@ def _assemble(precision: Precision, runs: dict, **extra) -> PrecisionProfile:
             output=_line(l1["output"], l2["output"]), output_saved=l1["output_saved"],
             max_grad_tensor_bytes=l1["max_grad_tensor_bytes"], grad_rows=l1["grad_rows"],
             forward=_region_lines(l1["forward"], l2["forward"]),
-            backward=_region_lines(l1["backward"], l2["backward"]),
+            backward=_region_lines(l1["backward"], l2["backward"]), after=_line(l1["after"], l2["after"]),
             forward_flops=_flops_line(l2["forward_flops"]),
         ))
     opt_peak = r2["opt_region"][1]

@@ -13,7 +13,7 @@ from autofit.config import Precision
 __all__ = ["OUTPUT_REGIONS", "PROFILE_BATCHES", "PROFILE_VERSION", "LayerProfile", "Line", "PrecisionProfile", "Profile", "Region", "precision_from_dict", "region_from_dict"]
 
 # The profile's format: a cache entry of another version is never read (autofit.profile_cache).
-PROFILE_VERSION = 11
+PROFILE_VERSION = 12
 # Micro-batch sizes profiled; every per-sample quantity is fitted as a line through them.
 PROFILE_BATCHES = (2, 4)
 
@@ -68,6 +68,10 @@ class LayerProfile:
     output_saved: bool = False  # the layer's own backward needs its output (e.g. it ends in ReLU)
     max_grad_tensor_bytes: int = 0  # its largest gradient (a per-tensor optimizer's transients scale with it)
     grad_rows: tuple[tuple[int, int], ...] = ()  # (size(0), bytes) of each trainable parameter (FSDP pads dim 0)
+    # Live bytes from this layer's end to the next one's start: its input freed when no backward
+    # keeps it (a frozen block's). Not where something else holds that input: a checkpointed
+    # segment's first layer (the checkpoint keeps it), a later pipeline stage's (its receive buffer).
+    after: Line = (0.0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -152,6 +156,7 @@ def precision_from_dict(pp: dict) -> PrecisionProfile:
     pp = dict(pp)
     layers = tuple(LayerProfile(**{**lp, "forward": region_from_dict(lp["forward"]), "backward": region_from_dict(lp["backward"]),
                                    "output": tuple(lp["output"]), "forward_flops": tuple(lp["forward_flops"]),
+                                   "after": tuple(lp.get("after", (0.0, 0.0))),
                                    "grad_rows": rows_from_json(lp.get("grad_rows", ()))})
                    for lp in pp.pop("layers"))
     regions = {k: region_from_dict(pp[k]) for k in ("pre_forward", "post_forward", "post_backward", "pre_backward")}
