@@ -341,12 +341,25 @@ def _run_fake(workload: Workload, precision: Precision, micro_batch: int, device
     # (each costs about as much as the forward and backward on fake tensors).
     full = micro_batch == PROFILE_BATCHES[-1]
     try:
-        return _run_once(workload, precision, micro_batch, device_type, FakeTensorMode(), real_batch, full, full)
+        with _quiet_fake_kernels():
+            return _run_once(workload, precision, micro_batch, device_type, FakeTensorMode(), real_batch, full, full)
     except Exception as exc:
         if device_type != "cuda" or "cudnn" not in f"{type(exc).__name__} {exc}".lower():
             raise
-    with torch.backends.cudnn.flags(enabled=False):
+    with torch.backends.cudnn.flags(enabled=False), _quiet_fake_kernels():
         return _run_once(workload, precision, micro_batch, device_type, FakeTensorMode(), real_batch, full, full)
+
+
+@contextlib.contextmanager
+def _quiet_fake_kernels():
+    """FakeTensorMode logs a traceback when a fake kernel raises (a user's shape mistake) before the
+    error reaches us; the user gets it as one line (WorkloadError), in whichever process profiles."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    disabled, logger.disabled = logger.disabled, True
+    try:
+        yield
+    finally:
+        logger.disabled = disabled
 
 
 def profile_precision(workload: Workload, precision: Precision, device_type: str = "cpu",
