@@ -201,6 +201,13 @@ def ready() -> bool:
         _SERVER_LOCK.release()
 
 
+def wait_started() -> None:
+    """Return once no zygote of ours is starting (:func:`start_server_soon`); starts none. A probe that
+    times the device waits so: the zygote's imports would run beside its timing."""
+    with _SERVER_LOCK:
+        pass
+
+
 def start_trial(entry: str, request: dict, *, timeout_s: float | None, echo_stderr: bool,
                 env: dict[str, str] | None = None) -> procs.Child:
     """Fork a trial (``entry``, ``"package.module:function"``, called with ``request``, ``env`` added to

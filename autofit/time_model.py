@@ -276,6 +276,7 @@ def start_probe_child(entry: str, request: dict, device_type: str, timeout_s: fl
             return forkserver.start_trial(entry, request, timeout_s=timeout_s, echo_stderr=False)
         except OSError:
             pass  # no fork server here: a fresh interpreter
+    forkserver.wait_started()  # one starting (profiling starts it) would import beside the probe's timing
     return procs.spawn(entry, request, timeout_s=timeout_s, env=probe_env(device_type))
 
 

@@ -229,3 +229,21 @@ def test_a_precision_without_its_own_layer_factors_gets_the_others_mean(profile,
     monkeypatch.setattr(layer_probe, "measure_layer_seconds", lambda *a, **k: {"fp32": line, "amp-bf16": [1.0, 0.5]})
     prior = layer_probe.workload_prior(load_workload(TINY), profile, rates, ["fp32", "amp-bf16"])
     assert prior.scales("fp32") == pytest.approx((4.0, 1.0)) and prior.scales("amp-bf16") == pytest.approx((4.0, 1.0))
+
+
+def test_a_spawned_probe_waits_for_a_fork_server_still_starting(monkeypatch):
+    """Profiling may leave the fork server importing when the probe starts: a probe spawned beside it
+    (no OpenMP policy in our environment) waits for it to finish, so its imports never run beside the
+    timing; waiting starts no server."""
+    from autofit.time_model import start_probe_child
+
+    events = []
+    monkeypatch.setattr(procs, "spawn", lambda entry, request, **kw: events.append("spawn") or "spawned")
+    monkeypatch.setattr(forkserver, "wait_started", lambda: events.append("wait"))
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert start_probe_child("m:f", {}, "cpu", 1.0) == "spawned"
+    assert events == ["wait", "spawn"]
+    monkeypatch.undo()
+    forkserver.stop_server()
+    forkserver.wait_started()  # none starting: returns at once
+    assert not forkserver.ready()
