@@ -75,11 +75,12 @@ def _read_source(obj: Any) -> str:
 
 
 def code_digests(objs) -> list[str]:
-    """The content digests of the files defining ``objs`` (classes, functions), in file order: an
+    """The content digests of the files defining ``objs`` (classes, functions), sorted by digest: an
     edit anywhere in them (a helper the model calls, a constant) changes the key, while a copy in
-    another checkout or a ``touch`` does not -- no path or modification time enters a key."""
-    files = sorted({path for path in map(_source_file, objs) if path})
-    return [digest for digest in map(_file_digest, files) if digest]
+    another checkout or a ``touch`` does not -- no path or modification time enters a key, not even
+    through the order (files sorted by path would order differently under /tmp and /work)."""
+    files = {path for path in map(_source_file, objs) if path}
+    return sorted(digest for digest in map(_file_digest, files) if digest)
 
 
 def _source_file(obj: Any) -> str | None:

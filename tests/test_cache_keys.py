@@ -96,3 +96,29 @@ def test_an_edit_of_a_helper_changes_the_keys(original, tmp_path):
     edited_key = _key(edited)
     assert edited_key != key
     assert layer_probe._cache_path(edited_key, ["fp32"], "cpu") != layer_probe._cache_path(key, ["fp32"], "cpu")
+
+
+def _function_from(path, name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"keyed_{abs(hash(str(path)))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, name)
+
+
+def test_code_digests_do_not_depend_on_where_the_files_lie(tmp_path):
+    from autofit.profile_cache import code_digests
+
+    def layout(model_dir: str, helper_dir: str):
+        (tmp_path / model_dir).mkdir(parents=True)
+        (tmp_path / helper_dir).mkdir(parents=True, exist_ok=True)
+        (tmp_path / model_dir / "model.py").write_text("def build():\n    return 1\n")
+        (tmp_path / helper_dir / "helper.py").write_text("def act():\n    return 2\n")
+        return [_function_from(tmp_path / model_dir / "model.py", "build"),
+                _function_from(tmp_path / helper_dir / "helper.py", "act")]
+
+    # the model file sorts before its helper's by path in one checkout, after it in the other
+    first = code_digests(layout("a/model", "b/helper"))
+    second = code_digests(layout("z/model", "c/helper"))
+    assert len(first) == 2 and first == second
