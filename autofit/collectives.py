@@ -171,17 +171,26 @@ def _measure(device, world_size: int, rank: int) -> dict[str, list[float]]:
 
         ops["send"] = send
         for op, fn in ops.items():
-            fn()  # warm-up: connections, buffers
-            best = math.inf
-            for _ in range(PROBE_REPEATS):
-                dist.barrier()
-                sync()
-                start = time.perf_counter()
-                fn()
-                sync()
-                best = min(best, time.perf_counter() - start)
+            best = _best_seconds(fn, sync)
             out[op].append(best / 2 if op == "send" else best)
     return out
+
+
+def _best_seconds(fn, sync) -> float:
+    """The best of :data:`PROBE_REPEATS` timed calls of ``fn`` after one warm-up (connections,
+    buffers), every rank starting each call together (a barrier) and ``sync`` closing it."""
+    import torch.distributed as dist
+
+    fn()
+    best = math.inf
+    for _ in range(PROBE_REPEATS):
+        dist.barrier()
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def _fsdp_overheads(device, units: int = PROBE_UNITS, width: int = 64) -> tuple[float, float]:
@@ -203,22 +212,11 @@ def _fsdp_overheads(device, units: int = PROBE_UNITS, width: int = 64) -> tuple[
         return nn.Sequential(*(nn.Linear(width, width) for _ in range(units))).to(device)
 
     def best(model) -> float:
-        import torch.distributed as dist
-
         def step():
             model(x).sum().backward()
             model.zero_grad(set_to_none=True)
 
-        step()
-        out = math.inf
-        for _ in range(PROBE_REPEATS):
-            dist.barrier()
-            sync()
-            start = time.perf_counter()
-            step()
-            sync()
-            out = min(out, time.perf_counter() - start)
-        return out
+        return _best_seconds(step, sync)
 
     plain = best(stack())
     sharded = stack()
