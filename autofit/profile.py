@@ -21,6 +21,7 @@ from typing import Callable, Iterable
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.flop_counter import FlopCounterMode
 
 from autofit import forkserver
@@ -85,9 +86,10 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
         if step_optimizer:  # its state exists before the step, as in every step after the first
             init_optimizer_state(trainee)
         float_dtype = torch.bfloat16 if precision is Precision.BF16 else None
-        inputs, targets = to_device(
-            tuple(fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in real_batch),
-            trainee.device, float_dtype)
+        # Tensors nested in dicts or lists (e.g. {"input_ids": ..., "labels": ...}) are made fake too
+        inputs, targets = to_device(tree_map_only(torch.Tensor, fake_mode.from_tensor, tuple(real_batch)),
+                                    trainee.device, float_dtype)
+    batch_tensors = [t for t in tree_leaves((inputs, targets)) if isinstance(t, torch.Tensor)]
     model, layers = trainee.model, workload.layers(trainee.model)
     n = len(layers)
     params = [p for p in model.parameters()]
@@ -199,7 +201,7 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
 
     with fake_mode:
         timeline.register(params + buffers + state)
-        timeline.register([t for t in (inputs, targets) if isinstance(t, torch.Tensor)], counted=False)
+        timeline.register(batch_tensors, counted=False)
         timeline.reset_peaks()
         trainee.optimizer.zero_grad(set_to_none=True)
         with timeline:
@@ -273,7 +275,7 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
         "pre_backward": reg("B0", "end"),
         "forward_flops": fwd_flops,
         "backward_flops": bwd_flops,
-        "input_bytes": tensor_bytes([t for t in (inputs, targets) if isinstance(t, torch.Tensor)], round_bytes),
+        "input_bytes": tensor_bytes(batch_tensors, round_bytes),
         "step_peak_bytes": max((live for live, _ in timeline.trace), default=0),
         "layers": [
             {

@@ -166,3 +166,19 @@ def test_inputs_no_backward_keeps_are_freed_between_layers_but_not_a_segments_ow
     # the whole model checkpointed in one segment: its recomputation frees what the layers after
     # the first free, never the segment's input (measured exact; shorter segments stay above, safe)
     assert abs(_error(_workload("mlp-unsaved-inputs", UnsavedInputs), config)) <= 0.02
+
+
+class DictInputs(NoStem):
+    """Inputs as a dict, as a Hugging Face model takes them (``{"input_ids": ..., "labels": ...}``)."""
+
+    def forward(self, batch):
+        return super().forward(batch["x"] * batch["scale"])
+
+
+def _dict_batch(n):
+    return {"x": torch.randn(n, WIDTH), "scale": torch.ones(n, 1)}, torch.randint(0, 10, (n,))
+
+
+def test_inputs_nested_in_a_dict_are_profiled_fake():
+    workload = Workload(name="mlp-dict-inputs", model=DictInputs, batch=_dict_batch, loss=F.cross_entropy)
+    assert abs(_error(workload, "precision=fp32,micro_batch=64")) <= 0.02
