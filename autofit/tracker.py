@@ -23,6 +23,7 @@ The breakdown of a peak is its composition at the peak moment, so the six values
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, Iterable
 
 import torch
@@ -187,13 +188,22 @@ class MemoryTracker:
             self._tracker.limit_bytes = budget_bytes + self.input_bytes
 
     def __enter__(self) -> "MemoryTracker":
+        # A module built inside forward (transformers' T5 makes its CrossEntropyLoss there) is gone
+        # before backward; MemTracker then warns twice per step that it skips that module's
+        # per-module statistics. The totals this wrapper reads do not depend on them.
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.filterwarnings("ignore", message=r"Module is None\. Skipping (PRE|POST)_BW hook")
         self._tracker.__enter__()
         self.active = True
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
         self.active = False
-        self._tracker.__exit__(*exc_info)
+        try:
+            self._tracker.__exit__(*exc_info)
+        finally:
+            self._warnings.__exit__(*exc_info)
 
     def step_boundary(self) -> None:
         """Between micro-steps and iterations: clear the per-module statistics."""

@@ -111,3 +111,29 @@ def test_budget_exceeded_raises_inside_the_step(where):
     assert tracker.exceeded_bytes is not None and tracker.exceeded_bytes > budget
     in_backward = any(entry.name == "backward" for entry in excinfo.traceback)
     assert in_backward == (where == "backward")
+
+
+class LossModuleInForward(nn.Module):
+    """Builds a loss module inside forward (as transformers' T5 does): gone before backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return nn.CrossEntropyLoss()(self.fc(x), torch.zeros(len(x), dtype=torch.long))
+
+
+def test_a_module_gone_before_backward_raises_no_warning():
+    import warnings
+
+    model = LossModuleInForward()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with MemoryTracker(model, optimizer, inputs=[x]) as tracker:
+            _adamw_step(model, optimizer, x, lambda loss: loss)
+        warnings.warn("after the tracker", UserWarning)  # the tracker's filter ends with it
+    assert [str(w.message) for w in caught] == ["after the tracker"]
+    assert tracker.peak_bytes > 0
