@@ -17,6 +17,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from autofit.profile_data import PROFILE_BATCHES, PROFILE_VERSION, Profile
+from autofit.training import copies_stay_fake
 from autofit.workload import Workload
 
 __all__ = ["cache_dir", "cache_outcome", "cache_path", "code_digests", "profile_key", "split_refusal", "study_profile"]
@@ -111,7 +112,7 @@ def profile_key(workload: Workload, device_type: str) -> tuple[str, int, int]:
     """(cache key, parameter count, layer count), from a fake build of the model."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode():
+    with FakeTensorMode(), copies_stay_fake():
         model = workload.model()
         layers = workload.layers(model)
         optimizer = workload.optimizer(model.parameters())

@@ -230,6 +230,40 @@ class Trainee:
     device: torch.device
 
 
+@contextlib.contextmanager
+def copies_stay_fake():
+    """Under the active ``FakeTensorMode``, let a model built there deep-copy its fake tensors.
+
+    ``nn.TransformerEncoder``, ``nn.Transformer`` and other ``_get_clones`` users deep-copy their
+    first layer; ``Tensor.__deepcopy__`` deep-copies a fake tensor's ``fake_mode`` attribute too, and
+    the copies then fail in the first operator with "Mixing fake modes NYI" (torch's ``FakeCopyMode``
+    is no help: it makes every copy of one tensor the same fake tensor, so clones would share weights).
+    Here each copy is a fresh fake tensor of the active mode; deepcopy's memo keeps tied weights tied.
+    """
+    from torch._guards import detect_fake_mode
+    from torch.overrides import TorchFunctionMode
+
+    mode = detect_fake_mode()
+    if mode is None:
+        yield
+        return
+
+    class FreshFakeCopies(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is not torch.Tensor.__deepcopy__ or getattr(args[0], "fake_mode", None) is not mode:
+                return func(*args, **(kwargs or {}))
+            tensor, memo = args
+            with torch.no_grad():
+                copy = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device=tensor.device)
+            copy = (nn.Parameter(copy, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter)
+                    else copy.requires_grad_(tensor.requires_grad))
+            memo[id(tensor)] = copy
+            return copy
+
+    with FreshFakeCopies():
+        yield
+
+
 def build_model(workload: Workload, precision: Precision, device: torch.device, fake: bool = False) -> nn.Module:
     """A fresh model in the precision's parameter dtype on ``device``.
 
@@ -241,7 +275,7 @@ def build_model(workload: Workload, precision: Precision, device: torch.device, 
     previous = torch.get_default_dtype()
     torch.set_default_dtype(param_dtype(precision))
     try:
-        with torch.device(device):
+        with torch.device(device), copies_stay_fake():
             return workload.model()
     finally:
         torch.set_default_dtype(previous)

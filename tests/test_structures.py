@@ -182,3 +182,27 @@ def _dict_batch(n):
 def test_inputs_nested_in_a_dict_are_profiled_fake():
     workload = Workload(name="mlp-dict-inputs", model=DictInputs, batch=_dict_batch, loss=F.cross_entropy)
     assert abs(_error(workload, "precision=fp32,micro_batch=64")) <= 0.02
+
+
+class ClonedLayers(nn.Module):
+    """``nn.TransformerEncoder`` deep-copies its layer (``_get_clones``), as ``nn.Transformer`` does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.head(self.encoder(x).mean(1))
+
+
+def _sequence_batch(n):
+    return torch.randn(n, 8, 32), torch.randint(0, 10, (n,))
+
+
+def test_layers_deep_copied_under_fake_tensors_are_distinct_weights():
+    workload = Workload(name="encoder-clones", model=ClonedLayers, batch=_sequence_batch, loss=F.cross_entropy)
+    profile = profile_workload(workload, ["fp32"], use_cache=False)
+    assert profile.param_count == sum(p.numel() for p in ClonedLayers().parameters())  # the clones are not tied
+    assert abs(_error(workload, "precision=fp32,micro_batch=16")) <= 0.02
