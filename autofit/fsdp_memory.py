@@ -206,7 +206,7 @@ def _walk(pp: PrecisionProfile, n_ranks: int, every: int, later: bool, cuda: boo
             if layers[e - 1].output_saved:
                 live = _plus(live, layers[e - 1].output, -1.0)
             for i in range(s, e):  # recomputation under the gathered unit
-                t.peaks(live, layers[i].forward, "backward", gathered=gathered, grads=g_sh + root_grads)
+                t.peaks(live, layers[i].recomputed(last=i == e - 1), "backward", gathered=gathered, grads=g_sh + root_grads)
                 live = _plus(live, layers[i].forward.delta if i == s else _plus(layers[i].forward.delta, layers[i].after))
             if not layers[e - 1].output_saved:
                 live = _plus(live, layers[e - 1].output, -1.0)
@@ -215,6 +215,8 @@ def _walk(pp: PrecisionProfile, n_ranks: int, every: int, later: bool, cuda: boo
             t.peaks(live, layers[i].backward, "backward", gathered=gathered, grads=g_sh + root_grads + whole)
             whole += layers[i].grad_bytes
             live = _plus(live, layers[i].backward.delta_nongrad)
+        if every:  # the checkpoint kept the segment's input to here (freed in ``after`` where no layer saves it)
+            live = _plus(live, layers[s].after)
         # post-backward: reshard, then the whole gradients copied into the reduce-scatter buffer
         t.at(live, "backward", gathered=root + held + prefetch, grads=g_sh + root_grads + w[u],
              temp=wb[u] + ws[u])

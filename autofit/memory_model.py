@@ -6,7 +6,10 @@ are laid end to end again for any config, as PyTorch would run it:
 - gradients: set to None before the first micro-step and grown during its backward; later
   accumulation micro-steps start with all of them (``*_nongrad`` regions + all gradients);
 - checkpointing (non-reentrant, segments of k layers): the forward keeps only each segment's
-  output; the backward of a segment first recomputes its forward, then runs its backward;
+  output, which the checkpoint of the next segment keeps as its input (one tensor, counted once)
+  until that segment's backward is done, whether or not a layer saved it; the backward of a
+  segment first recomputes its forward, stopping at the last tensor the segment saves (early
+  stop: an output nothing saves is not made again), then runs its backward;
 - device split: stage s holds its layers (plus the embedding on the first stage and the head
   on the last), and under 1F1B up to ``min(grad_accum, p - s)`` micro-batches in flight
   (GPipe: all ``grad_accum``) during its forwards and first backward, one fewer once later
@@ -229,7 +232,7 @@ def _walk_stage(pp: PrecisionProfile, start: int, end: int, first_stage: bool, l
             if layers[e - 1].output_saved and not stage_output_kept:
                 w.live = _add(w.live, layers[e - 1].output, -1.0)
             for i in range(s, e):  # recompute the segment's forward, saving its activations
-                w.region(layers[i].forward.peaks, layers[i].forward.delta, "backward")
+                w.region(layers[i].recomputed(last=i == e - 1).peaks, layers[i].forward.delta, "backward")
                 if i > s:  # the segment's input is the checkpoint's
                     w.live = _add(w.live, layers[i].after)
             w.live = _add(w.live, (-sum(cache[s:e]) + sum(saved[s:e]), 0.0))  # recompute's autocast exits
@@ -237,6 +240,11 @@ def _walk_stage(pp: PrecisionProfile, start: int, end: int, first_stage: bool, l
                 w.live = _add(w.live, layers[e - 1].output, -1.0)
             for i in reversed(range(s, e)):  # the recomputed output is freed, the stage's own kept
                 layer_backward(i, output_freed=False)
+            # The checkpoint kept the segment's input until its backward is done; where no layer
+            # saves it (linear(relu(x))), the profile's backward did not free it (its forward did,
+            # in ``after``): free it now. A later stage's input stays in its receive buffer.
+            if first_stage or s > start:
+                w.live = _add(w.live, layers[s].after)
     else:
         for i in reversed(range(start, end)):
             layer_backward(i, output_freed=layers[i].output_saved)

@@ -104,6 +104,9 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
     # checkpointed segment's recomputation re-creates and keeps it (no early stop before it).
     output_saved: list[bool] = [False] * n
     saved_ptrs: list[set] = [set() for _ in range(n)]
+    # Where each layer's forward saved its last tensor for backward (a timeline index): a
+    # checkpointed segment's recomputation stops there (non-reentrant early stop).
+    last_saved: list[int | None] = [None] * n
     saving: list = [None]
     phase = {"value": "pre"}
     module_phase: dict[int, str] = {}
@@ -130,6 +133,7 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
 
             def pack(t):
                 saved_ptrs[i].add(t.untyped_storage()._cdata)
+                last_saved[i] = len(timeline.trace)  # an input is saved before its op runs, an output after
                 return t
             saving[0] = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
             saving[0].__enter__()
@@ -144,6 +148,8 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
             rec.mark(f"F{i}")
             if i == n - 1:
                 phase["value"] = "post"
+                # the last layer's input dies (where no backward keeps it) as the model moves on
+                rec.mark_before_next_op("layers_done")
             output_grad[i] = out is not None and out.requires_grad
             if output_grad[i]:
                 out.register_hook(lambda g: rec.mark(f"b{i}"))
@@ -269,7 +275,7 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
         "pre_max_grad_tensor_bytes": max_tensor_bytes([t for t in pre_t if id(t) in grads], round_bytes),
         "post_max_grad_tensor_bytes": max_tensor_bytes([t for t in post_t if id(t) in grads], round_bytes),
         "pre_forward": reg("start", "f0"),
-        "post_forward": reg(f"F{n - 1}", "loss"),
+        "post_forward": reg("layers_done", "loss"),
         "post_backward": reg("loss", f"b{n - 1}"),
         **_model_output_regions(rec, n),
         "pre_backward": reg("B0", "end"),
@@ -286,14 +292,27 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
                 "output": layer_out[i],
                 "output_saved": output_saved[i],
                 "forward": reg(f"f{i}", f"F{i}"),
-                # what dies before the next layer starts: this layer's input, when no backward keeps it
-                "after": reg(f"F{i}", f"f{i + 1}")[0] if i < n - 1 else 0,
+                "recompute": _prefix(rec, f"f{i}", last_saved[i]),
+                # what dies before the next layer starts (the last: before the next operator):
+                # this layer's input, when no backward keeps it
+                "after": reg(f"F{i}", f"f{i + 1}" if i < n - 1 else "layers_done")[0],
                 "backward": reg(f"b{i}", f"B{i}"),
                 "forward_flops": layer_flops[i],
             }
             for i in range(n)
         ],
     }
+
+
+def _prefix(rec: Recorder, start: str, stop: int | None) -> tuple:
+    """The region from mark ``start`` to timeline index ``stop`` (exclusive), as :meth:`Recorder.region`
+    gives it; nothing (all zeros) when ``stop`` is None (the layer saved nothing)."""
+    first = rec.marks[[m[0] for m in rec.marks].index(start)]
+    live0, ng0, at = first[1], first[2], first[5]
+    points = rec.t.trace[at:stop] if stop is not None and stop > at else [(live0, ng0)]
+    live = [p[0] - live0 for p in points]
+    nongrad = [p[1] - ng0 for p in points]
+    return live[-1], max(live), nongrad[-1], max(nongrad), live, nongrad
 
 
 def _line(v1: float, v2: float) -> Line:
@@ -321,7 +340,7 @@ def _model_output_regions(rec: "Recorder", n: int) -> dict:
     names = {m[0] for m in rec.marks}
     if not {"out", "dout"} <= names:
         return {}
-    return {"head_forward": rec.region(f"F{n - 1}", "out"), "loss_forward": rec.region("out", "loss"),
+    return {"head_forward": rec.region("layers_done", "out"), "loss_forward": rec.region("out", "loss"),
             "loss_backward": rec.region("loss", "dout"), "head_backward": rec.region("dout", f"b{n - 1}")}
 
 
@@ -426,6 +445,7 @@ def _assemble(precision: Precision, runs: dict, **extra) -> PrecisionProfile:
             output=_line(l1["output"], l2["output"]), output_saved=l1["output_saved"],
             max_grad_tensor_bytes=l1["max_grad_tensor_bytes"], grad_rows=l1["grad_rows"],
             forward=_region_lines(l1["forward"], l2["forward"]),
+            recompute=_region_lines(l1["recompute"], l2["recompute"]),
             backward=_region_lines(l1["backward"], l2["backward"]), after=_line(l1["after"], l2["after"]),
             forward_flops=_flops_line(l2["forward_flops"]),
         ))

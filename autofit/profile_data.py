@@ -13,7 +13,7 @@ from autofit.config import Precision
 __all__ = ["OUTPUT_REGIONS", "PROFILE_BATCHES", "PROFILE_VERSION", "LayerProfile", "Line", "PrecisionProfile", "Profile", "Region", "precision_from_dict", "region_from_dict"]
 
 # The profile's format: a cache entry of another version is never read (autofit.profile_cache).
-PROFILE_VERSION = 12
+PROFILE_VERSION = 13
 # Micro-batch sizes profiled; every per-sample quantity is fitted as a line through them.
 PROFILE_BATCHES = (2, 4)
 
@@ -68,10 +68,21 @@ class LayerProfile:
     output_saved: bool = False  # the layer's own backward needs its output (e.g. it ends in ReLU)
     max_grad_tensor_bytes: int = 0  # its largest gradient (a per-tensor optimizer's transients scale with it)
     grad_rows: tuple[tuple[int, int], ...] = ()  # (size(0), bytes) of each trainable parameter (FSDP pads dim 0)
-    # Live bytes from this layer's end to the next one's start: its input freed when no backward
-    # keeps it (a frozen block's). Not where something else holds that input: a checkpointed
-    # segment's first layer (the checkpoint keeps it), a later pipeline stage's (its receive buffer).
+    # Live bytes from this layer's end to the next one's start (the last layer's: to the next
+    # operator): its input freed when no backward keeps it (a frozen block's, linear(relu(x))'s).
+    # Where something else holds that input, it is freed later: a checkpointed segment's (the
+    # checkpoint keeps it until the segment's backward is done), a later pipeline stage's first
+    # layer's (its receive buffer).
     after: Line = (0.0, 0.0)
+    # The forward up to the last tensor it saves for backward: where a checkpointed segment that
+    # ends with this layer stops recomputing (torch.utils.checkpoint non-reentrant, early stop), so
+    # an output nothing saves is never made again. Its peaks bound that recomputation's.
+    recompute: Region | None = None
+
+    def recomputed(self, last: bool) -> Region:
+        """This layer's forward as a checkpointed segment's recomputation runs it (``last``: the
+        segment's last layer, which stops at the last tensor it saves)."""
+        return self.recompute if last and self.recompute is not None else self.forward
 
 
 @dataclass(frozen=True)
@@ -90,7 +101,7 @@ class PrecisionProfile:
     pre_max_grad_tensor_bytes: int
     post_max_grad_tensor_bytes: int
     pre_forward: Region           # step start -> first layer
-    post_forward: Region          # last layer -> loss ready
+    post_forward: Region          # last layer (once its ``after`` is freed) -> loss ready
     post_backward: Region         # loss -> into the last layer's backward
     pre_backward: Region          # out of the first layer's backward -> micro-step end
     input_bytes: Line             # the micro-batch itself (data loader's; counted only on CUDA)
@@ -99,7 +110,7 @@ class PrecisionProfile:
     backward_flops: Line = (0.0, 0.0)
     optimizer_flops: float = 0.0
     # post_forward and post_backward cut at the model's output (None when it has no gradient):
-    head_forward: Region | None = None    # last layer -> model output (final norm, head)
+    head_forward: Region | None = None    # last layer (after its ``after``) -> model output (final norm, head)
     loss_forward: Region | None = None    # model output -> loss ready
     loss_backward: Region | None = None   # loss -> the output's gradient
     head_backward: Region | None = None   # the output's gradient -> into the last layer's backward
@@ -155,6 +166,7 @@ def precision_from_dict(pp: dict) -> PrecisionProfile:
     """A PrecisionProfile from its ``dataclasses.asdict`` (JSON) form."""
     pp = dict(pp)
     layers = tuple(LayerProfile(**{**lp, "forward": region_from_dict(lp["forward"]), "backward": region_from_dict(lp["backward"]),
+                                   "recompute": region_from_dict(lp["recompute"]) if lp.get("recompute") else None,
                                    "output": tuple(lp["output"]), "forward_flops": tuple(lp["forward_flops"]),
                                    "after": tuple(lp.get("after", (0.0, 0.0))),
                                    "grad_rows": rows_from_json(lp.get("grad_rows", ()))})

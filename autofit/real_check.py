@@ -100,15 +100,17 @@ def correct_runs(fake1: dict, fake2: dict, real1: dict, real2: dict | None, b1: 
     out1["layers"] = [dict(layer) for layer in fake1["layers"]]
     out2["layers"] = [dict(layer) for layer in fake2["layers"]]
     places = [(k, None) for k in REGION_KEYS if k in fake1 and k in real1 and k in fake2]
-    places += [(k, i) for i in range(min(len(fake1["layers"]), len(real1["layers"]))) for k in ("forward", "backward")]
+    places += [(k, i) for i in range(min(len(fake1["layers"]), len(real1["layers"])))
+               for k in ("forward", "backward", "recompute")]
     corrected, kept = 0, 0
     for key, i in places:
         get = (lambda run, k=key: run[k]) if i is None else (lambda run, k=key, i=i: run["layers"][i][k])
         extra = _region_extra(get(fake1), get(real1))
         if not any(extra):
             continue
-        corrected += 1
-        kept += max(0, extra[0])
+        if key != "recompute":  # a prefix of the layer's forward, corrected with it: counted there
+            corrected += 1
+            kept += max(0, extra[0])
         extra2, factor2 = extra, b2 / b1
         if real2 is not None:  # the same places, measured again at b2
             extra2 = [r - f if e else 0 for f, r, e in zip(get(fake2)[:4], get(real2)[:4], extra)]

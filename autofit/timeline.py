@@ -10,7 +10,7 @@ bytes of every distinct storage alive (rounded to the CUDA block size on a CUDA 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -32,6 +32,7 @@ class Timeline(TorchDispatchMode):
         self.trace: list[tuple[int, int]] = []  # (live, live without grads) after every op
         self._storages: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._grad_ids: dict[int, int] = {}  # id(storage) -> bytes, for gradients alive now
+        self.before_next_op: Callable[[], None] | None = None  # called once, before the next operator runs
 
     def _nbytes(self, storage) -> int:
         n = storage.nbytes()
@@ -72,6 +73,9 @@ class Timeline(TorchDispatchMode):
         self.peak_nongrad = max(self.peak_nongrad, self.live - self.grad_live)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.before_next_op is not None:  # what died since the last operator is gone by now
+            call, self.before_next_op = self.before_next_op, None
+            call()
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
@@ -93,9 +97,17 @@ class Recorder:
 
     def mark(self, name: str) -> None:
         t = self.t
+        if t.before_next_op is not None:  # a pending mark comes first
+            call, t.before_next_op = t.before_next_op, None
+            call()
         t._observe()
         self.marks.append((name, t.live, t.live - t.grad_live, t.peak, t.peak_nongrad, len(t.trace) - 1))
         t.reset_peaks()
+
+    def mark_before_next_op(self, name: str) -> None:
+        """Mark ``name`` just before the next operator (or the next mark), once the tensors that
+        Python drops in between (a layer's input no backward keeps) are freed."""
+        self.t.before_next_op = lambda: self.mark(name)
 
     def region(self, start: str, end: str) -> tuple:
         """(delta, peak above start, delta without grads, peak without grads above start,
