@@ -154,6 +154,10 @@ def explain_failure(name: str, exc: BaseException) -> str:
     """One line on why a workload failed to train a step, naming the mistake when torch's words show it."""
     text = " ".join(str(exc).split())
     optimizer = _failing_optimizer(exc)
+    if optimizer is not None and "closure" in text:  # LBFGS: step(closure) evaluates the loss itself
+        return (f"{name}: the optimizer's step ({optimizer}) needs a closure that re-evaluates the loss, and "
+                f"autofit's training step calls optimizer.step() once after backward ({type(exc).__name__}: {text}); "
+                "use one whose step takes no closure, e.g. torch.optim.AdamW, SGD, RMSprop, Adagrad")
     if optimizer is not None:  # not the model's fault: say so, and what a profiled optimizer must not do
         why = (" (it reads a tensor's value, e.g. .item(), which fake tensors do not have)"
                if "_local_scalar_dense" in text or "data-dependent" in text.lower() else "")

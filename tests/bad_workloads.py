@@ -82,6 +82,12 @@ def optimizer_reads_values() -> Workload:
                     optimizer=lambda params: torch.optim.ASGD(params, lr=0.01))
 
 
+def optimizer_needs_closure() -> Workload:
+    """LBFGS's step takes a closure that re-evaluates the loss: autofit's step calls step() once."""
+    return Workload(name="lbfgs", model=Net, batch=_batch, loss=F.mse_loss,
+                    optimizer=lambda params: torch.optim.LBFGS(params))
+
+
 def one_tensor_batch() -> Workload:
     return _workload("one-tensor", batch=lambda n: torch.randn(n, DIM))
 

@@ -122,6 +122,8 @@ CASES: dict[str, Case] = {
                                         ("workload.optimizer", "lambda params: torch.optim.sgd(params", "instance")),
     "workload-optimizer-reads-values": Case(_estimate(model=f"{BAD}:optimizer_reads_values"), 2,
                                             ("asgd", "optimizer's step", ".item()", "adamw")),
+    "workload-optimizer-needs-closure": Case(_estimate(model=f"{BAD}:optimizer_needs_closure"), 2,
+                                             ("lbfgs", "closure", "optimizer.step()", "adamw")),
     "workload-all-frozen": Case(_estimate(model=f"{BAD}:frozen"), 2, ("frozen", "requires_grad")),
     "workload-hf-option-on-builtin": Case(_estimate("--seq-len", "16"), 2, ("--seq-len", "hf:")),
     # storages
