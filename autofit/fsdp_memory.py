@@ -170,7 +170,7 @@ def _walk(pp: PrecisionProfile, n_ranks: int, every: int, later: bool, cuda: boo
         if every:  # one checkpointed segment: only its output survives
             kept: Line = (0.0, 0.0)
             for i in range(s, e):
-                t.peaks(_plus(live, kept), layers[i].forward, "forward", gathered=gathered, grads=g_sh)
+                t.peaks(_plus(live, kept), layers[i].forward_checkpointed(), "forward", gathered=gathered, grads=g_sh)
                 kept = layers[i].output
                 live = _plus(live, (amp_cache[i], 0.0))
             live = _plus(live, layers[e - 1].output)

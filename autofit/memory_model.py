@@ -9,7 +9,8 @@ are laid end to end again for any config, as PyTorch would run it:
   output, which the checkpoint of the next segment keeps as its input (one tensor, counted once)
   until that segment's backward is done, whether or not a layer saved it; the backward of a
   segment first recomputes its forward, stopping at the last tensor the segment saves (early
-  stop: an output nothing saves is not made again), then runs its backward;
+  stop: an output nothing saves is not made again), then runs its backward. A segment's first
+  forward saves nothing, so its peak is the profile's ``checkpointed_forward``, not ``forward``;
 - device split: stage s holds its layers (plus the embedding on the first stage and the head
   on the last), and under 1F1B up to ``min(grad_accum, p - s)`` micro-batches in flight
   (GPipe: all ``grad_accum``) during its forwards and first backward, one fewer once later
@@ -32,8 +33,7 @@ all micro-batches and accumulation counts at once with numpy. A region contribut
 region's peak can change with b. ``tests/test_memory_model_golden.py`` checks the result
 byte for byte against hand arithmetic on a stack of Linear layers.
 
-Known limitations: the forward peak inside a checkpointed segment is bounded by the
-un-checkpointed layer's peak (a slight over-estimate); a region whose peak changes operator
+Known limitations: a region whose peak changes operator
 twice beyond the profiled sizes is under-estimated between the changes; pipeline runtime
 buffers are modelled as one received activation and one received gradient per micro-batch;
 the CUDA fragmentation is a constant share (10%) until a search calibrates it. The profile runs on
@@ -190,7 +190,7 @@ def _walk_stage(pp: PrecisionProfile, start: int, end: int, first_stage: bool, l
         for s, e in segments:
             for i in range(s, e):
                 held_in_segment = layers[i - 1].output if i > s else (0.0, 0.0)
-                w.region(layers[i].forward.peaks, (cache[i], 0.0), "forward", held=held_in_segment)
+                w.region(layers[i].forward_checkpointed().peaks, (cache[i], 0.0), "forward", held=held_in_segment)
             w.live = _add(w.live, layers[e - 1].output)  # only the segment's output survives
     else:
         for i in range(start, end):

@@ -51,7 +51,7 @@ from autofit.timeline import (
     state_tensors,
     tensor_bytes,
 )
-from autofit.training import build_trainee, forward_backward, to_device
+from autofit.training import autocast_context, build_trainee, forward_backward, to_device
 from autofit.workload import Workload, checked_batch, explain_build_failure, explain_failure, training_cache_caveat
 
 # The CUDA caching allocator rounds every block up to 512 bytes (FACTS.md).
@@ -222,6 +222,8 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
                 rec.mark("opt")
     for h in handles:
         h.remove()
+    with fake_mode, timeline:
+        checkpointed = _checkpointed_forwards(trainee, layers, inputs, rec)
 
     layer_flops, fwd_flops, bwd_flops = [0.0] * n, 0.0, 0.0
     if count_flops:
@@ -293,6 +295,7 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
                 "output_saved": output_saved[i],
                 "forward": reg(f"f{i}", f"F{i}"),
                 "recompute": _prefix(rec, f"f{i}", last_saved[i]),
+                "checkpointed_forward": checkpointed[i],
                 # what dies before the next layer starts (the last: before the next operator):
                 # this layer's input, when no backward keeps it
                 "after": reg(f"F{i}", f"f{i + 1}" if i < n - 1 else "layers_done")[0],
@@ -302,6 +305,34 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
             for i in range(n)
         ],
     }
+
+
+def _checkpointed_forwards(trainee, layers, inputs, rec: Recorder) -> list[tuple]:
+    """Each layer's forward as a checkpointed segment's forward runs it, as :meth:`Recorder.region`
+    gives it: autograd keeps none of the tensors it saves (the checkpoint's pack hook stores no
+    tensor), so each dies with its last Python reference. One more forward of the model, its output
+    dropped."""
+    n = len(layers)
+    calls = {"c": 0, "C": 0}
+
+    def marker(name: str):
+        def hook(module, *args):
+            i, calls[name] = calls[name], calls[name] + 1
+            if i < n:
+                rec.mark(f"{name}{i}")
+        return hook
+
+    unique = {id(layer): layer for layer in layers}.values()
+    handles = [layer.register_forward_pre_hook(marker("c")) for layer in unique]
+    handles += [layer.register_forward_hook(marker("C")) for layer in unique]
+    try:
+        with autocast_context(trainee.config.precision, trainee.device.type), \
+                torch.autograd.graph.saved_tensors_hooks(lambda t: None, lambda saved: None):
+            trainee.model(inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return [rec.region(f"c{i}", f"C{i}") for i in range(n)]
 
 
 def _prefix(rec: Recorder, start: str, stop: int | None) -> tuple:
@@ -446,6 +477,7 @@ def _assemble(precision: Precision, runs: dict, **extra) -> PrecisionProfile:
             max_grad_tensor_bytes=l1["max_grad_tensor_bytes"], grad_rows=l1["grad_rows"],
             forward=_region_lines(l1["forward"], l2["forward"]),
             recompute=_region_lines(l1["recompute"], l2["recompute"]),
+            checkpointed_forward=_region_lines(l1["checkpointed_forward"], l2["checkpointed_forward"]),
             backward=_region_lines(l1["backward"], l2["backward"]), after=_line(l1["after"], l2["after"]),
             forward_flops=_flops_line(l2["forward_flops"]),
         ))

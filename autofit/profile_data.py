@@ -13,7 +13,7 @@ from autofit.config import Precision
 __all__ = ["OUTPUT_REGIONS", "PROFILE_BATCHES", "PROFILE_VERSION", "LayerProfile", "Line", "PrecisionProfile", "Profile", "Region", "precision_from_dict", "region_from_dict"]
 
 # The profile's format: a cache entry of another version is never read (autofit.profile_cache).
-PROFILE_VERSION = 13
+PROFILE_VERSION = 14
 # Micro-batch sizes profiled; every per-sample quantity is fitted as a line through them.
 PROFILE_BATCHES = (2, 4)
 
@@ -78,11 +78,18 @@ class LayerProfile:
     # ends with this layer stops recomputing (torch.utils.checkpoint non-reentrant, early stop), so
     # an output nothing saves is never made again. Its peaks bound that recomputation's.
     recompute: Region | None = None
+    # The forward as a checkpointed segment's forward runs it: nothing kept for backward, so the
+    # tensors it saves die with their last Python reference (a lower peak).
+    checkpointed_forward: Region | None = None
 
     def recomputed(self, last: bool) -> Region:
         """This layer's forward as a checkpointed segment's recomputation runs it (``last``: the
         segment's last layer, which stops at the last tensor it saves)."""
         return self.recompute if last and self.recompute is not None else self.forward
+
+    def forward_checkpointed(self) -> Region:
+        """This layer's forward inside a checkpointed segment (its first run: nothing saved)."""
+        return self.checkpointed_forward if self.checkpointed_forward is not None else self.forward
 
 
 @dataclass(frozen=True)
@@ -166,7 +173,8 @@ def precision_from_dict(pp: dict) -> PrecisionProfile:
     """A PrecisionProfile from its ``dataclasses.asdict`` (JSON) form."""
     pp = dict(pp)
     layers = tuple(LayerProfile(**{**lp, "forward": region_from_dict(lp["forward"]), "backward": region_from_dict(lp["backward"]),
-                                   "recompute": region_from_dict(lp["recompute"]) if lp.get("recompute") else None,
+                                   **{k: region_from_dict(lp[k]) if lp.get(k) else None
+                                      for k in ("recompute", "checkpointed_forward")},
                                    "output": tuple(lp["output"]), "forward_flops": tuple(lp["forward_flops"]),
                                    "after": tuple(lp.get("after", (0.0, 0.0))),
                                    "grad_rows": rows_from_json(lp.get("grad_rows", ()))})

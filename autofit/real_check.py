@@ -101,14 +101,14 @@ def correct_runs(fake1: dict, fake2: dict, real1: dict, real2: dict | None, b1: 
     out2["layers"] = [dict(layer) for layer in fake2["layers"]]
     places = [(k, None) for k in REGION_KEYS if k in fake1 and k in real1 and k in fake2]
     places += [(k, i) for i in range(min(len(fake1["layers"]), len(real1["layers"])))
-               for k in ("forward", "backward", "recompute")]
+               for k in ("forward", "backward", "recompute", "checkpointed_forward")]
     corrected, kept = 0, 0
     for key, i in places:
         get = (lambda run, k=key: run[k]) if i is None else (lambda run, k=key, i=i: run["layers"][i][k])
         extra = _region_extra(get(fake1), get(real1))
         if not any(extra):
             continue
-        if key != "recompute":  # a prefix of the layer's forward, corrected with it: counted there
+        if key in ("forward", "backward") or i is None:  # the other layer regions rerun the forward: counted there
             corrected += 1
             kept += max(0, extra[0])
         extra2, factor2 = extra, b2 / b1
