@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves
 
 from autofit.profile_data import PROFILE_BATCHES, PROFILE_VERSION, Profile
 from autofit.training import copies_stay_fake
-from autofit.workload import Workload
+from autofit.workload import Workload, checked_batch
 
 __all__ = ["cache_dir", "cache_outcome", "cache_path", "code_digests", "profile_key", "split_refusal", "study_profile"]
 
@@ -100,7 +100,16 @@ def _file_digest(path: str) -> str | None:
 
 
 def split_refusal(workload: Workload) -> str | None:
-    """``workload.split.refusal`` on a model built on the meta device (no memory), if it has one."""
+    """Why a pipeline split of ``workload`` cannot run, or None: ``workload.split.refusal`` on a model
+    built on the meta device (no memory), if it has one; without a hand-made ``split``, inputs that
+    are not one tensor (the traced stages of ``torch.distributed.pipelining`` take tensors only)."""
+    if workload.split is None:
+        inputs = checked_batch(workload, 1)[0]
+        if isinstance(inputs, torch.Tensor):
+            return None
+        return (f"a pipeline split passes the model's inputs to its first stage as one tensor "
+                f"(torch.distributed.pipelining), and batch(n) returns them as a {type(inputs).__name__}: "
+                "use split_mode=fsdp, or inputs of one tensor")
     refusal = getattr(workload.split, "refusal", None)
     if refusal is None:
         return None

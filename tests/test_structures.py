@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autofit import TrainConfig, Workload
+from autofit.errors import ConfigError
 from autofit.measure import measure_trial
 from autofit.memory_model import estimate
 from autofit.profile import profile_workload
@@ -182,6 +183,16 @@ def _dict_batch(n):
 def test_inputs_nested_in_a_dict_are_profiled_fake():
     workload = Workload(name="mlp-dict-inputs", model=DictInputs, batch=_dict_batch, loss=F.cross_entropy)
     assert abs(_error(workload, "precision=fp32,micro_batch=64")) <= 0.02
+
+
+def test_a_pipeline_split_of_inputs_not_one_tensor_is_refused_before_any_trial():
+    # the traced pipeline stages take tensors only: the trial failed with PipeliningMetadataError
+    workload = Workload(name="mlp-dict-inputs", model=DictInputs, batch=_dict_batch, loss=F.cross_entropy)
+    profile = profile_workload(workload, ["fp32"], use_cache=False)
+    with pytest.raises(ConfigError, match="one tensor.*dict.*split_mode=fsdp"):
+        estimate(profile, TrainConfig.parse("micro_batch=8,device_split=2"))
+    assert estimate(profile, TrainConfig.parse("micro_batch=8,device_split=2,split_mode=fsdp")).peak_bytes > 0
+    assert profile_workload(_workload("mlp-no-stem", NoStem), ["fp32"], use_cache=False).split_refusal is None
 
 
 class ClonedLayers(nn.Module):
