@@ -60,7 +60,8 @@ REASONS = {
     PruneReason.DUPLICATE: "a checkpoint interval of at least a stage's layers: the same run as a smaller interval",
     PruneReason.OVER_BUDGET: "the calibrated peak, with its safety margin, is over the budget",
     PruneReason.TOO_SLOW: f"predicted under 1/{SLOW_FACTOR:g} of the best predicted throughput, under the best "
-                          "measured by more than the time model's measured error (in a precision that ran), or a "
+                          "measured by more than the time model's measured error (wider where no trial of its precision, "
+                          "layout and checkpointing ran), or a "
                           "trial longer than the trial limit",
     PruneReason.DOMINATED: "checkpointing the budget does not need: the same config with less of it fits and is faster",
     PruneReason.SLOW_PRECISION: "every config of its precision is predicted (calibrated by the trials so far) below "

@@ -751,3 +751,65 @@ def test_four_local_workers_on_the_journal_with_reports_while_they_run(tmp_path)
     report = autofit("report", str(out), "--json")
     after = json.loads(report.communicate(timeout=120)[0])["best"]
     assert json.loads(text)["best"] == snapshot_best == after["config"]
+
+
+def test_a_kind_no_trial_vouches_for_is_ruled_out_only_by_the_measured_cross_margin(tiny_profile, rates):
+    """A precision that has not run is dropped once the calibrated model's error across kinds has been
+    measured (another kind's first trial) and even that much faster it would not beat the best; before
+    that, it keeps its trial. The margin is the measured error, at least CROSS_MARGIN_MIN."""
+    from autofit.study.planner import CROSS_MARGIN_MIN, cross_margin
+    planner = make_planner(tiny_profile, rates, precision=["fp32", "amp-bf16"], micro_batch=[2, 4],
+                           global_batch=4, checkpoint_every=[0, 1])
+    # asking a 25% gain: amp-bf16 is predicted at ~0.8x fp32 here, so the margin decides
+    planner = Planner(dataclasses.replace(planner.settings, min_improvement=0.25), tiny_profile, rates)
+    prior = {c: planner.prediction(planner.index[c], Calibration.prior())["samples_per_s"] for c in planner.configs}
+    with_error = lambda r, e: dataclasses.replace(r, errors={"step_time": e})  # noqa: E731
+    fast, fast_ckpt = TrainConfig("fp32", 4, 1), TrainConfig("fp32", 4, 1, checkpoint_every=1)
+    amp = [c for c in planner.configs if c.precision == "amp-bf16"]
+    trials = [with_error(ran_trial(planner, fast, 0, samples_per_s=10 * prior[fast]), -0.9)]
+    step = planner.step(trials)
+    assert cross_margin(trials) is None
+    assert not {planner.configs[p.index] for p in step.prunes if p.reason.value in ("slow_precision", "too_slow")} & set(amp)
+    # the other side of checkpointing is a kind of its own: its first trial measures the error across kinds
+    trials.append(with_error(ran_trial(planner, fast_ckpt, 1, samples_per_s=10 * prior[fast_ckpt]), 0.05))
+    assert cross_margin(trials) == CROSS_MARGIN_MIN
+    calibration = planner.step(trials).calibration
+    best_amp = max(planner.prediction(planner.index[c], calibration)["samples_per_s"] for c in amp)
+    best = 10 * prior[fast]
+    bar = best * 1.25
+    assert best_amp * (1 + CROSS_MARGIN_MIN) < bar  # the premise: amp-bf16 is ruled out at that margin
+    pruned = {planner.configs[p.index]: p for p in planner.step(trials).prunes}
+    assert all(pruned[c].reason in (PruneReason.SLOW_PRECISION, PruneReason.DOMINATED) for c in amp)
+    assert pruned[amp[0]].reason is PruneReason.SLOW_PRECISION
+    assert "30% faster (the time model's measured error across precisions, layouts and checkpointing)" in pruned[amp[0]].text
+    # a wider measured error across kinds widens the margin: at 10x it no longer rules amp-bf16 out
+    trials[1] = with_error(trials[1], 9.0)
+    assert cross_margin(trials) == 9.0 and best_amp * 10 > bar
+    assert not {planner.configs[p.index] for p in planner.step(trials).prunes
+                if p.reason.value in ("slow_precision", "too_slow")} & set(amp)
+
+
+def test_a_checkpointed_trial_does_not_vouch_for_its_precision_without_checkpointing(tiny_profile, rates):
+    """Checkpointing's cost is one term of the calibration, fitted from whichever side ran: a
+    precision whose only trial checkpointed is judged without checkpointing by the margin across
+    kinds, not its group's (the committed convnet-bn grid at 24 MiB: bf16's checkpointed trial ruled
+    out bf16 without checkpointing, the optimum)."""
+    from autofit.study.planner import CROSS_MARGIN_MIN, TIME_MARGIN_MIN, cross_margin, time_margin
+
+    planner = make_planner(tiny_profile, rates, precision=["fp32", "amp-bf16"], micro_batch=[2, 4], global_batch=4,
+                           checkpoint_every=[0, 1])
+    prior = {c: planner.prediction(planner.index[c], Calibration.prior())["samples_per_s"] for c in planner.configs}
+    ran = [TrainConfig("fp32", 4, 1), TrainConfig("fp32", 2, 2), TrainConfig("amp-bf16", 4, 1, checkpoint_every=1)]
+    trials = [dataclasses.replace(ran_trial(planner, c, k, samples_per_s=prior[c]), errors={"step_time": 0.0})
+              for k, c in enumerate(ran)]
+    assert time_margin(trials) == TIME_MARGIN_MIN and cross_margin(trials) == CROSS_MARGIN_MIN
+    step = planner.step(trials)
+    plain = [c for c in planner.configs if c.precision == "amp-bf16" and c.checkpoint_every == 0]
+    top = max(planner.prediction(planner.index[c], step.calibration)["samples_per_s"] for c in plain)
+    bar = max(r.value for r in trials) * (1 + planner.settings.min_improvement)
+    # the premise: within its group's margin amp-bf16 without checkpointing would be ruled out, across kinds not
+    assert top * (1 + TIME_MARGIN_MIN) < bar <= top * (1 + CROSS_MARGIN_MIN)
+    slow = {planner.configs[p.index] for p in step.prunes if p.reason.value in ("slow_precision", "too_slow")}
+    best_plain = TrainConfig("amp-bf16", 4, 1)
+    assert planner.prediction(planner.index[best_plain], step.calibration)["samples_per_s"] == top
+    assert best_plain not in slow and planner.configs[step.run] == best_plain

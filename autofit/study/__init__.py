@@ -9,20 +9,23 @@ One planning step (every worker, before every trial, from what the storage holds
    ``duplicate`` (a checkpoint interval at least a stage's length is one segment per stage,
    the same config as the smallest such interval), ``over_budget`` (calibrated peak with its
    safety margin over the budget), ``too_slow`` (predicted throughput under 1/SLOW_FACTOR of
-   the best predicted; or, in a calibration group that has run ok, not above the best measured
-   median by ``min_improvement`` even raised by the time model's measured error, see
-   ``slow_precision``; or a trial predicted to
+   the best predicted; or not above the best measured median by ``min_improvement`` even raised
+   by the time model's measured error, see ``slow_precision``; or a trial predicted to
    outlast the trial time limit), ``dominated``
    (the same precision, micro-batch, accumulation and split with less recomputation fits and
    is predicted faster: checkpointing only trades time for memory), ``slow_precision`` (every
    config left of a calibration group -- a precision on one layout: one device, or a split of
-   that many devices in that mode, :func:`~autofit.study.planner.calibration_group` -- that
-   has run ok is predicted, calibrated, so low that even raised by the time model's measured
-   error it would not beat the best measured median by ``min_improvement``, below which a gain
-   is noise, as for patience; the error: the largest of a step time predicted once its group had run,
-   :func:`~autofit.study.planner.time_margin`; a group that has not run is never ruled out this
-   way, since across precisions the prior's error is up to 2x on a CPU, and across layouts each
-   has costs of its own: a pipeline's bubble and sends, FSDP's gathers). A prune is re-examined at
+   that many devices in that mode, :func:`~autofit.study.planner.calibration_group` -- is
+   predicted, calibrated, so low that even raised by the time model's measured error it would
+   not beat the best measured median by ``min_improvement``, below which a gain is noise, as for
+   patience. The error depends on what the trials vouch for (:func:`~autofit.study.planner.vouch_key`:
+   the group and whether it checkpoints): for a config of a kind that ran ok, the largest error of
+   a step time predicted once its group had run (:func:`~autofit.study.planner.time_margin`); for
+   the others, the largest error of a kind's first trial, predicted across kinds, at least
+   CROSS_MARGIN_MIN (:func:`~autofit.study.planner.cross_margin`), and until one such trial has
+   run they are not ruled out this way: across precisions the prior's error differs, across
+   layouts each has costs of its own (a pipeline's bubble and sends, FSDP's gathers), and
+   checkpointing's cost is one term fitted from whichever side ran). A prune is re-examined at
    every step: if its reason no longer holds (the config that dominated it ran out of memory,
    calibration shrank the margin), the config becomes a candidate again;
 3. **stop** when the real-trial limit is reached, the time is up, ``patience`` real trials in a
@@ -41,7 +44,8 @@ One planning step (every worker, before every trial, from what the storage holds
    rules its config out. Running re-measurements count, so workers and resumed searches never
    take the same measurement twice;
 4. otherwise **run** the next candidate: first, for each precision not measured yet, its
-   predicted-fastest config (one trial calibrates the whole precision); then the candidate with
+   predicted-fastest config (one trial calibrates the whole precision), unless a wide margin
+   already rules the precision out (above); then the candidate with
    the highest calibrated predicted throughput; predictions within NEAR of the best are a tie,
    won by the cheapest trial. It runs through the worker's trial runner (by default an
    isolated child, :func:`autofit.trial.run_trial` of :data:`autofit.schedule.DEFAULT_SCHEDULE`)

@@ -41,6 +41,12 @@ NOISE_MIN = 0.10           # the runner-up is re-measured if its median, raised 
 #                            the noise: the largest spread between two samples of a config so far, at least this
 REMEASURE_MAX = 2 * REMEASURE_TOP * (REMEASURE_SAMPLES - 1)  # re-measurements in a study at most
 TIME_MARGIN_MIN = 0.10     # the time model's error margin is never taken below two samples' median spread
+# For configs no trial vouches for (another precision or layout, or the other side of checkpointing),
+# the margin is the calibrated model's error measured on such configs (each kind's first trial, planned
+# from the others' calibration), never below this: on the committed CPU grids the prior's bias between
+# two precisions (ratio of their median measured/predicted step times) was at most 1.20x
+# (results/benchmarks/accuracy_prior.csv, the workload's own layer).
+CROSS_MARGIN_MIN = 0.3
 REMEASURE_RESERVE = 4      # with a trial limit, exploration leaves up to 1/this of it for them
 # A trial runs DEFAULT_SCHEDULE (autofit.schedule); its time limit is sized from that schedule.
 
@@ -78,6 +84,14 @@ def calibration_group(config: TrainConfig) -> tuple:
     return (config.precision, *layout)
 
 
+def vouch_key(config: TrainConfig) -> tuple:
+    """What a trial's calibration vouches for within the time model's margin: its calibration
+    group and whether it recomputes (checkpointing's cost is one shared term of the calibration,
+    fitted from whichever side ran: a checkpointed trial says little about the same precision
+    without it; on the committed convnet-bn grid one did, and ruled out the optimum)."""
+    return (*calibration_group(config), config.checkpoint_every > 0)
+
+
 def group_name(group: tuple) -> str:
     """``bf16`` (one device), ``bf16 split=2`` (a pipeline) or ``bf16 fsdp=2``."""
     precision, split, mode = group
@@ -100,6 +114,28 @@ def time_margin(records: Sequence[TrialRecord]) -> float | None:
             within.append(abs(r.errors["step_time"]))
         seen.add(calibration_group(r.config))
     return max([TIME_MARGIN_MIN] + within) if within else None
+
+
+def cross_margin(records: Sequence[TrialRecord]) -> float | None:
+    """The calibrated time model's measured error for configs no trial vouches for yet
+    (:func:`vouch_key`): the largest relative error of the step time predicted for an ok trial
+    that was the first of its kind while another kind had run ok (so predicted across kinds, out of
+    sample), at least CROSS_MARGIN_MIN. None until there is one: the first trial of a study shows
+    only the uncalibrated prior's error, not how a calibration carries across kinds."""
+    ok = sorted((r for r in records if r.feasible and r.errors.get("step_time") is not None), key=lambda r: r.number)
+    seen: set = set()
+    across = []
+    for r in ok:
+        key = vouch_key(r.config)
+        if seen and key not in seen:
+            across.append(abs(r.errors["step_time"]))
+        seen.add(key)
+    return max([CROSS_MARGIN_MIN] + across) if across else None
+
+
+def _margin_name(m: float, within: float | None) -> str:
+    return "the time model's measured error" if m == within else \
+        "the time model's measured error across precisions, layouts and checkpointing"
 
 
 def sample_noise(by_config: dict) -> float:
@@ -130,6 +166,7 @@ class Planner:
                        for k in ("step_time_s", "micro_step_time_s", "optimizer_step_time_s")}
         self.n_layers = profile.n_layers
         self._groups = [calibration_group(c) for c in self.configs]  # read at every step
+        self._keys = [vouch_key(c) for c in self.configs]
         self._static = self._static_reasons()
         rng = np.random.default_rng(settings.seed)
         self._tiebreak = rng.permutation(len(self.configs))  # seeded order among equal predictions
@@ -228,7 +265,8 @@ class Planner:
         sps = samples / step_s
         fits = np.nan_to_num(np.asarray(calibration.fits(peak, settings.budget_bytes), dtype=bool), nan=False)
         reasons = self._reasons(peak, sps, ratio, fits, calibration)
-        self._slow_precisions(reasons, sps, claimed, ~np.isnan(measured_step), best_median, time_margin(records))
+        self._slow_precisions(reasons, sps, claimed, ~np.isnan(measured_step), best_median, time_margin(records),
+                              cross_margin(records))
         # Times are compared on one basis, the calibrated predictions (a measured time against a
         # sibling's prediction would let noise decide); a config that ran ok is known to fit.
         known = ~np.isnan(measured_step)
@@ -296,35 +334,40 @@ class Planner:
         return reasons
 
     def _slow_precisions(self, reasons, sps, claimed, ran_ok, best_median: float | None,
-                         margin: float | None) -> None:
+                         margin: float | None, cross: float | None) -> None:
         """Prune every config left of a calibration group (precision and layout,
-        :func:`calibration_group`) that ran ok (``ran_ok``: per config) whose best calibrated
-        prediction, raised by the time model's measured error ``margin``, does not beat the best
-        measured median by the study's ``min_improvement``: once its own trial has calibrated it, a
-        group the model rules out costs no more trials."""
-        if best_median is None or margin is None:
+        :func:`calibration_group`) whose best calibrated prediction, raised by the time model's
+        measured error, does not beat the best measured median by the study's ``min_improvement``;
+        else, config by config, those that cannot. The error: ``margin`` (within a group,
+        :func:`time_margin`) for a config a trial that ran ok (``ran_ok``: per config) vouches for
+        (:func:`vouch_key`), ``cross`` (:func:`cross_margin`, None: not measured yet, so not
+        pruned) for the others. So a precision the calibrated model rules out by a wide margin
+        costs no trial, and one that ran costs no more trials than its own calibration allows."""
+        if best_median is None:
             return
         # A config must be able to beat the best by more than min_improvement (below it a gain is
         # noise, as for patience) at the top of the model's error margin to be worth a trial.
         bar = best_median * (1 + self.settings.min_improvement)
-        # Only groups that ran: across them the prior's error is far larger than one trial's
-        # calibration can bound (see calibration_group); such configs keep their trial.
-        for group in {self._groups[i] for i in np.flatnonzero(ran_ok)}:
+        vouched = {self._keys[i] for i in np.flatnonzero(ran_ok)}
+        for group in dict.fromkeys(self._groups):
             members = [i for i, g in enumerate(self._groups)
                        if g == group and reasons[i] is None and not claimed[i]]
-            top = max((sps[i] for i in members), default=math.nan)
-            if members and top * (1 + margin) < bar:
+            margins = [margin if self._keys[i] in vouched else cross for i in members]
+            if not members:
+                continue
+            if None not in margins and max(sps[i] * (1 + m) for i, m in zip(members, margins)) < bar:
+                top, widest = max(sps[i] for i in members), max(margins)
                 for i in members:
                     reasons[i] = (PruneReason.SLOW_PRECISION,
                                   f"every {group_name(group)} config left is predicted at most {top:.3g} samples/s: "
-                                  f"even {margin:.0%} faster (the time model's measured error) it would not beat the "
+                                  f"even {widest:.0%} faster ({_margin_name(widest, margin)}) it would not beat the "
                                   f"best measured {best_median:.3g} by {self.settings.min_improvement:.0%}")
                 continue
-            for i in members:  # the same rule, config by config, within a group the model knows
-                if sps[i] * (1 + margin) < bar:
+            for i, m in zip(members, margins):  # the same rule, config by config
+                if m is not None and sps[i] * (1 + m) < bar:
                     reasons[i] = (PruneReason.TOO_SLOW,
-                                  f"predicted {sps[i]:.3g} samples/s: even {margin:.0%} faster (the time model's "
-                                  f"measured error) it would not beat the best measured {best_median:.3g} by "
+                                  f"predicted {sps[i]:.3g} samples/s: even {m:.0%} faster ({_margin_name(m, margin)}) "
+                                  f"it would not beat the best measured {best_median:.3g} by "
                                   f"{self.settings.min_improvement:.0%}")
 
     def _dominance(self, reasons, step_s, peak, failed_run) -> None:
