@@ -101,7 +101,8 @@ def correct_runs(fake1: dict, fake2: dict, real1: dict, real2: dict | None, b1: 
     out2["layers"] = [dict(layer) for layer in fake2["layers"]]
     places = [(k, None) for k in REGION_KEYS if k in fake1 and k in real1 and k in fake2]
     places += [(k, i) for i in range(min(len(fake1["layers"]), len(real1["layers"])))
-               for k in ("forward", "backward", "recompute", "checkpointed_forward")]
+               for k in ("forward", "backward", "recompute", "checkpointed_forward")
+               if k in fake1["layers"][i] and k in real1["layers"][i]]
     corrected, kept = 0, 0
     for key, i in places:
         get = (lambda run, k=key: run[k]) if i is None else (lambda run, k=key, i=i: run["layers"][i][k])
