@@ -235,6 +235,20 @@ def test_bound_stops_when_nothing_left_is_predicted_close(tiny_profile, rates):
     assert step.stop is not None and step.stop.startswith("bound")
 
 
+def test_bound_does_not_rule_out_a_kind_before_the_error_across_kinds_is_measured(tiny_profile, rates):
+    """One precision's trial, however fast, says nothing measured about another's: the other keeps a
+    trial (its first measures the error across kinds), then the bound may stop."""
+    planner = make_planner(tiny_profile, rates, precision=["fp32", "amp-bf16"], micro_batch=[8], global_batch=8)
+    fp32, amp = TrainConfig("fp32", 8, 1), TrainConfig("amp-bf16", 8, 1)
+    prior = {c: planner.prediction(planner.index[c], Calibration.prior())["samples_per_s"] for c in (fp32, amp)}
+    # fp32 measured far above anything amp-bf16 is predicted at, even calibrated
+    trials = [ran_trial(planner, fp32, 0, samples_per_s=100 * prior[fp32])]
+    step = settle(planner, trials)
+    assert step.stop is None and planner.configs[step.run] == amp
+    trials.append(ran_trial(planner, amp, 1, samples_per_s=prior[amp]))
+    assert settle(planner, trials).run is None
+
+
 def test_the_top_configs_are_measured_again_and_the_best_is_the_highest_median(tiny_profile, rates):
     from autofit.records import best_of
 

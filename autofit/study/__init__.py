@@ -30,7 +30,8 @@ One planning step (every worker, before every trial, from what the storage holds
    calibration shrank the margin), the config becomes a candidate again;
 3. **stop** when the real-trial limit is reached, the time is up, ``patience`` real trials in a
    row did not improve the best by ``min_improvement``, the best remaining candidate is
-   predicted below BOUND of the best measured, or no candidate is left; but first (unless the
+   predicted below BOUND of the best measured (not while a kind no trial vouches for is left and
+   the error across kinds is unmeasured), or no candidate is left; but first (unless the
    time is up) **re-measure the top**: one throughput sample is noisy (on a shared CPU two
    samples of a config differ by 10% in the median, up to a third), so the config with the
    highest median is run again up to REMEASURE_SAMPLES samples, and so is the runner-up (up to

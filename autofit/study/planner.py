@@ -270,6 +270,7 @@ class Planner:
         # Times are compared on one basis, the calibrated predictions (a measured time against a
         # sibling's prediction would let noise decide); a config that ran ok is known to fit.
         known = ~np.isnan(measured_step)
+        vouched = {self._keys[i] for i in np.flatnonzero(known)}
         self._dominance(reasons, step_s, np.where(known, 0.0, peak), failed_run)
         # Prunes: every prunable config that has no trial yet (ran configs keep their result).
         prunes = [Prune(i, reasons[i][0], reasons[i][1], self.prediction(i, calibration, float(ratio[i])))
@@ -277,7 +278,10 @@ class Planner:
         candidates = [i for i in range(n) if reasons[i] is None and not claimed[i]]
         remeasure = self._remeasure(records, by_config)
         reserve = 0 if settings.trials is None else min(len(remeasure), settings.trials // REMEASURE_RESERVE)
-        stop = self._stop(candidates, finished, running, sps, now, best_median, reserve)
+        # The bound rules out what is left on the prediction alone: not a kind no trial vouches for
+        # before the model's error across kinds is measured (then _slow_precisions judges it).
+        unmeasured = cross_margin(records) is None and any(self._keys[i] not in vouched for i in candidates)
+        stop = self._stop(candidates, finished, running, sps, now, None if unmeasured else best_median, reserve)
         if stop is None:
             chosen = self._choose(candidates, sps, ratio, records)
             return Step(prunes, chosen, self.prediction(chosen, calibration, float(ratio[chosen])), None, calibration)
