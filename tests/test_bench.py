@@ -287,6 +287,11 @@ def test_replay_answers_the_trial_sample_then_the_second_and_loads_back_from_csv
     assert loaded.cell.budgets_mib == (50, 100) and loaded.cell.micro_batches == (2, 4, 8)
     assert loaded.points[c].trial_samples_per_s == 9.0 and loaded.optimum(50 * MiB) == grid.optimum(50 * MiB)
     assert loaded.oom_floor_s == 1.5
+    # the DeepSpeed autotuner's model-state formula reads the parameter count: replayed as the bench ran it
+    counted = dataclasses.replace(grid, param_count=123_456)
+    write_search(tmp_path, environment("test"), SearchResults([counted], runs, ("synthetic", 50 * MiB), 1, 0.0),
+                 (halving,))
+    assert load_grids(tmp_path / "search_grid.csv")[0].param_count == 123_456
 
 
 def test_run_strategy_scores_peers_and_reports_unavailable_autofit():

@@ -42,6 +42,14 @@ def grid_costs(markdown: Path | None) -> dict[tuple[str, int], tuple[float, floa
     return out
 
 
+def _param_count(workload_spec: str) -> int:
+    """Counted on the meta device, as the bench does."""
+    from autofit.workload import load_workload
+    from autofit.workloads import param_count
+
+    return param_count(load_workload(workload_spec))
+
+
 def load_grids(csv_path: Path, markdown: Path | None = None) -> list[Grid]:
     """The grids of a ``search_grid.csv`` (and the costs its ``search.md`` states; 0 s when absent)."""
     frame = pd.read_csv(csv_path)
@@ -71,7 +79,10 @@ def load_grids(csv_path: Path, markdown: Path | None = None) -> list[Grid]:
                     tuple(sorted({c.device_split for c in configs})),
                     tuple(dict.fromkeys(c.split_mode for c in configs if c.device_split > 1)) or (SplitMode.PIPELINE,))
         floor_s, first_use_s = costs.get((str(workload), int(global_batch)), (0.0, 0.0))
-        grids.append(Grid(cell, points, floor_s, 0, 0.0, first_use_s))
+        # the DeepSpeed autotuner's model-state formula needs the parameter count (0 made it replay
+        # a different search than the bench ran); grids written before the column: counted again
+        params = int(rows["param_count"].iloc[0]) if "param_count" in rows.columns else _param_count(str(workload))
+        grids.append(Grid(cell, points, floor_s, params, 0.0, first_use_s))
     return grids
 
 

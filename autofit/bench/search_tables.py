@@ -143,7 +143,7 @@ def write_search(out_dir: Path, env: dict, res: SearchResults, strategies: tuple
                    "measured_peak_bytes": p.peak_bytes, "predicted_peak_bytes": p.predicted_peak_bytes,
                    "samples_per_s": p.samples_per_s, "trial_samples_per_s": p.trial_samples_per_s,
                    "second_samples_per_s": p.second_samples_per_s, "step_time_s": p.step_time_s, "trial_wall_s": p.wall_s,
-                   "error": p.error or ""}
+                   "error": p.error or "", "param_count": grid.param_count}
             for b in grid.cell.budgets_mib:
                 row[f"fits_{b}MiB"] = p.status is TrialStatus.OK and p.peak_bytes is not None and p.peak_bytes <= b * MiB
             grid_rows.append(row)
