@@ -19,8 +19,9 @@ those of one device at that micro-batch: the profile's regions, laid end to end 
   The root (embeddings, final norm, head) is gathered from the first forward to the end of
   the backward (FSDP2 does not reshard the root after forward);
 - **gradients**: a unit's backward makes whole gradients, which its post-backward copies into a
-  reduce-scatter buffer (whole size again) before keeping 1/N; the root's whole gradients live
-  from the loss's backward to the end of the backward;
+  reduce-scatter buffer (whole size again) before keeping 1/N; FSDP2 keeps that buffer until the
+  next unit's post-backward, through the next unit's gather, recomputation and backward; the
+  root's whole gradients live from the loss's backward to the end of the backward;
 - **the optimizer step** runs on shards: its temporaries are 1/N of one device's.
 
 Under amp, gathered weights are fp32 and autocast's half-precision weight copies are part of the
@@ -127,9 +128,9 @@ def _output_regions(pp: PrecisionProfile) -> tuple[Region, Region, Region, Regio
 def _walk(pp: PrecisionProfile, n_ranks: int, every: int, later: bool, cuda: bool) -> _Timeline:
     """One micro-step of rank 0, region by region (see the module docstring for each term).
 
-    FSDP2 keeps the last all-gather's buffer until the next gather is copied out ("held"), so
-    a unit's size is alive twice while it computes; in backward the previous unit's prefetched
-    gather is alive beside them. Region peaks are taken with their own
+    In forward FSDP2 keeps the last all-gather's buffer until the next gather is copied out
+    ("held"), so a unit's size is alive twice while it computes; in backward the buffer held is
+    the previous unit's reduce-scatter input, and the next unit's prefetched gather is alive beside them. Region peaks are taken with their own
     gradients (FSDP makes whole gradients as one device does); live bytes advance without them
     (FSDP turns them into shards at the unit's post-backward).
     """
@@ -197,32 +198,37 @@ def _walk(pp: PrecisionProfile, n_ranks: int, every: int, later: bool, cuda: boo
     for u in reversed(range(len(units))):
         s, e = units[u]
         prefetch = wb_at(u - 1)
-        # copy-out of this unit's (prefetched) gather, whose buffer is then held (measured on
-        # torch 2.13: from the second unit of the backward on), and the previous unit's gather issued
-        held = wb[u] if u < last else 0.0
-        t.at(live, "backward", gathered=root + w[u] + wb[u] + wb_at(u + 1) * (u + 1 < last), grads=g_sh + root_grads)
-        gathered = root + w[u] + held + prefetch
+        # FSDP2 keeps the previous unit's reduce-scatter input (its N padded shards) alive until
+        # this unit's post-backward (``reduce_scatter_states``, at most one in flight): through
+        # this unit's gather, recomputation and backward. Its size is that unit's, not this one's
+        # (measured on torch 2.13: convnet-bn's 2 MiB last segment beside the 0.5 MiB one before it).
+        held = wb[u + 1] if u < last else 0.0
+        # copy-out of this unit's (prefetched) gather, and the previous unit's gather issued
+        t.at(live, "backward", gathered=root + w[u] + wb[u], grads=g_sh + root_grads, temp=held)
+        gathered = root + w[u] + prefetch
         if every:
             if layers[e - 1].output_saved:
                 live = _plus(live, layers[e - 1].output, -1.0)
             for i in range(s, e):  # recomputation under the gathered unit
-                t.peaks(live, layers[i].recomputed(last=i == e - 1), "backward", gathered=gathered, grads=g_sh + root_grads)
+                t.peaks(live, layers[i].recomputed(last=i == e - 1), "backward", gathered=gathered, grads=g_sh + root_grads,
+                        temp=held)
                 live = _plus(live, layers[i].forward.delta if i == s else _plus(layers[i].forward.delta, layers[i].after))
             if not layers[e - 1].output_saved:
                 live = _plus(live, layers[e - 1].output, -1.0)
         whole = 0.0
         for i in reversed(range(s, e)):
-            t.peaks(live, layers[i].backward, "backward", gathered=gathered, grads=g_sh + root_grads + whole)
+            t.peaks(live, layers[i].backward, "backward", gathered=gathered, grads=g_sh + root_grads + whole, temp=held)
             whole += layers[i].grad_bytes
             live = _plus(live, layers[i].backward.delta_nongrad)
         if every:  # the checkpoint kept the segment's input to here (freed in ``after`` where no layer saves it)
             live = _plus(live, layers[s].after)
-        # post-backward: reshard, then the whole gradients copied into the reduce-scatter buffer
-        t.at(live, "backward", gathered=root + held + prefetch, grads=g_sh + root_grads + w[u],
-             temp=wb[u] + ws[u])
+        # post-backward: reshard, the previous reduce-scatter input dropped, then the whole
+        # gradients copied into this unit's reduce-scatter input (kept until the next one's)
+        t.at(live, "backward", gathered=root + prefetch, grads=g_sh + root_grads + w[u], temp=wb[u] + ws[u])
+        held = wb[u]
         if not later:
             g_sh += ws[u]
-    t.peaks(live, pp.pre_backward, "backward", gathered=root + held, grads=g_sh + root_grads)
+    t.peaks(live, pp.pre_backward, "backward", gathered=root, grads=g_sh + root_grads, temp=held)
     live = _plus(live, pp.pre_backward.delta_nongrad)
     t.at(live, "backward", grads=g_sh + root, temp=root_b + root_s)  # the root's reduce-scatter
     return t

@@ -79,3 +79,16 @@ def odd_mlp() -> Workload:
     return Workload(name="odd-mlp", model=OddMLP, batch=lambda n: (torch.randn(n, 6), torch.randn(n, 5)),
                     loss=F.mse_loss, optimizer=lambda params: torch.optim.Adam(params, lr=0.01),
                     layers=lambda m: m.layers)
+
+
+def small_resnet() -> Workload:
+    """convnet-bn's ResNet cut to three blocks (8, 16 then 64 channels):
+    with checkpoint_every=2 the second unit (the last block) has about 10x the weights of the first."""
+    from autofit.workloads.convnet import ResNetCifar
+
+    def batch(n: int):
+        return torch.randn(n, 3, 32, 32), torch.randint(10, (n,))
+
+    return Workload(name="small-resnet", model=lambda: ResNetCifar(widths=(8, 16, 64), blocks_per_stage=1), batch=batch,
+                    loss=F.cross_entropy, optimizer=lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+                    layers=lambda m: m.blocks)
