@@ -25,7 +25,10 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.metadata
 import json
+import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,6 +158,23 @@ def _launch_note(config: TrainConfig, launcher: str) -> Note:
                 (f"{launcher.format(n=n)}",))
 
 
+@functools.cache
+def _checkpointing_names() -> tuple[str, str]:
+    """TrainingArguments' names for checkpointing in the installed transformers: 5.x renamed
+    ``gradient_checkpointing(_kwargs)`` to ``activation_checkpointing(_kwargs)`` (the old names warn,
+    and go in v6); older versions, or none installed, get the old names. Read from the installed
+    source, not imported: importing transformers costs seconds (and torch._dynamo) per export."""
+    old = ("gradient_checkpointing", "gradient_checkpointing_kwargs")
+    try:
+        source = importlib.metadata.distribution("transformers").locate_file("transformers/training_args.py")
+        text = Path(str(source)).read_text(encoding="utf-8")
+    except (importlib.metadata.PackageNotFoundError, OSError, UnicodeDecodeError):
+        return old
+    if re.search(r"^\s+activation_checkpointing\s*:", text, re.M):
+        return ("activation_checkpointing", "activation_checkpointing_kwargs")
+    return old
+
+
 def _hf(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note]]:
     p = config.precision
     kwargs: dict = {"per_device_train_batch_size": config.micro_batch,
@@ -169,16 +189,17 @@ def _hf(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note]]:
                           "over fp32 weights)", _BF16_CODE + ("# and set bf16=False: no autocast over bf16 weights",),
                           "bf16=True (precision=amp-bf16)", dataclasses.replace(config, precision=Precision.AMP_BF16)))
     every = config.checkpoint_every
+    flag, flag_kwargs = _checkpointing_names()
     if every:
-        kwargs["gradient_checkpointing"] = every == 1
+        kwargs[flag] = every == 1
         if every == 1:
-            kwargs["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+            kwargs[flag_kwargs] = {"use_reentrant": False}
         else:
             notes.append(_ckpt_note(config, "TrainingArguments", 1,
-                                    "gradient_checkpointing=True, gradient_checkpointing_kwargs={'use_reentrant': "
-                                    "False} (every layer: checkpoint_every=1)"))
+                                    f"{flag}=True, {flag_kwargs}={{'use_reentrant': False}} "
+                                    "(every layer: checkpoint_every=1)"))
     else:
-        kwargs["gradient_checkpointing"] = False
+        kwargs[flag] = False
     if _fsdp(config):  # FSDP2 with every decoder layer its own unit, as autofit shards
         kwargs.update(fsdp=True, fsdp_config={"version": 2, "reshard_after_forward": True})
         notes.append(_launch_note(config, "torchrun --nproc-per-node {n} your_train.py"))

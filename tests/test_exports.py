@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,9 @@ def tiny_spec():
 def test_hf_training_arguments(precision, every, tmp_path):
     transformers = pytest.importorskip("transformers")
     exp = export(f"precision={precision},micro_batch=8,grad_accum=4,checkpoint_every={every}", "hf", device="cpu")
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), **exp.kwargs)
+    with warnings.catch_warnings():  # the names of the installed transformers: no deprecated alias
+        warnings.filterwarnings("error", message=".*checkpointing.*deprecated", category=FutureWarning)
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), **exp.kwargs)
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (8, 4)
     # pure bf16 has no flag: the nearest, autocast bf16, with a note
     assert (args.bf16, args.fp16) == (precision in ("amp-bf16", "bf16"), precision == "amp-fp16")
