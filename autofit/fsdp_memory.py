@@ -39,7 +39,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from autofit.profile_data import Line, PrecisionProfile, Region
+from autofit.profile_data import Line, PrecisionProfile, Region, segment_freed_late
 
 # Columns of a line's constant parts: sharded+gathered params, shard+whole grads, optimizer state, buffers.
 _PARAMS, _GRADS, _OPT, _TEMP = range(4)
@@ -178,11 +178,14 @@ def _walk(pp: PrecisionProfile, n_ranks: int, every: int, later: bool, cuda: boo
         else:
             t.peaks(live, layers[s].forward, "forward", gathered=gathered, grads=g_sh)
             live = _plus(live, _plus(layers[s].forward.delta, layers[s].after))
-    t.peaks(live, head_fwd, "forward", gathered=root + held, grads=g_sh)
+    # segment arguments the unchecked profile saw die as the model returned: each checkpoint keeps its own
+    late = [segment_freed_late(layers, s, e) if every else (0.0, 0.0) for s, e in units]
+    late_total = (sum(x[0] for x in late), sum(x[1] for x in late))
+    t.peaks(_plus(live, late_total), head_fwd, "forward", gathered=root + held, grads=g_sh)
     live = _plus(live, head_fwd.delta)
     # the root's post-forward frees its weights and the held buffer; the loss runs without them
-    t.peaks(live, loss_fwd, "forward", grads=g_sh)
-    live = _plus(live, loss_fwd.delta)
+    t.peaks(_plus(live, late_total), loss_fwd, "forward", grads=g_sh)
+    live = _plus(live, _plus(loss_fwd.delta, late_total))
     live = _plus(live, (-sum(amp_cache), 0.0))  # autocast exits
     t.peaks(live, loss_bwd, "backward", grads=g_sh)
     live = _plus(live, loss_bwd.delta_nongrad)
@@ -221,7 +224,7 @@ def _walk(pp: PrecisionProfile, n_ranks: int, every: int, later: bool, cuda: boo
             whole += layers[i].grad_bytes
             live = _plus(live, layers[i].backward.delta_nongrad)
         if every:  # the checkpoint kept the segment's input to here (freed in ``after`` where no layer saves it)
-            live = _plus(live, layers[s].after)
+            live = _plus(_plus(live, layers[s].after), late[u], -1.0)
         # post-backward: reshard, the previous reduce-scatter input dropped, then the whole
         # gradients copied into this unit's reduce-scatter input (kept until the next one's)
         t.at(live, "backward", gathered=root + prefetch, grads=g_sh + root_grads + w[u], temp=wb[u] + ws[u])

@@ -55,7 +55,7 @@ from autofit.config import FIELDS, PipelineSchedule, Precision, SplitMode, Train
 from autofit.cuda_memory import FALLBACK_CONTEXT_BYTES, FRAGMENTATION, CudaOverhead, fallback_overhead
 from autofit.errors import ConfigError, ProfileError
 from autofit.fsdp_memory import FSDP_EXTRA_COLUMNS, score_fsdp
-from autofit.profile_data import Line, PrecisionProfile, Profile, Region
+from autofit.profile_data import Line, PrecisionProfile, Profile, Region, segment_freed_late
 
 # Fallbacks, used only where the device cannot be measured (autofit.cuda_memory measures both on
 # the device in use: the device probe child, cached with its rates).
@@ -197,8 +197,13 @@ def _walk_stage(pp: PrecisionProfile, start: int, end: int, first_stage: bool, l
             w.region(*fwd(layers[i].forward), "forward")
             if first_stage or i > start:  # a later stage's input stays in its receive buffer
                 w.live = _add(w.live, layers[i].after)
+    # Segment arguments the unsplit, unchecked profile saw die as the model's forward returned (in
+    # post_forward, where no backward kept them): each checkpoint keeps its own until its backward.
+    late = [segment_freed_late(layers, s, e) for s, e in segments]
+    late_total = (sum(l[0] for l in late), sum(l[1] for l in late))
     if last_stage:
-        w.region(*fwd(pp.post_forward), "forward")
+        w.region(*fwd(pp.post_forward), "forward", held=late_total)  # alive through it, freed before its peak or not
+        w.live = _add(w.live, late_total)
     w.live = _add(w.live, (-sum(saved[start:end]), 0.0))  # autocast exits: its cache is freed
     held = w.live
     # backward
@@ -245,6 +250,8 @@ def _walk_stage(pp: PrecisionProfile, start: int, end: int, first_stage: bool, l
             # in ``after``): free it now. A later stage's input stays in its receive buffer.
             if first_stage or s > start:
                 w.live = _add(w.live, layers[s].after)
+            if last_stage:
+                w.live = _add(w.live, segment_freed_late(layers, s, e), -1.0)
     else:
         for i in reversed(range(start, end)):
             layer_backward(i, output_freed=layers[i].output_saved)

@@ -45,11 +45,13 @@ from autofit.timeline import (
     Recorder,
     Timeline,
     first_tensor,
+    freed_between,
     init_optimizer_state,
     max_tensor_bytes,
     round_up,
     state_tensors,
     tensor_bytes,
+    watch_arguments,
 )
 from autofit.training import autocast_context, build_trainee, forward_backward, to_device
 from autofit.workload import Workload, checked_batch, explain_build_failure, explain_failure, training_cache_caveat
@@ -108,6 +110,13 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
     # checkpointed segment's recomputation stops there (non-reentrant early stop).
     last_saved: list[int | None] = [None] * n
     saving: list = [None]
+    # The storages each layer is called with (its input and any other tensor argument, e.g. an
+    # encoder's output every decoder layer takes), each under the first layer that takes it, and
+    # the timeline index at which each died: a checkpoint keeps its segment's arguments alive
+    # until the segment's backward (``input_freed_late``/``args_freed_late`` below).
+    taken: dict[int, int] = {}
+    arg_bytes: list[dict] = [{} for _ in range(n)]
+    died_at: dict[int, int] = {}
     phase = {"value": "pre"}
     module_phase: dict[int, str] = {}
 
@@ -126,8 +135,9 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
         return wrapper
 
     def fwd_pre(i):
-        def hook(module, args):
+        def hook(module, args, kwargs):
             rec.mark(f"f{i}")
+            watch_arguments(i, (args, kwargs), timeline, taken, arg_bytes, died_at)
             if i == 0:
                 phase["value"] = "layers"
 
@@ -165,7 +175,7 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
         module_phase.setdefault(id(module), phase["value"])
 
     for layer in {id(layer): layer for layer in layers}.values():
-        handles.append(layer.register_forward_pre_hook(numbered("pre", fwd_pre)))
+        handles.append(layer.register_forward_pre_hook(numbered("pre", fwd_pre), with_kwargs=True))
         handles.append(layer.register_forward_hook(numbered("post", fwd_post)))
 
     def model_out(module, args, output):
@@ -300,6 +310,8 @@ def _run_once(workload: Workload, precision: Precision, micro_batch: int, device
                 # this layer's input, when no backward keeps it
                 "after": reg(f"F{i}", f"f{i + 1}" if i < n - 1 else "layers_done")[0],
                 "backward": reg(f"b{i}", f"B{i}"),
+                "input_freed_late": freed_between(rec, arg_bytes[i], died_at, "layers_done", "loss", True),
+                "args_freed_late": freed_between(rec, arg_bytes[i], died_at, "layers_done", "loss", False),
                 "forward_flops": layer_flops[i],
             }
             for i in range(n)
@@ -479,6 +491,7 @@ def _assemble(precision: Precision, runs: dict, **extra) -> PrecisionProfile:
             recompute=_region_lines(l1["recompute"], l2["recompute"]),
             checkpointed_forward=_region_lines(l1["checkpointed_forward"], l2["checkpointed_forward"]),
             backward=_region_lines(l1["backward"], l2["backward"]), after=_line(l1["after"], l2["after"]),
+            **{k: _line(l1.get(k, 0), l2.get(k, 0)) for k in ("input_freed_late", "args_freed_late")},
             forward_flops=_flops_line(l2["forward_flops"]),
         ))
     opt_peak = r2["opt_region"][1]

@@ -10,10 +10,10 @@ from dataclasses import asdict, dataclass, field
 
 from autofit.config import Precision
 
-__all__ = ["OUTPUT_REGIONS", "PROFILE_BATCHES", "PROFILE_VERSION", "LayerProfile", "Line", "PrecisionProfile", "Profile", "Region", "precision_from_dict", "region_from_dict"]
+__all__ = ["OUTPUT_REGIONS", "PROFILE_BATCHES", "PROFILE_VERSION", "LayerProfile", "Line", "PrecisionProfile", "Profile", "Region", "precision_from_dict", "region_from_dict", "segment_freed_late"]
 
 # The profile's format: a cache entry of another version is never read (autofit.profile_cache).
-PROFILE_VERSION = 14
+PROFILE_VERSION = 15
 # Micro-batch sizes profiled; every per-sample quantity is fitted as a line through them.
 PROFILE_BATCHES = (2, 4)
 
@@ -81,6 +81,13 @@ class LayerProfile:
     # The forward as a checkpointed segment's forward runs it: nothing kept for backward, so the
     # tensors it saves die with their last Python reference (a lower peak).
     checkpointed_forward: Region | None = None
+    # This layer's input (``input_freed_late``) and its other tensor arguments first taken here
+    # (``args_freed_late``: an encoder's output every decoder layer takes, under the first) whose
+    # last Python reference dies after the layers, as the model's forward returns (in
+    # ``post_forward``), where no backward keeps them. A checkpoint keeps its segment's arguments
+    # until the segment's backward is done: from the end of the forward to there, they are alive.
+    input_freed_late: Line = (0.0, 0.0)
+    args_freed_late: Line = (0.0, 0.0)
 
     def recomputed(self, last: bool) -> Region:
         """This layer's forward as a checkpointed segment's recomputation runs it (``last``: the
@@ -90,6 +97,16 @@ class LayerProfile:
     def forward_checkpointed(self) -> Region:
         """This layer's forward inside a checkpointed segment (its first run: nothing saved)."""
         return self.checkpointed_forward if self.checkpointed_forward is not None else self.forward
+
+
+def segment_freed_late(layers, s: int, e: int) -> Line:
+    """What a checkpoint of layers [s, e) keeps that the unchecked profile saw die after the layers:
+    its input (the head's) and the other arguments its layers take first (the later layers are
+    called with the head's)."""
+    c0, c1 = layers[s].input_freed_late
+    for layer in layers[s:e]:
+        c0, c1 = c0 + layer.args_freed_late[0], c1 + layer.args_freed_late[1]
+    return (c0, c1)
 
 
 @dataclass(frozen=True)
@@ -176,7 +193,7 @@ def precision_from_dict(pp: dict) -> PrecisionProfile:
                                    **{k: region_from_dict(lp[k]) if lp.get(k) else None
                                       for k in ("recompute", "checkpointed_forward")},
                                    "output": tuple(lp["output"]), "forward_flops": tuple(lp["forward_flops"]),
-                                   "after": tuple(lp.get("after", (0.0, 0.0))),
+                                   **{k: tuple(lp.get(k, (0.0, 0.0))) for k in ("after", "input_freed_late", "args_freed_late")},
                                    "grad_rows": rows_from_json(lp.get("grad_rows", ()))})
                    for lp in pp.pop("layers"))
     regions = {k: region_from_dict(pp[k]) for k in ("pre_forward", "post_forward", "post_backward", "pre_backward")}

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["Recorder", "Timeline", "first_tensor", "init_optimizer_state", "max_tensor_bytes", "round_up",
-           "state_tensors", "tensor_bytes"]
+           "state_tensors", "tensor_bytes", "watch_arguments", "freed_between"]
 
 
 class Timeline(TorchDispatchMode):
@@ -54,6 +54,10 @@ class Timeline(TorchDispatchMode):
     def _free(self, nbytes: int, storage_id: int) -> None:
         self.live -= nbytes
         self.grad_live -= self._grad_ids.pop(storage_id, 0)
+
+    def counted_bytes(self, storage) -> int:
+        """The bytes this timeline counts for ``storage`` (0 where not counted or not seen)."""
+        return self._storages.get(storage, 0)
 
     def mark_grad(self, grad: torch.Tensor) -> None:
         storage = grad.untyped_storage()
@@ -160,3 +164,28 @@ def init_optimizer_state(trainee) -> None:
             p.grad = torch.zeros_like(p)
     trainee.optimizer.step()
     trainee.optimizer.zero_grad(set_to_none=True)
+
+
+def watch_arguments(i: int, call, timeline: Timeline, taken: dict, arg_bytes: list, died_at: dict) -> None:
+    """Record layer ``i``'s tensor arguments not taken by an earlier layer (their counted bytes) and
+    watch when each dies (the timeline index: a free between two ops lands before the next one)."""
+    tensors = [t for t in tree_leaves(call) if isinstance(t, torch.Tensor)]
+    for place, t in enumerate(tensors):
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in taken:
+            continue
+        taken[key] = i
+        arg_bytes[i][key] = (place == 0, timeline.counted_bytes(storage))
+        weakref.finalize(storage, lambda k=key: died_at.setdefault(k, len(timeline.trace)))
+
+
+def freed_between(rec: Recorder, arg_bytes: dict, died_at: dict[int, int], start: str, end: str,
+                  first: bool) -> int:
+    """Bytes of a layer's first argument (``first``) or of its others that died between marks
+    ``start`` and ``end``: without checkpointing, their last Python reference went there (the
+    model's forward returning), while a checkpoint keeps its segment's arguments until the
+    segment's backward is done."""
+    at = {m[0]: m[5] for m in rec.marks}
+    return sum(nbytes for key, (is_first, nbytes) in arg_bytes.items()
+               if is_first == first and at[start] < died_at.get(key, -1) <= at[end])
