@@ -7,7 +7,9 @@ are laid end to end again for any config, as PyTorch would run it:
   accumulation micro-steps start with all of them (``*_nongrad`` regions + all gradients);
 - checkpointing (non-reentrant, segments of k layers): the forward keeps only each segment's
   output, which the checkpoint of the next segment keeps as its input (one tensor, counted once)
-  until that segment's backward is done, whether or not a layer saved it; the backward of a
+  until that segment's backward is done, whether or not a layer saved it (so are its other
+  arguments, e.g. an encoder's output each decoder layer takes, and an input whose last Python
+  reference the unchecked profile saw die as the model returned); the backward of a
   segment first recomputes its forward, stopping at the last tensor the segment saves (early
   stop: an output nothing saves is not made again), then runs its backward. A segment's first
   forward saves nothing, so its peak is the profile's ``checkpointed_forward``, not ``forward``;
