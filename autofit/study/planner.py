@@ -265,8 +265,9 @@ class Planner:
         sps = samples / step_s
         fits = np.nan_to_num(np.asarray(calibration.fits(peak, settings.budget_bytes), dtype=bool), nan=False)
         reasons = self._reasons(peak, sps, ratio, fits, calibration)
+        cross = cross_margin(records)
         self._slow_precisions(reasons, sps, claimed, ~np.isnan(measured_step), best_median, time_margin(records),
-                              cross_margin(records))
+                              cross)
         # Times are compared on one basis, the calibrated predictions (a measured time against a
         # sibling's prediction would let noise decide); a config that ran ok is known to fit.
         known = ~np.isnan(measured_step)
@@ -280,7 +281,7 @@ class Planner:
         reserve = 0 if settings.trials is None else min(len(remeasure), settings.trials // REMEASURE_RESERVE)
         # The bound rules out what is left on the prediction alone: not a kind no trial vouches for
         # before the model's error across kinds is measured (then _slow_precisions judges it).
-        unmeasured = cross_margin(records) is None and any(self._keys[i] not in vouched for i in candidates)
+        unmeasured = cross is None and any(self._keys[i] not in vouched for i in candidates)
         stop = self._stop(candidates, finished, running, sps, now, None if unmeasured else best_median, reserve)
         if stop is None:
             chosen = self._choose(candidates, sps, ratio, records)
