@@ -4,19 +4,27 @@ The launcher API (``search``, ``estimate``, ``measure`` and their result types) 
 lazily: ``import autofit`` stays cheap for the command line and for trial processes.
 """
 
-from autofit.budget import format_budget, parse_budget
-from autofit.config import Precision, TrainConfig
-from autofit.errors import AutofitError, BudgetError, ConfigError, SpaceError, StudyError, WorkloadError
-from autofit.workload import Workload, load_workload
+from autofit.core.budget import format_budget, parse_budget
+from autofit.core.config import Precision, TrainConfig
+from autofit.core.errors import (
+    AutofitError,
+    BudgetError,
+    ConfigError,
+    SpaceError,
+    StudyError,
+    WorkloadError,
+)
+from autofit.workloads.base import Workload
+from autofit.workloads.load import load_workload
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "search": "autofit.api", "estimate": "autofit.api", "measure": "autofit.api", "export": "autofit.exports",
-    "SearchResult": "autofit.report", "SearchProgress": "autofit.study",
-    "TrainingPlan": "autofit.apply", "TrainingRun": "autofit.apply",
-    "hf_workload": "autofit.hf",
-    "size": "autofit.sizing", "SizeResult": "autofit.sizing",
+    "search": "autofit.api", "estimate": "autofit.api", "measure": "autofit.api", "export": "autofit.report.exports",
+    "SearchResult": "autofit.report.result", "SearchProgress": "autofit.study",
+    "TrainingPlan": "autofit.trial.apply", "TrainingRun": "autofit.trial.apply",
+    "hf_workload": "autofit.workloads.hf",
+    "size": "autofit.sizing.size", "SizeResult": "autofit.sizing.size",
 }
 
 __all__ = [

@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from autofit.budget import format_bytes  # noqa: E402
-from autofit.config import TrainConfig  # noqa: E402
-from autofit.trial import TrialResult, run_trial  # noqa: E402
+from autofit.core.budget import format_bytes
+from autofit.core.config import TrainConfig
+from autofit.trial.run import TrialResult, run_trial
 
 
 def _row(label: str, result: TrialResult) -> str:

@@ -23,7 +23,7 @@ a. accuracy on CUDA: for the built-ins ``gpt-tiny``, ``gpt-mini``, ``convnet-bn`
    checkpointing on and off, micro-batch 2-8: autofit's estimate (``profile_workload`` on fake
    tensors, ``memory_model.estimate``, device type cuda) against ``max_memory_allocated``,
    ``max_memory_reserved`` and reserved + the CUDA context, measured by autofit's own trial code
-   (:func:`autofit.measure.measure_trial`) in a child process. The context is the process's use
+   (:func:`autofit.trial.measure.measure_trial`) in a child process. The context is the process's use
    of the card (NVML, else ``nvidia-smi``, else ``mem_get_info``; the card's use before the child
    touched CUDA subtracted) less the allocator's reserved bytes. One config per workload runs
    twice: the ground truth's own noise.
@@ -148,7 +148,7 @@ def _adamw(params):
 
 
 def _hf_workload(name: str, build, layers, description: str):
-    from autofit.workload import Workload
+    from autofit.workloads.base import Workload
 
     return Workload(name=name, model=lambda: HFCausalLM(build()), batch=_random_tokens, loss=_lm_loss,
                     optimizer=_adamw, layers=layers, tokens_per_sample=HF_SEQ, description=description,
@@ -289,15 +289,15 @@ def child_main(request: dict) -> int:
     cuda = request["device"] == "cuda"
     index = physical_gpu_index()
     baseline, _ = card_used_bytes(index) if cuda else (None, "none")  # before this process touches CUDA
-    from autofit.config import TrainConfig
-    from autofit.measure import measure_trial
-    from autofit.workload import load_workload
+    from autofit.core.config import TrainConfig
+    from autofit.trial.measure import measure_trial
+    from autofit.workloads.load import load_workload
 
     workload = load_workload(request["spec"])
     budget = request.get("card_budget_bytes")
     if cuda:
-        from autofit.cuda_memory import warm_up_kernels
-        from autofit.measure import expected_context_bytes
+        from autofit.probes.cuda_overhead import warm_up_kernels
+        from autofit.trial.measure import expected_context_bytes
 
         torch.cuda.set_device(0)
         warm_up_kernels(torch.device("cuda", 0))  # the context grows as kernel modules load lazily
@@ -394,12 +394,12 @@ def fill_errors(row: Row) -> Row:
 def estimates(spec: str, configs: list[str], device_type: str, overhead=None) -> dict[str, tuple[int, int] | str]:
     """config -> (predicted peak, predicted allocated) from autofit's fake-tensor profile, or an error line.
 
-    ``overhead``: a callable giving the device's measured :class:`autofit.cuda_memory.CudaOverhead`
+    ``overhead``: a callable giving the device's measured :class:`autofit.probes.cuda_overhead.CudaOverhead`
     (waited for only once the profile is done), or None (CPU, or the fallback)."""
-    from autofit.config import TrainConfig
-    from autofit.memory_model import estimate
-    from autofit.profile import profile_workload
-    from autofit.workload import load_workload
+    from autofit.core.config import TrainConfig
+    from autofit.estimate.memory_model import estimate
+    from autofit.profiling.profile import profile_workload
+    from autofit.workloads.load import load_workload
 
     parsed = {c: TrainConfig.parse(c) for c in configs}
     precisions = sorted({p.precision.value for p in parsed.values()})
@@ -423,7 +423,7 @@ def predicted_allocated(est, overhead) -> int:
     fragmentation term (the cuBLAS workspaces are allocated, so they stay)."""
     if est.device_type != "cuda":
         return int(est.peak_bytes - est.overhead_bytes)
-    from autofit.cuda_memory import fallback_overhead
+    from autofit.probes.cuda_overhead import fallback_overhead
 
     o = overhead or fallback_overhead()
     tensors = (est.peak_bytes - o.context_bytes - o.workspace_bytes) / (1 + o.fragmentation)
@@ -439,8 +439,8 @@ def start_device_probe(device: str, clock: "Clock"):
     profiles run; cached where the trial children read it. Returns a callable that waits for it."""
     if device != "cuda":
         return None
-    from autofit.cuda_memory import fallback_overhead
-    from autofit.time_model import probe_rates
+    from autofit.probes.cuda_overhead import fallback_overhead
+    from autofit.probes.device_rates import probe_rates
 
     def probe():
         try:
@@ -602,7 +602,7 @@ def part_a(args, clock: Clock, device: str, predicted_all: dict) -> list[Row]:
 
 
 def part_b(args, clock: Clock, device: str, predicted: dict) -> list[Row]:
-    from autofit.budget import parse_budget
+    from autofit.core.budget import parse_budget
 
     budget = parse_budget(CARD_BUDGET)
     late = LATE.get("b:" + B_MODEL)
@@ -626,8 +626,8 @@ def part_b(args, clock: Clock, device: str, predicted: dict) -> list[Row]:
         row.note = f"{role}; allocator capped at {mib(init.get('cap_bytes'))}" + (f"; {row.note}" if row.note else "")
         row.check = judge_budget(role, row.status, row.card_bytes, budget)
     # autofit's own trial runner with the same budget (over must be oom, edge must fit the card).
-    from autofit.config import TrainConfig
-    from autofit.trial import run_trial
+    from autofit.core.config import TrainConfig
+    from autofit.trial.run import run_trial
 
     for role, text in chosen[:2]:
         left = clock.left("b")
@@ -746,8 +746,8 @@ def part_d(args, clock: Clock, device: str) -> list[Row]:
     n = torch.cuda.device_count() if device == "cuda" else 0
     if n < 2:
         return [Row("d", "gpt-tiny", "device_split=2", "skipped", note=f"{n} GPU(s): the 2-GPU split and FSDP need two")]
-    from autofit.config import FIELDS, TrainConfig
-    from autofit.trial import run_trial
+    from autofit.core.config import FIELDS, TrainConfig
+    from autofit.trial.run import run_trial
 
     rows = []
     text = "precision=amp-bf16,micro_batch=4,grad_accum=4,device_split=2"

@@ -1,7 +1,7 @@
 """Run one device-split trial under torchrun: one process per pipeline stage or FSDP rank, on one or more machines.
 
-The per-process code is autofit.pipeline.run_stage (``split_mode=pipeline``, the default) or
-autofit.fsdp.run_rank (``split_mode=fsdp``), the same that ``measure_split`` / ``measure_fsdp``
+The per-process code is autofit.trial.pipeline.run_stage (``split_mode=pipeline``, the default) or
+autofit.trial.fsdp.run_rank (``split_mode=fsdp``), the same that ``measure_split`` / ``measure_fsdp``
 run in their own child processes. torchrun provides RANK, WORLD_SIZE, LOCAL_RANK and the
 rendezvous; process ``RANK`` runs on ``cuda:LOCAL_RANK`` (NCCL) or on the CPU (gloo).
 
@@ -36,12 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from autofit.budget import parse_budget  # noqa: E402
-from autofit.config import SplitMode, TrainConfig  # noqa: E402
-from autofit.errors import AutofitError  # noqa: E402
-from autofit.fsdp import combine_rank_results, run_rank  # noqa: E402
-from autofit.pipeline import Schedule, combine_stage_results, run_stage  # noqa: E402
-from autofit.workload import load_workload  # noqa: E402
+from autofit.core.budget import parse_budget
+from autofit.core.config import SplitMode, TrainConfig
+from autofit.core.errors import AutofitError
+from autofit.trial.fsdp import combine_rank_results, run_rank
+from autofit.trial.pipeline import Schedule, combine_stage_results, run_stage
+from autofit.workloads.load import load_workload
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""Workload functions that misbehave, for tests/test_bad_input.py (``tests/bad_workloads.py:NAME``)."""
+"""Workload functions that misbehave, for tests/cli/test_bad_input.py (``tests/bad_workloads.py:NAME``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autofit.workload import Workload
+from autofit.workloads.base import Workload
 
 DIM = 16
 

@@ -1,4 +1,4 @@
-"""A workload that misbehaves on purpose in some trials: the fault-injection tests' (``tests/test_faults.py``).
+"""A workload that misbehaves on purpose in some trials: the fault-injection tests' (``tests/study/test_faults.py``).
 
 ``faulty()`` is the search tests' tiny language model, except that ``batch(n)`` misbehaves for
 the micro-batches named in ``AUTOFIT_TEST_FAULTS`` (``"7:segfault,6:hang"``), read when it is
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from autofit.workload import Workload
+from autofit.workloads.base import Workload
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # loaded by path in a trial: find its sibling
 from trial_workloads import tiny_lm, tiny_lm_batch  # noqa: E402

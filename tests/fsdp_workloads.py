@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autofit.workload import Workload
+from autofit.workloads.base import Workload
 
 VOCAB, WIDTH, HEADS, N_LAYERS, SEQ = 64, 16, 2, 3, 8
 

@@ -1,4 +1,4 @@
-"""Child entry points for tests/test_procs.py, run as ``procs_entries:NAME`` (tests/ on PYTHONPATH)."""
+"""Child entry points for tests/runtime/test_procs.py, run as ``procs_entries:NAME`` (tests/ on PYTHONPATH)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from autofit import procs
+from autofit.runtime import procs
 
 
 def echo(request: dict, send) -> dict:

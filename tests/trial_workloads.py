@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autofit.workload import Workload
+from autofit.workloads.base import Workload
 
 DIM, CLASSES = 32, 8
 LM_VOCAB, LM_DIM, LM_SEQ = 64, 32, 8

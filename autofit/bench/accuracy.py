@@ -5,9 +5,9 @@ Also issue 3's acceptance table: >= 40 configs over two workloads of different k
 precisions, checkpointing on and off, accumulation and device split 1 and 2, against the
 targets median |error| <= 3% and largest <= 8%. ``lstm-lm`` is a third kind (an RNN): on the CPU
 its oneDNN LSTM saves a workspace for backward that fake tensors do not allocate; the profile's
-real step (:mod:`autofit.real_check`) measures it, and lstm-lm counts toward issue 13's targets
+real step (:mod:`autofit.profiling.real_check`) measures it, and lstm-lm counts toward issue 13's targets
 (median <= 2%, largest <= 8% over every built-in). Beside the tracker, every single-device config
-is read against an independent ground truth (:mod:`autofit.ground_truth`, the allocator's and the
+is read against an independent ground truth (:mod:`autofit.trial.ground_truth`, the allocator's and the
 OS's view, repeated for their noise; :mod:`autofit.bench.truth_table`). Issue 12 adds tiny
 configs of four Hugging Face families (:data:`HF_WORKLOADS`), issue 13 two models written in a
 user's file (:data:`USER_WORKLOADS`: a ViT from ``nn.TransformerEncoderLayer`` with AdamW, an
@@ -15,7 +15,7 @@ MLP-Mixer with RMSprop), device split included. ``autofit bench --suite accuracy
 measures only the workloads whose name contains one of the given parts.
 
 Measurement: a worker process per workload (:mod:`autofit.bench.worker`) runs each config on a
-fresh model with :func:`autofit.measure.measure_trial` -- the trial runner's own code, steady-
+fresh model with :func:`autofit.trial.measure.measure_trial` -- the trial runner's own code, steady-
 state peak over the steps after two warm-up steps. amp-fp16 configs run only the tracked
 steps, untimed (on CPUs without native fp16 kernels a step is ~1000x slower); device splits run PyTorch's
 pipeline engine, a process per stage. A config whose first sample misses the estimate by more than 2%
@@ -45,9 +45,9 @@ from autofit.bench.common import (
 )
 from autofit.bench.repeats import median_sample, repeats_note, resample, samples_cell
 from autofit.bench.truth_table import truth_section
-from autofit.config import Precision, SplitMode, TrainConfig
-from autofit.errors import ConfigError
-from autofit.records import TrialStatus
+from autofit.core.config import Precision, SplitMode, TrainConfig
+from autofit.core.errors import ConfigError
+from autofit.core.records import TrialStatus
 
 MAIN_WORKLOADS = ("gpt-tiny", "convnet-bn")
 EXTRA_WORKLOADS = ("lstm-lm",)
@@ -177,11 +177,11 @@ class AccuracyRow:
     timed: bool = True
     job_s: float | None = None
     error: str | None = None
-    allocator_peak_bytes: tuple = ()  # autofit.ground_truth repeats (single-device configs)
+    allocator_peak_bytes: tuple = ()  # autofit.trial.ground_truth repeats (single-device configs)
     resident_peak_bytes: tuple = ()
     # every sample's peak, first first, when the first missed the estimate (autofit.bench.repeats); else empty
     peak_samples_bytes: tuple = ()
-    # the allocator under a no-op dispatch mode, read where the tracker counts more (autofit.ground_truth)
+    # the allocator under a no-op dispatch mode, read where the tracker counts more (autofit.trial.ground_truth)
     observed_allocator_peak_bytes: int | None = None
 
     def __post_init__(self) -> None:
@@ -224,18 +224,19 @@ class AccuracyResults:
 
 
 def _predicted_step_times(profile, workload, configs) -> tuple[list[float | None], str | None]:
-    """Step times from ``autofit.time_model`` (its uncalibrated prior) when it exists in this checkout."""
+    """Step times from ``autofit.estimate.time_model`` (its uncalibrated prior) when it exists in this checkout."""
     try:
-        from autofit.layer_probe import workload_prior
-        from autofit.time_model import predict_table, probe_rates
+        from autofit.estimate.layer_prior import workload_prior
+        from autofit.estimate.time_model import predict_table
+        from autofit.probes.device_rates import probe_rates
     except ImportError:
         return [None] * len(configs), None
     rates = probe_rates("cpu")
     precisions = list(dict.fromkeys(c.precision.value for c in configs))
     table = predict_table(profile, configs, rates, workload_prior(workload, profile, rates, precisions))
     return [float(x) if math.isfinite(x) else None for x in table["step_time_s"]], (
-        "Predicted: `autofit.time_model.predict_table` — the uncalibrated prior a search starts from: profiled "
-        "FLOPs, the probed device rates and the workload's own layer timed once (`autofit.layer_probe`); a "
+        "Predicted: `autofit.estimate.time_model.predict_table` — the uncalibrated prior a search starts from: profiled "
+        "FLOPs, the probed device rates and the workload's own layer timed once (`autofit.probes.layer_timing`); a "
         "search calibrates it with its trials")
 
 
@@ -245,9 +246,9 @@ def run_accuracy(out_dir: Path, env: dict, *, quick: bool = False, workloads: tu
     """Predict and measure every case, then write ``accuracy.md`` and ``accuracy.csv`` to ``out_dir``."""
     from autofit.bench.search import search_budgets
     from autofit.bench.worker import run_jobs
-    from autofit.memory_model import estimate_table
-    from autofit.profile import profile_workload
-    from autofit.workload import load_workload
+    from autofit.estimate.memory_model import estimate_table
+    from autofit.profiling.profile import profile_workload
+    from autofit.workloads.load import load_workload
 
     started = time.perf_counter()
     budgets = budgets if budgets is not None else search_budgets(quick)
@@ -403,7 +404,7 @@ def write_accuracy(out_dir: Path, env: dict, res: AccuracyResults) -> list[Path]
                 + markdown_table(["workload", "budget", "configs measured", "fit (measured)", "false fits",
                                   "false prunes", "which"], srows, "llrrrrl"))
     if res.time_model is None:
-        rep.add("## Step time\n\nPredicted step time is left out: `autofit.time_model` does not exist in this "
+        rep.add("## Step time\n\nPredicted step time is left out: `autofit.estimate.time_model` does not exist in this "
                 "checkout. Measured step times (untracked steps, `grad_accum` micro-steps composed with the "
                 "optimizer step) are in `accuracy.csv`.")
     else:
@@ -432,7 +433,7 @@ def write_accuracy(out_dir: Path, env: dict, res: AccuracyResults) -> list[Path]
     if any(r.workload == "lstm-lm" for r in res.rows):
         rep.add("## lstm-lm\n\nOn the CPU, `nn.LSTM` runs oneDNN's RNN primitive, which returns a workspace "
                 "that backward needs; its fake kernel makes it empty, so a fake-tensor profile alone is ~40% low. "
-                "The profile's real steps (`autofit.real_check`: real steps at micro-batches 2 and 4 on this device, "
+                "The profile's real steps (`autofit.profiling.real_check`: real steps at micro-batches 2 and 4 on this device, "
                 "their bytes beyond the fake steps added region by region) put it back, in the profile the search "
                 "prunes with. "
                 "amp-fp16 does not run at all: oneDNN has no fp16 LSTM "

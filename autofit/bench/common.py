@@ -74,7 +74,7 @@ def environment(command: str = "autofit bench") -> dict[str, str]:
     import pandas
     import torch
 
-    from autofit import __version__
+    from autofit.core.version import __version__
 
     memory = _memory_gib()
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"

@@ -1,12 +1,12 @@
 """The cost suite: what autofit's machinery costs on this machine.
 
-- the estimator: configs scored per second by :func:`autofit.memory_model.estimate_table`
+- the estimator: configs scored per second by :func:`autofit.estimate.memory_model.estimate_table`
   (100,000 configs of one profile);
 - the profiler: time to profile each built-in workload on fake tensors with a cold cache
   (``use_cache=False``), the 7B preset included;
 - the trial runner: a trial's wall time split into process start and model build (a trial that
   goes over its budget at the first operator) against the measured steps, with a fresh
-  interpreter per trial and forked from the fork server (:mod:`autofit.forkserver`);
+  interpreter per trial and forked from the fork server (:mod:`autofit.runtime.forkserver`);
 - the memory tracker: the same training steps with and without it;
 - sizing: ``autofit size``'s default grid of shapes times the default space, from the estimate alone.
 """
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from autofit.bench.common import Report, markdown_table, seconds, write_csv
-from autofit.config import Precision, TrainConfig
+from autofit.core.config import Precision, TrainConfig
 
 N_SCORED = 100_000
 
@@ -46,9 +46,9 @@ def scoring_configs(n: int = N_SCORED, n_layers: int = 4) -> list[TrainConfig]:
 
 
 def _estimator_rate(progress) -> list[dict]:
-    from autofit.memory_model import estimate_table
-    from autofit.profile import profile_workload
-    from autofit.workload import load_workload
+    from autofit.estimate.memory_model import estimate_table
+    from autofit.profiling.profile import profile_workload
+    from autofit.workloads.load import load_workload
 
     profile = profile_workload(load_workload("gpt-tiny"), list(Precision), device_type="cpu")
     configs = scoring_configs(N_SCORED, profile.n_layers)
@@ -74,11 +74,11 @@ def _default_space_scoring(quick: bool, progress) -> list[dict]:
     The profile comes from the cache when there is one (its cost is the profiling rows'); the
     time is the first ``estimate_table`` call, before its per-structure cache is warm.
     """
-    from autofit.memory_model import clear_caches, estimate_table
-    from autofit.profile import profile_workload
-    from autofit.space import load_space
-    from autofit.workload import load_workload
+    from autofit.core.space import load_space
+    from autofit.estimate.memory_model import clear_caches, estimate_table
+    from autofit.profiling.profile import profile_workload
     from autofit.workloads import BUILTINS
+    from autofit.workloads.load import load_workload
 
     space = load_space()
     configs = space.configs()
@@ -99,7 +99,7 @@ def _default_space_scoring(quick: bool, progress) -> list[dict]:
 
 def _size_scoring(quick: bool, progress) -> list[dict]:
     """``autofit size``'s default grid (13 depths x 14 widths) times the default space, from the estimate alone."""
-    from autofit.sizing import size
+    from autofit.sizing.size import size
 
     family = "gpt-tiny" if quick else "gpt2"
     result = size(family, "8GB", device="cpu")
@@ -116,10 +116,10 @@ def _size_scoring(quick: bool, progress) -> list[dict]:
 
 
 def _profile_times(quick: bool, progress) -> list[dict]:
-    from autofit import forkserver
-    from autofit.profile import profile_workload
-    from autofit.workload import load_workload
+    from autofit.profiling.profile import profile_workload
+    from autofit.runtime import forkserver
     from autofit.workloads import BUILTINS
+    from autofit.workloads.load import load_workload
 
     plan: list[tuple[str, tuple[Precision, ...]]]
     if quick:
@@ -155,13 +155,13 @@ def _trial_overhead(quick: bool, progress) -> list[dict]:
     server) and forked from the fork server (as shipped), in the same run."""
     import os
 
-    from autofit import forkserver
-    from autofit.schedule import DEFAULT_SCHEDULE as schedule
-    from autofit.trial import run_trial
+    from autofit.runtime import forkserver
+    from autofit.runtime.schedule import DEFAULT_SCHEDULE as schedule
+    from autofit.trial.run import run_trial
 
     rows = []
     start = time.perf_counter()
-    imports_code = ("import autofit.trial, autofit.measure, autofit.workloads; "
+    imports_code = ("import autofit.trial.run, autofit.trial.measure, autofit.workloads; "
                     "from torch.distributed._tools import mem_tracker")
     subprocess.run([sys.executable, "-c", imports_code], check=False)
     imports = time.perf_counter() - start
@@ -172,7 +172,7 @@ def _trial_overhead(quick: bool, progress) -> list[dict]:
     forkserver.ensure_server()
     rows.append({"kind": "trial", "item": "fork server start (its imports; once per search process)",
                  "metric": "wall_s", "value": time.perf_counter() - start, "unit": "s",
-                 "note": "autofit.forkserver: a child that imports torch and autofit once, then forks each CPU trial"})
+                 "note": "autofit.runtime.forkserver: a child that imports torch and autofit once, then forks each CPU trial"})
     cases = [("gpt-tiny", TrainConfig(Precision.AMP_BF16, 4, 3))]
     if not quick:
         cases.append(("convnet-bn", TrainConfig(Precision.FP32, 8, 3)))

@@ -3,8 +3,8 @@
 The prior orders a search before any trial calibrates it, so its error is what the first trials
 pay for. Each grid config's step time is measured here (a few untracked steps in a bench worker,
 timed as a trial times them) and compared with two priors computed in the same run: the bare
-device probe (square matmuls, :func:`autofit.time_model.probe_rates`) and the one a search uses,
-rescaled by the workload's own layer timed for real (:func:`autofit.layer_probe.workload_prior`).
+device probe (square matmuls, :func:`autofit.probes.device_rates.probe_rates`) and the one a search uses,
+rescaled by the workload's own layer timed for real (:func:`autofit.estimate.layer_prior.workload_prior`).
 """
 
 from __future__ import annotations
@@ -20,13 +20,15 @@ PRIORS = ("bare matmul probe", "workload's own layer")
 def prior_rows(cells, progress: Callable[[str], None] = lambda _m: None) -> list[dict]:
     """One row per (grid config, prior): predicted and measured step time and the relative error
     (negative: predicted faster than measured), with what the layer probe cost and found."""
-    from autofit.bench.search import MiB, problem_for
+    from autofit.bench.search import problem_for
+    from autofit.bench.search_data import MiB
     from autofit.bench.worker import run_jobs
-    from autofit.layer_probe import workload_prior
-    from autofit.profile import profile_workload
-    from autofit.time_model import op_counts, predict_table, probe_rates
-    from autofit.workload import load_workload
+    from autofit.estimate.layer_prior import workload_prior
+    from autofit.estimate.time_model import op_counts, predict_table
+    from autofit.probes.device_rates import probe_rates
+    from autofit.profiling.profile import profile_workload
     from autofit.workloads import param_count
+    from autofit.workloads.load import load_workload
 
     rows = []
     rates = probe_rates("cpu")
@@ -98,7 +100,7 @@ def prior_section(rows: list[dict]) -> str:
     return ("## Time model prior on the search grids\n\nThe step time the time model predicts before any trial "
             "calibrates it, against each grid config's step time measured in this run (3 untracked steps, timed as "
             "a trial times them), from the bare device probe (square matmuls) and with the workload's own first "
-            "layer timed at micro-batches 2 and 8 (`autofit.layer_probe`, what a search uses; its cold cost in "
+            "layer timed at micro-batches 2 and 8 (`autofit.probes.layer_timing`, what a search uses; its cold cost in "
             "the table). Time model prior error, median/max:\n\n" + "\n".join(lines) + "\n\n"
             + markdown_table(["workload", "prior", "configs", "median abs. error", "max", "mean signed",
                               "layer probe (s)", "layer factors"], table, "llrrrrrl"))

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from autofit.bench.search import MiB, STRATEGIES, Cell, Grid, GridPoint, ReplayOracle, RunResult, run_strategy
+from autofit.bench.search import STRATEGIES, ReplayOracle, run_strategy
+from autofit.bench.search_data import Cell, Grid, GridPoint, MiB, RunResult
 from autofit.bench.search_tables import done_when_table
 from autofit.bench.strategies import Strategy, sweeps
-from autofit.config import Precision, SplitMode, TrainConfig
+from autofit.core.config import Precision, SplitMode, TrainConfig
 
 _FLOOR_RE = re.compile(r"a trial that dies at its first operator: ([\d.]+) s\)\. autofit's clock is charged ([\d.]+) s")
 _TITLE_RE = re.compile(r"(.+?): global batch (\d+),")
@@ -44,8 +45,8 @@ def grid_costs(markdown: Path | None) -> dict[tuple[str, int], tuple[float, floa
 
 def _param_count(workload_spec: str) -> int:
     """Counted on the meta device, as the bench does."""
-    from autofit.workload import load_workload
     from autofit.workloads import param_count
+    from autofit.workloads.load import load_workload
 
     return param_count(load_workload(workload_spec))
 

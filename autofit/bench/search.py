@@ -3,7 +3,7 @@
 For each workload a small grid (precision x micro-batch x checkpointing, a fixed global batch,
 and for some cells a device split: pipeline stages or FSDP ranks, each a process on this
 machine's CPU, gloo) is run for real, config by config, with the same trial runner the strategies use
-(:func:`autofit.trial.run_trial`, no budget). Its fastest config that fits a budget is the
+(:func:`autofit.trial.run.run_trial`, no budget). Its fastest config that fits a budget is the
 ground-truth optimum for that budget. Then each strategy searches:
 
 - **live**, once per strategy on one cell (a workload and budget): every trial a real,
@@ -28,46 +28,36 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from autofit.bench.common import mib, pct, seconds
-from autofit.bench.search_tables import AUTOFIT_NAME, losses, write_search
+from autofit.bench.search_data import (
+    Cell,
+    Grid,
+    GridPoint,
+    MiB,
+    RunResult,
+    SearchResults,
+)
+from autofit.bench.search_tables import AUTOFIT_NAME, write_search
 from autofit.bench.strategies import (
     PEERS,
     Oracle,
     Outcome,
     Problem,
     Strategy,
-    OracleRecord,
     incumbent,
     optuna_tpe,
     sweeps,
 )
-from autofit.config import Precision, SplitMode, TrainConfig
-from autofit.records import TrialStatus
-from autofit.schedule import DEFAULT_SCHEDULE
-
-MiB = 2**20
+from autofit.core.config import Precision, SplitMode, TrainConfig
+from autofit.core.records import TrialStatus
+from autofit.runtime.schedule import DEFAULT_SCHEDULE
 
 # Trial settings shared by the grid, the live runs and (through the grid) the replays.
-SCHEDULE = DEFAULT_SCHEDULE  # the steps of a study's trial (autofit.schedule), so grid and search measure alike
+SCHEDULE = DEFAULT_SCHEDULE  # the steps of a study's trial (autofit.runtime.schedule), so grid and search measure alike
 TRIAL_TIMEOUT_S = 240.0
 TARGET_FRACTION = 0.95
-
-
-@dataclass(frozen=True)
-class Cell:
-    """A workload's grid and the budgets that cut it (chosen from the estimate so that each binds)."""
-
-    workload: str
-    global_batch: int
-    micro_batches: tuple[int, ...]
-    precisions: tuple[Precision, ...]
-    budgets_mib: tuple[int, ...]
-    checkpoints: tuple[int, ...] = (0, 1)
-    device_splits: tuple[int, ...] = (1,)        # with split_modes, as in autofit.space.SearchSpace
-    split_modes: tuple[SplitMode, ...] = (SplitMode.PIPELINE,)
 
 
 _THREE = (Precision.FP32, Precision.AMP_BF16, Precision.BF16)
@@ -102,7 +92,7 @@ def user_model(file: str, function: str = "workload") -> str:
 #   gpt-tiny's smallest one-device config (bf16 mb=1 ckpt=1, 25.3 MiB; the fp32 states alone are
 #   42 MB): bf16 pipeline mb=1 measured 18.6 MiB, fsdp mb=1 19.3, fsdp mb=2 21.6 (pipeline mb=2,
 #   24.2, is over). Only budgets where nothing fits on one device: there every fitting config is
-#   one job on both devices, so autofit's objective (job samples/s, autofit.objective) and the
+#   one job on both devices, so autofit's objective (job samples/s, autofit.core.objective) and the
 #   grid's (one trial's samples/s) rank them alike; with room for one device, autofit would count
 #   an unsplit config twice (two data-parallel replicas) where the grid counts it once.
 # - a workload file: the MLP-Mixer of user_models/mixer.py (RMSprop with momentum), loaded by path as
@@ -133,77 +123,6 @@ def search_budgets(quick: bool = False) -> dict[str, tuple[int, ...]]:
     return out
 
 
-# --------------------------------------------------------------------------------------
-# The measured grid
-
-
-@dataclass(frozen=True)
-class GridPoint:
-    """One measured config. ``samples_per_s`` is the ground truth: the larger of the trial's own
-    figure and a second, separate sample (other processes' load only ever slows a step down)."""
-
-    config: TrainConfig
-    status: TrialStatus
-    peak_bytes: int | None
-    samples_per_s: float | None
-    step_time_s: float | None
-    wall_s: float
-    predicted_peak_bytes: float | None = None
-    error: str | None = None
-    trial_samples_per_s: float | None = None
-    second_samples_per_s: float | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "status", TrialStatus(self.status))
-
-
-@dataclass
-class Grid:
-    """Every config of a cell, measured once without a budget."""
-
-    cell: Cell
-    points: dict[TrainConfig, GridPoint]
-    oom_floor_s: float          # wall time of a trial that goes over its budget at the first operator
-    param_count: int
-    wall_s: float = 0.0
-    first_use_s: float = 0.0    # autofit's cold start: profiling on fake tensors, the device (and link) probes, no caches
-
-    def feasible(self, budget_bytes: int) -> list[GridPoint]:
-        return [p for p in self.points.values()
-                if p.status is TrialStatus.OK and p.peak_bytes is not None and p.peak_bytes <= budget_bytes]
-
-    def optimum(self, budget_bytes: int) -> GridPoint | None:
-        feasible = self.feasible(budget_bytes)
-        return max(feasible, key=lambda p: p.samples_per_s) if feasible else None
-
-    def lever_margins(self, budget_bytes: int) -> list[tuple[str, GridPoint | None]]:
-        """Each lever the optimum uses, with the best config that fits without it (None: nothing fits).
-
-        The levers: checkpointing (``checkpoint_every > 0``), accumulation (``grad_accum > 1`` at
-        the cell's fixed global batch) and a device split (``device_split > 1``). The optimum's
-        throughput over that config's is what the lever is worth in this cell, as measured.
-        """
-        best = self.optimum(budget_bytes)
-        if best is None:
-            return []
-        levers = (("checkpointing", lambda c: c.checkpoint_every > 0), ("accumulation", lambda c: c.grad_accum > 1),
-                  ("a device split", lambda c: c.device_split > 1))
-        out = []
-        for name, uses in levers:
-            if uses(best.config):
-                without = [p for p in self.feasible(budget_bytes) if not uses(p.config)]
-                out.append((name, max(without, key=lambda p: p.samples_per_s) if without else None))
-        return out
-
-    def fraction(self, config: TrainConfig | None, budget_bytes: int) -> float:
-        """Grid throughput of ``config`` over the optimum; 0 for no answer or one that does not fit."""
-        best = self.optimum(budget_bytes)
-        point = self.points.get(config) if config is not None else None
-        if best is None or point is None or point.status is not TrialStatus.OK or point.peak_bytes > budget_bytes:
-            return 0.0
-        return point.samples_per_s / best.samples_per_s
-
-
 def problem_for(cell: Cell, budget_bytes: int, param_count: int) -> Problem:
     return Problem(workload=cell.workload, budget_bytes=budget_bytes, global_batch=cell.global_batch,
                    precisions=cell.precisions, micro_batches=cell.micro_batches, checkpoints=cell.checkpoints,
@@ -212,13 +131,13 @@ def problem_for(cell: Cell, budget_bytes: int, param_count: int) -> Problem:
 
 def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) -> Grid:
     """Run every config of ``cell`` (no budget), plus one trial that dies at once (the OOM cost floor)."""
-    from autofit import forkserver
     from autofit.bench.worker import run_jobs
-    from autofit.memory_model import estimate_table, needs_split_ends
-    from autofit.profile import profile_workload
-    from autofit.trial import run_trial
-    from autofit.workload import load_workload
+    from autofit.estimate.memory_model import estimate_table, needs_split_ends
+    from autofit.profiling.profile import profile_workload
+    from autofit.runtime import forkserver
+    from autofit.trial.run import run_trial
     from autofit.workloads import param_count
+    from autofit.workloads.load import load_workload
 
     started = time.perf_counter()
     workload = load_workload(cell.workload)
@@ -226,27 +145,27 @@ def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) 
     configs = problem.configs()
     # autofit's first-use cost on this workload, with cold caches (then the caches are filled for its runs),
     # and no fork server yet (a search process starts one; an earlier cell's would be warm here). Split ends
-    # as the search over this space profiles them (autofit.study.run): only for a pipeline split.
+    # as the search over this space profiles them (autofit.api.run_study): only for a pipeline split.
     split_ends = needs_split_ends(configs)
     forkserver.stop_server()
     cold = time.perf_counter()
     profile_workload(workload, list(cell.precisions), device_type="cpu", use_cache=False, split_ends=split_ends)
     first_use_s = time.perf_counter() - cold
     try:
-        from autofit.time_model import probe_rates
+        from autofit.probes.device_rates import probe_rates
 
         cold = time.perf_counter()
         probe_rates("cpu", use_cache=False)
         first_use_s += time.perf_counter() - cold
         rates = probe_rates("cpu")
-        from autofit.collectives import split_sizes, with_links
+        from autofit.probes.links import split_sizes, with_links
 
         if split_sizes(configs, max(cell.device_splits)):  # the splits' collectives, timed as a search times them
             cold = time.perf_counter()
             with_links(rates, configs, max(cell.device_splits), use_cache=False)
             first_use_s += time.perf_counter() - cold
             with_links(rates, configs, max(cell.device_splits))
-        from autofit.layer_probe import workload_prior
+        from autofit.estimate.layer_prior import workload_prior
 
         cold = time.perf_counter()  # the workload's own layer, timed for the prior (then cached for the runs)
         cold_profile = profile_workload(workload, list(cell.precisions), device_type="cpu", split_ends=split_ends)
@@ -340,7 +259,7 @@ class ReplayOracle(Oracle):
 
 
 class LiveOracle(Oracle):
-    """Runs each trial for real with :func:`autofit.trial.run_trial`, the budget enforced."""
+    """Runs each trial for real with :func:`autofit.trial.run.run_trial`, the budget enforced."""
 
     def __init__(self, workload: str, budget_bytes: int, progress: Callable[[str], None] = lambda _m: None,
                  label: str = "") -> None:
@@ -351,55 +270,13 @@ class LiveOracle(Oracle):
         self.label = label
 
     def _run(self, config: TrainConfig) -> Outcome:
-        from autofit.trial import run_trial
+        from autofit.trial.run import run_trial
 
         r = run_trial(self.workload, config, device="cpu", budget_bytes=self.budget_bytes, schedule=SCHEDULE,
                       timeout_s=TRIAL_TIMEOUT_S)
         self.progress(f"live {self.label}: {config.short()} {r.status.value} {seconds(r.samples_per_s)} samples/s "
                       f"({r.wall_s:.1f} s)")
         return Outcome(config, r.status, r.samples_per_s, r.peak_bytes, r.wall_s, r.step_time_s, r)
-
-
-# --------------------------------------------------------------------------------------
-# One strategy run, scored
-
-
-@dataclass
-class RunResult:
-    strategy: str
-    workload: str
-    budget_bytes: int
-    seed: int
-    mode: str                        # "live" or "replay"
-    answer: TrainConfig | None
-    fraction: float                  # grid throughput of the answer over the optimum
-    wall_s: float
-    trials: int
-    oom_trials: int
-    failed_trials: int               # error or timeout
-    time_to_target_s: float | None   # clock when the incumbent first reached 95% of the optimum
-    error: str | None = None
-    live_samples_per_s: float | None = None
-    history: list[OracleRecord] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    extra_s: float = 0.0             # charged for work done elsewhere (autofit's first use)
-
-    @property
-    def trials_s(self) -> float:
-        return sum(r.outcome.cost_s for r in self.history)
-
-    def row(self) -> dict:
-        return {
-            "strategy": self.strategy, "workload": self.workload, "budget_mib": self.budget_bytes / MiB,
-            "seed": self.seed, "mode": self.mode, "answer": self.answer.short() if self.answer else "",
-            "fraction_of_optimum": self.fraction, "wall_s": self.wall_s, "trials": self.trials,
-            "oom_trials": self.oom_trials, "failed_trials": self.failed_trials,
-            "time_to_95pct_s": self.time_to_target_s, "trials_s": self.trials_s, "charged_s": self.extra_s,
-            "own_work_s": self.wall_s - self.trials_s - self.extra_s if self.history or self.extra_s else None,
-            "error": self.error or "",
-            "trial_sequence": " ; ".join(f"{r.outcome.config.short()}={r.outcome.status}" for r in self.history),
-            "notes": " ; ".join(self.notes),
-        }
 
 
 def score(strategy: Strategy, grid: Grid, budget_bytes: int, seed: int, mode: str, oracle: Oracle,
@@ -457,9 +334,9 @@ def autofit_search(problem: Problem, oracle: Oracle, seed: int = 0, first_use_s:
     """
     import tempfile
 
-    from autofit.space import SearchSpace
-    from autofit.study import search
-    from autofit.trial import TrialResult, TrialStatus
+    from autofit.api.run_study import search
+    from autofit.core.space import SearchSpace
+    from autofit.trial.run import TrialResult
 
     def run_trial(workload, config, *, device, budget_bytes, timeout_s):
         outcome = oracle.run(config)
@@ -490,21 +367,6 @@ def autofit_search(problem: Problem, oracle: Oracle, seed: int = 0, first_use_s:
 AUTOFIT = Strategy(AUTOFIT_NAME, autofit_search, "throughput", False,
                    "autofit's search as shipped: estimate prunes, time model orders, real trials confirm")
 STRATEGIES: tuple[Strategy, ...] = (AUTOFIT,) + PEERS
-
-
-# --------------------------------------------------------------------------------------
-# The suite
-
-
-@dataclass
-class SearchResults:
-    grids: list[Grid]
-    runs: list[RunResult]
-    live_cell: tuple[str, int]
-    seeds: int
-    wall_s: float
-    files: list[Path] = field(default_factory=list)
-    strategies: tuple[Strategy, ...] = ()
 
 
 # Live by default: autofit and the peers the done-when criteria compare it with (TPE and the
@@ -563,23 +425,3 @@ def run_search_suite(out_dir: Path, env: dict, *, quick: bool = False, seeds: in
     results = SearchResults(grids, runs, live_cell, seeds, time.perf_counter() - started, strategies=strategies)
     results.files = write_search(out_dir, env, results, strategies)
     return results
-
-
-__all__ = [
-    "AUTOFIT",
-    "CELLS",
-    "QUICK_CELLS",
-    "STRATEGIES",
-    "Cell",
-    "Grid",
-    "GridPoint",
-    "LiveOracle",
-    "NotAvailable",
-    "ReplayOracle",
-    "RunResult",
-    "measure_grid",
-    "run_search_suite",
-    "losses",
-    "search_budgets",
-    "write_search",
-]

@@ -10,14 +10,23 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from autofit.bench.common import Report, markdown_table, median_and_spread, mib, pct, seconds, try_plot, write_csv
+from autofit.bench.common import (
+    Report,
+    markdown_table,
+    median_and_spread,
+    mib,
+    pct,
+    seconds,
+    try_plot,
+    write_csv,
+)
 from autofit.bench.strategies import Strategy, sweeps
 from autofit.bench.verdict import AUTOFIT_NAME, CHECKS, verdicts
-from autofit.records import TrialStatus
-from autofit.schedule import DEFAULT_SCHEDULE as SCHEDULE
+from autofit.core.records import TrialStatus
+from autofit.runtime.schedule import DEFAULT_SCHEDULE as SCHEDULE
 
-if TYPE_CHECKING:  # the suite imports this module, not the other way round
-    from autofit.bench.search import Cell, RunResult, SearchResults
+if TYPE_CHECKING:
+    from autofit.bench.search_data import Cell, RunResult, SearchResults
 
 MiB = 2**20
 

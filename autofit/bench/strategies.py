@@ -57,8 +57,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from autofit.config import Precision, SplitMode, TrainConfig
-from autofit.records import TrialStatus
+from autofit.core.config import Precision, SplitMode, TrainConfig
+from autofit.core.records import TrialStatus
 
 ONE_DEVICE = (1, SplitMode.PIPELINE)   # a (device_split, split_mode) pair: one device, whatever the mode
 
@@ -79,7 +79,7 @@ class Problem:
     default_precision: Precision = Precision.FP32
     default_checkpoint: int = 0
     param_count: int = 0               # for the DeepSpeed model-state formula
-    # Devices the model may be split over and how (autofit.space.SearchSpace's rule: a split of 1
+    # Devices the model may be split over and how (autofit.core.space.SearchSpace's rule: a split of 1
     # is one device whatever the mode; under fsdp each of the device_split ranks runs a micro-batch,
     # so grad_accum = global_batch / (micro_batch x ranks) and only micro-batches dividing it count).
     # A batch-size finder runs on one device: its configs are always split 1.

@@ -1,6 +1,6 @@
 """The accuracy suite's independent ground truth: the estimate and the tracker against the allocator and the OS.
 
-:mod:`autofit.ground_truth` reads each single-device config's peak twice more, without autofit's
+:mod:`autofit.trial.ground_truth` reads each single-device config's peak twice more, without autofit's
 counting, several times each: the CPU allocator's peak (``torch.profiler`` memory events) and the
 resident peak the OS reports. This module turns those repeats into the suite's section: the
 error of the estimate against each, each view's own noise (the spread of its repeats), and, for
@@ -13,8 +13,15 @@ from __future__ import annotations
 import math
 import statistics
 
-from autofit.bench.common import ErrorStats, markdown_table, mib, pct, relative_error, signed_pct
-from autofit.records import TrialStatus
+from autofit.bench.common import (
+    ErrorStats,
+    markdown_table,
+    mib,
+    pct,
+    relative_error,
+    signed_pct,
+)
+from autofit.core.records import TrialStatus
 
 __all__ = ["explain", "truth_section", "view"]
 
@@ -90,7 +97,7 @@ def truth_section(rows: list) -> str:
         "## Against an independent ground truth\n",
         "The tracker counts live tensor storages seen at the dispatcher, as the profiler does, so the error above "
         "checks that fake and real tensors agree. Two views that share nothing with that counting "
-        f"(`autofit.ground_truth`), each read {repeats} times on a fresh model in the worker, apart from any timed step, "
+        f"(`autofit.trial.ground_truth`), each read {repeats} times on a fresh model in the worker, apart from any timed step, "
         "for every single-device config:\n",
         "- **allocator**: `torch.profiler(profile_memory=True)` started before the model is built; the highest running "
         "sum of its allocation events over the measured steps (every block PyTorch's CPU allocator hands out, "

@@ -1,4 +1,4 @@
-"""Measurement jobs run in a fresh interpreter, an :mod:`autofit.procs` child (JSON jobs in, one JSON result a job out).
+"""Measurement jobs run in a fresh interpreter, an :mod:`autofit.runtime.procs` child (JSON jobs in, one JSON result a job out).
 
 The accuracy suite measures dozens of configs; starting an interpreter per config (what the
 trial runner does, ~3-5 s here) would cost more than the measurements. So one worker process
@@ -11,8 +11,8 @@ Job kinds:
 
 - ``memory``: peak live tensor bytes of ``config`` (the CPU tracker, steady state) and, with
   ``time``, the step time; with ``truth_repeats``, the independent ground truth of
-  :mod:`autofit.ground_truth` (allocator and resident peaks, that many times each) for a single device. Single-device configs with ``time`` go through
-  :func:`autofit.measure.measure_trial` itself (the trial runner's code path); without
+  :mod:`autofit.trial.ground_truth` (allocator and resident peaks, that many times each) for a single device. Single-device configs with ``time`` go through
+  :func:`autofit.trial.measure.measure_trial` itself (the trial runner's code path); without
   ``time`` (amp-fp16, whose CPU kernels are ~1000x slow) only the tracked steps run. Device
   splits always go through ``measure_trial``, which runs PyTorch's pipeline engine.
 - ``tracker_overhead``: the same training steps timed with and without the memory tracker.
@@ -27,16 +27,16 @@ import time
 import traceback
 from collections.abc import Callable
 
-from autofit import procs
-from autofit.devicelock import DeviceLock, device_names
-from autofit.schedule import MeasureSchedule, run_steps
+from autofit.runtime import procs
+from autofit.runtime.devicelock import DeviceLock, device_names
+from autofit.runtime.schedule import MeasureSchedule, run_steps
 
 
 def _memory_only(workload, config, schedule: MeasureSchedule) -> dict:
     """What ``measure_trial`` does on the CPU up to the peak (the same step loop), without its timed steps."""
-    from autofit.measure import trial_micro_batches
-    from autofit.tracker import MemoryTracker
-    from autofit.training import build_trainee, train_step
+    from autofit.runtime.tracker import MemoryTracker
+    from autofit.runtime.training import build_trainee, train_step
+    from autofit.trial.measure import trial_micro_batches
 
     trainee = build_trainee(workload, config, "cpu")
     batches = trial_micro_batches(workload, config, trainee.device, schedule)
@@ -51,9 +51,9 @@ def _memory_only(workload, config, schedule: MeasureSchedule) -> dict:
 def _memory(job: dict) -> dict:
     import torch
 
-    from autofit.config import TrainConfig
-    from autofit.measure import measure_trial
-    from autofit.workload import load_workload
+    from autofit.core.config import TrainConfig
+    from autofit.trial.measure import measure_trial
+    from autofit.workloads.load import load_workload
 
     workload = load_workload(job["workload"])
     config = TrainConfig.from_dict(job["config"])
@@ -66,7 +66,7 @@ def _memory(job: dict) -> dict:
     keep = ("status", "error", "peak_bytes", "per_device_peak_bytes", "breakdown", "step_time_s", "samples_per_s")
     out = {k: out.get(k) for k in keep}
     if job.get("truth_repeats") and config.device_split == 1 and out["status"] == "ok":
-        from autofit.ground_truth import ground_truth
+        from autofit.trial.ground_truth import ground_truth
 
         # after the trial's own steps, on fresh models: nothing timed runs under the profiler
         out.update(ground_truth(workload, config, schedule, int(job["truth_repeats"]),
@@ -78,11 +78,11 @@ def _tracker_overhead(job: dict) -> dict:
     """Median step time of the same steps with and without the tracker (warm steps first)."""
     import torch
 
-    from autofit.config import TrainConfig
-    from autofit.measure import trial_micro_batches
-    from autofit.tracker import MemoryTracker
-    from autofit.training import build_trainee, train_step
-    from autofit.workload import load_workload
+    from autofit.core.config import TrainConfig
+    from autofit.runtime.tracker import MemoryTracker
+    from autofit.runtime.training import build_trainee, train_step
+    from autofit.trial.measure import trial_micro_batches
+    from autofit.workloads.load import load_workload
 
     workload = load_workload(job["workload"])
     config = TrainConfig.from_dict(job["config"])
@@ -118,10 +118,14 @@ def _throughput(job: dict) -> dict:
     """Samples/s of a few untracked steps, timed as a trial times them (medians of micro-steps and optimizer steps)."""
     import torch
 
-    from autofit.config import TrainConfig
-    from autofit.measure import compose_step_time, time_micro_and_optimizer_steps, trial_micro_batches
-    from autofit.training import build_trainee, train_step
-    from autofit.workload import load_workload
+    from autofit.core.config import TrainConfig
+    from autofit.runtime.training import build_trainee, train_step
+    from autofit.trial.measure import (
+        compose_step_time,
+        time_micro_and_optimizer_steps,
+        trial_micro_batches,
+    )
+    from autofit.workloads.load import load_workload
 
     workload = load_workload(job["workload"])
     config = TrainConfig.from_dict(job["config"])
@@ -140,7 +144,7 @@ _KINDS = {"memory": _memory, "tracker_overhead": _tracker_overhead, "throughput"
 
 
 def serve(request: dict, send: procs.Send) -> None:
-    """The worker (a :mod:`autofit.procs` child): run ``request["jobs"]`` in turn, sending one result each."""
+    """The worker (a :mod:`autofit.runtime.procs` child): run ``request["jobs"]`` in turn, sending one result each."""
     for job in request["jobs"]:
         start = time.perf_counter()
         try:
@@ -164,7 +168,7 @@ def run_jobs(jobs: list[dict], *, job_timeout_s: float = 300.0,
     Each job gets ``job_timeout_s``; a job past it is killed with its worker (and any stage
     processes in the worker's process group) and reported as ``timeout``; the remaining jobs
     go to a fresh worker. ``on_result(job, result)`` is called as each one finishes. The jobs
-    hold the CPU's device lock (:mod:`autofit.devicelock`), as a trial does: nothing else on this
+    hold the CPU's device lock (:mod:`autofit.runtime.devicelock`), as a trial does: nothing else on this
     machine measures beside them.
     """
     with DeviceLock(device_names("cpu"), "bench jobs"):

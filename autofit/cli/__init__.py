@@ -1,7 +1,7 @@
 """The ``autofit`` command line: parse, call the library, print. Nothing else prints or exits.
 
 Each subcommand lives in its own module here with ``add_parser(subparsers)`` and
-``run(args) -> int``. User errors (:class:`autofit.errors.AutofitError`) become one line
+``run(args) -> int``. User errors (:class:`autofit.core.errors.AutofitError`) become one line
 on stderr and their exit status (2 for usage, 1 for a run-time failure); any other exception
 one line and exit 1. ``--debug`` (anywhere on the line) shows the traceback instead.
 """
@@ -15,7 +15,7 @@ import re
 import sys
 import traceback
 
-from autofit.errors import AutofitError
+from autofit.core.errors import AutofitError
 
 _COMMANDS = ("models", "estimate", "measure", "search", "size", "report", "export", "bench")
 
@@ -33,7 +33,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="autofit", description="Find the fastest way to train a PyTorch model inside a memory budget.")
-    from autofit import __version__
+    from autofit.core.version import __version__
 
     parser.add_argument("--version", action="version", version=f"autofit {__version__}")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")

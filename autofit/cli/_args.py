@@ -36,7 +36,7 @@ def model_spec(args: argparse.Namespace, model: str | None = None) -> str:
     """``--model`` with the hf options folded in (``hf:SPEC#seq_len=128``), the form trials reload.
 
     Raises WorkloadError when an hf option is given for a model that is not ``hf:``."""
-    from autofit.errors import WorkloadError
+    from autofit.core.errors import WorkloadError
 
     model = model if model is not None else args.model
     options = {"seq_len": getattr(args, "seq_len", None), "task": getattr(args, "task", None),

@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from autofit.errors import ConfigError
+from autofit.core.errors import ConfigError
 
 
 def add_parser(subparsers) -> None:

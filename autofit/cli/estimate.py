@@ -6,15 +6,15 @@ import argparse
 import json
 import sys
 
-from autofit.advice import advise
 from autofit.cli._args import MODEL_HELP, add_hf_options, model_spec
-from autofit.budget import format_budget, format_bytes, parse_budget
-from autofit.config import TrainConfig
-from autofit.cuda_memory import device_overhead
-from autofit.memory_model import BREAKDOWN, estimate, estimate_table
-from autofit.profile import profile_workload
-from autofit.space import load_space
-from autofit.workload import load_workload
+from autofit.core.budget import format_budget, format_bytes, parse_budget
+from autofit.core.config import TrainConfig
+from autofit.core.space import load_space
+from autofit.estimate.advice import advise
+from autofit.estimate.memory_model import BREAKDOWN, estimate, estimate_table
+from autofit.probes.device_rates import device_overhead
+from autofit.profiling.profile import profile_workload
+from autofit.workloads.load import load_workload
 
 DEFAULT_MODEL_HELP = MODEL_HELP
 

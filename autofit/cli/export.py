@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from autofit.errors import ConfigError
-from autofit.exports import TARGETS, export, export_study
+from autofit.core.errors import ConfigError
+from autofit.report.exports import TARGETS, export, export_study
 
 
 def add_parser(subparsers) -> None:

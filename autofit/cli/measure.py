@@ -7,13 +7,13 @@ import contextlib
 import json
 import sys
 
-from autofit.budget import format_budget, format_bytes, parse_budget
 from autofit.cli._args import MODEL_HELP, add_hf_options, model_spec, positive
-from autofit.config import TrainConfig
-from autofit.errors import AutofitError
-from autofit.tracker import CATEGORIES
-from autofit.trial import TrialResult, run_trial
-from autofit.workload import load_workload
+from autofit.core.budget import format_budget, format_bytes, parse_budget
+from autofit.core.config import TrainConfig
+from autofit.core.errors import AutofitError
+from autofit.runtime.tracker import CATEGORIES
+from autofit.trial.run import TrialResult, run_trial
+from autofit.workloads.load import load_workload
 
 
 def add_parser(subparsers) -> None:

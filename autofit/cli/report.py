@@ -6,18 +6,18 @@ import argparse
 import json
 import sys
 
-from autofit.budget import format_bytes
 from autofit.cli._args import positive
-from autofit.errors import ConfigError
-from autofit.report import (
+from autofit.core.budget import format_bytes
+from autofit.core.errors import ConfigError
+from autofit.report.tables import (
     STATUSES,
     best_record,
     counts,
     select,
     summary_markdown,
     trials_table,
-    write_reports,
 )
+from autofit.report.write import write_reports
 from autofit.study import load_snapshot
 
 

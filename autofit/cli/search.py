@@ -8,10 +8,11 @@ import json
 import shlex
 import sys
 
-from autofit.budget import format_budget, format_bytes
+from autofit.api.run_study import search
 from autofit.cli._args import MODEL_HELP, add_hf_options, model_spec, positive
-from autofit.report import RAN, duration_text
-from autofit.study import PATIENCE, TRIAL_TIMEOUT_S, SearchProgress, search
+from autofit.core.budget import format_budget, format_bytes
+from autofit.report.tables import RAN, duration_text
+from autofit.study import PATIENCE, TRIAL_TIMEOUT_S, SearchProgress
 from autofit.workloads import DEFAULT_WORKLOAD
 
 

@@ -8,8 +8,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from autofit.budget import format_budget, format_bytes
 from autofit.cli._args import positive
+from autofit.core.budget import format_budget, format_bytes
 
 
 def add_parser(subparsers) -> None:
@@ -46,7 +46,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from autofit.sizing import plot_frontier, size
+    from autofit.sizing.size import plot_frontier, size
 
     def progress(message: str) -> None:
         if not args.json:

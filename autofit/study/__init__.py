@@ -2,7 +2,7 @@
 
 One planning step (every worker, before every trial, from what the storage holds):
 
-1. **calibrate** from the real trials so far (:mod:`autofit.calibration`);
+1. **calibrate** from the real trials so far (:mod:`autofit.estimate.calibration`);
 2. **prune**, with a reason, every config that should not run (recorded as a ``PRUNED`` trial
    whose user attrs hold the predicted breakdown): ``invalid`` (more stages than layers),
    ``devices`` (a device split larger than the devices a worker has: estimated, never run),
@@ -39,7 +39,7 @@ One planning step (every worker, before every trial, from what the storage holds
    (the noise: the largest spread between two samples of one config so far, at least
    NOISE_MIN, :func:`~autofit.study.planner.sample_noise`); the best is the config with the
    highest median
-   (:func:`autofit.records.best_of`). A re-measurement is a real trial of the same config with
+   (:func:`autofit.core.records.best_of`). A re-measurement is a real trial of the same config with
    a higher ``sample`` number: it counts towards the trial limit (exploration leaves up to a
    quarter of the limit for them), not towards patience; one that fails or goes over the budget
    rules its config out. Running re-measurements count, so workers and resumed searches never
@@ -49,7 +49,7 @@ One planning step (every worker, before every trial, from what the storage holds
    already rules the precision out (above); then the candidate with
    the highest calibrated predicted throughput; predictions within NEAR of the best are a tie,
    won by the cheapest trial. It runs through the worker's trial runner (by default an
-   isolated child, :func:`autofit.trial.run_trial` of :data:`autofit.schedule.DEFAULT_SCHEDULE`)
+   isolated child, :func:`autofit.trial.run.run_trial` of :data:`autofit.runtime.schedule.DEFAULT_SCHEDULE`)
    under the budget and a time limit sized from its prediction and that schedule; the objective is measured samples/s, and ``trial.set_constraint`` records the
    measured peak minus the budget (and whether it failed), so a trial that went over, or
    failed, is never the best. ``oom``, ``error`` and ``timeout`` are recorded and the search
@@ -68,7 +68,7 @@ the same search again resumes it: finished trials are kept; a trial left ``RUNNI
 worker (its process is gone, or its heartbeat is older than STALE_S) is marked ``FAIL``
 (status ``interrupted``) and its config planned again.
 
-One trial per device at a time: every trial holds its devices' locks (:mod:`autofit.devicelock`,
+One trial per device at a time: every trial holds its devices' locks (:mod:`autofit.runtime.devicelock`,
 machine-wide), so workers of one search, and searches started side by side (on one directory,
 where the second joins the study, or on two), take turns on a device instead of measuring each
 other's load. On a CPU, one device, ``workers > 1`` overlaps only planning and process start-up.
@@ -76,11 +76,11 @@ other's load. On a CPU, one device, ``workers > 1`` overlaps only planning and p
 Known limitations: a study's search space, budget, workload and device are fixed when it is created.
 
 Modules: :mod:`~autofit.study.settings` (what defines a study), :mod:`~autofit.study.storage`
-(the storage, its locks, and the record format: stored trial <-> :class:`autofit.records.TrialRecord`),
+(the storage, its locks, and the record format: stored trial <-> :class:`autofit.core.records.TrialRecord`),
 :mod:`~autofit.study.planner` (the rules above: records in, decisions out; no Optuna),
 :mod:`~autofit.study.worker` (the loop each worker runs; its :class:`TrialRunner` is injectable),
 :mod:`~autofit.study.launcher` (several local worker processes), :mod:`~autofit.study.progress`
-(progress events) and :mod:`~autofit.study.run` (:func:`search`). The public names below are
+(progress events); :func:`autofit.api.run_study.search` runs a whole study. The public names below are
 imported lazily, so ``import autofit.study.planner`` (or the report) pulls in nothing else.
 """
 
@@ -89,7 +89,7 @@ from __future__ import annotations
 import importlib
 
 _HOMES = {
-    "autofit.records": ("PruneReason", "StudySnapshot", "TrialRecord", "TrialStatus"),
+    "autofit.core.records": ("PruneReason", "StudySnapshot", "TrialRecord", "TrialStatus"),
     "autofit.study.settings": ("MIN_IMPROVEMENT", "PATIENCE", "TRIAL_TIMEOUT_S", "StudySettings",
                                "default_study_name", "redact", "space_to_dict"),
     "autofit.study.storage": ("JOURNAL_NAME", "META_NAME", "ClaimLock", "FlockLock", "config_of", "create_or_load",
@@ -101,7 +101,6 @@ _HOMES = {
     "autofit.study.worker": ("HEARTBEAT_S", "ORPHAN_S", "STALE_S", "TrialRunner", "fail_stale_trials", "is_stale",
                              "process_start", "run_trial_isolated", "run_worker", "worker_identity"),
     "autofit.study.launcher": ("run_workers",),
-    "autofit.study.run": ("default_device", "resolve_space", "search"),
 }
 _LAZY = {name: module for module, names in _HOMES.items() for name in names}
 __all__ = sorted(_LAZY)

@@ -1,6 +1,6 @@
-"""Several local workers on one study: :mod:`autofit.procs` children, progress read from the storage.
+"""Several local workers on one study: :mod:`autofit.runtime.procs` children, progress read from the storage.
 
-Each worker is a :func:`autofit.procs.spawn` child running :func:`worker_entry` (the study's
+Each worker is a :func:`autofit.runtime.procs.spawn` child running :func:`worker_entry` (the study's
 settings as its JSON request): it runs :func:`autofit.study.worker.run_worker` and sends one
 message, ``{"stop_reason": ...}`` or, for a user error, ``{"error": ...}``. Its stderr goes to
 ``<out>/worker-<i>.log``. Like every procs child it dies, with what it started, when the search
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import optuna
 
-from autofit import procs
-from autofit.errors import AutofitError, StudyError
+from autofit.core.errors import AutofitError, StudyError
+from autofit.runtime import procs
 from autofit.study import storage
 from autofit.study.progress import ProgressCallback, progress_of
 from autofit.study.settings import StudySettings
@@ -27,7 +27,7 @@ POLL_S = 1.0               # how often progress is read from the storage
 
 def worker_env(settings: StudySettings, workers: int, gpus: list[str]) -> dict:
     """A worker's environment: this autofit importable and its GPUs. Every core on the CPU: its
-    trials take turns with the other workers' (:mod:`autofit.devicelock`), never share them."""
+    trials take turns with the other workers' (:mod:`autofit.runtime.devicelock`), never share them."""
     extra = {"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if settings.device_type == "cuda" else {}
     return procs.child_env(extra, secrets=True)  # a worker opens the storage itself
 
@@ -94,7 +94,7 @@ def _stop(children: list[procs.Child]) -> None:
 def worker_entry(request: dict, send: procs.Send) -> dict:
     """A worker process (a procs child): run the study of ``request["settings"]`` until it stops."""
     from autofit.study.worker import run_worker
-    from autofit.workload import load_workload
+    from autofit.workloads.load import load_workload
 
     settings = StudySettings.from_json(request["settings"])
     try:

@@ -1,7 +1,7 @@
 """The planner: pure policy. Trial records in, decisions out (what to prune and why, what to run, when to stop).
 
 It scores the whole space once (memory estimate and time model), then at every planning step
-reads the study's :class:`autofit.records.TrialRecord` values; it never touches the storage
+reads the study's :class:`autofit.core.records.TrialRecord` values; it never touches the storage
 (see :mod:`autofit.study` for the rules it applies).
 """
 
@@ -14,16 +14,23 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autofit.budget import format_bytes
-from autofit.calibration import Calibration, calibrate, observations
-from autofit.config import FIELDS, SplitMode, TrainConfig, stage_bounds
-from autofit.memory_model import BREAKDOWN, estimate_table
-from autofit.objective import objective
-from autofit.profile import Profile
-from autofit.records import PruneReason, TrialRecord, TrialStatus, config_samples, median_value
-from autofit.schedule import DEFAULT_SCHEDULE, MeasureSchedule
+from autofit.core.budget import format_bytes
+from autofit.core.config import FIELDS, SplitMode, TrainConfig, stage_bounds
+from autofit.core.objective import objective
+from autofit.core.records import (
+    PruneReason,
+    TrialRecord,
+    TrialStatus,
+    config_samples,
+    median_value,
+)
+from autofit.estimate.calibration import Calibration, calibrate, observations
+from autofit.estimate.memory_model import BREAKDOWN, estimate_table
+from autofit.estimate.time_model import OpCounts, predict_table
+from autofit.probes.device_rates import DeviceRates
+from autofit.profiling.data import Profile
+from autofit.runtime.schedule import DEFAULT_SCHEDULE, MeasureSchedule
 from autofit.study.settings import StudySettings
-from autofit.time_model import DeviceRates, OpCounts, predict_table
 
 # --- the rules' constants ---------------------------------------------------------------------
 SLOW_FACTOR = 20.0         # pruned: predicted this many times slower than the best predicted
@@ -48,7 +55,7 @@ TIME_MARGIN_MIN = 0.10     # the time model's error margin is never taken below 
 # (results/benchmarks/accuracy_prior.csv, the workload's own layer).
 CROSS_MARGIN_MIN = 0.3
 REMEASURE_RESERVE = 4      # with a trial limit, exploration leaves up to 1/this of it for them
-# A trial runs DEFAULT_SCHEDULE (autofit.schedule); its time limit is sized from that schedule.
+# A trial runs DEFAULT_SCHEDULE (autofit.runtime.schedule); its time limit is sized from that schedule.
 
 
 @dataclass(frozen=True)
@@ -140,7 +147,7 @@ def _margin_name(m: float, within: float | None) -> str:
 
 def sample_noise(by_config: dict) -> float:
     """The measured sample-to-sample noise of throughput: the largest relative spread (max / min - 1)
-    between the samples of one config (``by_config``: :func:`autofit.records.config_samples`), at
+    between the samples of one config (``by_config``: :func:`autofit.core.records.config_samples`), at
     least NOISE_MIN (before any config has two samples, it is NOISE_MIN)."""
     spreads = [max(r.value for r in s) / min(r.value for r in s) - 1.0 for s in by_config.values()
                if len(s) > 1 and min(r.value for r in s) > 0]
@@ -260,7 +267,7 @@ class Planner:
         peak = self.table["peak_bytes"].to_numpy(dtype=np.float64)
         ratio = calibration.time_ratios(self.table)
         step_s = self.table["step_time_s"].to_numpy(dtype=np.float64) * ratio
-        # the objective (autofit.objective): job samples/s on the worker's devices, replicas included
+        # the objective (autofit.core.objective): job samples/s on the worker's devices, replicas included
         samples = np.array([objective(c, c.samples_per_step, settings.devices) for c in self.configs], dtype=np.float64)
         sps = samples / step_s
         fits = np.nan_to_num(np.asarray(calibration.fits(peak, settings.budget_bytes), dtype=bool), nan=False)

@@ -6,8 +6,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from autofit.config import TrainConfig
-from autofit.records import TrialRecord, TrialStatus, best_of, config_samples, median_value
+from autofit.core.config import TrainConfig
+from autofit.core.records import (
+    TrialRecord,
+    TrialStatus,
+    best_of,
+    config_samples,
+    median_value,
+)
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from autofit.config import FIELDS
-from autofit.errors import StudyError
-from autofit.space import SearchSpace, space_from_dict
+from autofit.core.config import FIELDS
+from autofit.core.errors import StudyError
+from autofit.core.space import SearchSpace, space_from_dict
 
 PATIENCE = 5               # real trials in a row without improving the best by MIN_IMPROVEMENT
 MIN_IMPROVEMENT = 0.02     # relative; below this an "improvement" is measurement noise
@@ -52,7 +52,7 @@ class StudySettings:
 
 
 def space_to_dict(space: SearchSpace) -> dict:
-    """A SearchSpace as the mapping :func:`autofit.space.space_from_dict` reads (plus its source)."""
+    """A SearchSpace as the mapping :func:`autofit.core.space.space_from_dict` reads (plus its source)."""
     data: dict[str, Any] = {d: [getattr(v, "value", v) for v in getattr(space, d)] for d in FIELDS}
     if space.global_batch is not None:
         data["global_batch"] = space.global_batch

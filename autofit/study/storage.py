@@ -4,15 +4,15 @@ A trial is stored as an Optuna trial: its params are the five config fields (one
 each), its value the measured samples/s, its constraints the measured peak over the budget
 and whether it failed. The rest is in user attrs, read and written only here:
 
-- ``status``: a :class:`autofit.records.TrialStatus` value (``ok``, ``oom``, ``error``,
+- ``status``: a :class:`autofit.core.records.TrialStatus` value (``ok``, ``oom``, ``error``,
   ``timeout``, ``pruned``, ``running``, ``interrupted``);
-- ``reason_kind`` (a :class:`autofit.records.PruneReason` value), ``reason``: why it was pruned;
+- ``reason_kind`` (a :class:`autofit.core.records.PruneReason` value), ``reason``: why it was pruned;
 - ``predicted``: the estimate and time model before it ran (raw and calibrated);
 - ``measured``: the TrialResult's numbers; ``errors``: relative prediction errors;
 - ``worker``: who ran it; ``heartbeat``: when its worker last wrote;
 - ``sample``: which measurement of its config (1 the first, more a re-measurement; absent: 1).
 
-:func:`record_of` turns a stored trial into a :class:`autofit.records.TrialRecord`, the only
+:func:`record_of` turns a stored trial into a :class:`autofit.core.records.TrialRecord`, the only
 form the planner and the report see. Journals written by autofit 0.1 read the same way.
 """
 
@@ -34,13 +34,13 @@ from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
-from autofit.config import FIELDS, TrainConfig
-from autofit.errors import AutofitError, RunFailure, StudyError
-from autofit.files import write_atomic
-from autofit.objective import objective
-from autofit.profile_data import PROFILE_VERSION
-from autofit.records import PruneReason, StudySnapshot, TrialRecord, TrialStatus
-from autofit.space import SearchSpace
+from autofit.core.config import FIELDS, TrainConfig
+from autofit.core.errors import AutofitError, RunFailure, StudyError
+from autofit.core.files import write_atomic
+from autofit.core.objective import objective
+from autofit.core.records import PruneReason, StudySnapshot, TrialRecord, TrialStatus
+from autofit.core.space import SearchSpace
+from autofit.profiling.data import PROFILE_VERSION
 from autofit.study.settings import JOURNAL_NAME, StudySettings, redact
 
 META_NAME = "study.json"
@@ -94,7 +94,7 @@ class ClaimLock:
 class SearchLock:
     """Held by the first search on an output directory for its whole run. A second ``autofit
     search`` there joins the study (``joined``): the claim lock gives each config to one worker,
-    and the device locks (:mod:`autofit.devicelock`) keep their trials from running side by side."""
+    and the device locks (:mod:`autofit.runtime.devicelock`) keep their trials from running side by side."""
 
     def __init__(self, out_dir: Path) -> None:
         self._path = Path(out_dir) / SEARCH_LOCK_NAME
@@ -317,7 +317,7 @@ def create_or_load(settings: StudySettings) -> optuna.Study:
 
 def record_profile(study: optuna.Study, key: str) -> None:
     """Store the key of the profile this search estimates with, so that a report of the study reads
-    it from the cache (:func:`autofit.profile_cache.study_profile`) instead of keying the workload
+    it from the cache (:func:`autofit.profiling.cache.study_profile`) instead of keying the workload
     again: a fake build whose import of torch._dynamo alone costs a fresh process seconds."""
     stored = {"key": key, "version": PROFILE_VERSION}
     if study.user_attrs.get("profile") != stored:  # a resumed search adds nothing to the journal
@@ -329,7 +329,7 @@ def _versions() -> dict:
 
     import torch
 
-    from autofit import __version__
+    from autofit.core.version import __version__
 
     return {"autofit": __version__, "torch": torch.__version__, "optuna": optuna.__version__,
             "python": platform.python_version(), "platform": platform.platform(), "host": socket.gethostname(),
@@ -463,7 +463,7 @@ def heartbeat(trial: optuna.Trial, now: float) -> None:
 def tell_result(study: optuna.Study, trial: optuna.Trial, result, prediction: dict, measured: dict, errors: dict,
                 budget_bytes: int, devices: int = 1) -> None:
     """Record a finished real trial: its measurements, status, errors, constraints and value
-    (:func:`autofit.objective.objective`: job samples/s on ``devices`` devices).
+    (:func:`autofit.core.objective.objective`: job samples/s on ``devices`` devices).
 
     The constraints make a trial that went over the budget, or failed, never the best: an oom
     went over by definition; an error or timeout measured nothing.

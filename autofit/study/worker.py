@@ -2,7 +2,7 @@
 
 Several workers (processes, machines) may run on one study. The trial itself is run by a
 :class:`TrialRunner`, by default :func:`run_trial_isolated` (an isolated child process,
-:func:`autofit.trial.run_trial`); the bench passes its own to replay measured trials.
+:func:`autofit.trial.run.run_trial`); the bench passes its own to replay measured trials.
 """
 
 from __future__ import annotations
@@ -18,22 +18,24 @@ import optuna
 from optuna.distributions import CategoricalDistribution
 from optuna.samplers import BaseSampler
 
-from autofit.budget import format_bytes
-from autofit.calibration import relative_error
-from autofit.collectives import with_links
-from autofit.config import TrainConfig
-from autofit.memory_model import needs_split_ends
-from autofit.profile import Profile, profile_workload
-from autofit.records import PruneReason, TrialRecord, TrialStatus
+from autofit.core.budget import format_bytes
+from autofit.core.config import TrainConfig
+from autofit.core.records import PruneReason, TrialRecord, TrialStatus
+from autofit.estimate.calibration import relative_error
+from autofit.estimate.layer_prior import workload_prior
+from autofit.estimate.memory_model import needs_split_ends
+from autofit.estimate.time_model import OpCounts
+from autofit.probes.device_rates import DeviceRates, probe_rates
+from autofit.probes.links import with_links
+from autofit.profiling.data import Profile
+from autofit.profiling.profile import profile_workload
+from autofit.runtime.schedule import DEFAULT_SCHEDULE
 from autofit.study import storage
-from autofit.schedule import DEFAULT_SCHEDULE
 from autofit.study.planner import Planner
 from autofit.study.progress import ProgressCallback, progress_of
 from autofit.study.settings import StudySettings
-from autofit.layer_probe import workload_prior
-from autofit.time_model import DeviceRates, OpCounts, probe_rates
-from autofit.trial import TrialResult, run_trial
-from autofit.workload import Workload
+from autofit.trial.run import TrialResult, run_trial
+from autofit.workloads.base import Workload
 
 HEARTBEAT_S = 30.0         # a running trial's worker writes a heartbeat this often
 STALE_S = 600.0            # a RUNNING trial without a heartbeat for this long belongs to a dead worker
@@ -45,7 +47,7 @@ MEASURED_KEYS = ("peak_bytes", "per_device_peak_bytes", "peak_reserved_bytes", "
 
 
 class TrialRunner(Protocol):
-    """Runs one trial of ``config`` and returns its :class:`autofit.trial.TrialResult` (never raises for
+    """Runs one trial of ``config`` and returns its :class:`autofit.trial.run.TrialResult` (never raises for
     the trial's sake). ``workload`` is a Workload or its ``--model`` spec."""
 
     def __call__(self, workload: Workload | str, config: TrainConfig, *, device: str, budget_bytes: int,
@@ -54,8 +56,8 @@ class TrialRunner(Protocol):
 
 def run_trial_isolated(workload: Workload | str, config: TrainConfig, *, device: str, budget_bytes: int,
                        timeout_s: float) -> TrialResult:
-    """The default :class:`TrialRunner`: :func:`autofit.trial.run_trial` of the schedule the planner sizes
-    time limits from (:data:`autofit.schedule.DEFAULT_SCHEDULE`)."""
+    """The default :class:`TrialRunner`: :func:`autofit.trial.run.run_trial` of the schedule the planner sizes
+    time limits from (:data:`autofit.runtime.schedule.DEFAULT_SCHEDULE`)."""
     return run_trial(workload, config, device=device, budget_bytes=budget_bytes, timeout_s=timeout_s,
                      schedule=DEFAULT_SCHEDULE)
 
@@ -191,7 +193,7 @@ def run_worker(settings: StudySettings, workload: Workload, *, profile: Profile 
     """Plan, prune and run trials of one study until a stop rule holds. Returns the stop reason.
 
     ``profile``, ``rates``, ``counts``: the workload's profile, the device's rates and the time
-    model's prior (:func:`autofit.layer_probe.workload_prior`), computed (or read from the disk
+    model's prior (:func:`autofit.estimate.layer_prior.workload_prior`), computed (or read from the disk
     cache) when not given. ``runner`` runs each trial (default: an isolated child process).
     Several workers (processes, machines) may run on one study at once. Raises StudyError when
     the study cannot be opened; KeyboardInterrupt marks the running trial interrupted and propagates.

@@ -1,6 +1,6 @@
 """Built-in workloads: name → zero-argument factory returning a :class:`autofit.Workload`.
 
-``--model NAME`` resolves here (see :func:`autofit.workload.load_workload`).
+``--model NAME`` resolves here (see :func:`autofit.workloads.load.load_workload`).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from autofit.workload import Workload
+from autofit.workloads.base import Workload
 from autofit.workloads.convnet import convnet_workload
 from autofit.workloads.gpt import GPT, PRESETS, GPTConfig, gpt_preset, gpt_workload
 from autofit.workloads.lstm import lstm_workload

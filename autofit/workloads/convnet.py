@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autofit.workload import Workload
+from autofit.workloads.base import Workload
 
 NUM_CLASSES = 10
 IMAGE_SHAPE = (3, 32, 32)

@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autofit.errors import WorkloadError
-from autofit.workload import Workload
+from autofit.core.errors import WorkloadError
+from autofit.workloads.base import Workload
 
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rotary")

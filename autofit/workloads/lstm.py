@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autofit.workload import Workload
+from autofit.workloads.base import Workload
 
 VOCAB_SIZE = 256  # bytes
 SEQ_LEN = 64

@@ -1,0 +1,117 @@
+"""The launcher API: search, estimate and measure from Python, then apply the best config to your loop.
+
+Example (a launcher script; ``examples/launcher.py`` is a runnable one)::
+
+    import autofit
+
+    result = autofit.search("gpt-tiny", budget="8GB", trials=12)
+    print(result.best, result.best_measured["samples_per_s"])
+    model = MyModel()
+    optimizer = torch.optim.AdamW(model.parameters())
+    with result.apply(model, optimizer) as run:
+        for batch in loader:
+            for inputs, targets in run.micro_batches(batch):
+                with run.autocast():
+                    loss = loss_fn(model(inputs), targets)
+                run.backward(loss)
+            run.step()
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from autofit.api.run_study import default_device, resolve_space
+from autofit.api.run_study import search as study_search
+from autofit.core.budget import parse_budget
+from autofit.core.config import TrainConfig
+from autofit.core.space import SearchSpace
+from autofit.estimate.memory_model import MemoryEstimate, estimate_table
+from autofit.estimate.memory_model import estimate as estimate_one
+from autofit.profiling.profile import profile_workload
+from autofit.report.result import SearchResult
+from autofit.study import (
+    MIN_IMPROVEMENT,
+    PATIENCE,
+    TRIAL_TIMEOUT_S,
+    ProgressCallback,
+    SearchProgress,
+)
+from autofit.trial.apply import TrainingPlan, TrainingRun
+from autofit.trial.run import TrialResult, run_trial
+from autofit.workloads.base import Workload
+from autofit.workloads.load import load_workload
+
+__all__ = ["SearchProgress", "SearchResult", "TrainingPlan", "TrainingRun", "estimate", "measure", "search"]
+
+
+def search(workload: Workload | str, budget: str | int = "8GB", *,
+           space: SearchSpace | str | Path | dict | None = None, global_batch: int | None = None,
+           trials: int | None = None, timeout_s: float | None = None, workers: int = 1, storage: str | None = None,
+           study: str | None = None, out: str | Path | None = None, device: str | None = None,
+           devices: int | None = None, seed: int = 0, patience: int = PATIENCE,
+           min_improvement: float = MIN_IMPROVEMENT, trial_timeout_s: float = TRIAL_TIMEOUT_S,
+           progress: ProgressCallback | None = None) -> SearchResult:
+    """Find the fastest config of ``workload`` whose measured peak fits ``budget`` (per device).
+
+    The same search as ``autofit search`` (see :func:`autofit.study.search` for every argument):
+    ``space`` is a SearchSpace, a TOML path or name, or a mapping like a TOML file;
+    ``trials`` caps the real trials; ``storage`` is an Optuna URL for several machines; ``out``
+    (default ``results/<study>``) holds the study and its tables, and running the same search
+    again resumes it. ``progress`` receives :class:`SearchProgress` events.
+
+    A workload built in Python (no ``source``) runs its trials in forked children on one
+    thread; load it with ``autofit.load_workload("path/to/file.py:function")`` so trials run in
+    fresh processes (and so ``workers > 1`` can load it).
+
+    Returns a :class:`SearchResult` (``.best``, ``.table``, ``.apply(model, optimizer)``).
+    Raises BudgetError, SpaceError, WorkloadError or StudyError for bad input.
+    """
+    return study_search(workload, budget, space=space, global_batch=global_batch, trials=trials, timeout_s=timeout_s,
+                   workers=workers, storage=storage, study_name=study, out_dir=out, device=device, devices=devices,
+                   seed=seed, patience=patience, min_improvement=min_improvement, trial_timeout_s=trial_timeout_s,
+                   progress=progress, command=None)
+
+
+def estimate(workload: Workload | str, config: TrainConfig | str | SearchSpace | Path | dict | None = None, *,
+             budget: str | int | None = None, device: str | None = None,
+             global_batch: int | None = None) -> MemoryEstimate | pd.DataFrame:
+    """Predicted peak memory, from a fake-tensor profile (nothing is trained).
+
+    With a :class:`TrainConfig` (or ``"precision=amp-bf16,micro_batch=8"``): its
+    :class:`autofit.estimate.memory_model.MemoryEstimate`. With a space (SearchSpace, TOML path or
+    name, mapping; None = the default space): a DataFrame, one row per config
+    (:func:`autofit.estimate.memory_model.estimate_table`'s columns). ``fits`` needs ``budget``.
+    Raises ConfigError, SpaceError, BudgetError or WorkloadError.
+
+    >>> autofit.estimate("gpt-tiny", "precision=amp-bf16,micro_batch=8", budget="2GB").fits  # doctest: +SKIP
+    True
+    """
+    loaded = load_workload(workload)
+    budget_bytes = parse_budget(budget) if budget is not None else None
+    device = device or default_device()
+    if isinstance(config, str) and "=" in config:
+        config = TrainConfig.parse(config)
+    if isinstance(config, TrainConfig):
+        profile = profile_workload(loaded, [config.precision], device_type=device)
+        return estimate_one(profile, config, budget_bytes)
+    space = resolve_space(config, global_batch)
+    profile = profile_workload(loaded, list(space.precision), device_type=device)
+    return estimate_table(profile, space.configs(), budget_bytes)
+
+
+def measure(workload: Workload | str, config: TrainConfig | str, *, budget: str | int | None = None,
+            device: str | None = None, steps: int = 3, timeout_s: float = 300.0) -> TrialResult:
+    """Train a few real steps of ``config`` in an isolated child process: peak memory and throughput.
+
+    Over ``budget`` is ``status == "oom"``; a crash, exception or hang of the workload is
+    ``error``/``timeout`` -- never an exception here. Returns a :class:`autofit.trial.run.TrialResult`.
+    Raises ConfigError or BudgetError for bad arguments.
+    """
+    if isinstance(config, str):
+        config = TrainConfig.parse(config)
+    budget_bytes = parse_budget(budget) if budget is not None else None
+    return run_trial(workload, config, device=device or default_device(), budget_bytes=budget_bytes,
+                     measure_steps=steps, timeout_s=timeout_s)

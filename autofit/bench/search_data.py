@@ -1,0 +1,159 @@
+"""The search suite's data: a cell (workload, grid and budgets), its measured grid, one strategy's scored run,
+and the suite's results, read by the driver, the replay and the tables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from autofit.bench.strategies import (
+    OracleRecord,
+    Strategy,
+)
+from autofit.core.config import Precision, SplitMode, TrainConfig
+from autofit.core.records import TrialStatus
+
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class Cell:
+    """A workload's grid and the budgets that cut it (chosen from the estimate so that each binds)."""
+
+    workload: str
+    global_batch: int
+    micro_batches: tuple[int, ...]
+    precisions: tuple[Precision, ...]
+    budgets_mib: tuple[int, ...]
+    checkpoints: tuple[int, ...] = (0, 1)
+    device_splits: tuple[int, ...] = (1,)        # with split_modes, as in autofit.core.space.SearchSpace
+    split_modes: tuple[SplitMode, ...] = (SplitMode.PIPELINE,)
+
+
+# --------------------------------------------------------------------------------------
+# The measured grid
+
+
+@dataclass(frozen=True)
+class GridPoint:
+    """One measured config. ``samples_per_s`` is the ground truth: the larger of the trial's own
+    figure and a second, separate sample (other processes' load only ever slows a step down)."""
+
+    config: TrainConfig
+    status: TrialStatus
+    peak_bytes: int | None
+    samples_per_s: float | None
+    step_time_s: float | None
+    wall_s: float
+    predicted_peak_bytes: float | None = None
+    error: str | None = None
+    trial_samples_per_s: float | None = None
+    second_samples_per_s: float | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "status", TrialStatus(self.status))
+
+
+@dataclass
+class Grid:
+    """Every config of a cell, measured once without a budget."""
+
+    cell: Cell
+    points: dict[TrainConfig, GridPoint]
+    oom_floor_s: float          # wall time of a trial that goes over its budget at the first operator
+    param_count: int
+    wall_s: float = 0.0
+    first_use_s: float = 0.0    # autofit's cold start: profiling on fake tensors, the device (and link) probes, no caches
+
+    def feasible(self, budget_bytes: int) -> list[GridPoint]:
+        return [p for p in self.points.values()
+                if p.status is TrialStatus.OK and p.peak_bytes is not None and p.peak_bytes <= budget_bytes]
+
+    def optimum(self, budget_bytes: int) -> GridPoint | None:
+        feasible = self.feasible(budget_bytes)
+        return max(feasible, key=lambda p: p.samples_per_s) if feasible else None
+
+    def lever_margins(self, budget_bytes: int) -> list[tuple[str, GridPoint | None]]:
+        """Each lever the optimum uses, with the best config that fits without it (None: nothing fits).
+
+        The levers: checkpointing (``checkpoint_every > 0``), accumulation (``grad_accum > 1`` at
+        the cell's fixed global batch) and a device split (``device_split > 1``). The optimum's
+        throughput over that config's is what the lever is worth in this cell, as measured.
+        """
+        best = self.optimum(budget_bytes)
+        if best is None:
+            return []
+        levers = (("checkpointing", lambda c: c.checkpoint_every > 0), ("accumulation", lambda c: c.grad_accum > 1),
+                  ("a device split", lambda c: c.device_split > 1))
+        out = []
+        for name, uses in levers:
+            if uses(best.config):
+                without = [p for p in self.feasible(budget_bytes) if not uses(p.config)]
+                out.append((name, max(without, key=lambda p: p.samples_per_s) if without else None))
+        return out
+
+    def fraction(self, config: TrainConfig | None, budget_bytes: int) -> float:
+        """Grid throughput of ``config`` over the optimum; 0 for no answer or one that does not fit."""
+        best = self.optimum(budget_bytes)
+        point = self.points.get(config) if config is not None else None
+        if best is None or point is None or point.status is not TrialStatus.OK or point.peak_bytes > budget_bytes:
+            return 0.0
+        return point.samples_per_s / best.samples_per_s
+
+
+# --------------------------------------------------------------------------------------
+# One strategy run, scored
+
+
+@dataclass
+class RunResult:
+    strategy: str
+    workload: str
+    budget_bytes: int
+    seed: int
+    mode: str                        # "live" or "replay"
+    answer: TrainConfig | None
+    fraction: float                  # grid throughput of the answer over the optimum
+    wall_s: float
+    trials: int
+    oom_trials: int
+    failed_trials: int               # error or timeout
+    time_to_target_s: float | None   # clock when the incumbent first reached 95% of the optimum
+    error: str | None = None
+    live_samples_per_s: float | None = None
+    history: list[OracleRecord] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    extra_s: float = 0.0             # charged for work done elsewhere (autofit's first use)
+
+    @property
+    def trials_s(self) -> float:
+        return sum(r.outcome.cost_s for r in self.history)
+
+    def row(self) -> dict:
+        return {
+            "strategy": self.strategy, "workload": self.workload, "budget_mib": self.budget_bytes / MiB,
+            "seed": self.seed, "mode": self.mode, "answer": self.answer.short() if self.answer else "",
+            "fraction_of_optimum": self.fraction, "wall_s": self.wall_s, "trials": self.trials,
+            "oom_trials": self.oom_trials, "failed_trials": self.failed_trials,
+            "time_to_95pct_s": self.time_to_target_s, "trials_s": self.trials_s, "charged_s": self.extra_s,
+            "own_work_s": self.wall_s - self.trials_s - self.extra_s if self.history or self.extra_s else None,
+            "error": self.error or "",
+            "trial_sequence": " ; ".join(f"{r.outcome.config.short()}={r.outcome.status}" for r in self.history),
+            "notes": " ; ".join(self.notes),
+        }
+
+
+# --------------------------------------------------------------------------------------
+# The suite
+
+
+@dataclass
+class SearchResults:
+    grids: list[Grid]
+    runs: list[RunResult]
+    live_cell: tuple[str, int]
+    seeds: int
+    wall_s: float
+    files: list[Path] = field(default_factory=list)
+    strategies: tuple[Strategy, ...] = ()
+

@@ -1,0 +1,312 @@
+"""The memory model of one FSDP rank (``split_mode = fsdp``), from the same profile as one device.
+
+Every rank runs the whole model on its own ``micro_batch`` samples, so its activations are
+those of one device at that micro-batch: the profile's regions, laid end to end as
+:mod:`autofit.estimate.memory_model` does, counted without parameter gradients. What FSDP2
+(:mod:`autofit.trial.fsdp`) changes is the model state and its traffic, added here term by term
+(N ranks; bytes in the parameter dtype; ``torch.distributed.fsdp`` 2.x behaviour):
+
+- **shards**: each rank keeps a shard of every parameter, of its gradient (from the first
+  reduce-scatter on) and of its optimizer state; FSDP2 shards dim 0 padded to a multiple of N,
+  so rank 0 holds ``ceil(size(0)/N)`` rows of each (:func:`padded_shard_bytes`, from the
+  profile's ``grad_rows``); buffers are not sharded (every rank has them);
+- **gathered weights**: a unit (a layer, or a checkpoint segment of k layers) is all-gathered
+  before its forward and freed after it (``reshard_after_forward``), and gathered again before
+  its backward while the next unit's all-gather is prefetched -- so up to two units are whole
+  in backward (and in forward on CUDA, where the next gather is issued while the current unit
+  computes). Gathering copies out of the all-gather buffer (N padded shards): the unit's size
+  twice, briefly.
+  The root (embeddings, final norm, head) is gathered from the first forward to the end of
+  the backward (FSDP2 does not reshard the root after forward);
+- **gradients**: a unit's backward makes whole gradients, which its post-backward copies into a
+  reduce-scatter buffer (whole size again) before keeping 1/N; FSDP2 keeps that buffer until the
+  next unit's post-backward, through the next unit's gather, recomputation and backward; the
+  root's whole gradients live from the loss's backward to the end of the backward;
+- **the optimizer step** runs on shards: its temporaries are 1/N of one device's.
+
+Under amp, gathered weights are fp32 and autocast's half-precision weight copies are part of the
+activations, as on one device (see :mod:`autofit.trial.fsdp` for why no ``MixedPrecisionPolicy``).
+
+Known limitations: profiles without ``grad_rows`` (before version 8) count shards as exactly 1/N;
+the optimizer state is scaled by the parameters' padding (state follows each parameter's shape). On CUDA the context and fragmentation are added as in
+:mod:`autofit.estimate.memory_model`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from autofit.profiling.data import Line, PrecisionProfile, Region, segment_freed_late
+
+# Columns of a line's constant parts: sharded+gathered params, shard+whole grads, optimizer state, buffers.
+_PARAMS, _GRADS, _OPT, _TEMP = range(4)
+FSDP_EXTRA_COLUMNS = ("shard_bytes", "gathered_bytes")
+
+
+def padded_shard_bytes(rows: tuple[tuple[int, int], ...], total_bytes: float, n_ranks: int) -> float:
+    """Rank 0's shard of parameters with ``rows`` = (size(0), bytes): ``ceil(size(0)/N)`` rows each.
+
+    Without rows (an older profile) the shard is ``total_bytes / N``.
+    """
+    if not rows:
+        return total_bytes / n_ranks
+    r = np.asarray(rows, dtype=np.float64).reshape(-1, 2)
+    return float((np.ceil(r[:, 0] / n_ranks) * r[:, 1] / r[:, 0]).sum())
+
+
+def fsdp_units(n_layers: int, checkpoint_every: int) -> list[tuple[int, int]]:
+    """``[start, end)`` layer ranges that are one FSDP unit each: a layer, or a checkpoint segment."""
+    k = checkpoint_every if checkpoint_every > 1 else 1
+    return [(s, min(s + k, n_layers)) for s in range(0, n_layers, k)]
+
+
+@dataclass(frozen=True)
+class RankLines:
+    """One micro-step of a rank as lines ``c0 + c1·b``, first and later micro-steps.
+
+    ``consts``: (E, 4) constant bytes at each line (params, grads, optimizer, temporary);
+    ``acts``: (E, 2) activations at each line; ``gathered``: (E,) whole weights at each line.
+    """
+
+    first_consts: np.ndarray
+    first_acts: np.ndarray
+    first_gathered: np.ndarray
+    first_phase: tuple
+    later_consts: np.ndarray
+    later_acts: np.ndarray
+    later_gathered: np.ndarray
+    later_phase: tuple
+    shard_bytes: float          # params + grads + optimizer shards, and buffers
+    optimizer_line: np.ndarray  # (4,) the optimizer step's constant parts
+
+
+class _Timeline:
+    """Points of one micro-step: activations (a line) and FSDP's constant bytes at that moment."""
+
+    def __init__(self, base: np.ndarray) -> None:
+        self.base = base
+        self.consts: list[np.ndarray] = []
+        self.acts: list[Line] = []
+        self.gathered: list[float] = []
+        self.phases: list[str] = []
+
+    def at(self, act: Line, phase: str, *, gathered: float = 0.0, grads: float = 0.0, temp: float = 0.0) -> None:
+        c = self.base.copy()
+        c[_PARAMS] += gathered
+        c[_GRADS] += grads
+        c[_TEMP] += temp
+        self.consts.append(c)
+        self.acts.append(act)
+        self.gathered.append(gathered)
+        self.phases.append(phase)
+
+
+    def peaks(self, live: Line, region: Region, phase: str, **parts: float) -> None:
+        """A region's highest point above ``live``: at the profiled sizes, and its steepest operator's."""
+        for peak in region.peaks:
+            self.at(_plus(live, peak), phase, **parts)
+
+
+def _plus(a: Line, b: Line, scale: float = 1.0) -> Line:
+    return (a[0] + scale * b[0], a[1] + scale * b[1])
+
+
+_NOTHING = Region((0.0, 0.0), (0.0, 0.0), (0.0, 0.0), (0.0, 0.0))
+
+
+def _output_regions(pp: PrecisionProfile) -> tuple[Region, Region, Region, Region]:
+    """(head forward, loss forward, loss backward, head backward); without the cut, all after the
+    layers counts as head (the root's weights gathered: an upper bound)."""
+    if pp.head_forward is None:
+        return pp.post_forward, _NOTHING, _NOTHING, pp.post_backward
+    return pp.head_forward, pp.loss_forward, pp.loss_backward, pp.head_backward
+
+
+def _walk(pp: PrecisionProfile, n_ranks: int, every: int, later: bool, cuda: bool) -> _Timeline:
+    """One micro-step of rank 0, region by region (see the module docstring for each term).
+
+    In forward FSDP2 keeps the last all-gather's buffer until the next gather is copied out
+    ("held"), so a unit's size is alive twice while it computes; in backward the buffer held is
+    the previous unit's reduce-scatter input, and the next unit's prefetched gather is alive beside them. Region peaks are taken with their own
+    gradients (FSDP makes whole gradients as one device does); live bytes advance without them
+    (FSDP turns them into shards at the unit's post-backward).
+    """
+    layers = pp.layers
+    n = len(layers)
+    units = fsdp_units(n, every)
+    w = [float(sum(layers[i].grad_bytes for i in range(s, e))) for s, e in units]  # whole weights = grads' size
+    ws = [sum(padded_shard_bytes(layers[i].grad_rows, layers[i].grad_bytes, n_ranks) for i in range(s, e))
+          for s, e in units]  # rank 0's padded shards
+    wb = [n_ranks * x for x in ws]  # a unit's all-gather (and reduce-scatter) buffer: N padded shards
+    root = float(pp.grad_bytes - sum(w))
+    grad_total = float(pp.grad_bytes)
+    shard_total = _shard_total(pp, n_ranks)
+    root_s = shard_total - sum(ws)
+    root_b = n_ranks * root_s
+    base = np.array([shard_total + pp.static_param_bytes - grad_total, 0.0, _optimizer_shard(pp, n_ranks), 0.0])
+    t = _Timeline(base)
+    g_sh = shard_total if later else 0.0  # gradient shards (later micro-steps: all, accumulating)
+    live: Line = (0.0, 0.0)
+    head_fwd, loss_fwd, loss_bwd, head_bwd = _output_regions(pp)
+    amp_cache = [0.0] * n  # autocast's weight copies kept to the end of forward in checkpointed segments
+    if every and pp.precision.startswith("amp"):
+        amp_cache = [max(0.0, l.forward.delta[0]) for l in layers]
+
+    def wb_at(u: int) -> float:
+        return wb[u] if 0 <= u < len(wb) else 0.0
+
+    # forward: the root, then each unit gathered (copied out of its buffer, which stays held)
+    t.at(live, "forward", gathered=root + root_b, grads=g_sh)
+    t.peaks(live, pp.pre_forward, "forward", gathered=root + root_b, grads=g_sh)
+    live = _plus(live, pp.pre_forward.delta)
+    held = root_b
+    for u, (s, e) in enumerate(units):
+        ahead = wb_at(u + 1) if cuda else 0.0  # CUDA issues the next gather while this unit computes
+        t.at(live, "forward", gathered=root + held + w[u] + wb[u], grads=g_sh)
+        held = wb[u]
+        gathered = root + w[u] + held + ahead
+        if every:  # one checkpointed segment: only its output survives
+            kept: Line = (0.0, 0.0)
+            for i in range(s, e):
+                t.peaks(_plus(live, kept), layers[i].forward_checkpointed(), "forward", gathered=gathered, grads=g_sh)
+                kept = layers[i].output
+                live = _plus(live, (amp_cache[i], 0.0))
+            live = _plus(live, layers[e - 1].output)
+        else:
+            t.peaks(live, layers[s].forward, "forward", gathered=gathered, grads=g_sh)
+            live = _plus(live, _plus(layers[s].forward.delta, layers[s].after))
+    # segment arguments the unchecked profile saw die as the model returned: each checkpoint keeps its own
+    late = [segment_freed_late(layers, s, e) if every else (0.0, 0.0) for s, e in units]
+    late_total = (sum(x[0] for x in late), sum(x[1] for x in late))
+    t.peaks(_plus(live, late_total), head_fwd, "forward", gathered=root + held, grads=g_sh)
+    live = _plus(live, head_fwd.delta)
+    # the root's post-forward frees its weights and the held buffer; the loss runs without them
+    t.peaks(_plus(live, late_total), loss_fwd, "forward", grads=g_sh)
+    live = _plus(live, _plus(loss_fwd.delta, late_total))
+    live = _plus(live, (-sum(amp_cache), 0.0))  # autocast exits
+    t.peaks(live, loss_bwd, "backward", grads=g_sh)
+    live = _plus(live, loss_bwd.delta_nongrad)
+    # the output's gradient: the root gathered again, the last unit's gather prefetched
+    last = len(units) - 1
+    t.at(live, "backward", gathered=max(root + root_b, root + wb[last]), grads=g_sh)
+    t.peaks(live, head_bwd, "backward", gathered=root + wb[last], grads=g_sh)
+    live = _plus(live, head_bwd.delta_nongrad)
+    # The root's whole gradients made in the head's backward live until the root's post-backward
+    # at the end. (A weight tied to the embedding is not among them: autograd sums its two uses
+    # before accumulating, so the head's part is in the live bytes already.)
+    root_grads = max(0.0, head_bwd.delta[0] - head_bwd.delta_nongrad[0])
+    for u in reversed(range(len(units))):
+        s, e = units[u]
+        prefetch = wb_at(u - 1)
+        # FSDP2 keeps the previous unit's reduce-scatter input (its N padded shards) alive until
+        # this unit's post-backward (``reduce_scatter_states``, at most one in flight): through
+        # this unit's gather, recomputation and backward. Its size is that unit's, not this one's
+        # (measured on torch 2.13: convnet-bn's 2 MiB last segment beside the 0.5 MiB one before it).
+        held = wb[u + 1] if u < last else 0.0
+        # copy-out of this unit's (prefetched) gather, and the previous unit's gather issued
+        t.at(live, "backward", gathered=root + w[u] + wb[u], grads=g_sh + root_grads, temp=held)
+        gathered = root + w[u] + prefetch
+        if every:
+            if layers[e - 1].output_saved:
+                live = _plus(live, layers[e - 1].output, -1.0)
+            for i in range(s, e):  # recomputation under the gathered unit
+                t.peaks(live, layers[i].recomputed(last=i == e - 1), "backward", gathered=gathered, grads=g_sh + root_grads,
+                        temp=held)
+                live = _plus(live, layers[i].forward.delta if i == s else _plus(layers[i].forward.delta, layers[i].after))
+            if not layers[e - 1].output_saved:
+                live = _plus(live, layers[e - 1].output, -1.0)
+        whole = 0.0
+        for i in reversed(range(s, e)):
+            t.peaks(live, layers[i].backward, "backward", gathered=gathered, grads=g_sh + root_grads + whole, temp=held)
+            whole += layers[i].grad_bytes
+            live = _plus(live, layers[i].backward.delta_nongrad)
+        if every:  # the checkpoint kept the segment's input to here (freed in ``after`` where no layer saves it)
+            live = _plus(_plus(live, layers[s].after), late[u], -1.0)
+        # post-backward: reshard, the previous reduce-scatter input dropped, then the whole
+        # gradients copied into this unit's reduce-scatter input (kept until the next one's)
+        t.at(live, "backward", gathered=root + prefetch, grads=g_sh + root_grads + w[u], temp=wb[u] + ws[u])
+        held = wb[u]
+        if not later:
+            g_sh += ws[u]
+    t.peaks(live, pp.pre_backward, "backward", gathered=root, grads=g_sh + root_grads, temp=held)
+    live = _plus(live, pp.pre_backward.delta_nongrad)
+    t.at(live, "backward", grads=g_sh + root, temp=root_b + root_s)  # the root's reduce-scatter
+    return t
+
+
+def _shard_total(pp: PrecisionProfile, n_ranks: int) -> float:
+    """Rank 0's padded shard of all trainable parameters (also of their gradients)."""
+    return padded_shard_bytes(pp.grad_rows, pp.grad_bytes, n_ranks)
+
+
+def _optimizer_shard(pp: PrecisionProfile, n_ranks: int) -> float:
+    """Rank 0's optimizer state: the state follows each parameter, so it is padded like them."""
+    if pp.grad_bytes <= 0:
+        return pp.optimizer_bytes / n_ranks
+    return pp.optimizer_bytes * _shard_total(pp, n_ranks) / pp.grad_bytes
+
+
+@lru_cache(maxsize=1024)
+def rank_lines(pp: PrecisionProfile, n_ranks: int, every: int, cuda: bool) -> RankLines:
+    """The lines of rank 0's micro-steps (cached: one walk per precision, ranks and checkpoint interval)."""
+    first, later = _walk(pp, n_ranks, every, False, cuda), _walk(pp, n_ranks, every, True, cuda)
+    opt = first.base.copy()
+    opt[_GRADS] += _shard_total(pp, n_ranks)
+    opt[_TEMP] += pp.optimizer_peak_bytes / n_ranks
+
+    def arr(x):
+        return np.array(x, dtype=np.float64)
+
+    return RankLines(
+        first_consts=arr(first.consts), first_acts=arr(first.acts), first_gathered=arr(first.gathered),
+        first_phase=tuple(f"first {p}" for p in first.phases),
+        later_consts=arr(later.consts), later_acts=arr(later.acts), later_gathered=arr(later.gathered),
+        later_phase=tuple(f"later {p}" for p in later.phases),
+        shard_bytes=float(first.base[_PARAMS] + first.base[_OPT] + _shard_total(pp, n_ranks)), optimizer_line=opt,
+    )
+
+
+def score_fsdp(pp: PrecisionProfile, n_ranks: int, every: int, b: np.ndarray, k: np.ndarray, *,
+               cuda: bool, context_bytes: float, fragmentation: float) -> dict[str, np.ndarray]:
+    """Peak bytes of rank 0 for micro-batches ``b`` and accumulations ``k`` (arrays of one length).
+
+    Returns arrays: ``peak_bytes``, the six breakdown categories (``params_bytes`` counts the
+    shards and the gathered weights at the peak), ``shard_bytes`` (all shards and buffers),
+    ``gathered_bytes`` (whole weights at the peak) and ``phase``.
+    """
+    lines = rank_lines(pp, n_ranks, every, cuda)
+    m = len(b)
+    rows = np.arange(m)
+
+    def best(consts, acts):
+        v = consts.sum(axis=1)[None, :] + acts[:, 0][None, :] + acts[:, 1][None, :] * b[:, None]  # (m, E)
+        a = np.argmax(v, axis=1)
+        return v[rows, a], a
+
+    p1, a1 = best(lines.first_consts, lines.first_acts)
+    pn, an = best(lines.later_consts, lines.later_acts)
+    pn = np.where(k > 1, pn, -np.inf)
+    popt = np.full(m, lines.optimizer_line.sum())
+    peak = np.maximum(np.maximum(p1, pn), popt)
+    is1 = p1 >= np.maximum(pn, popt)
+    isn = ~is1 & (pn >= popt)
+
+    def pick(first, later, opt):
+        return np.where(is1, first, np.where(isn, later, opt))
+
+    consts = pick(lines.first_consts[a1].T, lines.later_consts[an].T, lines.optimizer_line[:, None]).T  # (m, 4)
+    acts = pick(lines.first_acts[a1, 0] + lines.first_acts[a1, 1] * b, lines.later_acts[an, 0] + lines.later_acts[an, 1] * b, 0.0)
+    gathered = pick(lines.first_gathered[a1], lines.later_gathered[an], 0.0)
+    input_bytes = (pp.input_bytes[0] + pp.input_bytes[1] * b) if cuda else np.zeros(m)
+    overhead = (context_bytes + fragmentation * (peak + input_bytes)) if cuda else np.zeros(m)
+    phase = pick(np.array(lines.first_phase, dtype=object)[a1], np.array(lines.later_phase, dtype=object)[an], "optimizer")
+    return {
+        "peak_bytes": peak + input_bytes + overhead,
+        "params_bytes": consts[:, _PARAMS], "grads_bytes": consts[:, _GRADS], "optimizer_bytes": consts[:, _OPT],
+        "activations_bytes": np.maximum(acts, 0.0) + input_bytes, "temporary_bytes": consts[:, _TEMP],
+        "overhead_bytes": overhead, "shard_bytes": np.full(m, lines.shard_bytes), "gathered_bytes": gathered,
+        "phase": phase,
+    }

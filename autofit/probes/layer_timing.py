@@ -1,0 +1,220 @@
+"""The time model's prior from the workload's own layer: one repeated layer, timed for real.
+
+The device probe (:func:`autofit.probes.device_rates.probe_rates`) times a bare square matmul; a
+workload's layers run smaller, thinner matrices, normalisations, attention, recurrences, at a
+rate that can be several times lower (the uncalibrated prior was 13-65% fast on the bench's
+grids). So before a search, a child process builds the model on the meta device (no memory),
+captures what its first repeated layer receives at two small micro-batches, materialises that
+one layer and those inputs with random values, and times a forward and backward of it in each
+precision (``autocast`` for the amp modes, the layer cast for bf16). Against the time model's
+own prediction for that layer (:func:`autofit.estimate.time_model.layer_time_line`) this gives two
+factors per precision -- one for the per-sample part (FLOPs, activation traffic), one for the
+fixed part (operators, weight traffic) -- which :func:`autofit.estimate.time_model.predict_table`
+applies to the whole model (:attr:`autofit.estimate.time_model.OpCounts.layer_scales`).
+
+A layer predicted to take longer than :data:`MAX_LAYER_S` at the larger micro-batch (a 7B
+model's layer on a CPU) is not timed: there the large-matrix rate is the right one anyway.
+The measured lines are cached on disk like the profiles; a failing probe leaves the prior as it
+was. Nothing here is a table of known architectures: only the workload in hand is run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+from autofit.core.files import write_atomic
+from autofit.runtime import forkserver, procs
+
+LAYER_BATCHES = (2, 8)
+MAX_LAYER_S = 0.5      # predicted seconds of one layer's forward + backward at the larger micro-batch
+SCALE_RANGE = (0.2, 20.0)  # factors outside it are taken as a failed measurement, not a layer
+PROBE_TIMEOUT_S = 180.0
+_REPEATS = 5
+LAYER_PROBE_VERSION = 1
+
+
+class _Captured(Exception):
+    """Raised by the capture hook to stop the meta forward once the layer's inputs are known."""
+
+
+def _captured_inputs(workload, micro_batch: int):
+    """(args, kwargs) the first repeated layer receives at ``micro_batch``, as meta tensors."""
+    import torch
+
+    from autofit.runtime.training import to_device
+
+    with torch.device("meta"):
+        model = workload.model()
+    layer = workload.layers(model)[0]
+    seen = {}
+
+    def hook(_module, args, kwargs):
+        seen["args"], seen["kwargs"] = args, kwargs
+        raise _Captured
+
+    handle = layer.register_forward_pre_hook(hook, with_kwargs=True)
+    inputs, _ = workload.batch(micro_batch)
+    try:
+        model(to_device(inputs, torch.device("meta")))
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+    if "args" not in seen:
+        raise RuntimeError("the first layer was never called")
+    return seen["args"], seen["kwargs"]
+
+
+def _materialise(value, float_dtype):
+    """Meta tensors become real ones of the same shape: floats random (requiring grad, as a layer's
+    input in a model does), integers zero, booleans true; containers are rebuilt."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point():
+            dtype = float_dtype if float_dtype is not None else value.dtype
+            return torch.randn(value.shape, dtype=dtype).requires_grad_(True)
+        if value.dtype is torch.bool:
+            return torch.ones(value.shape, dtype=torch.bool)
+        return torch.zeros(value.shape, dtype=value.dtype)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_materialise(v, float_dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _materialise(v, float_dtype) for k, v in value.items()}
+    return value
+
+
+def _real_layer(workload, precision):
+    import torch
+
+    from autofit.runtime.training import param_dtype
+
+    with torch.device("meta"):
+        model = workload.model()
+    layer = workload.layers(model)[0].to_empty(device="cpu")
+    with torch.no_grad():
+        for module in layer.modules():
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()
+    layer.train()
+    return layer.to(dtype=param_dtype(precision))
+
+
+def _time_layer(layer, args, kwargs, precision) -> float:
+    """Best of a few forward + backward passes of ``layer`` (seconds)."""
+    import torch
+
+    from autofit.runtime.training import autocast_context
+
+    def step():
+        with autocast_context(precision, "cpu"):
+            out = layer(*args, **kwargs)
+        outs = [t for t in (out if isinstance(out, (list, tuple)) else [out])
+                if isinstance(t, torch.Tensor) and t.requires_grad]
+        torch.autograd.backward([t.float().sum() for t in outs])
+        layer.zero_grad(set_to_none=True)
+
+    step()  # warm-up: kernel selection, thread pool start
+    best = float("inf")
+    for _ in range(_REPEATS):
+        start = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def layer_probe_child(request: dict, send=None) -> dict:
+    """In a probe child: ``{precision: [seconds at each of LAYER_BATCHES]}`` of the workload's first layer."""
+    import torch
+
+    from autofit.core.config import Precision
+    from autofit.workloads.load import load_workload
+
+    workload = load_workload(request["source"])
+    captured = {b: _captured_inputs(workload, b) for b in request["batches"]}
+    out = {}
+    for name in request["precisions"]:
+        precision = Precision(name)
+        torch.manual_seed(0)
+        layer = _real_layer(workload, precision)
+        float_dtype = torch.bfloat16 if precision is Precision.BF16 else None
+        seconds = []
+        for b in request["batches"]:
+            args, kwargs = _materialise(captured[b], float_dtype)
+            seconds.append(_time_layer(layer, args, kwargs, precision))
+        out[name] = seconds
+    return {"seconds": out}
+
+
+def _cache_path(key: str, precisions: list[str], device_type: str) -> Path:
+    """``key``: the workload's profile key (:func:`autofit.profiling.cache.profile_key`: its model's
+    shapes, settings and code by content, never a path or an mtime), so the profile and the layer
+    timings of a workload are stale or reused together, across checkouts and ``touch`` alike."""
+    import torch
+
+    from autofit.profiling.cache import cache_dir
+
+    ident = repr((LAYER_PROBE_VERSION, key, sorted(precisions), LAYER_BATCHES, device_type, torch.__version__,
+                  os.environ.get("OMP_NUM_THREADS") or str(torch.get_num_threads())))
+    return cache_dir() / f"layer-{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json"
+
+
+def measure_layer_seconds(source: str, precisions: list[str], device_type: str = "cpu",
+                          use_cache: bool = True, note: Callable[[str], None] | None = None,
+                          key: str | None = None) -> dict[str, list[float]] | None:
+    """Seconds of the first layer's forward + backward at :data:`LAYER_BATCHES`, per precision, measured
+    in a child forked from the trials' fork server (in the trials' environment), else a fresh one
+    (``OMP_WAIT_POLICY=PASSIVE``, as the device probe), and cached. None when the
+    workload has no layer to time or the child fails (the prior stays the bare-matmul one).
+    ``note`` is called with a line for a user: the timings read from the cache, or the timing starting and done.
+    ``key``: the workload's profile key, under which the timings are cached (without one, nothing is)."""
+    from autofit.probes.device_rates import probe_env
+
+    if device_type != "cpu" or not precisions:
+        return None  # on CUDA the probe child would need its own context: the bare-matmul prior stays
+    note = note or (lambda line: None)
+    use_cache = use_cache and bool(key)
+    path = _cache_path(key or "", precisions, device_type)
+    if use_cache and path.is_file():
+        try:
+            seconds = json.loads(path.read_text())["seconds"]
+            note(f"the workload's layer timings read from the cache ({path})")
+            return seconds
+        except (OSError, ValueError, KeyError):
+            pass
+    note(f"timing one layer of the workload for real ({', '.join(precisions)}; micro-batches "
+         f"{' and '.join(map(str, LAYER_BATCHES))})...")
+    started = time.perf_counter()
+    request = {"source": source, "precisions": precisions, "batches": list(LAYER_BATCHES)}
+    child = None
+    if forkserver.enabled():  # as a trial runs (and it warms the fork server for the first trial)
+        with contextlib.suppress(OSError):
+            child = forkserver.start_trial("autofit.probes.layer_timing:layer_probe_child", request, timeout_s=PROBE_TIMEOUT_S,
+                                           echo_stderr=False)
+    if child is None:
+        child = procs.spawn("autofit.probes.layer_timing:layer_probe_child", request, timeout_s=PROBE_TIMEOUT_S,
+                            env=probe_env(device_type))
+    try:
+        child.wait()
+    finally:
+        child.kill()
+    message = child.last_message()
+    if not message or "seconds" not in message:
+        note(f"timing the layer failed after {time.perf_counter() - started:.1f} s: the prior stays "
+             "the device probe's")
+        return None
+    note(f"timed the layer in {time.perf_counter() - started:.1f} s")
+    if use_cache:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, json.dumps(message))  # a concurrent reader never sees half a file
+        except OSError:
+            pass
+    return message["seconds"]

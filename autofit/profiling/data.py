@@ -1,0 +1,204 @@
+"""The profile's data: plain frozen dataclasses that round-trip through JSON.
+
+:mod:`autofit.profiling` measures them; the memory and time models read them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from autofit.core.config import Precision
+
+__all__ = ["OUTPUT_REGIONS", "PROFILE_BATCHES", "PROFILE_VERSION", "LayerProfile", "Line", "PrecisionProfile", "Profile", "Region", "precision_from_dict", "region_from_dict", "segment_freed_late"]
+
+# The profile's format: a cache entry of another version is never read (autofit.profiling.cache).
+PROFILE_VERSION = 15
+# Micro-batch sizes profiled; every per-sample quantity is fitted as a line through them.
+PROFILE_BATCHES = (2, 4)
+
+Line = tuple[float, float]  # (bytes at b=0, bytes per sample): value(b) = c0 + c1 * b
+
+
+OUTPUT_REGIONS = ("head_forward", "loss_forward", "loss_backward", "head_backward")
+
+
+@dataclass(frozen=True)
+class Region:
+    """A stretch of the timeline between two hooks. All values are lines in the micro-batch.
+
+    ``delta_*`` is the change of live bytes from start to end, ``peak_*`` the highest point
+    above the start. ``*_nongrad`` is the same for live bytes minus parameter gradients,
+    which is what a later accumulation micro-step sees (its gradients already exist).
+
+    The highest point may be set by a different operator at a larger micro-batch than at the
+    two profiled ones (a batch-independent peak, e.g. gradients being accumulated, at small b;
+    a per-sample one, e.g. the loss's backward, at large b). ``peak`` is the line through the
+    peaks at the profiled sizes; ``steep*`` is the line of the operator whose live bytes grow
+    fastest with b, which sets the peak for large b. The region's peak is at least the larger
+    of the two.
+    """
+
+    delta: Line
+    peak: Line
+    delta_nongrad: Line
+    peak_nongrad: Line
+    steep: Line = (0.0, 0.0)
+    steep_nongrad: Line = (0.0, 0.0)
+
+    @property
+    def peaks(self) -> tuple[Line, Line]:
+        return (self.peak, self.steep)
+
+    @property
+    def peaks_nongrad(self) -> tuple[Line, Line]:
+        return (self.peak_nongrad, self.steep_nongrad)
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """One repeated block: its parameters, the tensor it hands on, its forward and backward."""
+
+    param_bytes: int          # weights + buffers in the precision's parameter dtype
+    grad_bytes: int           # gradients of its trainable parameters
+    output: Line              # bytes of the output handed to the next layer (a stage boundary)
+    forward: Region
+    backward: Region
+    forward_flops: Line = (0.0, 0.0)
+    output_saved: bool = False  # the layer's own backward needs its output (e.g. it ends in ReLU)
+    max_grad_tensor_bytes: int = 0  # its largest gradient (a per-tensor optimizer's transients scale with it)
+    grad_rows: tuple[tuple[int, int], ...] = ()  # (size(0), bytes) of each trainable parameter (FSDP pads dim 0)
+    # Live bytes from this layer's end to the next one's start (the last layer's: to the next
+    # operator): its input freed when no backward keeps it (a frozen block's, linear(relu(x))'s).
+    # Where something else holds that input, it is freed later: a checkpointed segment's (the
+    # checkpoint keeps it until the segment's backward is done), a later pipeline stage's first
+    # layer's (its receive buffer).
+    after: Line = (0.0, 0.0)
+    # The forward up to the last tensor it saves for backward: where a checkpointed segment that
+    # ends with this layer stops recomputing (torch.utils.checkpoint non-reentrant, early stop), so
+    # an output nothing saves is never made again. Its peaks bound that recomputation's.
+    recompute: Region | None = None
+    # The forward as a checkpointed segment's forward runs it: nothing kept for backward, so the
+    # tensors it saves die with their last Python reference (a lower peak).
+    checkpointed_forward: Region | None = None
+    # This layer's input (``input_freed_late``) and its other tensor arguments first taken here
+    # (``args_freed_late``: an encoder's output every decoder layer takes, under the first) whose
+    # last Python reference dies after the layers, as the model's forward returns (in
+    # ``post_forward``), where no backward keeps them. A checkpoint keeps its segment's arguments
+    # until the segment's backward is done: from the end of the forward to there, they are alive.
+    input_freed_late: Line = (0.0, 0.0)
+    args_freed_late: Line = (0.0, 0.0)
+
+    def recomputed(self, last: bool) -> Region:
+        """This layer's forward as a checkpointed segment's recomputation runs it (``last``: the
+        segment's last layer, which stops at the last tensor it saves)."""
+        return self.recompute if last and self.recompute is not None else self.forward
+
+    def forward_checkpointed(self) -> Region:
+        """This layer's forward inside a checkpointed segment (its first run: nothing saved)."""
+        return self.checkpointed_forward if self.checkpointed_forward is not None else self.forward
+
+
+def segment_freed_late(layers, s: int, e: int) -> Line:
+    """What a checkpoint of layers [s, e) keeps that the unchecked profile saw die after the layers:
+    its input (the head's) and the other arguments its layers take first (the later layers are
+    called with the head's)."""
+    c0, c1 = layers[s].input_freed_late
+    for layer in layers[s:e]:
+        c0, c1 = c0 + layer.args_freed_late[0], c1 + layer.args_freed_late[1]
+    return (c0, c1)
+
+
+@dataclass(frozen=True)
+class PrecisionProfile:
+    """Everything measured for one precision."""
+
+    precision: str
+    static_param_bytes: int       # all weights + buffers
+    grad_bytes: int               # all gradients (params requiring grad, param dtype)
+    optimizer_bytes: int          # optimizer state after a step (steady state)
+    optimizer_peak_bytes: int     # transient above params + grads + state during optimizer.step()
+    pre_param_bytes: int          # weights used before the first layer (embeddings, stem)
+    post_param_bytes: int         # weights used after the last layer (final norm, head)
+    pre_grad_bytes: int
+    post_grad_bytes: int
+    pre_max_grad_tensor_bytes: int
+    post_max_grad_tensor_bytes: int
+    pre_forward: Region           # step start -> first layer
+    post_forward: Region          # last layer (once its ``after`` is freed) -> loss ready
+    post_backward: Region         # loss -> into the last layer's backward
+    pre_backward: Region          # out of the first layer's backward -> micro-step end
+    input_bytes: Line             # the micro-batch itself (data loader's; counted only on CUDA)
+    layers: tuple[LayerProfile, ...]
+    forward_flops: Line = (0.0, 0.0)   # whole model, one micro-batch
+    backward_flops: Line = (0.0, 0.0)
+    optimizer_flops: float = 0.0
+    # post_forward and post_backward cut at the model's output (None when it has no gradient):
+    head_forward: Region | None = None    # last layer (after its ``after``) -> model output (final norm, head)
+    loss_forward: Region | None = None    # model output -> loss ready
+    loss_backward: Region | None = None   # loss -> the output's gradient
+    head_backward: Region | None = None   # the output's gradient -> into the last layer's backward
+    grad_rows: tuple[tuple[int, int], ...] = ()  # (size(0), bytes) of every trainable parameter; () if not recorded
+    # autofit.profiling.real_check: what real steps found beside the fake runs (the regions above include it)
+    real_check: str = ""
+    real_extra_bytes_per_sample: float = 0.0
+    # The model's ends as a device split's first and last stages hold them: weights tied across
+    # the ends (an embedding and its head) untied, one copy a stage (None: nothing is tied).
+    split_ends: "PrecisionProfile | None" = None
+    # True: weights are tied across the ends but split_ends was not profiled (profile_workload's
+    # split_ends=False, for a search without pipeline splits); a pipeline split's estimate refuses it.
+    split_ends_skipped: bool = False
+
+
+@dataclass(frozen=True)
+class Profile:
+    """The profile of one workload on one device type. Plain data; JSON round-trips."""
+
+    workload: str
+    device_type: str
+    param_count: int
+    n_layers: int
+    tokens_per_sample: int | None
+    optimizer: str
+    key: str
+    profile_s: float
+    precisions: dict[str, PrecisionProfile] = field(default_factory=dict)
+    split_refusal: str | None = None  # why the model cannot be cut into pipeline stages (None: it can)
+
+    def for_precision(self, precision: Precision | str) -> PrecisionProfile:
+        return self.precisions[Precision(precision).value]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Profile":
+        data = json.loads(text)
+        precisions = {name: precision_from_dict(pp) for name, pp in data.pop("precisions").items()}
+        return cls(**data, precisions=precisions)
+
+
+def rows_from_json(rows) -> tuple[tuple[int, int], ...]:
+    return tuple(tuple(r) for r in rows)
+
+
+def region_from_dict(d: dict) -> Region:
+    return Region(**{k: tuple(v) for k, v in d.items()})
+
+
+def precision_from_dict(pp: dict) -> PrecisionProfile:
+    """A PrecisionProfile from its ``dataclasses.asdict`` (JSON) form."""
+    pp = dict(pp)
+    layers = tuple(LayerProfile(**{**lp, "forward": region_from_dict(lp["forward"]), "backward": region_from_dict(lp["backward"]),
+                                   **{k: region_from_dict(lp[k]) if lp.get(k) else None
+                                      for k in ("recompute", "checkpointed_forward")},
+                                   "output": tuple(lp["output"]), "forward_flops": tuple(lp["forward_flops"]),
+                                   **{k: tuple(lp.get(k, (0.0, 0.0))) for k in ("after", "input_freed_late", "args_freed_late")},
+                                   "grad_rows": rows_from_json(lp.get("grad_rows", ()))})
+                   for lp in pp.pop("layers"))
+    regions = {k: region_from_dict(pp[k]) for k in ("pre_forward", "post_forward", "post_backward", "pre_backward")}
+    regions.update({k: region_from_dict(pp[k]) for k in OUTPUT_REGIONS if pp.get(k) is not None})
+    lines = {k: tuple(pp[k]) for k in ("input_bytes", "forward_flops", "backward_flops")}
+    ends = pp.pop("split_ends", None)
+    return PrecisionProfile(**{**pp, **regions, **lines, "layers": layers, "grad_rows": rows_from_json(pp.get("grad_rows", ())),
+                               "split_ends": precision_from_dict(ends) if ends else None})

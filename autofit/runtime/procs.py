@@ -1,0 +1,532 @@
+"""Child processes: the one place autofit starts, talks to, supervises and kills them.
+
+Every child (a trial, a pipeline stage, a profiling worker, the device probe, a bench worker,
+a study worker) is a :class:`Child`:
+
+- **started** either in a fresh interpreter (:func:`spawn`: ``subprocess``, not
+  ``multiprocessing``, so a caller's ``__main__`` is never re-imported and no helper process
+  outlives the child) running an entry point ``"package.module:function"``, or by
+  :func:`fork` running a Python callable (for what cannot be re-imported: a workload built of
+  lambdas). The entry is called as ``function(request, send)``;
+- **talking JSON only**: the request is a JSON object; the child sends JSON objects, one a
+  line, on a pipe of their own (``send(obj)``; a returned dict is sent last). Nothing read
+  back is unpickled, and the child's stdout never mixes with them (it goes to its stderr);
+- **supervised** against a wall-clock limit (``timeout_s``, from the start), with its stderr
+  (and stdout) captured: the last :data:`STDERR_TAIL_BYTES` are kept for error messages, and
+  are echoed to ours as they arrive when ``echo_stderr``;
+- **killed** with its whole process group when it leads one (``new_group=True``, the default:
+  whatever it started dies with it), else alone; and it **dies with its parent**
+  (:func:`die_with_parent`), so a killed caller leaves no orphans.
+
+Example::
+
+    child = spawn("autofit.probes.device_rates:probe_child", {"device_type": "cuda"}, timeout_s=300)
+    try:
+        finished = child.wait()
+    finally:
+        child.kill()
+    message = child.last_message()       # None when it sent nothing
+    if message is None:
+        print(child.failure(finished))   # "exceeded ...", the stderr's last line, "killed by signal SIGSEGV"
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import importlib
+import json
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Protocol
+
+__all__ = ["MAX_MESSAGE_BYTES", "STDERR_TAIL_BYTES", "Child", "Reaper", "child_env", "die_with_parent", "exit_text",
+           "fork", "pump", "serve", "spawn"]
+
+MAX_MESSAGE_BYTES = 64 << 20  # results are small (a profile: ~100 KB); more than this is not a result
+STDERR_TAIL_BYTES = 8192
+_REAP_GRACE_S = 2.0          # after SIGKILL, how long to wait for the group's members to go
+_PARENT_POLL_S = 0.5
+
+Send = Callable[[dict], None]
+
+
+class Reaper(Protocol):
+    """Who learns how a child exited when it is not our own child (a fork server's, :mod:`autofit.runtime.forkserver`)."""
+
+    def poll_status(self, pid: int) -> int | None:
+        """Its ``os.waitpid`` status if it has exited, else None; never blocks."""
+
+    def wait_status(self, pid: int, timeout_s: float) -> int | None:
+        """Its status once it has exited, waiting up to ``timeout_s``; None if still unknown."""
+
+
+SECRET_ENV = ("PGPASSWORD", "MYSQL_PWD")  # database passwords a trial has no use for
+_URL_WITH_PASSWORD = re.compile(r"://[^/@:\s]+:[^@/\s]+@")
+
+
+def child_env(extra: dict[str, str] | None = None, secrets: bool = False) -> dict[str, str]:
+    """Our environment, with this autofit first on PYTHONPATH (so a child imports the same code) and ``extra``.
+
+    Without ``secrets`` (a trial, a profile: they run the user's code and need no database),
+    database passwords are left out: :data:`SECRET_ENV` and any variable holding a URL with one."""
+    env = dict(os.environ)
+    if not secrets:
+        env = {k: v for k, v in env.items() if k not in SECRET_ENV and not _URL_WITH_PASSWORD.search(v)}
+    package_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    env.update(extra or {})
+    return env
+
+
+def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
+    """In a child: when ``parent_pid`` is no longer our parent, send ``sig`` to our process group
+    if we lead one (taking what we started with us), else to ourselves.
+
+    A watcher thread, not ``prctl(PR_SET_PDEATHSIG)``: that one fires when the *thread* that
+    started us exits, and exists on Linux only. ``sig=SIGINT`` lets a study worker mark its
+    running trial failed before it goes.
+    """
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(_PARENT_POLL_S)
+        if os.getpgid(0) == os.getpid():
+            os.killpg(0, sig)
+        else:
+            os.kill(os.getpid(), sig)
+
+    threading.Thread(target=watch, name="autofit-parent-watch", daemon=True).start()
+
+
+def exit_text(wait_status: int) -> str:
+    """``killed by signal SIGSEGV`` or ``exited with status 3``, from an ``os.waitpid`` status."""
+    if os.WIFSIGNALED(wait_status):
+        sig = os.WTERMSIG(wait_status)
+        try:
+            return f"killed by signal {signal.Signals(sig).name}"
+        except ValueError:
+            return f"killed by signal {sig}"
+    return f"exited with status {os.waitstatus_to_exitcode(wait_status)}"
+
+
+class Child:
+    """A started child process: its messages, its stderr tail, its limit. Build with :func:`spawn` or :func:`fork`.
+
+    ``messages`` holds the decoded messages not yet taken, oldest first. ``done`` is True once
+    the child closed its message pipe or exited. Methods never raise for the child's sake.
+    """
+
+    def __init__(self, pid: int, message_fd: int, stderr_fd: int | None, *, new_group: bool, timeout_s: float | None,
+                 echo_stderr: bool, log_path: Path | None, popen: subprocess.Popen | None = None,
+                 reaper: Reaper | None = None):
+        self.pid = pid
+        self._reaper = reaper  # set when the child is not ours to wait for (a fork server's)
+        self.new_group = new_group
+        self.started = time.monotonic()
+        self.timeout_s = timeout_s
+        self.deadline = None if timeout_s is None else self.started + timeout_s
+        self.messages: collections.deque[dict] = collections.deque()
+        self.protocol_error: str | None = None  # a message that was not a JSON object, or too long
+        self.wait_status: int | None = None
+        self._popen = popen
+        self._message_fd: int | None = message_fd
+        self._stderr_fd = stderr_fd
+        self._echo = echo_stderr
+        self._log_path = log_path
+        self._partial = bytearray()
+        self._tail = bytearray()
+        self._exited = False
+
+    # --- reading -----------------------------------------------------------------------------
+
+    @property
+    def done(self) -> bool:
+        return self._message_fd is None
+
+    @property
+    def timed_out(self) -> bool:
+        """Past its wall-clock limit and not done."""
+        return not self.done and self.deadline is not None and time.monotonic() >= self.deadline
+
+    def fds(self) -> list[int]:
+        return [fd for fd in (self._message_fd, self._stderr_fd) if fd is not None]
+
+    def read(self, fd: int) -> None:
+        """Consume what is readable on ``fd`` (one of :meth:`fds`); called by :func:`pump`."""
+        try:
+            data = os.read(fd, 1 << 16)
+        except OSError:
+            data = b""
+        if fd == self._stderr_fd:
+            if not data:
+                self._close_stderr()
+                return
+            self._tail = (self._tail + data)[-STDERR_TAIL_BYTES:]
+            if self._echo:
+                with contextlib.suppress(OSError):
+                    os.write(2, data)
+            return
+        if not data:
+            self._close_messages()
+            return
+        self._partial.extend(data)
+        while (end := self._partial.find(b"\n")) >= 0:
+            line = bytes(self._partial[:end])
+            del self._partial[:end + 1]
+            self._decode(line)
+        if len(self._partial) > MAX_MESSAGE_BYTES:
+            self.protocol_error = f"a message over {MAX_MESSAGE_BYTES} bytes"
+            self._partial.clear()
+
+    def _decode(self, line: bytes) -> None:
+        if len(line) > MAX_MESSAGE_BYTES:
+            self.protocol_error = f"a message over {MAX_MESSAGE_BYTES} bytes"
+            return
+        try:
+            message = json.loads(line)
+        except ValueError:
+            message = None
+        if isinstance(message, dict):
+            self.messages.append(message)
+        else:
+            self.protocol_error = "a message that is not a JSON object"
+
+    def _close_messages(self) -> None:
+        if self._message_fd is not None:
+            os.close(self._message_fd)
+            self._message_fd = None
+        if self._partial:  # a last line without its newline: the child died while writing it
+            self.protocol_error = self.protocol_error or "a truncated message"
+            self._partial.clear()
+
+    def _close_stderr(self) -> None:
+        if self._stderr_fd is not None:
+            os.close(self._stderr_fd)
+            self._stderr_fd = None
+
+    def exited(self) -> bool:
+        """Whether the process has exited (left a zombie until :meth:`kill` reaps it, so its pid stays ours)."""
+        if self._exited or self.wait_status is not None:
+            return True
+        if self._reaper is not None:
+            self._exited = self._reaper.poll_status(self.pid) is not None
+            return self._exited
+        try:
+            self._exited = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:
+            self._exited = True
+        return self._exited
+
+    def _drain(self) -> None:
+        # Exited without closing its pipe? (A grandchild it forked may hold the write end.) Take what is there.
+        while self._message_fd is not None and select.select([self._message_fd], [], [], 0)[0]:
+            self.read(self._message_fd)
+        self._close_messages()
+
+    def wait(self, until: Callable[["Child"], bool] | None = None) -> bool:
+        """Pump until done (or ``until(self)``); False when the wall-clock limit came first."""
+        while not self.done and not (until is not None and until(self)):
+            if self.timed_out:
+                return False
+            pump([self], 0.25)
+        return True
+
+    def next_message(self) -> dict | None:
+        """The next message; None when the child is done and sent no more. Raises TimeoutError past the limit."""
+        while not self.messages:
+            if self.done:
+                return None
+            if self.timed_out:
+                raise TimeoutError(f"no message within the wall-clock limit of {self.timeout_s:g} s")
+            pump([self], 0.25)
+        return self.messages.popleft()
+
+    def last_message(self) -> dict | None:
+        return self.messages[-1] if self.messages else None
+
+    def extend_deadline(self, timeout_s: float | None) -> None:
+        """A new limit of ``timeout_s`` from now (a worker that reported may take the next job)."""
+        self.timeout_s = timeout_s
+        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def stderr_tail(self) -> str:
+        """The last bytes the child wrote to stderr or stdout, as text."""
+        if self._log_path is not None:
+            with contextlib.suppress(OSError), open(self._log_path, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - STDERR_TAIL_BYTES))
+                return f.read().decode(errors="replace")
+        return bytes(self._tail).decode(errors="replace")
+
+    def stderr_last_line(self) -> str | None:
+        lines = [line.strip() for line in self.stderr_tail().splitlines() if line.strip()]
+        return lines[-1] if lines else None
+
+    def failure(self, finished: bool = True) -> str:
+        """One line saying why there is no message: the limit, the stderr's last line, or how it exited."""
+        if not finished:
+            return f"exceeded the wall-clock limit of {self.timeout_s:g} s"
+        if self.protocol_error:
+            return f"sent {self.protocol_error}"
+        status = self.wait_status if self.wait_status is not None else self._peek_status()
+        if status is None:
+            return "did not exit and sent no result"
+        if os.WIFSIGNALED(status):
+            return exit_text(status)
+        last = self.stderr_last_line()
+        return f"{exit_text(status)}: {last}" if last else f"{exit_text(status)} without a result"
+
+    def _peek_status(self) -> int | None:
+        """How it exited, without reaping it (its group may still need killing: :meth:`kill` reaps)."""
+        if self._reaper is not None:
+            return self._reaper.wait_status(self.pid, _REAP_GRACE_S)
+        end = time.monotonic() + _REAP_GRACE_S  # its pipes close as it dies, a moment before it exits
+        while True:
+            try:
+                info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                return None
+            if info is not None:
+                if info.si_code == os.CLD_EXITED:
+                    return (info.si_status & 0xFF) << 8
+                return info.si_status & 0x7F  # killed (or dumped core) by this signal
+            if time.monotonic() >= end:
+                return None
+            time.sleep(0.01)
+
+    # --- signals, kill, reap -----------------------------------------------------------------
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the child's group (if it leads one) or to the child; no-op once reaped."""
+        if self.wait_status is not None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if self.new_group:
+                try:
+                    os.killpg(self.pid, sig)
+                    return
+                except ProcessLookupError:
+                    pass  # a forked child killed before its setsid(): not a group leader yet
+            os.kill(self.pid, sig)
+
+    def kill(self, grace_s: float = 0.0) -> int:
+        """Stop the child and its group (SIGTERM and ``grace_s`` to exit first, if given), reap it, close
+        its pipes. Returns its ``os.waitpid`` status. Idempotent."""
+        if self.wait_status is None:
+            if grace_s > 0 and not self.exited():
+                self.signal(signal.SIGTERM)
+                end = time.monotonic() + grace_s
+                while time.monotonic() < end and not self.exited():
+                    time.sleep(0.02)
+            self.signal(signal.SIGKILL)
+            if self.new_group:
+                _wait_group_gone(self.pid)
+            self._reap()
+        self._drain_stderr()
+        self._close_messages()
+        self._close_stderr()
+        return self.wait_status
+
+    def _reap(self) -> None:
+        if self.wait_status is None and self._reaper is not None:
+            status = self._reaper.wait_status(self.pid, 2 * _REAP_GRACE_S)
+            self.wait_status = status if status is not None else signal.SIGKILL  # its reaper died with it
+        if self.wait_status is None:
+            try:
+                _, self.wait_status = os.waitpid(self.pid, 0)
+            except ChildProcessError:
+                self.wait_status = 0
+            if self._popen is not None:  # so Popen never waits on a reaped pid
+                self._popen.returncode = os.waitstatus_to_exitcode(self.wait_status)
+
+    def _drain_stderr(self) -> None:
+        while self._stderr_fd is not None and select.select([self._stderr_fd], [], [], 0)[0]:
+            self.read(self._stderr_fd)
+
+
+def pump(children: Iterable[Child], timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` for output from any of ``children`` and consume it; a child that
+    exited is marked done once its pipe is drained."""
+    children = list(children)
+    owner = {fd: child for child in children for fd in child.fds()}
+    ready = select.select(list(owner), [], [], max(0.0, timeout_s))[0] if owner else []
+    if not owner:
+        time.sleep(max(0.0, timeout_s))
+    for fd in ready:
+        owner[fd].read(fd)
+    for child in children:
+        if not ready and not child.done and child.exited():
+            child._drain()
+
+
+def spawn(entry: str, request: dict, *, timeout_s: float | None = None, new_group: bool = True,
+          env: dict[str, str] | None = None, echo_stderr: bool = False, log_path: Path | None = None,
+          pass_fds: tuple[int, ...] = ()) -> Child:
+    """Run ``entry`` (``"package.module:function"``) in a fresh interpreter with ``request`` (a JSON object).
+
+    ``env``: the child's environment (default :func:`child_env`); ``log_path``: a file that
+    receives the child's stderr and stdout instead of a captured pipe; ``pass_fds``: more of our
+    file descriptors the child keeps, under the same numbers. Raises ValueError for a
+    request that is not JSON, OSError when the interpreter cannot be started.
+    """
+    if ":" not in entry:
+        raise ValueError(f"entry must be 'package.module:function', got {entry!r}")
+    payload = json.dumps(request).encode()
+    message_r, message_w = os.pipe()
+    stderr_r, stderr_w = (None, None) if log_path is not None else os.pipe()
+    log = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115 -- closed below
+    out = log.fileno() if log is not None else stderr_w
+    try:
+        popen = subprocess.Popen(
+            [sys.executable, "-c", "from autofit.runtime.procs import child_main; child_main()", entry, str(message_w),
+             str(os.getpid())],
+            pass_fds=(message_w, *pass_fds), stdin=subprocess.PIPE, stdout=out, stderr=out,
+            env=env if env is not None else child_env(),
+            start_new_session=new_group)  # its own session and group, set before exec: no race
+    except BaseException:
+        for fd in (message_r, stderr_r):
+            if fd is not None:
+                os.close(fd)
+        raise
+    finally:
+        for fd in (message_w, stderr_w):
+            if fd is not None:
+                os.close(fd)
+        if log is not None:
+            log.close()
+    # The request goes on the child's stdin (no size limit, unlike an argument), from a thread:
+    # more than a pipe's buffer would block us until the child reads it.
+    threading.Thread(target=_write_and_close, args=(popen.stdin, payload), name="autofit-request",
+                     daemon=True).start()
+    return Child(popen.pid, message_r, stderr_r, new_group=new_group, timeout_s=timeout_s, echo_stderr=echo_stderr,
+                 log_path=log_path, popen=popen)
+
+
+def _write_and_close(pipe, data: bytes) -> None:
+    with contextlib.suppress(OSError):  # a child that died first does not read it
+        pipe.write(data)
+    with contextlib.suppress(OSError):
+        pipe.close()
+
+
+def fork(function: Callable[[dict, Send], dict | None], request: dict, *, timeout_s: float | None = None,
+         new_group: bool = True, echo_stderr: bool = False) -> Child:
+    """Run ``function(request, send)`` in a forked child (``request`` may hold anything: it is inherited).
+
+    Fork copies this process's state: CUDA cannot be used in the child of a process that
+    initialised it, and GNU OpenMP hangs in a forked child of a process that used it -- so a
+    forked child runs torch on one intra-op thread. Prefer :func:`spawn`.
+    """
+    message_r, message_w = os.pipe()
+    stderr_r, stderr_w = os.pipe()
+    sys.stdout.flush()  # or the child would write our buffered output a second time
+    sys.stderr.flush()
+    try:
+        pid = os.fork()
+    except BaseException:
+        for fd in (message_r, message_w, stderr_r, stderr_w):
+            os.close(fd)
+        raise
+    if pid == 0:  # the child: never returns
+        try:
+            if new_group:
+                os.setsid()
+            os.close(message_r)
+            os.close(stderr_r)
+            os.dup2(stderr_w, 2)
+            os.dup2(stderr_w, 1)
+            if "torch" in sys.modules:
+                sys.modules["torch"].set_num_threads(1)  # OpenMP is not fork-safe; one thread runs ops inline
+        except BaseException:  # noqa: BLE001
+            os._exit(1)
+        serve(function, request, message_w, os.getppid())
+    os.close(message_w)
+    os.close(stderr_w)
+    return Child(pid, message_r, stderr_r, new_group=new_group, timeout_s=timeout_s, echo_stderr=echo_stderr,
+                 log_path=None)
+
+
+# --- the child side --------------------------------------------------------------------------
+
+
+def child_main() -> None:
+    """Entry point of a spawned child: ``python -c '...; child_main()' ENTRY MESSAGE_FD PARENT_PID``, the request on stdin."""
+    entry, fd, parent_pid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    request = json.loads(sys.stdin.buffer.read())
+    devnull = os.open(os.devnull, os.O_RDONLY)  # stdin is spent: a workload reading it gets EOF, as before
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    module_name, _, name = entry.partition(":")
+
+    def call(request: dict, send: Send) -> dict | None:
+        return getattr(importlib.import_module(module_name), name)(request, send)
+
+    serve(call, request, fd, parent_pid)
+
+
+def serve(function: Callable[[dict, Send], dict | None], request: dict, fd: int, parent_pid: int) -> None:
+    """In a child: die with ``parent_pid``, run ``function(request, send)`` sending JSON lines on ``fd``,
+    and exit (never returns): status 0, an exit code, or 1 after printing an exception's traceback."""
+    die_with_parent(parent_pid)
+    lock = threading.Lock()
+
+    def send(message: dict) -> None:
+        data = (json.dumps(message) + "\n").encode()  # raises for what is not JSON
+        with lock:
+            while data:
+                data = data[os.write(fd, data):]
+
+    status = 0
+    try:
+        last = function(request, send)
+        if last is not None:
+            send(last)
+    except SystemExit as exc:
+        if isinstance(exc.code, str):
+            sys.stderr.write(exc.code + "\n")
+        status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        status = 130
+    except BaseException:  # noqa: BLE001 -- the parent reads the last line of the traceback
+        traceback.print_exc()
+        status = 1
+    finally:
+        with contextlib.suppress(BaseException):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(status)  # skip interpreter teardown (and a forked parent's atexit handlers)
+
+
+def _wait_group_gone(pgid: int) -> None:
+    deadline = time.monotonic() + _REAP_GRACE_S
+    while time.monotonic() < deadline and _group_alive(pgid):
+        time.sleep(0.01)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process in group ``pgid`` is still running (zombies do not count). Linux /proc; else False."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return False
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2:].split()  # after "pid (comm) ": state ppid pgrp ...
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b"Z":
+            return True
+    return False

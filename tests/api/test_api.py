@@ -1,0 +1,124 @@
+"""The launcher API: the README's example runs as written; estimate and measure wrappers; applying a config."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+from trial_workloads import TINY_LM as TINY
+from trial_workloads import TinyLM, tiny_lm_batch
+
+import autofit
+from autofit import api
+from autofit.core.config import TrainConfig
+from autofit.core.errors import ConfigError
+from autofit.estimate.memory_model import MemoryEstimate
+from autofit.trial.apply import TrainingPlan
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "launcher.py"
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+
+
+@pytest.mark.slow
+def test_the_launcher_example_runs_as_written(tmp_path):
+    # exactly as the README says: python examples/launcher.py (here from a scratch directory)
+    proc = subprocess.run([sys.executable, str(EXAMPLE)], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "best: " in proc.stdout and "step 2: loss" in proc.stdout
+    out = tmp_path / "results" / "launcher-example"
+    assert (out / "best.json").is_file() and (out / "trials.csv").is_file() and (out / "summary.md").is_file()
+
+
+def test_estimate_one_config_or_a_space():
+    one = api.estimate(TINY, "precision=amp-bf16,micro_batch=4", budget="64MB", device="cpu")
+    assert isinstance(one, MemoryEstimate) and one.fits and one.peak_bytes > 0
+    table = api.estimate(TINY, {"precision": ["fp32"], "micro_batch": [2, 4], "checkpoint_every": [0, 1]},
+                         budget="64MB", device="cpu")
+    assert isinstance(table, pd.DataFrame) and len(table) == 4 and table["fits"].all()
+
+
+@pytest.mark.slow
+def test_measure_runs_one_isolated_trial():
+    result = api.measure(TINY, "precision=fp32,micro_batch=4", budget="64MB", device="cpu", steps=1, timeout_s=120)
+    assert result.ok and result.peak_bytes < 64_000_000 and result.samples_per_s > 0
+
+
+# --- applying a config to your own loop -----------------------------------------------------------------
+
+
+def _loss(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def test_accumulated_micro_batches_give_the_gradient_of_the_wholetiny_lm_batch():
+    inputs, targets = tiny_lm_batch(8)
+    plain = TinyLM()
+    _loss(plain(inputs), targets).backward()
+    model = TinyLM()
+    plan = TrainingPlan(TrainConfig("fp32", 2, 4, checkpoint_every=2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    with plan.run(model, optimizer) as run:
+        assert "forward" in vars(model.blocks[0])  # checkpointed
+        micro = run.micro_batches((inputs, targets))
+        assert [m[0].shape[0] for m in micro] == [2, 2, 2, 2]
+        for x, y in micro:
+            with run.autocast():
+                loss = _loss(model(x), y)
+            run.backward(loss)
+        for p_plain, p in zip(plain.parameters(), model.parameters()):
+            torch.testing.assert_close(p.grad, p_plain.grad, rtol=1e-4, atol=1e-6)
+        run.step()
+        assert all(p.grad is None for p in model.parameters())
+    assert "forward" not in vars(model.blocks[0])  # leaving the run removes the checkpointing
+
+
+def test_plan_precisions():
+    bf16 = TrainingPlan(TrainConfig("bf16", 2, 1))
+    model = bf16.prepare(TinyLM())
+    assert next(model.parameters()).dtype == torch.bfloat16
+    (x, y), = bf16.micro_batches(tiny_lm_batch(2))
+    assert x.dtype == torch.int64  # integer inputs are not cast
+    floats = bf16.micro_batches((torch.ones(2, 3), torch.zeros(2)))
+    assert floats[0][0].dtype == torch.bfloat16
+    assert TrainingPlan(TrainConfig("amp-fp16", 1, 1)).grad_scaler() is not None
+    assert TrainingPlan(TrainConfig("amp-bf16", 1, 1)).grad_scaler() is None
+    with TrainingPlan(TrainConfig("amp-bf16", 1, 1)).autocast():
+        assert torch.is_autocast_enabled("cpu")
+    with pytest.raises(ConfigError, match="needs micro_batch 2 x grad_accum 2 = 4"):
+        TrainingPlan(TrainConfig("fp32", 2, 2)).micro_batches(tiny_lm_batch(3))
+    with pytest.raises(ConfigError, match="device_split 2"):
+        TrainingPlan(TrainConfig("fp32", 1, 1, 0, 2)).prepare(TinyLM())
+
+
+def test_train_step_helper_and_fp16_scaler():
+    model = TinyLM()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with TrainingPlan(TrainConfig("amp-fp16", 2, 2)).run(model, optimizer) as run:
+        assert run.scaler is not None
+        loss = run.train_step(tiny_lm_batch(4), lambda m, batch: _loss(m(batch[0]), batch[1]))
+    assert loss > 0
+
+
+def test_every_public_name_resolves():
+    # the launcher API is imported lazily: a name in __all__ whose module moved would fail only here
+    for name in autofit.__all__:
+        assert getattr(autofit, name) is not None, name
+    assert set(api.__all__) >= {"search", "estimate", "measure", "SearchResult", "TrainingPlan", "TrainingRun"}
+    from autofit import study
+
+    for name in study.__all__:
+        assert getattr(study, name) is not None, name
+
+
+def test_readme_shows_the_launcher_example_verbatim():
+    assert EXAMPLE.read_text() in (REPO / "README.md").read_text()

@@ -1,0 +1,614 @@
+"""autofit bench: table writing, the peers' logic against a synthetic oracle, replay scoring, a tiny suite.
+
+No timing assertions: the machine is shared and noisy.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import math
+
+import pytest
+
+from autofit.bench import strategies as st
+from autofit.bench.common import (
+    ErrorStats,
+    Report,
+    environment,
+    markdown_table,
+    median_and_spread,
+    relative_error,
+    write_csv,
+)
+from autofit.bench.search import (
+    ReplayOracle,
+    problem_for,
+    run_strategy,
+    score,
+)
+from autofit.bench.search_tables import losses, write_search
+from autofit.bench.search_data import Cell, Grid, GridPoint, SearchResults
+from autofit.core.config import Precision, TrainConfig
+
+MiB = 2**20
+HALVING = st.Strategy("accelerate-x0.5", st.accelerate_halving, "largest", True)   # the finder at fp32
+
+
+# --- a synthetic oracle --------------------------------------------------------------------------
+
+class Synthetic(st.Oracle):
+    """Memory linear in the micro-batch; throughput rising with it (saturating); checkpointing halves
+    activations and costs a third more time; pure bf16 halves everything and is twice as fast."""
+
+    def __init__(self, budget_bytes: int, per_sample: float = 10 * MiB, base: float = 20 * MiB) -> None:
+        super().__init__()
+        self.budget_bytes = budget_bytes
+        self.per_sample = per_sample
+        self.base = base
+
+    def peak(self, c: TrainConfig) -> float:
+        scale = 0.5 if c.precision is Precision.BF16 else 1.0
+        act = self.per_sample * (0.5 if c.checkpoint_every else 1.0)
+        return scale * (self.base + act * c.micro_batch)
+
+    def throughput(self, c: TrainConfig) -> float:
+        speed = 2.0 if c.precision is Precision.BF16 else 1.0
+        return speed * 100 * c.micro_batch / (c.micro_batch + 4) / (1.33 if c.checkpoint_every else 1.0)
+
+    def _run(self, c: TrainConfig) -> st.Outcome:
+        peak = self.peak(c)
+        if peak > self.budget_bytes:
+            return st.Outcome(c, "oom", None, None, 1.0)
+        return st.Outcome(c, "ok", self.throughput(c), int(peak), 2.0)
+
+
+def _problem(budget_mib: float, micro_batches=(1, 2, 4, 8, 16, 32, 64), global_batch=64, param_count=0) -> st.Problem:
+    return st.Problem("synthetic", int(budget_mib * MiB), global_batch, (Precision.FP32, Precision.BF16),
+                      tuple(micro_batches), (0, 1), param_count=param_count)
+
+
+def _largest_fitting(oracle: Synthetic, problem: st.Problem) -> int | None:
+    fitting = [m for m in problem.micro_batches if oracle.peak(problem.config(m)) <= problem.budget_bytes]
+    return max(fitting) if fitting else None
+
+
+@pytest.mark.parametrize("budget_mib", [25, 60, 100, 200, 700, 1000])
+def test_halving_finds_largest_fitting_batch_in_log_trials(budget_mib):
+    problem = _problem(budget_mib)
+    oracle = Synthetic(problem.budget_bytes)
+    answer = st.accelerate_halving(problem, oracle)
+    expected = _largest_fitting(oracle, problem)
+    assert (answer.micro_batch if answer else None) == expected
+    # from 64 down by halves: one trial per power of two tried
+    assert len(oracle.history) <= int(math.log2(64)) + 1
+    assert sum(r.outcome.status == "oom" for r in oracle.history) == len(oracle.history) - (1 if answer else 0)
+    assert all(r.outcome.config.precision is Precision.FP32 and r.outcome.config.checkpoint_every == 0
+               for r in oracle.history)
+
+
+def test_halving_with_09_rounds_down_to_divisors_and_never_repeats():
+    problem = _problem(100, micro_batches=(1, 2, 3, 4, 6, 12), global_batch=12)
+    oracle = Synthetic(problem.budget_bytes, per_sample=12 * MiB)
+    answer = st.accelerate_halving_09(problem, oracle)
+    tried = [r.outcome.config.micro_batch for r in oracle.history]
+    assert len(tried) == len(set(tried))
+    assert answer.micro_batch == _largest_fitting(oracle, problem)
+    # x0.9 walks 12 -> 10 (runs 6) -> 9 (6 again, from memory) -> 8 (6) -> 7 (6) -> 6 (6) -> 5 (4) ...
+    assert tried[:2] == [12, 6]
+
+
+def test_halving_gives_up_when_nothing_fits():
+    problem = _problem(5)
+    oracle = Synthetic(problem.budget_bytes)
+    assert st.accelerate_halving(problem, oracle) is None
+    assert all(r.outcome.status == "oom" for r in oracle.history)
+
+
+@pytest.mark.parametrize("budget_mib", [25, 60, 100, 200, 700, 1000])
+def test_binsearch_finds_largest_fitting_batch(budget_mib):
+    problem = _problem(budget_mib, micro_batches=tuple(range(1, 65)), global_batch=None)  # Lightning's own domain
+    oracle = Synthetic(problem.budget_bytes)
+    answer = st.lightning_binsearch(problem, oracle)
+    # when nothing fits, Lightning ends on its initial low of 1, which never ran
+    assert answer.micro_batch == (_largest_fitting(oracle, problem) or 1)
+    assert len(oracle.history) <= 2 * int(math.log2(64)) + 2
+
+
+def test_binsearch_trial_sequence_matches_lightning():
+    # fits up to 6 (20 + 10 * 6 = 80 MiB): 2 ok, 4 ok, 8 oom, then bisect (4+8)//2 = 6 ok, (6+8)//2 = 7 oom
+    problem = _problem(85, micro_batches=tuple(range(1, 65)), global_batch=None)
+    oracle = Synthetic(problem.budget_bytes)
+    st.lightning_binsearch(problem, oracle)
+    assert [r.outcome.config.micro_batch for r in oracle.history] == [2, 4, 8, 6, 7]
+
+
+def test_deepspeed_predicts_max_from_profile_run_and_probes():
+    # model states 16 B/param; the profile run at micro-batch 1 gives activations per sample by difference
+    problem = _problem(200, micro_batches=tuple(range(1, 65)), global_batch=None, param_count=(20 * MiB) // 16)
+    oracle = Synthetic(problem.budget_bytes)
+    answer = st.deepspeed_autotuner(problem, oracle)
+    tried = [r.outcome.config.micro_batch for r in oracle.history]
+    assert tried[0] == 1                          # the profile run
+    assert tried[1] == math.ceil(1.05 * 18)       # (200 - 20) / 10 = 18 predicted; probe 5% above first
+    assert 18 in tried
+    assert answer is not None and answer.micro_batch <= _largest_fitting(oracle, problem)
+    assert len(tried) == len(set(tried))
+
+
+def test_deepspeed_gives_up_when_profile_run_does_not_fit():
+    problem = _problem(5, param_count=1000)
+    oracle = Synthetic(problem.budget_bytes)
+    assert st.deepspeed_autotuner(problem, oracle) is None
+    assert len(oracle.history) == 1
+
+
+def test_tpe_explores_whole_space_and_respects_trial_budget():
+    problem = _problem(200)
+    oracle = Synthetic(problem.budget_bytes)
+    answer = st.optuna_tpe(problem, oracle, seed=3, real_trials=8)
+    configs = [r.outcome.config for r in oracle.history]
+    assert len(configs) == 8 and len(set(configs)) == 8
+    assert answer in configs and oracle.peak(answer) <= problem.budget_bytes
+
+
+def test_incumbent_by_criterion():
+    c = lambda m: TrainConfig(Precision.FP32, m, 1)
+    recs = [st.OracleRecord(st.Outcome(c(8), "ok", 5.0, 1, 1.0), 1.0),
+            st.OracleRecord(st.Outcome(c(16), "ok", 4.0, 1, 1.0), 2.0),
+            st.OracleRecord(st.Outcome(c(32), "oom", None, None, 1.0), 3.0)]
+    assert [x.micro_batch for x in st.incumbent(recs, "largest")] == [8, 16, 16]
+    assert [x.micro_batch for x in st.incumbent(recs, "throughput")] == [8, 8, 8]
+
+
+def test_problem_rejects_non_divisors():
+    with pytest.raises(ValueError):
+        _problem(100, micro_batches=(1, 3, 5), global_batch=12)
+
+
+# --- fair baselines: the user's precision, per-precision sweeps, TPE for a small budget -------------
+
+def _three(budget_mib: float) -> st.Problem:
+    return st.Problem("synthetic", int(budget_mib * MiB), 64, (Precision.FP32, Precision.AMP_BF16, Precision.BF16),
+                      (1, 2, 4, 8, 16, 32, 64), (0, 1))
+
+
+def test_finder_at_user_precision_runs_amp_bf16_only():
+    problem = _three(200)
+    oracle = Synthetic(problem.budget_bytes)
+    answer = st.at_user_precision(problem, oracle, 0, finder=st.accelerate_halving)
+    assert {r.outcome.config.precision for r in oracle.history} == {Precision.AMP_BF16}
+    assert answer.precision is Precision.AMP_BF16 and answer.micro_batch == 16   # 20 + 10 * 16 = 180 MiB fits
+
+
+def test_sweep_runs_each_precision_on_one_clock_and_keeps_the_fastest():
+    problem = _three(200)
+    oracle = Synthetic(problem.budget_bytes)
+    answer = st.precision_sweep(problem, oracle, 0, finder=st.accelerate_halving)
+    by_precision = {p: [r for r in oracle.history if r.outcome.config.precision is p] for p in problem.precisions}
+    assert all(by_precision.values())
+    # pure bf16 halves the memory (fits 32) and is twice as fast: the sweep answers it
+    assert answer == problem.config(32, Precision.BF16)
+    single = Synthetic(problem.budget_bytes)
+    st.accelerate_halving(dataclasses.replace(problem, default_precision=Precision.BF16), single)
+    assert len(oracle.history) == sum(len(v) for v in by_precision.values()) > len(single.history)
+    assert oracle.clock_s >= sum(r.outcome.cost_s for r in oracle.history)
+
+
+def test_sweep_incumbent_is_largest_per_precision_then_fastest():
+    c = lambda p, m: TrainConfig(p, m, 1)
+    recs = [st.OracleRecord(st.Outcome(c(Precision.FP32, 8), "ok", 5.0, 1, 1.0), 1.0),
+            st.OracleRecord(st.Outcome(c(Precision.BF16, 4), "ok", 9.0, 1, 1.0), 2.0),
+            st.OracleRecord(st.Outcome(c(Precision.BF16, 2), "ok", 9.5, 1, 1.0), 3.0),   # smaller: not bf16's answer
+            st.OracleRecord(st.Outcome(c(Precision.FP32, 16), "ok", 12.0, 1, 1.0), 4.0)]
+    assert [x.short() for x in st.incumbent(recs, "sweep-largest")] == [
+        c(Precision.FP32, 8).short(), c(Precision.BF16, 4).short(), c(Precision.BF16, 4).short(),
+        c(Precision.FP32, 16).short()]
+
+
+def test_peers_run_each_finder_at_user_precision_and_swept_with_handicaps_named():
+    names = [s.name for s in st.PEERS]
+    for finder in ("accelerate-x0.5", "accelerate-x0.9", "lightning-binsearch", "deepspeed-autotuner"):
+        assert f"{finder} @amp-bf16" in names and f"{finder} sweep" in names
+    assert all(s.handicap for s in st.PEERS)
+    assert len(st.sweeps(st.PEERS)) == 4
+
+
+@pytest.mark.parametrize("trials,startup", [(6, 2), (12, 2), (25, 5), (100, 20)])
+def test_tpe_startup_scales_with_the_trial_budget(trials, startup):
+    assert st.tpe_startup_trials(trials) == startup
+
+
+def test_tpe_tells_the_budget_as_a_constraint(monkeypatch):
+    import optuna
+
+    studies = []
+    real = optuna.create_study
+    monkeypatch.setattr(optuna, "create_study", lambda **kw: studies.append(real(**kw)) or studies[-1])
+    problem = _problem(60)
+    oracle = Synthetic(problem.budget_bytes)
+    st.optuna_tpe(problem, oracle, seed=1, real_trials=10)
+    trials = studies[0].trials
+    for t in trials:
+        config = problem.config(t.params["micro_batch"], t.params["precision"], t.params["checkpoint_every"])
+        fits = oracle.peak(config) <= problem.budget_bytes
+        assert (t.constraints["peak_over_budget"] <= 0) == fits
+
+
+# --- replay and scoring ---------------------------------------------------------------------------
+
+def _grid() -> Grid:
+    cell = Cell("synthetic", 8, (2, 4, 8), (Precision.FP32, Precision.AMP_BF16, Precision.BF16), (50, 100))
+    oracle = Synthetic(10**12)
+    points = {}
+    for c in problem_for(cell, 1, 0).configs():
+        points[c] = GridPoint(c, "ok", int(oracle.peak(c)), oracle.throughput(c), 0.1, 3.0, oracle.peak(c) * 1.01)
+    return Grid(cell, points, oom_floor_s=1.5, param_count=0)
+
+
+def test_replay_charges_grid_costs_and_scores_against_optimum():
+    grid = _grid()
+    budget = 50 * MiB
+    best = grid.optimum(budget)
+    assert best.peak_bytes <= budget
+    assert all(p.samples_per_s <= best.samples_per_s for p in grid.feasible(budget))
+    oracle = ReplayOracle(grid, budget)
+    big = TrainConfig(Precision.FP32, 8, 1)
+    out = oracle.run(big)
+    assert out.status == "oom" and out.cost_s == pytest.approx(1.5 + 0.1)
+    ok = oracle.run(best.config)
+    assert ok.ok and ok.cost_s == 3.0
+    assert oracle.clock_s == pytest.approx(4.6, abs=0.5)
+    assert grid.fraction(best.config, budget) == 1.0
+    assert grid.fraction(big, budget) == 0.0
+    assert grid.fraction(None, budget) == 0.0
+
+
+def test_replay_answers_the_trial_sample_then_the_second_and_loads_back_from_csv(tmp_path):
+    from autofit.bench.replay import load_grids
+
+    grid = _grid()
+    c = next(iter(grid.points))
+    grid.points[c] = dataclasses.replace(grid.points[c], samples_per_s=12.0, trial_samples_per_s=9.0,
+                                         second_samples_per_s=12.0)
+    oracle = ReplayOracle(grid, 10**12)
+    assert [oracle.run(c).samples_per_s for _ in range(3)] == [9.0, 12.0, 9.0]
+    swapped = ReplayOracle(grid, 10**12, first_sample=1)  # the other draw of the noise
+    assert [swapped.run(c).samples_per_s for _ in range(3)] == [12.0, 9.0, 12.0]
+    assert oracle.history[0].outcome.step_time_s == pytest.approx(c.samples_per_step / 9.0)
+    halving = HALVING
+    runs = [run_strategy(halving, grid, 50 * MiB, 0, ReplayOracle(grid, 50 * MiB), "replay")]
+    write_search(tmp_path, environment("test"), SearchResults([grid], runs, ("synthetic", 50 * MiB), 1, 0.0), (halving,))
+    (loaded,) = load_grids(tmp_path / "search_grid.csv")
+    assert loaded.cell.budgets_mib == (50, 100) and loaded.cell.micro_batches == (2, 4, 8)
+    assert loaded.points[c].trial_samples_per_s == 9.0 and loaded.optimum(50 * MiB) == grid.optimum(50 * MiB)
+    assert loaded.oom_floor_s == 1.5
+    # the DeepSpeed autotuner's model-state formula reads the parameter count: replayed as the bench ran it
+    counted = dataclasses.replace(grid, param_count=123_456)
+    write_search(tmp_path, environment("test"), SearchResults([counted], runs, ("synthetic", 50 * MiB), 1, 0.0),
+                 (halving,))
+    assert load_grids(tmp_path / "search_grid.csv")[0].param_count == 123_456
+
+
+def test_run_strategy_scores_peers_and_reports_unavailable_autofit():
+    grid = _grid()
+    budget = 100 * MiB
+    strat = HALVING
+    res = run_strategy(strat, grid, budget, 0, ReplayOracle(grid, budget), "replay")
+    assert res.answer is not None and 0 < res.fraction <= 1 and res.trials >= 1 and res.error is None
+    assert res.wall_s >= 3.0
+    from autofit.bench.search import AUTOFIT
+
+    def unavailable(problem, oracle, seed):
+        from autofit.bench.search import NotAvailable
+        raise NotAvailable("not yet available")
+
+    fake = st.Strategy(AUTOFIT.name, unavailable, "throughput", False)
+    missing = run_strategy(fake, grid, budget, 0, ReplayOracle(grid, budget), "replay")
+    assert missing.error == "not yet available" and math.isnan(missing.fraction)
+    text = losses([res, missing], (fake, strat))
+    assert text and "did not run" in text[0]
+
+
+def test_time_to_target_uses_strategy_clock():
+    grid = _grid()
+    budget = 1000 * MiB
+    halving = HALVING
+    oracle = ReplayOracle(grid, budget)
+    res = score(halving, grid, budget, 0, "replay", oracle, halving(problem_for(grid.cell, budget, 0), oracle, 0))
+    # keeps fp32 while pure bf16 is twice as fast here: half the optimum, never 95%
+    assert res.fraction == pytest.approx(0.5) and res.time_to_target_s is None
+    tpe = next(s for s in st.PEERS if s.name == "optuna-tpe")
+    oracle = ReplayOracle(grid, budget)
+    res = score(tpe, grid, budget, 0, "replay", oracle, tpe(problem_for(grid.cell, budget, 0), oracle, 0))
+    first = next(r for r in oracle.history if r.outcome.config == grid.optimum(budget).config)
+    assert res.fraction == 1.0 and res.time_to_target_s == pytest.approx(first.clock_s)
+
+
+# --- done-when verdicts --------------------------------------------------------------------------
+
+def _verdict_runs(autofit_fn, budget_mib: int):
+    """Replayed runs (2 seeds) of a stand-in autofit, a scripted TPE and the four sweeps, plus a live autofit run."""
+    from autofit.bench.search_data import SearchResults
+
+    grid, budget = _grid(), budget_mib * MiB
+    optimum = grid.optimum(budget).config
+
+    def tpe(problem, oracle, seed):   # two slow configs, then the optimum
+        for config in (problem.config(2), problem.config(2, checkpoint_every=1), optimum):
+            oracle.run(config)
+        return optimum
+
+    strategies = (st.Strategy("autofit", autofit_fn, "throughput", True),
+                  st.Strategy("optuna-tpe", tpe, "throughput", True)) + st.sweeps(st.PEERS)
+    runs = [run_strategy(s, grid, budget, seed, ReplayOracle(grid, budget), "replay") for s in strategies
+            for seed in (0, 1)]
+    runs.append(run_strategy(strategies[0], grid, budget, 0, ReplayOracle(grid, budget), "live"))
+    return SearchResults([grid], runs, ("synthetic", budget), 2, 1.0, strategies=strategies), optimum
+
+
+def test_done_when_passes_a_search_that_goes_straight_to_the_optimum(tmp_path):
+    from autofit.bench.search_tables import write_search
+    from autofit.bench.summary import headline
+    from autofit.bench.verdict import CHECKS, verdicts
+
+    def straight(problem, oracle, seed):
+        return oracle.run(_grid().optimum(problem.budget_bytes).config).config
+
+    res, _ = _verdict_runs(straight, 100)
+    [v] = verdicts(res.runs, tuple(s.name for s in st.sweeps(st.PEERS)))
+    assert v.checks == {c: True for c in CHECKS} and v.passed and not v.notes
+    assert v.figures[CHECKS[3]] == "1 vs 3"        # one trial against the sweep's one per precision
+    write_search(tmp_path, {"date": "today"}, res, res.strategies)
+    text = (tmp_path / "search.md").read_text()
+    assert "## Done when" in text and "| synthetic @ 100 MiB | 100.0% ✓" in text and "| PASS |" in text
+    lines = headline(type("R", (), {"suites": {"search": res}, "wall_s": {}})())
+    assert "Done when (issue 13), synthetic @ 100 MiB: PASS." in lines
+    assert any("accelerate-x0.5 sweep (no checkpointing)" in line for line in lines)
+
+
+def test_done_when_fails_and_says_where_and_why():
+    from autofit.bench.verdict import CHECKS, verdicts
+
+    def clumsy(problem, oracle, seed):   # an OOM first, then a small fp32 micro-batch
+        oracle.run(problem.config(8))
+        return oracle.run(problem.config(2)).config
+
+    res, optimum = _verdict_runs(clumsy, 50)
+    [v] = verdicts(res.runs, tuple(s.name for s in st.sweeps(st.PEERS)))
+    assert not v.passed
+    assert {c for c in CHECKS if v.checks[c] is False} >= {CHECKS[0], CHECKS[1], CHECKS[2], CHECKS[5]}
+    notes = " ".join(v.notes)
+    assert "`fp32 mb=8" in notes and "OOM" in notes and "`fp32 mb=2" in notes and "never" in notes
+
+
+# --- tables ---------------------------------------------------------------------------------------
+
+def test_error_stats_and_spread():
+    s = ErrorStats.of([0.01, -0.02, 0.03, math.nan, -0.10])
+    assert s.n == 4 and s.median == pytest.approx(0.025) and s.max == pytest.approx(0.10) and s.under == 2
+    assert relative_error(110, 100) == pytest.approx(0.10)
+    assert math.isnan(relative_error(1, 0))
+    assert median_and_spread([3, None, 1, 2]) == (2.0, 1.0, 3.0)
+    assert all(math.isnan(x) for x in median_and_spread([]))
+
+
+def test_markdown_and_csv_writing(tmp_path):
+    table = markdown_table(["a", "b|c"], [[1, "x|y"], [2.5, None]], "lr")
+    lines = table.splitlines()
+    assert lines[0] == "| a | b\\|c |" and lines[1] == "|---|---:|" and "x\\|y" in lines[2]
+    path = write_csv(tmp_path / "t.csv", [{"a": 1, "b": [1, 2]}, {"a": math.nan, "c": "z"}])
+    rows = list(csv.DictReader(path.open()))
+    assert rows[0] == {"a": "1", "b": "1 2", "c": ""} and rows[1]["a"] == ""
+    rep = Report("T", {"date": "today", "machine": "m"})
+    rep.add("body")
+    text = rep.write(tmp_path / "r.md").read_text()
+    assert text.startswith("# T") and "- **machine**: m" in text and text.rstrip().endswith("body")
+
+
+# --- a tiny suite end to end ----------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_tiny_search_and_accuracy_suites(tmp_path, monkeypatch):
+    """One workload, a 2-config grid, replay only, plus two accuracy configs: the files exist and parse."""
+    from autofit.bench import accuracy, search
+    from autofit.bench.common import environment
+
+    env = environment("autofit bench (test)")
+    cell = Cell("gpt-tiny", 4, (2, 4), (Precision.FP32,), (80,), checkpoints=(0,))
+    peers = tuple(s for s in st.PEERS if s.name in ("accelerate-x0.5 sweep", "lightning-binsearch sweep"))
+    res = search.run_search_suite(tmp_path, env, cells=(cell,), seeds=1, strategies=(search.AUTOFIT,) + peers,
+                                  live=False)
+    assert len(res.grids[0].points) == 2 and all(p.status == "ok" for p in res.grids[0].points.values())
+    text = (tmp_path / "search.md").read_text()
+    assert "gpt-tiny @ 80 MiB" in text and "Where autofit loses" in text
+    assert len(list(csv.DictReader((tmp_path / "search_runs.csv").open()))) == 3
+
+    monkeypatch.setattr(accuracy, "_QUICK_CASES", {"gpt-tiny": [("bf16", 2), ("fp32", 2, 2, 1)]})
+    acc = accuracy.run_accuracy(tmp_path, env, quick=True, workloads=("gpt-tiny",),
+                                budgets={"gpt-tiny": (40 * MiB,)}, truth_repeats=1)
+    assert [r.status for r in acc.rows] == ["ok", "ok"]
+    assert all(abs(r.error_rel) < 0.5 for r in acc.rows)
+    # the independent ground truth: the allocator holds at least the live tensors the tracker counts
+    assert all(len(r.allocator_peak_bytes) == 1 and r.allocator_peak_bytes[0] >= 0.99 * r.measured_peak_bytes
+               for r in acc.rows)
+    md = (tmp_path / "accuracy.md").read_text()
+    assert "Issue 3 target" in md and "LLMem" in md and "Against an independent ground truth" in md
+
+
+def test_search_plot_written_when_matplotlib_is_importable(tmp_path):
+    pytest.importorskip("matplotlib")
+    from autofit.bench.search import write_search
+    from autofit.bench.search_data import SearchResults
+
+    grid = _grid()
+    runs = [run_strategy(s, grid, b * MiB, 0, ReplayOracle(grid, b * MiB), "replay")
+            for b in grid.cell.budgets_mib for s in st.PEERS]
+    files = write_search(tmp_path, {"date": "today"}, SearchResults([grid], runs, ("synthetic", 50 * MiB), 1, 1.0),
+                         st.PEERS)
+    assert (tmp_path / "search.png") in files and (tmp_path / "search.png").stat().st_size > 0
+
+
+# --- the README's benchmark block ------------------------------------------------------------------
+
+def test_readme_block_is_what_the_bench_writes_from_the_committed_summary():
+    from pathlib import Path
+
+    from autofit.bench.readme import END, START, readme_block
+
+    root = Path(__file__).resolve().parents[2]
+    readme = (root / "README.md").read_text()
+    committed = readme[readme.index(START):readme.index(END) + len(END)]
+    assert committed == readme_block((root / "results/benchmarks/summary.md").read_text()), \
+        "README's benchmark block differs from results/benchmarks/summary.md: rerun `autofit bench`"
+
+
+def test_update_readme_rewrites_only_the_block(tmp_path):
+    from autofit.bench.readme import END, START, replace_block, update_readme
+
+    summary = tmp_path / "summary.md"
+    summary.write_text("# autofit bench: headline figures\n\nReproduce with `autofit bench`.\n\n- figure one\n- two\n")
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{START}\n- stale figure\n{END}\nafter\n")
+    assert update_readme(readme, summary)
+    text = readme.read_text()
+    assert text.startswith("intro\n") and text.endswith("\nafter\n")
+    assert "- figure one\n- two\n" in text and "stale" not in text and "Reproduce" not in text
+    assert not update_readme(tmp_path / "missing.md", summary)
+    with pytest.raises(ValueError, match="no benchmark block"):
+        replace_block("no markers here", "x")
+
+
+# --- levers: device splits and what each lever is worth -------------------------------------------
+
+def _split_grid(global_batch: int = 8, micro_batches: tuple[int, ...] = (1, 2, 4, 8)) -> Grid:
+    """One device never fits 30 MiB (base 80 MiB); a 2-way split halves the base (fsdp) or nearly (pipeline)."""
+    from autofit.core.config import SplitMode
+
+    cell = Cell("synthetic", global_batch, micro_batches, (Precision.FP32, Precision.AMP_BF16, Precision.BF16), (30, 1000),
+                checkpoints=(0,),
+                device_splits=(1, 2), split_modes=(SplitMode.PIPELINE, SplitMode.FSDP))
+    oracle = Synthetic(10**12, per_sample=1 * MiB, base=80 * MiB)
+    points = {}
+    for c in problem_for(cell, 1, 0).configs():
+        share = {1: 1.0, 2: 0.6 if c.split_mode is SplitMode.PIPELINE else 0.5}[c.device_split]
+        peak = int(oracle.peak(c) * share)
+        points[c] = GridPoint(c, "ok", peak, oracle.throughput(c) * (1.2 if c.device_split > 1 else 1.0), 0.1, 3.0,
+                              peak)
+    return Grid(cell, points, oom_floor_s=1.5, param_count=0)
+
+
+def test_split_grid_matches_autofit_space_and_fsdp_keeps_the_global_batch():
+    from autofit.core.config import SplitMode
+    from autofit.core.space import SearchSpace
+
+    grid = _split_grid()
+    problem = problem_for(grid.cell, 30 * MiB, 0)
+    space = SearchSpace(precision=problem.precisions, micro_batch=problem.micro_batches,
+                        checkpoint_every=problem.checkpoints, device_split=(1, 2),
+                        split_mode=(SplitMode.PIPELINE, SplitMode.FSDP), global_batch=8)
+    assert set(problem.configs()) == set(space.configs()) and len(problem.configs()) == 3 * (4 + 4 + 3)
+    assert all(c.samples_per_step == 8 for c in problem.configs())
+    assert problem.micro_batches_for((2, SplitMode.FSDP)) == (1, 2, 4)
+    with pytest.raises(ValueError, match="device_splits must include 1"):
+        st.Problem("x", 1, 8, (Precision.FP32,), (1, 2), device_splits=(2,))
+
+
+def test_finders_score_zero_where_only_a_split_fits_and_tpe_searches_the_split():
+    grid = _split_grid()
+    budget = 30 * MiB
+    best = grid.optimum(budget)
+    assert best.config.device_split == 2
+    for strategy in st.PEERS:
+        res = run_strategy(strategy, grid, budget, 0, ReplayOracle(grid, budget), "replay")
+        assert res.error is None and res.trials > 0
+        assert all(r.outcome.config.device_split == 1 for r in res.history) or strategy.name == "optuna-tpe"
+        if strategy.name != "optuna-tpe":
+            assert res.fraction == 0.0
+    tpe = next(s for s in st.PEERS if s.name == "optuna-tpe")
+    oracle = ReplayOracle(grid, budget)
+    res = run_strategy(tpe, grid, budget, 0, oracle, "replay")
+    assert {r.outcome.config.device_split for r in res.history} == {1, 2} and res.fraction > 0
+
+
+def test_lever_margins_name_the_best_config_without_each_lever():
+    from autofit.bench.search_tables import lever_line
+
+    grid = _split_grid()
+    split, = grid.lever_margins(30 * MiB)[-1:]
+    assert split[0] == "a device split" and split[1] is None
+    assert "nothing fits without it" in lever_line(grid, 30 * MiB)
+    # with room, accumulation is worth the ratio to the best ga=1 config that fits
+    roomy = 1000 * MiB
+    best = grid.optimum(roomy)
+    margins = dict(grid.lever_margins(roomy))
+    if best.config.grad_accum > 1:
+        without = margins["accumulation"]
+        assert without.config.grad_accum == 1 and without.samples_per_s <= best.samples_per_s
+    assert "of the optimum" in lever_line(grid, roomy) or "nothing fits" in lever_line(grid, roomy)
+
+
+def test_replay_loads_two_cells_of_one_workload_with_their_splits(tmp_path):
+    from autofit.bench.replay import load_grids
+
+    one, split = _grid(), _split_grid(4, (1, 2, 4))   # global batches 8 and 4: two cells of one workload
+    split = dataclasses.replace(split, cell=dataclasses.replace(split.cell, workload="synthetic", budgets_mib=(30,)))
+    runs = [run_strategy(HALVING, g, g.cell.budgets_mib[0] * MiB, 0, ReplayOracle(g, g.cell.budgets_mib[0] * MiB),
+                         "replay") for g in (one, split)]
+    write_search(tmp_path, environment("test"), SearchResults([one, split], runs, ("synthetic", 50 * MiB), 1, 0.0),
+                 (HALVING,))
+    first, second = load_grids(tmp_path / "search_grid.csv")
+    assert (first.cell.global_batch, first.cell.budgets_mib, first.cell.device_splits) == (8, (50, 100), (1,))
+    assert second.cell.global_batch == 4 and second.cell.micro_batches == (1, 2, 4)
+    assert second.cell.device_splits == (1, 2) and set(second.cell.split_modes) == {"pipeline", "fsdp"}
+    assert set(second.points) == set(split.points) and second.optimum(30 * MiB) == split.optimum(30 * MiB)
+
+
+def test_suite_runs_peers_live_on_the_first_cell_and_autofit_live_on_every_cell(tmp_path, monkeypatch):
+    from autofit.bench import search
+
+    grid = _grid()
+    monkeypatch.setattr(search, "measure_grid", lambda cell, progress: grid)
+    monkeypatch.setattr(search, "LiveOracle", lambda workload, budget, progress, label: ReplayOracle(grid, budget))
+
+    def straight(problem, oracle, seed):
+        return oracle.run(grid.optimum(problem.budget_bytes).config).config
+
+    sweep = next(s for s in st.PEERS if s.name == "accelerate-x0.5 sweep")
+    res = search.run_search_suite(tmp_path, {"date": "today"}, cells=(grid.cell,), seeds=1, live=True,
+                                  strategies=(st.Strategy("autofit", straight, "throughput", True), sweep))
+    live = [(r.strategy, r.budget_bytes // MiB) for r in res.runs if r.mode == "live"]
+    assert live == [("autofit", 50), ("accelerate-x0.5 sweep", 50), ("autofit", 100)]
+    text = (tmp_path / "search.md").read_text()
+    assert "| synthetic @ 100 MiB | autofit |" in text and "| synthetic @ 100 MiB | 100.0% ✓ | 100.0% ✓ |" in text
+
+
+def test_accuracy_workloads_are_selected_by_parts_of_their_names():
+    from autofit.bench.accuracy import (
+        HF_WORKLOADS,
+        USER_WORKLOADS,
+        cases,
+        select_workloads,
+    )
+    from autofit.core.errors import ConfigError
+
+    assert select_workloads(("user_models",)) == USER_WORKLOADS
+    assert select_workloads(("hf:gpt2", "mixer")) == (HF_WORKLOADS[0], USER_WORKLOADS[1])
+    # Every selected HF decoder and user model is measured at a 2-stage split too.
+    for name in select_workloads(("hf:gpt2", "hf:llama", "hf:qwen3", "user_models")):
+        assert any(c.device_split == 2 for c in cases(workloads=(name,))[name]), name
+    with pytest.raises(ConfigError, match="'nope' matches none"):
+        select_workloads(("gpt-tiny", "nope"))
+
+
+def test_search_cells_are_valid_problems_whose_workloads_load():
+    """Every cell builds a Problem every peer variant accepts, and its workload (a file, for one) loads."""
+    from autofit.bench.search import CELLS
+    from autofit.workloads.load import load_workload
+
+    for cell in CELLS:
+        problem = problem_for(cell, cell.budgets_mib[0] * MiB, 0)
+        assert st.USER_PRECISION in problem.precisions and problem.configs()
+        load_workload(cell.workload)
+    assert any(c.device_splits != (1,) for c in CELLS)
+    assert any(c.workload.endswith(".py:workload") for c in CELLS)

@@ -1,0 +1,70 @@
+import json
+
+import pytest
+
+from autofit.core.config import Precision, SplitMode, TrainConfig, stage_bounds
+from autofit.core.errors import ConfigError
+
+
+def test_defaults_and_json_contract():
+    cfg = TrainConfig()
+    assert cfg.to_dict() == {"precision": "fp32", "micro_batch": 1, "grad_accum": 1, "checkpoint_every": 0,
+                             "device_split": 1, "split_mode": "pipeline"}
+    assert TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    fsdp = TrainConfig(micro_batch=2, device_split=4, split_mode="fsdp")
+    assert TrainConfig.from_dict(json.loads(json.dumps(fsdp.to_dict()))) == fsdp
+
+
+def test_json_from_before_split_mode_loads_as_pipeline():
+    old = {"precision": "amp-bf16", "micro_batch": 4, "grad_accum": 2, "checkpoint_every": 1, "device_split": 2}
+    assert TrainConfig.from_dict(old).split_mode is SplitMode.PIPELINE
+
+
+def test_fsdp_ranks_each_run_a_micro_batch():
+    # data parallel: a step of the job is micro_batch x grad_accum x ranks samples
+    assert TrainConfig(micro_batch=4, grad_accum=2, device_split=4, split_mode="fsdp").samples_per_step == 32
+    assert TrainConfig(micro_batch=4, grad_accum=2, device_split=4).samples_per_step == 8
+    assert TrainConfig(micro_batch=4, device_split=2, split_mode="FSDP").short() == "fp32 mb=4 ga=1 ckpt=0 fsdp=2"
+
+
+def test_precision_strings_accepted_and_frozen():
+    cfg = TrainConfig(precision="AMP-BF16", micro_batch=8)
+    assert cfg.precision is Precision.AMP_BF16
+    with pytest.raises(Exception):
+        cfg.micro_batch = 2
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"precision": "fp64"}, {"micro_batch": 0}, {"grad_accum": 0}, {"checkpoint_every": -1},
+    {"device_split": 0}, {"micro_batch": 2.5}, {"micro_batch": True}, {"split_mode": "zero3"},
+])
+def test_invalid_values(kwargs):
+    with pytest.raises(ConfigError):
+        TrainConfig(**kwargs)
+
+
+def test_bad_split_mode_message_names_the_choices():
+    with pytest.raises(ConfigError, match="invalid split_mode 'zero3': expected one of pipeline, fsdp"):
+        TrainConfig.parse("split_mode=zero3")
+
+
+def test_parse_overrides():
+    cfg = TrainConfig.parse("precision=amp-bf16, micro_batch=8,grad_accum=4,checkpoint_every=2,device_split=2")
+    assert cfg == TrainConfig(Precision.AMP_BF16, 8, 4, 2, 2)
+    assert TrainConfig.parse("micro-batch=3").micro_batch == 3
+    assert TrainConfig.parse("device_split=2,split-mode=fsdp").split_mode is SplitMode.FSDP
+
+
+@pytest.mark.parametrize("text", ["micro_batch", "micro_batch=", "batch=2", "micro_batch=two", "precision=fp8"])
+def test_parse_rejects(text):
+    with pytest.raises(ConfigError) as err:
+        TrainConfig.parse(text)
+    assert "\n" not in str(err.value)
+
+
+def test_stage_bounds_balanced_and_contiguous():
+    assert stage_bounds(4, 1) == [(0, 4)]
+    assert stage_bounds(5, 2) == [(0, 3), (3, 5)]
+    assert stage_bounds(32, 8)[-1] == (28, 32)
+    with pytest.raises(ConfigError):
+        stage_bounds(2, 3)

@@ -1,0 +1,121 @@
+"""The package's layers import only downward, and no modules import each other in a circle.
+
+Read from the source with ``ast`` (nothing is imported): every ``import autofit...`` and
+``from autofit... import`` anywhere in a module, inside functions too, since a lazy import
+still ties the two modules together.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "autofit"
+
+# Lowest first. A module may import its own layer and the layers before it. The bench sits above
+# the library; only the command line, the entry point of everything, is above it (``autofit bench``).
+LAYERS = ("core", "workloads", "runtime", "profiling", "probes", "estimate", "trial", "study", "report",
+          "sizing", "api", "bench", "cli")
+BENCH_ENTRY = "autofit.cli.bench"  # the one module outside the bench that may import it
+# The package root (``import autofit``: the public names) is the API; ``python -m autofit`` is the command line.
+TOP = {"autofit": "api", "autofit.__main__": "cli"}
+
+
+def module_names() -> dict[str, Path]:
+    names = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        names[name] = path
+    return names
+
+
+def imported(name: str, path: Path, known: set[str]) -> set[str]:
+    """The autofit modules ``name`` imports (a ``from package import module`` counts as the module)."""
+    out = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.split(".")[0] == "autofit"}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            if base.split(".")[0] != "autofit":
+                continue
+            subs = {f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in known}
+            names_only = [a for a in node.names if f"{base}.{a.name}" not in known]
+            out |= subs | ({base} if names_only else set())
+    return {m for m in out if m in known and m != name}
+
+
+def layer_of(name: str) -> int:
+    if name in TOP:
+        return LAYERS.index(TOP[name])
+    top = name.split(".")[1]
+    if top not in LAYERS:
+        raise AssertionError(f"{name}: not in any layer; add its package to LAYERS")
+    return LAYERS.index(top)
+
+
+def graph() -> dict[str, set[str]]:
+    names = module_names()
+    return {name: imported(name, path, set(names)) for name, path in names.items()}
+
+
+def test_every_module_is_in_a_layer():
+    for name in module_names():
+        layer_of(name)
+
+
+def test_layers_import_only_downward():
+    backward = [f"{a} ({LAYERS[layer_of(a)]}) imports {b} ({LAYERS[layer_of(b)]})"
+                for a, targets in graph().items() for b in targets if layer_of(b) > layer_of(a)]
+    assert not backward, "imports against the layer order:\n" + "\n".join(sorted(backward))
+
+
+def test_nothing_imports_the_bench():
+    users = [a for a, targets in graph().items() if not a.startswith("autofit.bench") and a != BENCH_ENTRY
+             for b in targets if b.startswith("autofit.bench")]
+    assert not users, f"the bench is imported by {sorted(set(users))}"
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_import_circles():
+    # A package's __init__ importing its own modules is how a package exposes them, not a circle:
+    # the edge from a module up to its package's __init__ is left out.
+    edges = {a: {b for b in targets if not a.startswith(b + ".")} for a, targets in graph().items()}
+    cycle = find_cycle(edges)
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+@pytest.mark.parametrize("edges, has_cycle", [
+    ({"a": {"b"}, "b": {"c"}, "c": set()}, False),
+    ({"a": {"b"}, "b": {"c"}, "c": {"a"}}, True),
+])
+def test_cycle_finder(edges, has_cycle):
+    assert (find_cycle(edges) is not None) == has_cycle
