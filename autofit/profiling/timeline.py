@@ -10,14 +10,16 @@ bytes of every distinct storage alive (rounded to the CUDA block size on a CUDA 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["Recorder", "Timeline", "first_tensor", "init_optimizer_state", "max_tensor_bytes", "round_up",
+from autofit.profiling.raw import RawRegion
+
+__all__ = ["Mark", "Recorder", "Timeline", "first_tensor", "init_optimizer_state", "max_tensor_bytes", "round_up",
            "state_tensors", "tensor_bytes", "watch_arguments", "freed_between"]
 
 
@@ -91,13 +93,23 @@ class Timeline(TorchDispatchMode):
         return out
 
 
+class Mark(NamedTuple):
+    """A named cut of the timeline; the peaks are those since the previous mark."""
+
+    name: str
+    live: int
+    nongrad: int
+    peak: int
+    peak_nongrad: int
+    at: int  # index of the mark's own point in the trace
+
+
 class Recorder:
     """Cuts the timeline at named marks and turns each stretch into (delta, peak) pairs."""
 
     def __init__(self, timeline: Timeline) -> None:
         self.t = timeline
-        # name, live, nongrad, peak, peak_nongrad, index of the mark's own point in the trace
-        self.marks: list[tuple[str, int, int, int, int, int]] = []
+        self.marks: list[Mark] = []
 
     def mark(self, name: str) -> None:
         t = self.t
@@ -105,7 +117,7 @@ class Recorder:
             call, t.before_next_op = t.before_next_op, None
             call()
         t._observe()
-        self.marks.append((name, t.live, t.live - t.grad_live, t.peak, t.peak_nongrad, len(t.trace) - 1))
+        self.marks.append(Mark(name, t.live, t.live - t.grad_live, t.peak, t.peak_nongrad, len(t.trace) - 1))
         t.reset_peaks()
 
     def mark_before_next_op(self, name: str) -> None:
@@ -113,19 +125,26 @@ class Recorder:
         Python drops in between (a layer's input no backward keeps) are freed."""
         self.t.before_next_op = lambda: self.mark(name)
 
-    def region(self, start: str, end: str) -> tuple:
-        """(delta, peak above start, delta without grads, peak without grads above start,
-        the live bytes above start after every op, the same without grads)."""
-        names = [m[0] for m in self.marks]
+    def names(self) -> list[str]:
+        return [m.name for m in self.marks]
+
+    def find(self, name: str) -> Mark:
+        """The first mark called ``name``."""
+        return self.marks[self.names().index(name)]
+
+    def region(self, start: str, end: str) -> RawRegion:
+        """The stretch from mark ``start`` to mark ``end``, above the live bytes at ``start``."""
+        names = self.names()
         i, j = names.index(start), names.index(end)
         if j <= i:  # marked at once, end first: e.g. the last layer's output is the model's (one gradient, two hooks)
-            return 0, 0, 0, 0, [0], [0]
-        live0, ng0 = self.marks[i][1], self.marks[i][2]
-        peak = max(m[3] for m in self.marks[i + 1:j + 1])
-        peak_ng = max(m[4] for m in self.marks[i + 1:j + 1])
-        points = self.t.trace[self.marks[i][5]:self.marks[j][5] + 1]
-        return (self.marks[j][1] - live0, peak - live0, self.marks[j][2] - ng0, peak_ng - ng0,
-                [live - live0 for live, _ in points], [ng - ng0 for _, ng in points])
+            return RawRegion(0, 0, 0, 0, [0], [0])
+        first, last = self.marks[i], self.marks[j]
+        live0, ng0 = first.live, first.nongrad
+        peak = max(m.peak for m in self.marks[i + 1:j + 1])
+        peak_ng = max(m.peak_nongrad for m in self.marks[i + 1:j + 1])
+        points = self.t.trace[first.at:last.at + 1]
+        return RawRegion(last.live - live0, peak - live0, last.nongrad - ng0, peak_ng - ng0,
+                         [live - live0 for live, _ in points], [ng - ng0 for _, ng in points])
 
 
 def first_tensor(x: Any) -> torch.Tensor | None:
@@ -186,6 +205,6 @@ def freed_between(rec: Recorder, arg_bytes: dict, died_at: dict[int, int], start
     ``start`` and ``end``: without checkpointing, their last Python reference went there (the
     model's forward returning), while a checkpoint keeps its segment's arguments until the
     segment's backward is done."""
-    at = {m[0]: m[5] for m in rec.marks}
+    at = {m.name: m.at for m in rec.marks}
     return sum(nbytes for key, (is_first, nbytes) in arg_bytes.items()
                if is_first == first and at[start] < died_at.get(key, -1) <= at[end])

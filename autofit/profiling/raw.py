@@ -1,0 +1,79 @@
+"""What one profiled step measures, before the two micro-batch sizes are fitted into lines.
+
+A traced step (:mod:`autofit.profiling.step`) gives a :class:`RawRun` of plain integers at one
+micro-batch; the real check (:mod:`autofit.profiling.real_check`) corrects the regions of such runs;
+:mod:`autofit.profiling.assemble` fits two of them into a
+:class:`~autofit.profiling.data.PrecisionProfile`. Nothing here is cached: the profile is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+__all__ = ["RawLayer", "RawRegion", "RawRun"]
+
+
+class RawRegion(NamedTuple):
+    """A stretch of the timeline between two marks, in bytes relative to its start."""
+
+    delta: int            # live bytes at the end minus at the start
+    peak: int             # the highest live bytes above the start
+    delta_nongrad: int    # the same for live bytes without parameter gradients
+    peak_nongrad: int
+    points: list[int]     # live bytes above the start after every operator
+    points_nongrad: list[int]
+
+
+@dataclass(frozen=True)
+class RawLayer:
+    """One layer's part of a :class:`RawRun` (:class:`~autofit.profiling.data.LayerProfile`'s fields, unfitted)."""
+
+    param_bytes: int
+    grad_bytes: int
+    max_grad_tensor_bytes: int
+    grad_rows: tuple[tuple[int, int], ...]
+    output: int
+    output_saved: bool
+    forward: RawRegion
+    recompute: RawRegion
+    checkpointed_forward: RawRegion
+    after: int
+    backward: RawRegion
+    input_freed_late: int
+    args_freed_late: int
+    forward_flops: float
+
+
+@dataclass(frozen=True)
+class RawRun:
+    """One profiled micro-step at one micro-batch (:class:`~autofit.profiling.data.PrecisionProfile`'s
+    fields, unfitted). A run without the optimizer step has no ``optimizer_bytes`` nor ``opt_region``
+    (None): neither depends on the micro-batch, so one run of the two holds them."""
+
+    static_param_bytes: int
+    grad_bytes: int
+    grad_rows: tuple[tuple[int, int], ...]
+    pre_param_bytes: int
+    tied_bytes: int  # weights used before and after the layers (a tied embedding and head)
+    post_param_bytes: int
+    pre_grad_bytes: int
+    post_grad_bytes: int
+    pre_max_grad_tensor_bytes: int
+    post_max_grad_tensor_bytes: int
+    pre_forward: RawRegion
+    post_forward: RawRegion
+    post_backward: RawRegion
+    pre_backward: RawRegion
+    forward_flops: float
+    backward_flops: float
+    input_bytes: int
+    step_peak_bytes: int
+    layers: tuple[RawLayer, ...]
+    # post_forward and post_backward cut at the model's output (None where it has no gradient)
+    head_forward: RawRegion | None = None
+    loss_forward: RawRegion | None = None
+    loss_backward: RawRegion | None = None
+    head_backward: RawRegion | None = None
+    optimizer_bytes: int | None = None
+    opt_region: RawRegion | None = None
