@@ -10,6 +10,7 @@ from torch import nn
 from autofit.core.config import Precision, TrainConfig
 from autofit.estimate.memory_model import estimate
 from autofit.profiling.profile import profile_workload
+from autofit.profiling.raw import RawLayer, RawRegion, RawRun
 from autofit.profiling.real_check import correct_runs
 from autofit.runtime.schedule import MeasureSchedule
 from autofit.trial.ground_truth import (
@@ -82,23 +83,32 @@ def test_the_peak_of_allocator_events_is_taken_inside_the_window():
 
 
 def _region(delta, peak, points):
-    return (delta, peak, delta, peak, list(points), list(points))
+    return RawRegion(delta, peak, delta, peak, list(points), list(points))
+
+
+def _run(pre_forward: RawRegion, forward: RawRegion, backward: RawRegion) -> RawRun:
+    """A raw run of one layer: the given regions, nothing elsewhere."""
+    zero = _region(0, 0, [0])
+    layer = RawLayer(param_bytes=0, grad_bytes=0, max_grad_tensor_bytes=0, grad_rows=(), output=0, output_saved=False,
+                     forward=forward, recompute=zero, checkpointed_forward=zero, after=0, backward=backward,
+                     input_freed_late=0, args_freed_late=0, forward_flops=0.0)
+    return RawRun(static_param_bytes=0, grad_bytes=0, grad_rows=(), pre_param_bytes=0, tied_bytes=0, post_param_bytes=0,
+                  pre_grad_bytes=0, post_grad_bytes=0, pre_max_grad_tensor_bytes=0, post_max_grad_tensor_bytes=0,
+                  pre_forward=pre_forward, post_forward=zero, post_backward=zero, pre_backward=zero, forward_flops=0.0,
+                  backward_flops=0.0, input_bytes=0, step_peak_bytes=0, layers=(layer,))
 
 
 def test_the_real_step_correction_scales_per_sample_and_never_lowers_a_peak():
-    fake1 = {"pre_forward": _region(100, 100, [0, 100]), "layers": [{"forward": _region(10, 20, [20]),
-                                                                       "backward": _region(-10, 1000, [1000])}]}
-    fake2 = {"pre_forward": _region(200, 200, [0, 200]), "layers": [{"forward": _region(20, 40, [40]),
-                                                                       "backward": _region(-20, 2000, [2000])}]}
+    fake1 = _run(_region(100, 100, [0, 100]), _region(10, 20, [20]), _region(-10, 1000, [1000]))
+    fake2 = _run(_region(200, 200, [0, 200]), _region(20, 40, [40]), _region(-20, 2000, [2000]))
     # Real: the layer's forward keeps 500 bytes more, its backward frees them and peaks lower; the
     # pre-forward region differs by less than 1% of its peak (detail, ignored).
-    real1 = {"pre_forward": _region(100, 100.5, [0, 100]), "layers": [{"forward": _region(510, 520, [520]),
-                                                                         "backward": _region(-510, 900, [900])}]}
+    real1 = _run(_region(100, 100.5, [0, 100]), _region(510, 520, [520]), _region(-510, 900, [900]))
     out1, out2, corrected, kept = correct_runs(fake1, fake2, real1, None, 2, 4)
     assert corrected == 2 and kept == 250  # 500 bytes at micro-batch 2
-    assert out2["layers"][0]["forward"][:2] == (20 + 1000, 40 + 1000)  # twice the samples, twice the extra
-    assert out2["layers"][0]["backward"][:2] == (-20 - 1000, 2000)  # the free follows; the peak stays
-    assert out1["pre_forward"] == fake1["pre_forward"] and fake1["layers"][0]["forward"][0] == 10  # inputs untouched
+    assert out2.layers[0].forward[:2] == (20 + 1000, 40 + 1000)  # twice the samples, twice the extra
+    assert out2.layers[0].backward[:2] == (-20 - 1000, 2000)  # the free follows; the peak stays
+    assert out1.pre_forward == fake1.pre_forward and fake1.layers[0].forward.delta == 10  # inputs untouched
 
 
 def _row(predicted, tracker, allocator, resident=()):

@@ -1,0 +1,95 @@
+"""Fit two raw runs (one per profiled micro-batch) into a :class:`~autofit.profiling.data.PrecisionProfile`.
+
+Every quantity that grows with the micro-batch ``b`` becomes a line ``c0 + c1·b`` through its
+values at the two :data:`~autofit.profiling.data.PROFILE_BATCHES`; a region's four values each
+become one, and its steepest operator another (:class:`~autofit.profiling.data.Region`).
+"""
+
+from __future__ import annotations
+
+from autofit.core.config import Precision
+from autofit.profiling.data import (
+    OUTPUT_REGIONS,
+    PROFILE_BATCHES,
+    LayerProfile,
+    Line,
+    PrecisionProfile,
+    Region,
+)
+from autofit.profiling.raw import RawLayer, RawRegion, RawRun
+
+__all__ = ["assemble"]
+
+
+def _line(v1: float, v2: float) -> Line:
+    b1, b2 = PROFILE_BATCHES
+    slope = (v2 - v1) / (b2 - b1)
+    return (float(v1 - slope * b1), float(slope))
+
+
+def _flops_line(flops: float) -> Line:
+    """FLOPs grow in proportion to the micro-batch (every op's work is per sample)."""
+    return (0.0, flops / PROFILE_BATCHES[-1])
+
+
+def _steepest(points1: list[int], points2: list[int]) -> Line:
+    """The line of the op whose live bytes grow fastest with the micro-batch (ties: the higher).
+    The two runs execute the same ops in the same order, so points pair up one to one;
+    if they do not, the fitted peak is all that can be said."""
+    if len(points1) != len(points2) or not points1:
+        return _line(max(points1, default=0), max(points2, default=0))
+    return max((_line(a, b) for a, b in zip(points1, points2)), key=lambda line: (line[1], line[0]))
+
+
+def _region_lines(r1: RawRegion, r2: RawRegion) -> Region:
+    lines = [_line(a, b) for a, b in zip(r1[:4], r2[:4])]
+    return Region(*lines, steep=_steepest(r1.points, r2.points),
+                  steep_nongrad=_steepest(r1.points_nongrad, r2.points_nongrad))
+
+
+def _layer(l1: RawLayer, l2: RawLayer) -> LayerProfile:
+    return LayerProfile(
+        param_bytes=l1.param_bytes, grad_bytes=l1.grad_bytes,
+        output=_line(l1.output, l2.output), output_saved=l1.output_saved,
+        max_grad_tensor_bytes=l1.max_grad_tensor_bytes, grad_rows=l1.grad_rows,
+        forward=_region_lines(l1.forward, l2.forward),
+        recompute=_region_lines(l1.recompute, l2.recompute),
+        checkpointed_forward=_region_lines(l1.checkpointed_forward, l2.checkpointed_forward),
+        backward=_region_lines(l1.backward, l2.backward), after=_line(l1.after, l2.after),
+        input_freed_late=_line(l1.input_freed_late, l2.input_freed_late),
+        args_freed_late=_line(l1.args_freed_late, l2.args_freed_late),
+        forward_flops=_flops_line(l2.forward_flops),
+    )
+
+
+def _output_regions(r1: RawRun, r2: RawRun) -> dict[str, Region]:
+    """The regions cut at the model's output, where both runs have them."""
+    pairs = {k: (getattr(r1, k), getattr(r2, k)) for k in OUTPUT_REGIONS}
+    return {k: _region_lines(a, b) for k, (a, b) in pairs.items() if a is not None and b is not None}
+
+
+def assemble(precision: Precision, runs: dict[int, RawRun], real_check: str = "",
+             real_extra_bytes_per_sample: float = 0.0) -> PrecisionProfile:
+    """The profile of ``precision`` from its runs at the two profiled micro-batches (the larger one
+    with the optimizer step) and the real check's note and extra bytes per sample."""
+    r1, r2 = runs[PROFILE_BATCHES[0]], runs[PROFILE_BATCHES[1]]
+    return PrecisionProfile(
+        precision=precision.value,
+        static_param_bytes=r1.static_param_bytes, grad_bytes=r1.grad_bytes,
+        optimizer_bytes=r2.optimizer_bytes, optimizer_peak_bytes=max(0, r2.opt_region.peak), grad_rows=r1.grad_rows,
+        pre_param_bytes=r1.pre_param_bytes, post_param_bytes=r1.post_param_bytes,
+        pre_grad_bytes=r1.pre_grad_bytes, post_grad_bytes=r1.post_grad_bytes,
+        pre_max_grad_tensor_bytes=r1.pre_max_grad_tensor_bytes,
+        post_max_grad_tensor_bytes=r1.post_max_grad_tensor_bytes,
+        pre_forward=_region_lines(r1.pre_forward, r2.pre_forward),
+        post_forward=_region_lines(r1.post_forward, r2.post_forward),
+        post_backward=_region_lines(r1.post_backward, r2.post_backward),
+        **_output_regions(r1, r2),
+        pre_backward=_region_lines(r1.pre_backward, r2.pre_backward),
+        input_bytes=_line(r1.input_bytes, r2.input_bytes),
+        layers=tuple(_layer(l1, l2) for l1, l2 in zip(r1.layers, r2.layers)),
+        forward_flops=_flops_line(r2.forward_flops),
+        backward_flops=_flops_line(r2.backward_flops),
+        optimizer_flops=0.0, real_check=real_check, real_extra_bytes_per_sample=real_extra_bytes_per_sample,
+    )
+

@@ -1,0 +1,234 @@
+"""Run one profiled micro-step and read it into a :class:`~autofit.profiling.raw.RawRun`.
+
+The step goes through the same code as a real trial (:mod:`autofit.runtime.training`), on fake
+tensors (:func:`run_fake`) or, for the real check, on real ones, under a
+:class:`~autofit.profiling.trace.StepTrace` that cuts its timeline into regions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+from autofit.core.config import Precision, TrainConfig
+from autofit.profiling.data import PROFILE_BATCHES
+from autofit.profiling.raw import RawLayer, RawRegion, RawRun
+from autofit.profiling.timeline import (
+    init_optimizer_state,
+    max_tensor_bytes,
+    state_tensors,
+    tensor_bytes,
+)
+from autofit.profiling.trace import StepTrace
+from autofit.runtime.training import Trainee, build_trainee, forward_backward, to_device
+from autofit.workloads.base import Workload
+
+__all__ = ["CUDA_BLOCK_BYTES", "param_rows", "run_fake", "run_step"]
+
+# The CUDA caching allocator rounds every block up to 512 bytes (FACTS.md).
+CUDA_BLOCK_BYTES = 512
+
+
+def param_rows(params) -> tuple[tuple[int, int], ...]:
+    """(size(0), bytes) of each parameter, tied ones once: FSDP2 shards and pads each on dim 0."""
+    seen, rows = set(), []
+    for p in params:
+        if id(p.untyped_storage()) not in seen:
+            seen.add(id(p.untyped_storage()))
+            rows.append((int(p.shape[0]) if p.dim() else 1, int(p.numel() * p.element_size())))
+    return tuple(rows)
+
+
+class _Step(NamedTuple):
+    """A step ready to run: the trainee, its batch on the device, and the tensors the timeline knows."""
+
+    trainee: Trainee
+    inputs: Any
+    targets: Any
+    layers: list[nn.Module]
+    params: list[nn.Parameter]
+    buffers: list[torch.Tensor]
+    state: list[torch.Tensor]  # the optimizer's
+    batch: list[torch.Tensor]  # the inputs' and targets' tensors
+
+
+def run_step(workload: Workload, precision: Precision, micro_batch: int, device_type: str,
+             tensor_mode, real_batch, count_flops: bool = True, step_optimizer: bool = True) -> RawRun:
+    """One profiled micro-step at ``micro_batch`` samples under ``tensor_mode`` (a ``FakeTensorMode``, or
+    :class:`~autofit.profiling.real_check.RealTensors`), plus the optimizer step (its state made first)
+    when ``step_optimizer``. Raises WorkloadError where the backward pass cannot be followed."""
+    round_bytes = CUDA_BLOCK_BYTES if device_type == "cuda" else 1
+    step = _build(workload, precision, micro_batch, device_type, tensor_mode, real_batch, step_optimizer)
+    trace = StepTrace(len(step.layers), round_bytes, count_flops)
+    checkpointed = _trace(step, trace, tensor_mode, step_optimizer)
+    layer_flops, fwd_flops, bwd_flops = [0.0] * len(step.layers), 0.0, 0.0
+    if count_flops:
+        layer_flops = trace.layer_flops(step.trainee.model, step.layers)
+        fwd_flops, bwd_flops = float(trace.fwd_counter.get_total_flops()), float(trace.bwd_counter.get_total_flops())
+    trace.check_backward(workload.name)
+    return _read(step, trace, checkpointed, layer_flops, fwd_flops, bwd_flops, step_optimizer)
+
+
+def _build(workload: Workload, precision: Precision, micro_batch: int, device_type: str, tensor_mode,
+           real_batch, step_optimizer: bool) -> _Step:
+    config = TrainConfig(precision=precision, micro_batch=micro_batch)
+    with tensor_mode:
+        trainee = build_trainee(workload, config, device=device_type, fake=True)
+        if step_optimizer:  # its state exists before the step, as in every step after the first
+            init_optimizer_state(trainee)
+        float_dtype = torch.bfloat16 if precision is Precision.BF16 else None
+        # Tensors nested in dicts or lists (e.g. {"input_ids": ..., "labels": ...}) are made fake too
+        inputs, targets = to_device(tree_map_only(torch.Tensor, tensor_mode.from_tensor, tuple(real_batch)),
+                                    trainee.device, float_dtype)
+    batch_tensors = [t for t in tree_leaves((inputs, targets)) if isinstance(t, torch.Tensor)]
+    model = trainee.model
+    return _Step(trainee, inputs, targets, workload.layers(model), params=[p for p in model.parameters()],
+                 buffers=list(model.buffers()), state=state_tensors(trainee.optimizer), batch=batch_tensors)
+
+
+def _trace(step: _Step, trace: StepTrace, tensor_mode, step_optimizer: bool) -> list[RawRegion]:
+    """Run ``step`` under ``trace``'s hooks and timeline, then the checkpointed forward (its regions)."""
+    trainee, timeline = step.trainee, trace.timeline
+    trace.attach(trainee.model, step.layers, step.params)
+    with tensor_mode:
+        timeline.register(step.params + step.buffers + step.state)
+        timeline.register(step.batch, counted=False)
+        timeline.reset_peaks()
+        trainee.optimizer.zero_grad(set_to_none=True)
+        with timeline:
+            trace.forward_starts()
+            forward_backward(trainee, step.inputs, step.targets, before_backward=trace.between_forward_and_backward)
+            trace.backward_ends()
+            if step_optimizer:
+                trainee.optimizer.step()
+                trace.optimizer_stepped()
+    trace.detach()
+    with tensor_mode, timeline:
+        return trace.checkpointed_forwards(trainee, step.layers, step.inputs)
+
+
+def _read(step: _Step, trace: StepTrace, checkpointed: list[RawRegion], layer_flops: list[float],
+          fwd_flops: float, bwd_flops: float, step_optimizer: bool) -> RawRun:
+    """The traced step's numbers."""
+    weights = _weights(step.trainee.model, step.layers, step.params, step.buffers, trace.module_phase)
+    rb, n = trace.round_bytes, trace.n
+    grads = {id(p): p for p in step.params if p.requires_grad}
+    pre_grads = [t for t in weights.pre if id(t) in grads]
+    post_grads = [t for t in weights.post if id(t) in grads]
+    return RawRun(
+        static_param_bytes=tensor_bytes(step.params + step.buffers, rb),
+        grad_bytes=tensor_bytes(grads.values(), rb),
+        grad_rows=param_rows(grads.values()),
+        **({"optimizer_bytes": tensor_bytes(step.state, rb), "opt_region": trace.region("end", "opt")}
+           if step_optimizer else {}),
+        pre_param_bytes=tensor_bytes(weights.pre, rb),
+        # weights used before and after the layers (a tied embedding and head): a split copies them
+        tied_bytes=tensor_bytes([t for t in weights.pre if any(t is u for u in weights.post)], rb),
+        post_param_bytes=tensor_bytes(weights.post, rb),
+        pre_grad_bytes=tensor_bytes(pre_grads, rb),
+        post_grad_bytes=tensor_bytes(post_grads, rb),
+        pre_max_grad_tensor_bytes=max_tensor_bytes(pre_grads, rb),
+        post_max_grad_tensor_bytes=max_tensor_bytes(post_grads, rb),
+        pre_forward=trace.region("start", "f0"),
+        post_forward=trace.region("layers_done", "loss"),
+        post_backward=trace.region("loss", f"b{n - 1}"),
+        **trace.output_regions(),
+        pre_backward=trace.region("B0", "end"),
+        forward_flops=fwd_flops,
+        backward_flops=bwd_flops,
+        input_bytes=tensor_bytes(step.batch, rb),
+        step_peak_bytes=max((live for live, _ in trace.timeline.trace), default=0),
+        layers=tuple(_raw_layer(trace, i, weights.layers[i], weights.layer_buffers[i], checkpointed[i], layer_flops[i])
+                     for i in range(n)),
+    )
+
+
+def _raw_layer(trace: StepTrace, i: int, params: list, buffers: list, checkpointed: RawRegion,
+               flops: float) -> RawLayer:
+    rb, last = trace.round_bytes, i == trace.n - 1
+    trainable = [p for p in params if p.requires_grad]
+    return RawLayer(
+        param_bytes=tensor_bytes(params + buffers, rb),
+        grad_bytes=tensor_bytes(trainable, rb),
+        max_grad_tensor_bytes=max_tensor_bytes(trainable, rb),
+        grad_rows=param_rows(trainable),
+        output=trace.layer_out[i],
+        output_saved=trace.output_saved[i],
+        forward=trace.region(f"f{i}", f"F{i}"),
+        recompute=trace.recompute(i),
+        checkpointed_forward=checkpointed,
+        # what dies before the next layer starts (the last: before the next operator):
+        # this layer's input, when no backward keeps it
+        after=trace.region(f"F{i}", "layers_done" if last else f"f{i + 1}").delta,
+        backward=trace.region(f"b{i}", f"B{i}"),
+        input_freed_late=trace.freed_late(i, True),
+        args_freed_late=trace.freed_late(i, False),
+        forward_flops=flops,
+    )
+
+
+class _Weights(NamedTuple):
+    pre: list[torch.Tensor]     # weights and buffers outside the layers used before them
+    post: list[torch.Tensor]    # ... used after (or among) them; a tied one is in both
+    layers: list[list[nn.Parameter]]       # each layer's own parameters
+    layer_buffers: list[list[torch.Tensor]]
+
+
+def _weights(model: nn.Module, layers, params: list, buffers: list, module_phase: dict[int, str]) -> _Weights:
+    """The model's weights grouped by where the step used them (``module_phase``: the phase in which
+    each module outside the layers first ran)."""
+    # A module listed several times owns its weights once: at its first place in the list.
+    first_place = {id(layer): i for i, layer in reversed(list(enumerate(layers)))}
+    layer_params = [list(layer.parameters()) if first_place[id(layer)] == i else [] for i, layer in enumerate(layers)]
+    in_layers = {id(p) for ps in layer_params for p in ps}
+    owner_phase: dict[int, set] = {}
+    for module in model.modules():
+        ph = module_phase.get(id(module))
+        if ph is None:
+            continue
+        for p in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+            owner_phase.setdefault(id(p), set()).add(ph)
+    outside = [t for t in params + buffers if id(t) not in in_layers]
+    pre = [t for t in outside if "pre" in owner_phase.get(id(t), {"pre"})]
+    post = [t for t in outside if "post" in owner_phase.get(id(t), set()) or "layers" in owner_phase.get(id(t), set())]
+    layer_buffers = [list(layer.buffers()) if first_place[id(layer)] == i else [] for i, layer in enumerate(layers)]
+    return _Weights(pre, post, layer_params, layer_buffers)
+
+
+def run_fake(workload: Workload, precision: Precision, micro_batch: int, device_type: str, real_batch) -> RawRun:
+    """One profiled step on fake tensors. On CUDA, a model whose cuDNN kernels refuse fake tensors
+    (an RNN: ``flatten_parameters`` and ``_cudnn_rnn`` call cuDNN with fake pointers and fail with
+    CUDNN_STATUS_BAD_PARAM) is profiled again with cuDNN off: its native kernels have fake
+    implementations. They save each step's gates where cuDNN keeps a reserve buffer (which torch's
+    fake kernel sizes as 0 anyway), so the profile is that of the native kernels; the trials on the
+    device measure the real one and calibration corrects the estimate."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    # FLOPs and the optimizer step do not depend on the micro-batch: counted and run at the larger one only
+    # (each costs about as much as the forward and backward on fake tensors).
+    full = micro_batch == PROFILE_BATCHES[-1]
+    try:
+        with _quiet_fake_kernels():
+            return run_step(workload, precision, micro_batch, device_type, FakeTensorMode(), real_batch, full, full)
+    except Exception as exc:
+        if device_type != "cuda" or "cudnn" not in f"{type(exc).__name__} {exc}".lower():
+            raise
+    with torch.backends.cudnn.flags(enabled=False), _quiet_fake_kernels():
+        return run_step(workload, precision, micro_batch, device_type, FakeTensorMode(), real_batch, full, full)
+
+
+@contextlib.contextmanager
+def _quiet_fake_kernels():
+    """FakeTensorMode logs a traceback when a fake kernel raises (a user's shape mistake) before the
+    error reaches us; the user gets it as one line (WorkloadError), in whichever process profiles."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    disabled, logger.disabled = logger.disabled, True
+    try:
+        yield
+    finally:
+        logger.disabled = disabled

@@ -1,0 +1,261 @@
+"""The hooks that cut one profiled step's timeline into regions, and what they record on the way.
+
+:mod:`autofit.profiling.step` runs the step; a :class:`StepTrace` is attached to its model for
+the run. Its marks, in the :class:`~autofit.profiling.timeline.Recorder`:
+
+- ``start``, then for layer ``i``: ``f{i}`` and ``F{i}`` where its forward starts and ends,
+  ``b{i}`` where its output's gradient arrives and ``B{i}`` where its input's gradient is made
+  (its backward); ``layers_done`` before the first operator after the last layer;
+- ``out`` and ``dout`` where the model's own forward ends and its output's gradient arrives;
+- ``loss`` between forward and backward, ``end`` after the backward, ``opt`` after the optimizer step;
+- ``c{i}`` and ``C{i}``: layer ``i``'s forward in one more forward, run as a checkpointed segment runs it.
+
+No tensor is kept on the trace: a reference held here would keep memory alive that the step frees.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from autofit.core.errors import WorkloadError
+from autofit.profiling.raw import RawRegion
+from autofit.profiling.timeline import (
+    Recorder,
+    Timeline,
+    first_tensor,
+    freed_between,
+    round_up,
+    watch_arguments,
+)
+from autofit.runtime.training import Trainee, autocast_context
+
+__all__ = ["StepTrace"]
+
+
+def _unpacked(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+class StepTrace:
+    """One profiled step's hooks (:meth:`attach`, :meth:`detach`) and what they record."""
+
+    def __init__(self, n_layers: int, round_bytes: int, count_flops: bool) -> None:
+        n = self.n = n_layers
+        self.round_bytes = round_bytes
+        self.timeline = Timeline(round_bytes)
+        self.rec = Recorder(self.timeline)
+        self.layer_out: list[int] = [0] * n  # bytes of each layer's output
+        # Whether a layer saves its own output for backward (e.g. a final ReLU): then a
+        # checkpointed segment's recomputation re-creates and keeps it (no early stop before it).
+        self.output_saved: list[bool] = [False] * n
+        self.saved_ptrs: list[set] = [set() for _ in range(n)]
+        # Where each layer's forward saved its last tensor for backward (a timeline index): a
+        # checkpointed segment's recomputation stops there (non-reentrant early stop).
+        self.last_saved: list[int | None] = [None] * n
+        self._saving: torch.autograd.graph.saved_tensors_hooks | None = None  # the running layer's
+        # The storages each layer is called with (its input and any other tensor argument, e.g. an
+        # encoder's output every decoder layer takes), each under the first layer that takes it, and
+        # the timeline index at which each died: a checkpoint keeps its segment's arguments alive
+        # until the segment's backward (:meth:`freed_late`).
+        self.taken: dict[int, int] = {}
+        self.arg_bytes: list[dict] = [{} for _ in range(n)]
+        self.died_at: dict[int, int] = {}
+        # Where the step is ("pre", "layers", "post") when each module outside the layers first runs.
+        self.phase = "pre"
+        self.module_phase: dict[int, str] = {}
+        # Hooks go on each distinct layer module once and number the calls: a module listed several
+        # times (weight sharing, ModuleList([block] * 4)) is layer i on its i-th call.
+        self.calls = {"pre": 0, "post": 0, "c": 0, "C": 0}
+        self.input_grad: list[bool] = [True] * n
+        self.output_grad: list[bool] = [True] * n
+        # FLOPs for the time model: one counter over the forward, another over the backward.
+        self.fwd_counter, self.bwd_counter = FlopCounterMode(display=False), FlopCounterMode(display=False)
+        if not count_flops:  # counting costs time; FLOPs are counted at one batch size only
+            self.fwd_counter = self.bwd_counter = contextlib.nullcontext()
+        self._handles: list = []
+
+    # -- hooks ---------------------------------------------------------------------------------
+
+    def attach(self, model: nn.Module, layers, params: list[nn.Parameter]) -> None:
+        """Hook the layers, the model's output, the modules outside the layers and the gradients."""
+        for layer in {id(layer): layer for layer in layers}.values():
+            self._handles.append(layer.register_forward_pre_hook(self._layer_starts, with_kwargs=True))
+            self._handles.append(layer.register_forward_hook(self._layer_ends))
+        self._handles.append(model.register_forward_hook(self._model_ends))
+        layer_ids = {id(m) for layer in layers for m in layer.modules()}
+        for module in model.modules():
+            if id(module) not in layer_ids and module is not model:
+                self._handles.append(module.register_forward_pre_hook(self._outer_module_starts))
+        for p in params:
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_accumulated))
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _next_call(self, key: str) -> int | None:
+        """The layer this call of a layer module is (None: a call outside the layer loop)."""
+        i = self.calls[key]
+        self.calls[key] += 1
+        return i if i < self.n else None
+
+    def _layer_starts(self, module, args, kwargs) -> None:
+        i = self._next_call("pre")
+        if i is None:
+            return
+        self.rec.mark(f"f{i}")
+        watch_arguments(i, (args, kwargs), self.timeline, self.taken, self.arg_bytes, self.died_at)
+        if i == 0:
+            self.phase = "layers"
+        self._saving = torch.autograd.graph.saved_tensors_hooks(functools.partial(self._saved, i), _unpacked)
+        self._saving.__enter__()
+
+    def _saved(self, i: int, t: torch.Tensor) -> torch.Tensor:
+        self.saved_ptrs[i].add(t.untyped_storage()._cdata)
+        self.last_saved[i] = len(self.timeline.trace)  # an input is saved before its op runs, an output after
+        return t
+
+    def _layer_ends(self, module, args, output) -> None:
+        i = self._next_call("post")
+        if i is None:
+            return
+        self._saving.__exit__(None, None, None)
+        out = first_tensor(output)
+        self.layer_out[i] = round_up(out.untyped_storage().nbytes(), self.round_bytes) if out is not None else 0
+        self.output_saved[i] = out is not None and out.untyped_storage()._cdata in self.saved_ptrs[i]
+        self.rec.mark(f"F{i}")
+        if i == self.n - 1:
+            self.phase = "post"
+            # the last layer's input dies (where no backward keeps it) as the model moves on
+            self.rec.mark_before_next_op("layers_done")
+        self.output_grad[i] = out is not None and out.requires_grad
+        if self.output_grad[i]:
+            out.register_hook(functools.partial(self._gradient_arrives, f"b{i}"))
+        inp = first_tensor(args)
+        self.input_grad[i] = inp is not None and inp.requires_grad
+        if self.input_grad[i]:
+            inp.register_hook(functools.partial(self._gradient_arrives, f"B{i}"))
+
+    def _gradient_arrives(self, name: str, grad: torch.Tensor) -> None:
+        self.rec.mark(name)
+
+    def _outer_module_starts(self, module, args) -> None:
+        self.module_phase.setdefault(id(module), self.phase)
+
+    def _model_ends(self, module, args, output) -> None:
+        # Where the model's own forward ends and its output's gradient arrives: FSDP gathers and
+        # frees the root's weights there, while the loss (outside the model) runs without them.
+        self.rec.mark("out")
+        out = first_tensor(output)
+        if out is not None and out.requires_grad:
+            out.register_hook(functools.partial(self._gradient_arrives, "dout"))
+
+    def _grad_accumulated(self, p: nn.Parameter) -> None:
+        self.timeline.mark_grad(p.grad)
+
+    # -- the step's phases ---------------------------------------------------------------------
+
+    def forward_starts(self) -> None:
+        self.rec.mark("start")
+        self.fwd_counter.__enter__()
+
+    def between_forward_and_backward(self) -> None:
+        self.fwd_counter.__exit__(None, None, None)
+        self.rec.mark("loss")
+        self.bwd_counter.__enter__()
+
+    def backward_ends(self) -> None:
+        # Backward ends inside a layer whose input needs no gradient (the first layer fed the raw
+        # input or a frozen embedding's output): its backward runs to the end of the backward
+        # pass, and layers before it (no gradient at all) have an empty one.
+        names = set(self.rec.names())
+        for i in reversed(range(self.n)):
+            if f"b{i}" not in names and not self.output_grad[i]:
+                self.rec.mark(f"b{i}")
+            if f"B{i}" not in names and not (self.input_grad[i] and self.output_grad[i]):
+                self.rec.mark(f"B{i}")
+        self.bwd_counter.__exit__(None, None, None)
+        self.rec.mark("end")
+
+    def optimizer_stepped(self) -> None:
+        self.rec.mark("opt")
+
+    def checkpointed_forwards(self, trainee: Trainee, layers, inputs) -> list[RawRegion]:
+        """Each layer's forward as a checkpointed segment's forward runs it, as :meth:`Recorder.region`
+        gives it: autograd keeps none of the tensors it saves (the checkpoint's pack hook stores no
+        tensor), so each dies with its last Python reference. One more forward of the model, its output
+        dropped."""
+        unique = {id(layer): layer for layer in layers}.values()
+        handles = [layer.register_forward_pre_hook(functools.partial(self._mark_call, "c")) for layer in unique]
+        handles += [layer.register_forward_hook(functools.partial(self._mark_call, "C")) for layer in unique]
+        try:
+            with autocast_context(trainee.config.precision, trainee.device.type), \
+                    torch.autograd.graph.saved_tensors_hooks(lambda t: None, lambda saved: None):
+                trainee.model(inputs)
+        finally:
+            for h in handles:
+                h.remove()
+        return [self.rec.region(f"c{i}", f"C{i}") for i in range(self.n)]
+
+    def _mark_call(self, key: str, module, *args) -> None:
+        i = self._next_call(key)
+        if i is not None:
+            self.rec.mark(f"{key}{i}")
+
+    # -- reading the trace ---------------------------------------------------------------------
+
+    def check_backward(self, workload_name: str) -> None:
+        """Raise WorkloadError where the backward pass could not be followed through every layer."""
+        names = self.rec.names()
+        n = self.n
+        missing = [f"b{i}" for i in range(n) if f"b{i}" not in names] + [f"B{i}" for i in range(n) if f"B{i}" not in names]
+        if missing:
+            raise WorkloadError(
+                f"{workload_name}: could not follow the backward pass through layers ({missing[0]} missing); "
+                "each layer must take the previous layer's output as its first input"
+            )
+
+    def region(self, start: str, end: str) -> RawRegion:
+        return self.rec.region(start, end)
+
+    def recompute(self, i: int) -> RawRegion:
+        """Layer ``i``'s forward up to its last saved tensor (:meth:`prefix`)."""
+        return self.prefix(f"f{i}", self.last_saved[i])
+
+    def prefix(self, start: str, stop: int | None) -> RawRegion:
+        """The region from mark ``start`` to timeline index ``stop`` (exclusive), as :meth:`Recorder.region`
+        gives it; nothing (all zeros) when ``stop`` is None (the layer saved nothing)."""
+        first = self.rec.find(start)
+        live0, ng0, at = first.live, first.nongrad, first.at
+        points = self.timeline.trace[at:stop] if stop is not None and stop > at else [(live0, ng0)]
+        live = [p[0] - live0 for p in points]
+        nongrad = [p[1] - ng0 for p in points]
+        return RawRegion(live[-1], max(live), nongrad[-1], max(nongrad), live, nongrad)
+
+    def output_regions(self) -> dict[str, RawRegion]:
+        """The after-layers regions cut at the model's output (none where it has no gradient)."""
+        if not {"out", "dout"} <= set(self.rec.names()):
+            return {}
+        return {"head_forward": self.region("layers_done", "out"), "loss_forward": self.region("out", "loss"),
+                "loss_backward": self.region("loss", "dout"), "head_backward": self.region("dout", f"b{self.n - 1}")}
+
+    def freed_late(self, i: int, first: bool) -> int:
+        """Bytes of layer ``i``'s first argument (``first``) or of its others that died after the layers,
+        as the model's forward returned (:func:`~autofit.profiling.timeline.freed_between`)."""
+        return freed_between(self.rec, self.arg_bytes[i], self.died_at, "layers_done", "loss", first)
+
+    def layer_flops(self, model: nn.Module, layers) -> list[float]:
+        """Each layer's forward FLOPs (the forward counter's per-module counts)."""
+        per_module = self.fwd_counter.get_flop_counts()
+        fqn = {id(m): name for name, m in model.named_modules()}
+        root = type(model).__name__
+        uses = {id(layer): sum(other is layer for other in layers) for layer in layers}  # a shared module counts all its calls
+        return [float(sum(per_module.get(f"{root}.{fqn.get(id(layer), '')}", {}).values())) / uses[id(layer)]
+                for layer in layers]
