@@ -3,27 +3,88 @@
 ``autofit bench`` (every suite, default output folder) rewrites the block between
 :data:`START` and :data:`END` in the README of the directory it runs in; a test checks that the
 committed README's block is what :func:`readme_block` makes of the committed summary.
+
+The block is a headline: at most :data:`MAX_LINES` lines between the markers. It keeps the
+summary's bullets that start with one of :data:`HEADLINES` verbatim, folds the per-cell search
+bullets into one line (autofit against the best other strategy in each cell) and the per-cell
+acceptance checks into a count, and links ``docs/benchmarks.md`` and the suites' tables for the rest.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 START = "<!-- bench:start -->"
 END = "<!-- bench:end -->"
 SUITE_FILES = ("accuracy", "search", "cost")
+DOCS_PAGE = "docs/benchmarks.md"
+MAX_LINES = 10  # lines between the markers: the link line, a blank line, the bullets
+# Summary bullets kept verbatim, in this order (the first bullet starting with each).
+HEADLINES = ("Peak memory, estimate vs measured", "At the search budgets:", "Time model prior error",
+             "Estimator:", "Profiling ", "Trial runner:")
+# Where the search digest and the acceptance count go among them (after this many verbatim bullets).
+SEARCH_AFTER = 3
+
+_SEARCH = re.compile(r"^- Search, (?P<cell>.+?) \(best found / optimum, median wall time\): (?P<runs>.*?)\.?$")
+_RUN = re.compile(r"^(?P<label>[^(]+?)(?: \([^)]*\))? (?P<pct>\d+(?:\.\d+)?)% in (?P<s>\d+(?:\.\d+)?) s$")
+_CHECK = re.compile(r"^- Done when\b.*?: (?P<verdict>PASS|FAIL)\b")
+
+
+def _search_digest(bullets: list[str]) -> str | None:
+    """One line from the per-cell ``Search, ...`` bullets: autofit's median fraction of the optimum and
+    median wall time in each cell, beside the best other strategy's (highest fraction, then least time)."""
+    cells = []
+    for line in bullets:
+        m = _SEARCH.match(line)
+        if m is None:
+            continue
+        runs = [r.groupdict() for r in map(_RUN.match, m["runs"].split("; ")) if r is not None]
+        mine = [r for r in runs if r["label"] == "autofit"]
+        others = sorted((r for r in runs if r["label"] != "autofit"), key=lambda r: (-float(r["pct"]), float(r["s"])))
+        if not mine:
+            continue
+        text = f"{m['cell']} {mine[0]['pct']}% in {mine[0]['s']} s"
+        if others:
+            best = others[0]
+            text += f" vs {best['pct']}% in {best['s']} s ({best['label']})"
+        cells.append(text)
+    if not cells:
+        return None
+    return ("- Search, best found / optimum and wall time (medians over the replayed seeds), autofit vs the best "
+            "other strategy in each cell: " + "; ".join(cells) + ".")
+
+
+def _checks_count(bullets: list[str]) -> str | None:
+    """How many cells pass every acceptance check of the search suite, from its per-cell verdict bullets."""
+    verdicts = [m["verdict"] for m in map(_CHECK.match, bullets) if m is not None]
+    if not verdicts:
+        return None
+    return (f"- Search acceptance checks per cell (each check, where and why: search.md): {verdicts.count('PASS')} "
+            f"of {len(verdicts)} cells pass all of them.")
 
 
 def readme_block(summary_text: str, results_dir: str = "results/benchmarks") -> str:
     """The README block (markers included) for ``summary_text``, the contents of ``summary.md``.
 
-    The summary's bullet lines are kept verbatim; its title and reproduce line become links.
+    The bullets named in :data:`HEADLINES` are kept verbatim, the search's per-cell bullets are
+    folded into two lines, and the rest is left to the linked pages; at most :data:`MAX_LINES`
+    lines between the markers.
     """
     bullets = [line for line in summary_text.splitlines() if line.startswith("- ")]
+    kept = []
+    for prefix in HEADLINES:
+        first = next((line for line in bullets if line[2:].startswith(prefix)), None)
+        if first is not None:
+            kept.append(first)
+    search = [line for line in (_search_digest(bullets), _checks_count(bullets)) if line is not None]
+    split = sum(1 for line in kept if any(line[2:].startswith(p) for p in HEADLINES[:SEARCH_AFTER]))
+    chosen = (kept[:split] + search + kept[split:])[:MAX_LINES - 2]
     links = ", ".join(f"[{name}.md]({results_dir}/{name}.md)" for name in SUITE_FILES)
     head = (f"Headline figures of the committed run, written by `autofit bench` from "
-            f"[summary.md]({results_dir}/summary.md) (never edited by hand); every table is in {links}.")
-    return "\n".join([START, head, "", *bullets, END])
+            f"[summary.md]({results_dir}/summary.md) (never edited by hand); what each suite measures is in "
+            f"[{DOCS_PAGE}]({DOCS_PAGE}), every figure in {links}.")
+    return "\n".join([START, head, "", *chosen, END])
 
 
 def replace_block(readme_text: str, block: str) -> str:
@@ -51,4 +112,4 @@ def update_readme(readme: Path, summary: Path) -> bool:
     return True
 
 
-__all__ = ["END", "START", "readme_block", "replace_block", "update_readme"]
+__all__ = ["DOCS_PAGE", "END", "HEADLINES", "MAX_LINES", "START", "readme_block", "replace_block", "update_readme"]

@@ -47,7 +47,8 @@ class SplitMode(str, enum.Enum):
 
 class PipelineSchedule(str, enum.Enum):
     """How a device split runs its micro-batches. 1F1B holds at most ``p - i`` micro-batches'
-    activations on stage ``i``; GPipe holds all ``grad_accum`` of them (FACTS.md, Narayanan et al. SC'21).
+    activations on stage ``i``; GPipe holds all ``grad_accum`` of them (Narayanan et al. SC'21,
+    docs/facts.md#pipeline-schedules).
 
     Any case is accepted (``"1F1B"``, ``"GPipe"``).
     """

@@ -5,7 +5,7 @@ it (:mod:`autofit.estimate.calibration`). Three measured rates of the device, pe
 matters, come from a short probe (:func:`probe_rates`: a child process with
 ``OMP_WAIT_POLICY=PASSIVE`` that measures twice, a few seconds once, then cached on disk next to
 the profiles; implausible rates are never cached), never from a table of peak numbers: the same chip runs fp16 matmuls 1000x
-slower than bf16 when it has no native kernel (FACTS.md, "Compute and time").
+slower than bf16 when it has no native kernel (docs/facts.md#device-rates-differ-by-dtype).
 
 For one micro-step of ``b`` samples on a stage (shapes: scalars per config, vectorized over
 a table of configs)::
@@ -22,8 +22,8 @@ Narayanan et al. SC'21)::
     t_optimizer = 2 * (weights + grads + optimizer state) / memory_rate + ops * op_latency
     # an FSDP rank of N: the bytes / N, the ops on every tensor (a shard of each), each + a DTensor's overhead
 
-With ``p = 1`` this is ``grad_accum * t_micro + t_optimizer`` (FACTS.md). Backward FLOPs of
-a stage are the whole model's backward in proportion to the stage's forward FLOPs.
+With ``p = 1`` this is ``grad_accum * t_micro + t_optimizer`` (docs/facts.md#step-time-with-accumulation).
+Backward FLOPs of a stage are the whole model's backward in proportion to the stage's forward FLOPs.
 
 Known limitations: matmuls are costed at the probe's large-matrix rate (small matrices run
 slower: the prior favours small micro-batches too much until calibrated); the operator count is

@@ -22,11 +22,12 @@ import os
 from dataclasses import asdict, dataclass
 
 # Fallbacks only (no CUDA device here, or no NVML): the context with lazy module loading is about
-# 300-500 MB on CUDA 12 (pytorch #107667, FACTS.md); measured 742-760 MiB on an H200 with CUDA 13
+# 300-500 MB on CUDA 12 (pytorch #107667, docs/facts.md#cuda-context); measured 742-760 MiB on an H200 with CUDA 13
 # (results/benchmarks/gpu/run1-h200.md). The workspace is not assumed.
 FALLBACK_CONTEXT_BYTES = 450 * 2**20
 FALLBACK_WORKSPACE_BYTES = 0
-# Reserved exceeds allocated by fragmentation: 5-30% in the field (FACTS.md), 2-20% measured on the H200.
+# Reserved exceeds allocated by fragmentation: 5-30% in the field, 2-20% measured on the H200
+# (docs/facts.md#allocator-fragmentation).
 FRAGMENTATION = 0.10
 
 

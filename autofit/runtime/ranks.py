@@ -147,7 +147,8 @@ def join_failure(exc: BaseException, rank: int, label: str) -> dict:
 
 
 def cap_cuda_memory(device: torch.device, budget_bytes: int | None) -> None:
-    """Cap the caching allocator at the budget. The CUDA context and NCCL are outside it (FACTS.md)."""
+    """Cap the caching allocator at the budget. The CUDA context and NCCL are outside it
+    (docs/facts.md#cuda-caching-allocator)."""
     torch.cuda.set_device(device)
     if budget_bytes is not None:
         total = torch.cuda.get_device_properties(device).total_memory

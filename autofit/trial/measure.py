@@ -15,7 +15,7 @@ What is measured, in order (the steps of a :class:`autofit.runtime.schedule.Meas
    on CUDA, the caching allocator's ``max_memory_allocated`` / ``max_memory_reserved``;
 3. throughput, on steps run without any tracker: micro-steps and the optimizer step are timed
    separately and composed as ``step_time_s = grad_accum * t_micro + t_optimizer``
-   (FACTS.md, "Compute and time"), so a config with ``grad_accum=64`` runs only a few
+   (docs/facts.md#step-time-with-accumulation), so a config with ``grad_accum=64`` runs only a few
    micro-steps per timed step.
 
 Each measured step runs ``min(grad_accum, 3)`` micro-batches (the schedule's

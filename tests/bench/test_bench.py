@@ -467,16 +467,66 @@ def test_update_readme_rewrites_only_the_block(tmp_path):
     from autofit.bench.readme import END, START, replace_block, update_readme
 
     summary = tmp_path / "summary.md"
-    summary.write_text("# autofit bench: headline figures\n\nReproduce with `autofit bench`.\n\n- figure one\n- two\n")
+    summary.write_text("# autofit bench: headline figures\n\nReproduce with `autofit bench`.\n\n"
+                       "- Peak memory, estimate vs measured (CPU tracker): figure one\n- Estimator: two\n")
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{START}\n- stale figure\n{END}\nafter\n")
     assert update_readme(readme, summary)
     text = readme.read_text()
     assert text.startswith("intro\n") and text.endswith("\nafter\n")
-    assert "- figure one\n- two\n" in text and "stale" not in text and "Reproduce" not in text
+    assert "- Peak memory, estimate vs measured (CPU tracker): figure one\n- Estimator: two\n" in text
+    assert "stale" not in text and "Reproduce" not in text
     assert not update_readme(tmp_path / "missing.md", summary)
     with pytest.raises(ValueError, match="no benchmark block"):
         replace_block("no markers here", "x")
+
+
+def test_readme_block_is_a_headline_of_the_summary():
+    from autofit.bench.readme import DOCS_PAGE, END, MAX_LINES, START, readme_block
+
+    summary = "\n".join([
+        "# autofit bench: headline figures", "",
+        "- Peak memory, estimate vs measured (CPU tracker), 3 configs of a: median |error| 1%.",
+        "- lstm-lm (reported, not a target): median |error| 0.1%.",
+        "- At the search budgets: 0 false fit(s), 0 false prune(s).",
+        "- Search, a @ 8 MiB (best found / optimum, median wall time): autofit 93% in 16 s; "
+        "optuna-tpe (no memory estimate) 93% in 15 s; finder sweep (no checkpointing) 100% in 7 s; "
+        "other not available.",
+        "- Search, b @ 4 MiB (best found / optimum, median wall time): autofit 100% in 9 s; "
+        "finder @amp-bf16 (amp-bf16 only) 51% in 2 s.",
+        "- Live, a @ 8 MiB (one real run each): autofit 100% in 16 s.",
+        "- Done when (targets), a @ 8 MiB: FAIL on less wall time than best sweep (16 vs 7).",
+        "- Done when (targets), b @ 4 MiB: PASS.",
+        "- Estimator: 1,000 configs scored per second.",
+        "- Suite accuracy: 1.0 min.",
+    ])
+    block = readme_block(summary).splitlines()
+    assert block[0] == START and block[-1] == END and len(block) - 2 <= MAX_LINES
+    assert f"]({DOCS_PAGE})" in block[1] and "](results/benchmarks/search.md)" in block[1]
+    bullets = block[3:-1]
+    assert bullets[0].startswith("- Peak memory") and bullets[1].startswith("- At the search budgets")
+    # per cell: autofit's figures beside the best other strategy's (highest fraction, then least time)
+    assert ("a @ 8 MiB 93% in 16 s vs 100% in 7 s (finder sweep); b @ 4 MiB 100% in 9 s vs 51% in 2 s "
+            "(finder @amp-bf16).") in bullets[2]
+    assert bullets[3].endswith("1 of 2 cells pass all of them.")
+    assert bullets[4] == "- Estimator: 1,000 configs scored per second."
+    assert not any(b.startswith(("- lstm-lm", "- Live", "- Done when", "- Suite")) for b in bullets)
+
+
+def test_committed_readme_block_fits_the_headline_and_keeps_the_summary_figures():
+    from pathlib import Path
+
+    from autofit.bench.readme import END, MAX_LINES, START
+
+    root = Path(__file__).resolve().parents[2]
+    readme = (root / "README.md").read_text()
+    summary = (root / "results/benchmarks/summary.md").read_text().splitlines()
+    inner = readme[readme.index(START) + len(START):readme.index(END)].strip("\n").splitlines()
+    assert len(inner) <= MAX_LINES
+    for line in inner:
+        if line.startswith("- ") and not line.startswith("- Search"):
+            assert line in summary, line  # a headline bullet is the summary's, word for word
+    assert (root / "docs/benchmarks.md").is_file()
 
 
 # --- levers: device splits and what each lever is worth -------------------------------------------
