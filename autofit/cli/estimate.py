@@ -24,6 +24,8 @@ def add_parser(subparsers) -> None:
         "estimate", help="predict the memory of a config or a whole search space (nothing is trained)",
         description="Predict peak memory per device from a fake-tensor profile of the model. With --config, "
                     "one config's breakdown; without, every config of the space sorted by predicted peak.",
+        epilog="Exit status: 0 when a config is predicted to fit; 1 when none is (the config given, or nothing in "
+               "the space); 2 for a usage error.",
     )
     p.add_argument("--model", required=True, help=DEFAULT_MODEL_HELP)
     add_hf_options(p)
@@ -66,7 +68,7 @@ def _one(profile, config: TrainConfig, budget_bytes: int, as_json: bool) -> int:
     est = estimate(profile, config, budget_bytes, overhead=device_overhead(profile.device_type))
     if as_json:
         print(json.dumps({**est.to_dict(), "workload": profile.workload}, indent=2))
-        return 0
+        return 0 if est.fits else 1
     print(f"workload   {profile.workload} ({profile.param_count:,} parameters, {profile.n_layers} layers, {profile.optimizer})")
     print(f"device     {profile.device_type}")
     print(f"budget     {format_budget(budget_bytes)} per device")
@@ -88,7 +90,7 @@ def _one(profile, config: TrainConfig, budget_bytes: int, as_json: bool) -> int:
     if not est.fits:
         for line in advise(profile, budget_bytes, [config.precision]).lines:
             print(f"  - {line}")
-    return 0
+    return 0 if est.fits else 1
 
 
 def _space(profile, space, budget_bytes: int, args) -> int:
@@ -107,7 +109,7 @@ def _space(profile, space, budget_bytes: int, args) -> int:
         print(json.dumps({"workload": profile.workload, "budget_bytes": budget_bytes, "device_type": profile.device_type,
                           "space": space.source, "cuda_overhead": overhead and overhead.to_dict(),
                           "configs": rows}, indent=2))
-        return 0
+        return 0 if any(row["fits"] for row in rows) else 1
     n_fit = int(table["fits"].sum())
     print(f"workload   {profile.workload} ({profile.param_count:,} parameters, {profile.n_layers} layers, {profile.optimizer})")
     print(f"device     {profile.device_type}    budget {format_budget(budget_bytes)} per device")
@@ -130,5 +132,5 @@ def _space(profile, space, budget_bytes: int, args) -> int:
     elif table[(table.device_split == 1) & table.fits].empty:
         print()
         print("No single-device configuration fits; only split ones do.")
-    return 0
+    return 0 if n_fit else 1
 

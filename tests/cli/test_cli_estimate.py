@@ -45,10 +45,28 @@ def test_estimate_space_json_sorted(tmp_path):
 
 def test_estimate_table_says_what_would_fit():
     proc = autofit("estimate", "--model", "gpt-tiny", "--budget", "4MiB", "--device", "cpu", "--space", "default")
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 1, proc.stderr  # nothing fits: a script can branch on it
     assert "Nothing in the space fits" in proc.stdout
     assert "4.19 MB (4.00 MiB)" in proc.stdout  # the budget in both unit systems
     assert "fewest devices" in proc.stdout or "nothing fits" in proc.stdout
+
+
+@pytest.mark.parametrize("budget, status", [("1KiB", 1), ("1GiB", 0)])
+@pytest.mark.parametrize("how", [[], ["--json"], ["--config", "precision=fp32,micro_batch=2"],
+                                 ["--config", "precision=fp32,micro_batch=2", "--json"]])
+def test_estimate_exit_status_says_whether_anything_fits(trial_workload_spec, write_space, tmp_path, capsys, budget,
+                                                         status, how):
+    space = write_space(tmp_path / "s.toml", precision=["fp32"], micro_batch=[1, 2])
+    args = ["--space", str(space)] if "--config" not in how else []
+    assert main(["estimate", "--model", trial_workload_spec("tiny"), "--budget", budget, "--device", "cpu",
+                 *args, *how]) == status
+    out = capsys.readouterr().out
+    if "--json" in how:  # the JSON still comes, whatever the status
+        data = json.loads(out)
+        fits = [c["fits"] for c in data["configs"]] if "configs" in data else [data["fits"]]
+        assert any(fits) == (status == 0)
+    else:
+        assert ("Nothing in the space fits" in out or "DOES NOT FIT" in out) == (status == 1)
 
 
 def test_models_json():
