@@ -14,6 +14,7 @@ from autofit.estimate.advice import advise
 from autofit.estimate.memory_model import BREAKDOWN, estimate, estimate_table
 from autofit.probes.device_rates import device_overhead
 from autofit.profiling.profile import profile_workload
+from autofit.runtime.training import check_fake_device
 from autofit.workloads.load import load_workload
 
 DEFAULT_MODEL_HELP = MODEL_HELP
@@ -52,8 +53,9 @@ def run(args: argparse.Namespace) -> int:
     space = load_space(args.space) if config is None else None
     if space is not None and args.global_batch is not None:
         space = space.with_global_batch(args.global_batch)
-    workload = load_workload(model_spec(args))
     device = args.device or default_device()
+    check_fake_device(device)
+    workload = load_workload(model_spec(args))
     precisions = [config.precision] if config else list(space.precision)
     if not args.json:
         print(f"profiling {workload.name} on fake tensors ({device}, {', '.join(p.value for p in precisions)})...",

@@ -69,6 +69,19 @@ def test_estimate_exit_status_says_whether_anything_fits(trial_workload_spec, wr
         assert ("Nothing in the space fits" in out or "DOES NOT FIT" in out) == (status == 1)
 
 
+@pytest.mark.parametrize("argv", [["estimate", "--model", "gpt-tiny", "--budget", "1GB", "--device", "cuda"],
+                                  ["size", "--family", "gpt-tiny", "--budget", "1GB", "--device", "cuda"]])
+def test_cuda_on_a_cpu_only_build_is_refused_up_front(argv, monkeypatch, capsys):
+    # A CPU-only build cannot train on fake CUDA tensors (Tensor.copy_ raises, backward aborts the process).
+    import torch
+
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: False)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--device cuda: this PyTorch" in err and "CPU-only build" in err, err
+    assert "install a CUDA build of PyTorch" in err and "--device cpu" in err
+
+
 def test_models_json():
     proc = autofit("models", "--json")
     assert proc.returncode == 0
