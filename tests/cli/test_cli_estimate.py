@@ -122,3 +122,22 @@ def test_bad_input_in_a_real_process_has_no_traceback():
     proc = autofit("estimate", "--model", "nope.py:make", "--budget", "8 gigs")
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+def test_debug_shows_the_librarys_debug_lines(monkeypatch, capsys):
+    # A probe's traceback is logged at DEBUG (autofit.probes.failures): --debug prints it, nothing else does.
+    import logging
+
+    from autofit import cli
+
+    logger = logging.getLogger("autofit")
+    monkeypatch.setattr(logger, "handlers", [])  # a handler on this test's stderr
+    monkeypatch.setattr(logger, "level", logger.level)
+    assert main(["estimate", "--model", "gpt-tiny", "--budget", "8", "--debug"]) == 2
+    logging.getLogger("autofit.probes").debug("the probe's traceback\nline two")
+    logging.getLogger("autofit.probes").warning("a warning")
+    err = capsys.readouterr().err
+    assert "autofit: debug: the probe's traceback\nline two\n" in err and "autofit: warning: a warning" in err
+    cli._warnings_to_stderr(debug=False)
+    logging.getLogger("autofit.probes").debug("hidden")
+    assert "hidden" not in capsys.readouterr().err
