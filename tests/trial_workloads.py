@@ -175,3 +175,51 @@ class TiedLM(TinyLM):
 
 def tiny_tied_lm() -> Workload:
     return Workload(name="tiny-tied-lm", model=TiedLM, batch=tiny_lm_batch, loss=tiny_lm_loss, tokens_per_sample=LM_SEQ)
+
+
+class MaskedBlock(LMBlock):
+    """An LMBlock that takes a boolean key-padding mask (B, T) and zeroes the masked positions."""
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return x + F.gelu(self.fc(self.norm(x))) * keep.unsqueeze(-1)
+
+
+class MaskedLM(TinyLM):
+    """TinyLM that builds a padding mask from its tokens, reading a value to do it (``if not keep.all()``):
+    its forward cannot run on the meta device (``Tensor.item() cannot be called on meta tensors``), as
+    transformers' mask code cannot; the layer probe captures its layer's inputs on a real model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(MaskedBlock() for _ in range(4))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        keep = tokens != 0
+        if not keep.all():  # a value read: Tensor.item() cannot be called on meta tensors
+            keep = keep & (keep.cumsum(-1) > 0)
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, keep)
+        return self.head(x)
+
+
+def masked_lm() -> Workload:
+    return Workload(name="masked-lm", model=MaskedLM, batch=tiny_lm_batch, loss=tiny_lm_loss, tokens_per_sample=LM_SEQ)
+
+
+class ExplodingBlock(LMBlock):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("the layer exploded\nits second line")
+
+
+class ExplodingLM(TinyLM):
+    """TinyLM whose layers raise when run (the layer probe's forced failure)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(ExplodingBlock() for _ in range(4))
+
+
+def exploding_layer() -> Workload:
+    return Workload(name="exploding-layer", model=ExplodingLM, batch=tiny_lm_batch, loss=tiny_lm_loss,
+                    tokens_per_sample=LM_SEQ)

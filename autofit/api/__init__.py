@@ -32,6 +32,7 @@ from autofit.estimate.memory_model import MemoryEstimate, estimate_table
 from autofit.estimate.memory_model import estimate as estimate_one
 from autofit.profiling.profile import profile_workload
 from autofit.report.result import SearchResult
+from autofit.runtime.training import check_fake_device
 from autofit.study import (
     MIN_IMPROVEMENT,
     PATIENCE,
@@ -89,9 +90,10 @@ def estimate(workload: Workload | str, config: TrainConfig | str | SearchSpace |
     >>> autofit.estimate("gpt-tiny", "precision=amp-bf16,micro_batch=8", budget="2GB").fits  # doctest: +SKIP
     True
     """
+    device = device or default_device()
+    check_fake_device(device)
     loaded = load_workload(workload)
     budget_bytes = parse_budget(budget) if budget is not None else None
-    device = device or default_device()
     if isinstance(config, str) and "=" in config:
         config = TrainConfig.parse(config)
     if isinstance(config, TrainConfig):

@@ -3,7 +3,8 @@
 Each subcommand lives in its own module here with ``add_parser(subparsers)`` and
 ``run(args) -> int``. User errors (:class:`autofit.core.errors.AutofitError`) become one line
 on stderr and their exit status (2 for usage, 1 for a run-time failure); any other exception
-one line and exit 1. ``--debug`` (anywhere on the line) shows the traceback instead.
+one line and exit 1. ``--debug`` (anywhere on the line) shows the traceback instead, and the
+library's DEBUG lines (``autofit: debug: ...``): a probe child's traceback, how a config is applied.
 """
 
 from __future__ import annotations
@@ -51,20 +52,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _warnings_to_stderr() -> None:
-    """The library's warnings (logger ``autofit``) as ``autofit: warning: ...`` lines."""
+class _Formatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:  # "autofit: warning: ...", "autofit: debug: ..."
+        return f"autofit: {record.levelname.lower()}: {record.getMessage()}"
+
+
+def _warnings_to_stderr(debug: bool = False) -> None:
+    """The library's warnings (logger ``autofit``) as ``autofit: warning: ...`` lines; with ``debug``,
+    its DEBUG lines too (``autofit: debug: ...``)."""
     logger = logging.getLogger("autofit")
     if not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("autofit: warning: %(message)s"))
+        handler.setFormatter(_Formatter())
         logger.addHandler(handler)
         logger.propagate = False
+    logger.setLevel(logging.DEBUG if debug else logging.NOTSET)  # NOTSET: the root's level (WARNING)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    _warnings_to_stderr()
+    _warnings_to_stderr(getattr(args, "debug", False))
     try:
         return int(args.run(args) or 0)
     except AutofitError as exc:

@@ -14,6 +14,7 @@ from autofit.estimate.advice import advise
 from autofit.estimate.memory_model import BREAKDOWN, estimate, estimate_table
 from autofit.probes.device_rates import device_overhead
 from autofit.profiling.profile import profile_workload
+from autofit.runtime.training import check_fake_device
 from autofit.workloads.load import load_workload
 
 DEFAULT_MODEL_HELP = MODEL_HELP
@@ -24,6 +25,8 @@ def add_parser(subparsers) -> None:
         "estimate", help="predict the memory of a config or a whole search space (nothing is trained)",
         description="Predict peak memory per device from a fake-tensor profile of the model. With --config, "
                     "one config's breakdown; without, every config of the space sorted by predicted peak.",
+        epilog="Exit status: 0 when a config is predicted to fit; 1 when none is (the config given, or nothing in "
+               "the space); 2 for a usage error.",
     )
     p.add_argument("--model", required=True, help=DEFAULT_MODEL_HELP)
     add_hf_options(p)
@@ -50,8 +53,9 @@ def run(args: argparse.Namespace) -> int:
     space = load_space(args.space) if config is None else None
     if space is not None and args.global_batch is not None:
         space = space.with_global_batch(args.global_batch)
-    workload = load_workload(model_spec(args))
     device = args.device or default_device()
+    check_fake_device(device)
+    workload = load_workload(model_spec(args))
     precisions = [config.precision] if config else list(space.precision)
     if not args.json:
         print(f"profiling {workload.name} on fake tensors ({device}, {', '.join(p.value for p in precisions)})...",
@@ -66,7 +70,7 @@ def _one(profile, config: TrainConfig, budget_bytes: int, as_json: bool) -> int:
     est = estimate(profile, config, budget_bytes, overhead=device_overhead(profile.device_type))
     if as_json:
         print(json.dumps({**est.to_dict(), "workload": profile.workload}, indent=2))
-        return 0
+        return 0 if est.fits else 1
     print(f"workload   {profile.workload} ({profile.param_count:,} parameters, {profile.n_layers} layers, {profile.optimizer})")
     print(f"device     {profile.device_type}")
     print(f"budget     {format_budget(budget_bytes)} per device")
@@ -88,7 +92,7 @@ def _one(profile, config: TrainConfig, budget_bytes: int, as_json: bool) -> int:
     if not est.fits:
         for line in advise(profile, budget_bytes, [config.precision]).lines:
             print(f"  - {line}")
-    return 0
+    return 0 if est.fits else 1
 
 
 def _space(profile, space, budget_bytes: int, args) -> int:
@@ -107,7 +111,7 @@ def _space(profile, space, budget_bytes: int, args) -> int:
         print(json.dumps({"workload": profile.workload, "budget_bytes": budget_bytes, "device_type": profile.device_type,
                           "space": space.source, "cuda_overhead": overhead and overhead.to_dict(),
                           "configs": rows}, indent=2))
-        return 0
+        return 0 if any(row["fits"] for row in rows) else 1
     n_fit = int(table["fits"].sum())
     print(f"workload   {profile.workload} ({profile.param_count:,} parameters, {profile.n_layers} layers, {profile.optimizer})")
     print(f"device     {profile.device_type}    budget {format_budget(budget_bytes)} per device")
@@ -130,5 +134,5 @@ def _space(profile, space, budget_bytes: int, args) -> int:
     elif table[(table.device_split == 1) & table.fits].empty:
         print()
         print("No single-device configuration fits; only split ones do.")
-    return 0
+    return 0 if n_fit else 1
 

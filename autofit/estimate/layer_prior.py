@@ -63,6 +63,12 @@ def workload_prior(workload, profile, rates, precisions: list[str], use_cache: b
     if not seconds:
         return counts
     scales = layer_scales(profile, rates, counts, seconds)
+    dropped = [p for p in seconds if p not in scales]
+    if dropped and note is not None:  # said, never silent: the timing ran but is not used for these
+        lo, hi = SCALE_RANGE
+        note(f"the layer timings of {', '.join(dropped)} are not used (the slope lost in noise, or the layer "
+             f"{lo:g}-{hi:g}x off the time model's): "
+             + ("the prior stays the device probe's" if not scales else "they get the others' mean factors"))
     if not scales:
         return counts
     # A precision without its own factors (its slope lost in noise, or its layer too slow to time) gets

@@ -233,16 +233,20 @@ def start_probe_child(entry: str, request: dict, device_type: str, timeout_s: fl
 
 
 def _probe_once(device_type: str) -> list[DeviceRates]:
-    """One probe child: its measurements (two, back to back). Raises RuntimeError when it fails."""
+    """One probe child: its measurements (two, back to back). Raises RuntimeError when it fails, saying
+    why in one line (the child's traceback logged at DEBUG: :mod:`autofit.probes.failures`)."""
+    from autofit.probes.failures import child_failure
+
     child = start_probe_child("autofit.probes.device_rates:probe_child", {"device_type": device_type, "repeats": 2},
                               device_type, PROBE_TIMEOUT_S)
     try:
         finished = child.wait()
     finally:
         child.kill()
-    messages = list(child.messages)
-    if not messages:
-        raise RuntimeError(f"the {device_type} rate probe failed: {child.failure(finished)}")
+    messages = [m for m in child.messages if m.get("status") != "error"]
+    if not messages or len(messages) < len(child.messages):
+        raise RuntimeError(f"the {device_type} rate probe failed: "
+                           f"{child_failure(child, finished, f'the {device_type} rate probe')}")
     return [DeviceRates.from_dict(m) for m in messages]
 
 
@@ -320,19 +324,25 @@ def probe_child(request: dict, send=None) -> dict:
     With ``request["repeats"]`` > 1 it measures that many times back to back, sending each
     measurement but the last as a message and returning the last (so a caller can check them
     against each other). On CUDA the context and the cuBLAS workspace are measured first, before
-    any probe tensor exists (:func:`autofit.probes.cuda_overhead.measure_overhead`)."""
-    overhead = None
-    if request["device_type"] == "cuda":
-        from autofit.probes.cuda_overhead import measure_overhead
+    any probe tensor exists (:func:`autofit.probes.cuda_overhead.measure_overhead`). A failure is
+    returned as :func:`autofit.probes.failures.error_reply`'s message."""
+    from autofit.probes.failures import error_reply
 
-        overhead = measure_overhead("cuda").to_dict()
-    repeats = max(int(request.get("repeats", 1)), 1)
-    for i in range(repeats):
-        rates = measure_rates(request["device_type"]).to_dict()
-        rates["cuda_overhead"] = overhead
-        if i < repeats - 1 and send is not None:
-            send(rates)
-    return rates
+    try:
+        overhead = None
+        if request["device_type"] == "cuda":
+            from autofit.probes.cuda_overhead import measure_overhead
+
+            overhead = measure_overhead("cuda").to_dict()
+        repeats = max(int(request.get("repeats", 1)), 1)
+        for i in range(repeats):
+            rates = measure_rates(request["device_type"]).to_dict()
+            rates["cuda_overhead"] = overhead
+            if i < repeats - 1 and send is not None:
+                send(rates)
+        return rates
+    except Exception as exc:  # noqa: BLE001 -- the parent says it in one line, the traceback under --debug
+        return error_reply(exc)
 
 
 def cached_rates(device_type: str) -> DeviceRates | None:

@@ -12,10 +12,18 @@ factors per precision -- one for the per-sample part (FLOPs, activation traffic)
 fixed part (operators, weight traffic) -- which :func:`autofit.estimate.time_model.predict_table`
 applies to the whole model (:attr:`autofit.estimate.time_model.OpCounts.layer_scales`).
 
+A model whose forward cannot run on the meta device before its first layer -- one that reads a
+value there, as ``transformers``' mask code does (``Tensor.item() cannot be called on meta
+tensors``) -- is built for real instead (when its weights fit what a probe may take,
+:func:`autofit.profiling.real_check.available_bytes`) and run on the workload's own small batches;
+its first layer and the integer and boolean inputs it received (positions, masks) are then taken
+as they are, the floating ones still random.
+
 A layer predicted to take longer than :data:`MAX_LAYER_S` at the larger micro-batch (a 7B
 model's layer on a CPU) is not timed: there the large-matrix rate is the right one anyway.
 The measured lines are cached on disk like the profiles; a failing probe leaves the prior as it
-was. Nothing here is a table of known architectures: only the workload in hand is run.
+was and says why in one line (its traceback under ``--debug``: :mod:`autofit.probes.failures`).
+Nothing here is a table of known architectures: only the workload in hand is run.
 """
 
 from __future__ import annotations
@@ -36,21 +44,20 @@ MAX_LAYER_S = 0.5      # predicted seconds of one layer's forward + backward at 
 SCALE_RANGE = (0.2, 20.0)  # factors outside it are taken as a failed measurement, not a layer
 PROBE_TIMEOUT_S = 180.0
 _REPEATS = 5
-LAYER_PROBE_VERSION = 1
+LAYER_PROBE_VERSION = 2  # 2: untouched floats drawn, not left uninitialised; a real model where meta cannot run
 
 
 class _Captured(Exception):
     """Raised by the capture hook to stop the meta forward once the layer's inputs are known."""
 
 
-def _captured_inputs(workload, micro_batch: int):
-    """(args, kwargs) the first repeated layer receives at ``micro_batch``, as meta tensors."""
+def _captured_inputs(workload, model, micro_batch: int):
+    """(args, kwargs) the first repeated layer of ``model`` receives at ``micro_batch``, on the model's device."""
     import torch
 
     from autofit.runtime.training import to_device
 
-    with torch.device("meta"):
-        model = workload.model()
+    device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
     layer = workload.layers(model)[0]
     seen = {}
 
@@ -61,7 +68,8 @@ def _captured_inputs(workload, micro_batch: int):
     handle = layer.register_forward_pre_hook(hook, with_kwargs=True)
     inputs, _ = workload.batch(micro_batch)
     try:
-        model(to_device(inputs, torch.device("meta")))
+        with torch.no_grad() if device.type != "meta" else contextlib.nullcontext():
+            model(to_device(inputs, device))
     except _Captured:
         pass
     finally:
@@ -71,15 +79,43 @@ def _captured_inputs(workload, micro_batch: int):
     return seen["args"], seen["kwargs"]
 
 
+def _capture(workload, batches) -> tuple[dict, object]:
+    """``({micro_batch: (args, kwargs)}, real model or None)``: the first layer's inputs captured on the
+    meta device, else -- where the model's forward cannot run there -- on a real model."""
+    import torch
+
+    from autofit.probes.failures import one_line
+    from autofit.profiling.real_check import available_bytes
+
+    with torch.device("meta"):
+        model = workload.model()
+    try:
+        return {b: _captured_inputs(workload, model, b) for b in batches}, None
+    except Exception as exc:  # noqa: BLE001 -- e.g. Tensor.item() in a model's mask code: try a real model
+        meta_error = one_line(exc)
+    nbytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    limit = available_bytes("cpu")
+    if nbytes > limit:
+        raise RuntimeError(f"the model's forward cannot run on the meta device ({meta_error}) and the real "
+                           f"model's {nbytes / 2**20:,.0f} MiB are over the {limit / 2**20:,.0f} MiB a probe may take")
+    del model
+    model = workload.model()
+    model.train()
+    return {b: _captured_inputs(workload, model, b) for b in batches}, model
+
+
 def _materialise(value, float_dtype):
-    """Meta tensors become real ones of the same shape: floats random (requiring grad, as a layer's
-    input in a model does), integers zero, booleans true; containers are rebuilt."""
+    """Captured tensors become fresh real ones of the same shape: floats random (requiring grad, as a
+    layer's input in a model does); integers and booleans as captured on a real model, else (meta)
+    integers zero and booleans true; containers are rebuilt."""
     import torch
 
     if isinstance(value, torch.Tensor):
         if value.is_floating_point():
             dtype = float_dtype if float_dtype is not None else value.dtype
             return torch.randn(value.shape, dtype=dtype).requires_grad_(True)
+        if value.device.type != "meta":
+            return value.detach().clone()
         if value.dtype is torch.bool:
             return torch.ones(value.shape, dtype=torch.bool)
         return torch.zeros(value.shape, dtype=value.dtype)
@@ -90,19 +126,33 @@ def _materialise(value, float_dtype):
     return value
 
 
-def _real_layer(workload, precision):
+def _real_layer(workload, precision, real_model=None):
+    """The first layer, real, in the precision's parameter dtype: a copy of ``real_model``'s, else
+    materialised from the meta device (modules with ``reset_parameters`` reset; floating tensors of
+    the others drawn from N(0, 0.02), never left as uninitialised memory, whose denormals or NaNs
+    would time a different layer)."""
+    import copy
+
     import torch
 
     from autofit.runtime.training import param_dtype
 
-    with torch.device("meta"):
-        model = workload.model()
-    layer = workload.layers(model)[0].to_empty(device="cpu")
-    with torch.no_grad():
-        for module in layer.modules():
-            reset = getattr(module, "reset_parameters", None)
-            if callable(reset):
-                reset()
+    if real_model is not None:
+        layer = copy.deepcopy(workload.layers(real_model)[0])
+    else:
+        with torch.device("meta"):
+            model = workload.model()
+        layer = workload.layers(model)[0].to_empty(device="cpu")
+        with torch.no_grad():
+            done = set()
+            for module in layer.modules():
+                reset = getattr(module, "reset_parameters", None)
+                if callable(reset):
+                    reset()
+                    done |= {id(t) for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]}
+            for tensor in [*layer.parameters(), *layer.buffers()]:
+                if id(tensor) not in done and tensor.is_floating_point():
+                    tensor.normal_(0.0, 0.02)
     layer.train()
     return layer.to(dtype=param_dtype(precision))
 
@@ -135,22 +185,27 @@ def layer_probe_child(request: dict, send=None) -> dict:
     import torch
 
     from autofit.core.config import Precision
+    from autofit.probes.failures import error_reply
     from autofit.workloads.load import load_workload
 
-    workload = load_workload(request["source"])
-    captured = {b: _captured_inputs(workload, b) for b in request["batches"]}
-    out = {}
-    for name in request["precisions"]:
-        precision = Precision(name)
+    try:
+        workload = load_workload(request["source"])
         torch.manual_seed(0)
-        layer = _real_layer(workload, precision)
-        float_dtype = torch.bfloat16 if precision is Precision.BF16 else None
-        seconds = []
-        for b in request["batches"]:
-            args, kwargs = _materialise(captured[b], float_dtype)
-            seconds.append(_time_layer(layer, args, kwargs, precision))
-        out[name] = seconds
-    return {"seconds": out}
+        captured, real_model = _capture(workload, request["batches"])
+        out = {}
+        for name in request["precisions"]:
+            precision = Precision(name)
+            torch.manual_seed(0)
+            layer = _real_layer(workload, precision, real_model)
+            float_dtype = torch.bfloat16 if precision is Precision.BF16 else None
+            seconds = []
+            for b in request["batches"]:
+                args, kwargs = _materialise(captured[b], float_dtype)
+                seconds.append(_time_layer(layer, args, kwargs, precision))
+            out[name] = seconds
+        return {"seconds": out}
+    except Exception as exc:  # noqa: BLE001 -- the parent says it in one line, the traceback under --debug
+        return error_reply(exc)
 
 
 def _cache_path(key: str, precisions: list[str], device_type: str) -> Path:
@@ -176,6 +231,7 @@ def measure_layer_seconds(source: str, precisions: list[str], device_type: str =
     ``note`` is called with a line for a user: the timings read from the cache, or the timing starting and done.
     ``key``: the workload's profile key, under which the timings are cached (without one, nothing is)."""
     from autofit.probes.device_rates import probe_env
+    from autofit.probes.failures import child_failure
 
     if device_type != "cpu" or not precisions:
         return None  # on CUDA the probe child would need its own context: the bare-matmul prior stays
@@ -202,12 +258,13 @@ def measure_layer_seconds(source: str, precisions: list[str], device_type: str =
         child = procs.spawn("autofit.probes.layer_timing:layer_probe_child", request, timeout_s=PROBE_TIMEOUT_S,
                             env=probe_env(device_type))
     try:
-        child.wait()
+        finished = child.wait()
     finally:
         child.kill()
     message = child.last_message()
     if not message or "seconds" not in message:
-        note(f"timing the layer failed after {time.perf_counter() - started:.1f} s: the prior stays "
+        cause = child_failure(child, finished, "timing the layer")
+        note(f"timing the layer failed after {time.perf_counter() - started:.1f} s ({cause}): the prior stays "
              "the device probe's")
         return None
     note(f"timed the layer in {time.perf_counter() - started:.1f} s")

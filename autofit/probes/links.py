@@ -209,19 +209,20 @@ def link_probe_child(request: dict, send=None) -> dict:
     operations, leave. ``{"status": "ok", "seconds": {op: [s per size]}, "backend"}`` or an error."""
     import torch.distributed as dist
 
-    from autofit.runtime.ranks import join_group, last_line, leave_group
+    from autofit.probes.failures import error_reply
+    from autofit.runtime.ranks import join_group, leave_group
 
     try:
         device = join_group(request, spawned=True)
     except Exception as exc:  # noqa: BLE001 -- a rank that cannot join is the probe's failure, said
-        return {"status": "error", "error": f"{type(exc).__name__}: {last_line(exc)}"}
+        return error_reply(exc)
     try:
         seconds = _measure(device, request["world_size"], request["rank"])
         unit_s, dtensor_op_s = _fsdp_overheads(device)
         return {"status": "ok", "seconds": seconds, "backend": dist.get_backend(), "fsdp_unit_s": unit_s,
                 "dtensor_op_s": dtensor_op_s}
     except Exception as exc:  # noqa: BLE001
-        return {"status": "error", "error": f"{type(exc).__name__}: {last_line(exc)}"}
+        return error_reply(exc)
     finally:
         leave_group()
 
@@ -242,9 +243,11 @@ def _start_rank(request: dict, device_type: str):
 
 def measure_links(device_type: str, world_size: int) -> LinkRates:
     """Run the probe's ``world_size`` ranks (:func:`_start_rank`) and fit their timings. Raises
-    RuntimeError when a rank fails or what it measured is implausible."""
+    RuntimeError when a rank fails (why in one line, its traceback logged at DEBUG:
+    :mod:`autofit.probes.failures`) or what it measured is implausible."""
     import torch
 
+    from autofit.probes.failures import child_failure
     from autofit.runtime.ranks import free_port
 
     started = time.perf_counter()
@@ -260,8 +263,8 @@ def measure_links(device_type: str, world_size: int) -> LinkRates:
         for child in children:
             child.kill()
     results = [child.last_message() for child in children]
-    failed = next((r.get("error") if r else child.failure() for r, child in zip(results, children)
-                   if not r or r.get("status") != "ok"), None)
+    failed = next((child_failure(child, True, f"the link probe's rank {rank}")
+                   for rank, (r, child) in enumerate(zip(results, children)) if not r or r.get("status") != "ok"), None)
     if failed is not None:
         raise RuntimeError(f"the link probe of {world_size} {device_type} ranks failed: {failed}")
     # A collective ends when its slowest rank does.

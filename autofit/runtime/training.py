@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from autofit.core.config import Precision, TrainConfig
-from autofit.core.errors import WorkloadError
+from autofit.core.errors import AutofitError, WorkloadError
 from autofit.workloads.base import Workload
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,21 @@ def autocast_context(precision: Precision, device_type: str) -> contextlib.Abstr
     if precision.is_amp:
         return torch.autocast(device_type=device_type, dtype=AUTOCAST_DTYPE[precision])
     return contextlib.nullcontext()
+
+
+def check_fake_device(device_type: str) -> None:
+    """Refuse up front a device type whose fake tensors cannot train in this PyTorch.
+
+    A CPU-only build of PyTorch registers no CUDA device guard, so fake CUDA tensors are made
+    but cannot train: a cross-device ``Tensor.copy_`` or ``.to("cuda")`` raises "PyTorch is not
+    linked with support for cuda devices" and autograd's backward aborts the process on it.
+    A CUDA build on a machine without a GPU is let through: ``FakeTensorMode`` puts a no-op CUDA
+    device guard in place there (``torch._C._ensureCUDADeviceGuardSet``).
+    """
+    if device_type == "cuda" and not torch.backends.cuda.is_built():
+        raise AutofitError(f"--device cuda: this PyTorch ({torch.__version__}) is a CPU-only build and cannot "
+                           "profile for CUDA, not even on fake tensors; install a CUDA build of PyTorch to estimate "
+                           "for a GPU, or use --device cpu")
 
 
 def to_device(batch: Any, device: torch.device, float_dtype: torch.dtype | None = None) -> Any:

@@ -38,6 +38,7 @@ from autofit.core.space import SearchSpace, builtin_spaces, load_space
 from autofit.estimate.memory_model import estimate_table
 from autofit.estimate.time_model import predict_table
 from autofit.probes.device_rates import probe_rates
+from autofit.runtime.training import check_fake_device
 from autofit.sizing.family import Family, SizeError, load_family, parse_vary
 from autofit.sizing.scaling import ShapeProfile, shape_profiles
 
@@ -192,6 +193,7 @@ def size(family: Family | str, budget: str | int = "8GB", *, vary: dict | list[s
     if global_batch is not None:
         resolved_space = resolved_space.with_global_batch(global_batch)
     device = device or _default_device()
+    check_fake_device(device)
     devices = devices or _device_count(device)
     if devices < 1 or (min_tokens_per_s is not None and min_tokens_per_s < 0) or confirm < 0:
         raise SizeError("devices must be >= 1, min_tokens_per_s >= 0 and confirm >= 0")

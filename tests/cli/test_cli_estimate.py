@@ -45,10 +45,41 @@ def test_estimate_space_json_sorted(tmp_path):
 
 def test_estimate_table_says_what_would_fit():
     proc = autofit("estimate", "--model", "gpt-tiny", "--budget", "4MiB", "--device", "cpu", "--space", "default")
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 1, proc.stderr  # nothing fits: a script can branch on it
     assert "Nothing in the space fits" in proc.stdout
     assert "4.19 MB (4.00 MiB)" in proc.stdout  # the budget in both unit systems
     assert "fewest devices" in proc.stdout or "nothing fits" in proc.stdout
+
+
+@pytest.mark.parametrize("budget, status", [("1KiB", 1), ("1GiB", 0)])
+@pytest.mark.parametrize("how", [[], ["--json"], ["--config", "precision=fp32,micro_batch=2"],
+                                 ["--config", "precision=fp32,micro_batch=2", "--json"]])
+def test_estimate_exit_status_says_whether_anything_fits(trial_workload_spec, write_space, tmp_path, capsys, budget,
+                                                         status, how):
+    space = write_space(tmp_path / "s.toml", precision=["fp32"], micro_batch=[1, 2])
+    args = ["--space", str(space)] if "--config" not in how else []
+    assert main(["estimate", "--model", trial_workload_spec("tiny"), "--budget", budget, "--device", "cpu",
+                 *args, *how]) == status
+    out = capsys.readouterr().out
+    if "--json" in how:  # the JSON still comes, whatever the status
+        data = json.loads(out)
+        fits = [c["fits"] for c in data["configs"]] if "configs" in data else [data["fits"]]
+        assert any(fits) == (status == 0)
+    else:
+        assert ("Nothing in the space fits" in out or "DOES NOT FIT" in out) == (status == 1)
+
+
+@pytest.mark.parametrize("argv", [["estimate", "--model", "gpt-tiny", "--budget", "1GB", "--device", "cuda"],
+                                  ["size", "--family", "gpt-tiny", "--budget", "1GB", "--device", "cuda"]])
+def test_cuda_on_a_cpu_only_build_is_refused_up_front(argv, monkeypatch, capsys):
+    # A CPU-only build cannot train on fake CUDA tensors (Tensor.copy_ raises, backward aborts the process).
+    import torch
+
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: False)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--device cuda: this PyTorch" in err and "CPU-only build" in err, err
+    assert "install a CUDA build of PyTorch" in err and "--device cpu" in err
 
 
 def test_models_json():
@@ -91,3 +122,22 @@ def test_bad_input_in_a_real_process_has_no_traceback():
     proc = autofit("estimate", "--model", "nope.py:make", "--budget", "8 gigs")
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+def test_debug_shows_the_librarys_debug_lines(monkeypatch, capsys):
+    # A probe's traceback is logged at DEBUG (autofit.probes.failures): --debug prints it, nothing else does.
+    import logging
+
+    from autofit import cli
+
+    logger = logging.getLogger("autofit")
+    monkeypatch.setattr(logger, "handlers", [])  # a handler on this test's stderr
+    monkeypatch.setattr(logger, "level", logger.level)
+    assert main(["estimate", "--model", "gpt-tiny", "--budget", "8", "--debug"]) == 2
+    logging.getLogger("autofit.probes").debug("the probe's traceback\nline two")
+    logging.getLogger("autofit.probes").warning("a warning")
+    err = capsys.readouterr().err
+    assert "autofit: debug: the probe's traceback\nline two\n" in err and "autofit: warning: a warning" in err
+    cli._warnings_to_stderr(debug=False)
+    logging.getLogger("autofit.probes").debug("hidden")
+    assert "hidden" not in capsys.readouterr().err

@@ -221,16 +221,19 @@ def test_layer_scales_are_the_measured_line_over_the_models_and_rescale_the_micr
 
 def test_a_precision_without_its_own_layer_factors_gets_the_others_mean(profile, monkeypatch):
     from autofit.estimate import layer_prior
-    from autofit.probes.layer_timing import LAYER_BATCHES
     from autofit.estimate.time_model import layer_time_line
+    from autofit.probes.layer_timing import LAYER_BATCHES
 
     rates = _rates()
     counts = op_counts(load_workload(TINY))
     fixed, per_sample = layer_time_line(profile, "fp32", rates, counts)
     line = [fixed + 4 * per_sample * b for b in LAYER_BATCHES]  # fixed x1, per sample x4
     monkeypatch.setattr(layer_prior, "measure_layer_seconds", lambda *a, **k: {"fp32": line, "amp-bf16": [1.0, 0.5]})
-    prior = layer_prior.workload_prior(load_workload(TINY), profile, rates, ["fp32", "amp-bf16"])
+    notes = []
+    prior = layer_prior.workload_prior(load_workload(TINY), profile, rates, ["fp32", "amp-bf16"], note=notes.append)
     assert prior.scales("fp32") == pytest.approx((4.0, 1.0)) and prior.scales("amp-bf16") == pytest.approx((4.0, 1.0))
+    assert notes == ["the layer timings of amp-bf16 are not used (the slope lost in noise, or the layer 0.2-20x off the "
+                     "time model's): they get the others' mean factors"]  # said, not silent
 
 
 def test_a_spawned_probe_waits_for_a_fork_server_still_starting(monkeypatch):

@@ -1,0 +1,67 @@
+"""The layer probe (autofit.probes.layer_timing) times the first layer of models whose forward cannot
+run on the meta device (transformers' mask code, a user's value read), and says why when it fails."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from autofit.probes.layer_timing import (
+    _capture,
+    layer_probe_child,
+    measure_layer_seconds,
+)
+from autofit.workloads.load import load_workload
+
+HF_GPT2 = "hf:gpt2?n_layer=2&n_embd=64&n_head=2&vocab_size=512#seq_len=32"
+HF_LLAMA = ("hf:llama?num_hidden_layers=2&hidden_size=64&intermediate_size=128&num_attention_heads=2"
+            "&num_key_value_heads=2&vocab_size=512#seq_len=32")
+
+
+@pytest.fixture
+def debug_lines():
+    """The DEBUG lines of logger ``autofit.probes`` while the test runs (whatever the CLI set up before)."""
+    lines: list[str] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("autofit.probes")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    yield lines
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+@pytest.mark.parametrize("spec", [HF_GPT2, HF_LLAMA])
+def test_the_layer_probe_times_transformers_models(spec, one_thread):
+    # Their mask code reads a value (find_packed_sequence_indices: Tensor.item() cannot be called on meta
+    # tensors), so the layer's inputs are captured on a real model instead.
+    pytest.importorskip("transformers")
+    seconds = layer_probe_child({"source": spec, "precisions": ["fp32", "amp-bf16"], "batches": [1, 2]})["seconds"]
+    assert set(seconds) == {"fp32", "amp-bf16"}
+    assert all(len(line) == 2 and all(0 < s < 5 for s in line) for line in seconds.values()), seconds
+
+
+def test_a_user_model_that_reads_a_value_is_captured_on_a_real_model(trial_workload_spec, one_thread):
+    captured, real = _capture(load_workload(trial_workload_spec("masked_lm")), [2])
+    (x, keep), _ = captured[2]
+    assert real is not None and x.shape == (2, 8, 32) and keep.dtype is torch.bool and keep.device.type == "cpu"
+    seconds = layer_probe_child({"source": trial_workload_spec("masked_lm"), "precisions": ["fp32"],
+                                 "batches": [1, 2]})["seconds"]
+    assert len(seconds["fp32"]) == 2 and all(s > 0 for s in seconds["fp32"])
+    # a model whose forward runs on the meta device is still captured there (no real model built)
+    assert _capture(load_workload(trial_workload_spec("tiny_lm")), [2])[1] is None
+
+
+def test_a_failing_layer_probe_says_why_and_logs_the_traceback(trial_workload_spec, debug_lines):
+    notes: list[str] = []
+    assert measure_layer_seconds(trial_workload_spec("exploding_layer"), ["fp32"], use_cache=False,
+                                 note=notes.append) is None
+    failed = [line for line in notes if "failed" in line]
+    assert len(failed) == 1 and "(ValueError: the layer exploded)" in failed[0], notes
+    assert "its second line" not in failed[0] and "\n" not in failed[0]
+    assert any("Traceback (most recent call last)" in line and "raise ValueError" in line
+               and "its second line" in line for line in debug_lines), debug_lines
