@@ -244,7 +244,7 @@ def run_accuracy(out_dir: Path, env: dict, *, quick: bool = False, workloads: tu
                  budgets: dict[str, tuple[int, ...]] | None = None, truth_repeats: int = TRUTH_REPEATS,
                  progress: Callable[[str], None] = lambda _m: None) -> AccuracyResults:
     """Predict and measure every case, then write ``accuracy.md`` and ``accuracy.csv`` to ``out_dir``."""
-    from autofit.bench.search import search_budgets
+    from autofit.bench.search_cells import search_budgets
     from autofit.bench.worker import run_jobs
     from autofit.estimate.memory_model import estimate_table
     from autofit.profiling.profile import profile_workload
@@ -288,7 +288,7 @@ def run_accuracy(out_dir: Path, env: dict, *, quick: bool = False, workloads: tu
     prior = []
     if workloads is None:  # the time model's prior over the search suite's grid configs (autofit.bench.prior)
         from autofit.bench.prior import prior_rows
-        from autofit.bench.search import CELLS, QUICK_CELLS
+        from autofit.bench.search_cells import CELLS, QUICK_CELLS
 
         prior = prior_rows(QUICK_CELLS if quick else CELLS, progress)
     res = AccuracyResults(rows, budgets, time_model_note, time.perf_counter() - started, prior=prior)

@@ -20,7 +20,7 @@ PRIORS = ("bare matmul probe", "workload's own layer")
 def prior_rows(cells, progress: Callable[[str], None] = lambda _m: None) -> list[dict]:
     """One row per (grid config, prior): predicted and measured step time and the relative error
     (negative: predicted faster than measured), with what the layer probe cost and found."""
-    from autofit.bench.search import problem_for
+    from autofit.bench.search_cells import problem_for
     from autofit.bench.search_data import MiB
     from autofit.bench.worker import run_jobs
     from autofit.estimate.layer_prior import workload_prior

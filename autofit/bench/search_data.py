@@ -6,10 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from autofit.bench.strategies import (
-    OracleRecord,
-    Strategy,
-)
+from autofit.bench.problem import OracleRecord
+from autofit.bench.strategies import Strategy
 from autofit.core.config import Precision, SplitMode, TrainConfig
 from autofit.core.records import TrialStatus
 

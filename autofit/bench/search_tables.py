@@ -1,6 +1,6 @@
 """The search suite's tables: ``search.md``, ``search_grid.csv``, ``search_runs.csv`` and ``search.png``.
 
-Reads the suite's results (:class:`autofit.bench.search.SearchResults`: grids and scored runs)
+Reads the suite's results (:class:`autofit.bench.search_data.SearchResults`: grids and scored runs)
 and says, in plain sentences, every figure on which autofit is worse than a peer (:func:`losses`).
 """
 

@@ -67,7 +67,7 @@ def headline(results) -> list[str]:
 
 def _search_lines(srch) -> list[str]:
     """Per cell: each strategy's median fraction and wall time, its handicap named; then the done-when verdicts."""
-    from autofit.bench.search import AUTOFIT
+    from autofit.bench.own_search import AUTOFIT
     from autofit.bench.strategies import sweeps
     from autofit.bench.verdict import verdicts
 
