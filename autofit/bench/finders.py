@@ -121,66 +121,79 @@ DS_MODEL_STATE_BYTES_PER_PARAM = 16   # params 4 + grads 4 + Adam 8; bf16 is cos
 
 def deepspeed_autotuner(problem: Problem, oracle: Oracle, seed: int = 0) -> TrainConfig | None:
     """DeepSpeed's ``tune_space`` for stage 0: model-info profile run, linear max, probes, bisect, list."""
-    run = Memo(oracle)
-    metrics: dict[int, float] = {}   # micro-batch -> samples/s (0 when it did not run)
-
-    def trial(mbs: int) -> float:
-        micro = problem.floor_micro_batch(mbs)
-        if micro is None:
-            return 0.0
-        outcome = run(problem.config(micro))
-        metrics[micro] = outcome.samples_per_s if outcome.ok else 0.0
-        return metrics[micro]
-
+    trial = _DeepSpeedTrials(problem, oracle)
     # 1. model_info_profile_run: micro-batch 1, activation memory per sample by difference.
     smallest = problem.micro_batches[0]
-    profile = run(problem.config(smallest))
+    profile = trial.run(problem.config(smallest))
     if not profile.ok or profile.peak_bytes is None:
         return None
-    metrics[smallest] = profile.samples_per_s or 0.0
+    trial.metrics[smallest] = profile.samples_per_s or 0.0
     instantiation = DS_MODEL_STATE_BYTES_PER_PARAM * problem.param_count
     activation_per_sample = max(1.0, (profile.peak_bytes - instantiation) / smallest)
     calculated_max = int((problem.budget_bytes - instantiation) // activation_per_sample)
     if calculated_max < smallest:
         return None
     # 2. get_min_max_micro_batch_size: the minimum is the profile's size (already run).
-    used = [smallest]
-    low_bound = smallest
-    max_mbs = min(calculated_max, problem.micro_batches[-1])
-    found = None
+    max_mbs = _deepspeed_max_micro_batch(trial, smallest, min(calculated_max, problem.micro_batches[-1]))
+    # 3. get_tuning_micro_batch_size_list + run_tuning_micro_batch_sizes
+    _deepspeed_tuning_list(trial, smallest, max_mbs)
+    return best_by_throughput(trial.run.seen.values())
+
+
+class _DeepSpeedTrials:
+    """The autotuner's trials: what it ran (never twice) and each micro-batch's metric."""
+
+    def __init__(self, problem: Problem, oracle: Oracle) -> None:
+        self.problem = problem
+        self.run = Memo(oracle)
+        self.metrics: dict[int, float] = {}   # micro-batch -> samples/s (0 when it did not run)
+
+    def __call__(self, mbs: int) -> float:
+        micro = self.problem.floor_micro_batch(mbs)
+        if micro is None:
+            return 0.0
+        outcome = self.run(self.problem.config(micro))
+        self.metrics[micro] = outcome.samples_per_s if outcome.ok else 0.0
+        return self.metrics[micro]
+
+
+def _deepspeed_max_micro_batch(trial: _DeepSpeedTrials, low_bound: int, max_mbs: int) -> int:
+    """The largest micro-batch that runs: probes at 1.05x/1x/0.95x of the predicted ``max_mbs``, else a
+    binary search up from ``low_bound`` (the profile's size) that stops where throughput plateaus."""
+    problem = trial.problem
+    used = [low_bound]
     for mbs in (math.ceil(1.05 * max_mbs), max_mbs, int(0.95 * max_mbs)):
         if mbs > problem.micro_batches[-1]:
             continue
         micro = problem.floor_micro_batch(mbs)
         if micro in used:
-            found = micro
-            break
+            return micro
         if trial(mbs) > 0:
-            used.append(problem.floor_micro_batch(mbs))
-            found = problem.floor_micro_batch(mbs)
+            return problem.floor_micro_batch(mbs)
+    prev_metric = trial.metrics.get(low_bound)
+    low, high = low_bound, max_mbs
+    while low < high:
+        mid = (low + high) // 2
+        if mid == low:
             break
-    if found is None:
-        prev_metric = metrics.get(smallest)
-        low, high = low_bound, max_mbs
-        while low < high:
-            mid = (low + high) // 2
-            if mid == low:
-                break
-            if problem.floor_micro_batch(mid) in used and problem.floor_micro_batch(mid) != low:
-                low = mid
-                continue
-            value = trial(mid)
-            if value > 0:
-                low = mid
-                used.append(problem.floor_micro_batch(mid))
-                if prev_metric and (value - prev_metric) / prev_metric < DS_PLATEAU:
-                    break   # "performance plateaus"
-                prev_metric = value
-            else:
-                high = mid - 1
-        found = problem.floor_micro_batch(low)
-    max_mbs = found
-    # 3. get_tuning_micro_batch_size_list + run_tuning_micro_batch_sizes
+        if problem.floor_micro_batch(mid) in used and problem.floor_micro_batch(mid) != low:
+            low = mid
+            continue
+        value = trial(mid)
+        if value > 0:
+            low = mid
+            used.append(problem.floor_micro_batch(mid))
+            if prev_metric and (value - prev_metric) / prev_metric < DS_PLATEAU:
+                break   # "performance plateaus"
+            prev_metric = value
+        else:
+            high = mid - 1
+    return problem.floor_micro_batch(low)
+
+
+def _deepspeed_tuning_list(trial: _DeepSpeedTrials, low_bound: int, max_mbs: int) -> None:
+    """Run the tuning list between half the maximum and the maximum, then smaller sizes while each gains."""
+    problem = trial.problem
     min_mbs = max(low_bound, max_mbs // 2)
     stride = max(1, (max_mbs - min_mbs) // DS_NUM_TUNING_SIZES)
     tuning = [m for m in range(min_mbs, max_mbs, stride) if max_mbs // m != 1] + [max_mbs]
@@ -188,7 +201,7 @@ def deepspeed_autotuner(problem: Problem, oracle: Oracle, seed: int = 0) -> Trai
         trial(mbs)
     # smaller sizes with the same accumulation, while each gains more than 5%
     start = tuning[-2] + 1 if len(tuning) > 1 else low_bound
-    best_metric = metrics.get(problem.floor_micro_batch(max_mbs), 0.0)
+    best_metric = trial.metrics.get(problem.floor_micro_batch(max_mbs), 0.0)
     stride = max(1, (max_mbs - start) // 3)
     for mbs in reversed(range(start, max_mbs, stride)):
         micro = problem.floor_micro_batch(mbs)
@@ -199,7 +212,6 @@ def deepspeed_autotuner(problem: Problem, oracle: Oracle, seed: int = 0) -> Trai
             best_metric = value
         else:
             break
-    return best_by_throughput(run.seen.values())
 
 
 # --------------------------------------------------------------------------------------

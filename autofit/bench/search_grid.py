@@ -23,7 +23,6 @@ def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) 
     from autofit.bench.worker import run_jobs
     from autofit.estimate.memory_model import estimate_table, needs_split_ends
     from autofit.profiling.profile import profile_workload
-    from autofit.runtime import forkserver
     from autofit.trial.run import run_trial
     from autofit.workloads import param_count
     from autofit.workloads.load import load_workload
@@ -36,34 +35,7 @@ def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) 
     # and no fork server yet (a search process starts one; an earlier cell's would be warm here). Split ends
     # as the search over this space profiles them (autofit.api.run_study): only for a pipeline split.
     split_ends = needs_split_ends(configs)
-    forkserver.stop_server()
-    cold = time.perf_counter()
-    profile_workload(workload, list(cell.precisions), device_type="cpu", use_cache=False, split_ends=split_ends)
-    first_use_s = time.perf_counter() - cold
-    try:
-        from autofit.probes.device_rates import probe_rates
-
-        cold = time.perf_counter()
-        probe_rates("cpu", use_cache=False)
-        first_use_s += time.perf_counter() - cold
-        rates = probe_rates("cpu")
-        from autofit.probes.links import split_sizes, with_links
-
-        if split_sizes(configs, max(cell.device_splits)):  # the splits' collectives, timed as a search times them
-            cold = time.perf_counter()
-            with_links(rates, configs, max(cell.device_splits), use_cache=False)
-            first_use_s += time.perf_counter() - cold
-            with_links(rates, configs, max(cell.device_splits))
-        from autofit.estimate.layer_prior import workload_prior
-
-        cold = time.perf_counter()  # the workload's own layer, timed for the prior (then cached for the runs)
-        cold_profile = profile_workload(workload, list(cell.precisions), device_type="cpu", split_ends=split_ends)
-        precisions = [p.value for p in cell.precisions]
-        workload_prior(workload, cold_profile, rates, precisions, use_cache=False)
-        first_use_s += time.perf_counter() - cold
-        workload_prior(workload, cold_profile, rates, precisions)
-    except ImportError:
-        pass
+    first_use_s = _first_use_s(cell, workload, configs, split_ends)
     progress(f"grid {cell.workload}: cold profile and device probe took {first_use_s:.1f} s")
     profile = profile_workload(workload, list(cell.precisions), device_type="cpu", split_ends=split_ends)
     predicted = estimate_table(profile, configs)["peak_bytes"].tolist()
@@ -96,6 +68,43 @@ def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) 
     progress(f"grid {cell.workload}: a trial over its budget at the first operator took {floor.wall_s:.1f} s "
              f"({floor.status.value})")
     return Grid(cell, points, floor.wall_s, problem.param_count, time.perf_counter() - started, first_use_s)
+
+
+def _first_use_s(cell: Cell, workload, configs: list[TrainConfig], split_ends) -> float:
+    """Seconds autofit's first use of ``workload`` takes with cold caches: profiling on fake tensors, the
+    device probe, the splits' collectives and the workload's own layer (each then cached for the runs)."""
+    from autofit.profiling.profile import profile_workload
+    from autofit.runtime import forkserver
+
+    forkserver.stop_server()
+    cold = time.perf_counter()
+    profile_workload(workload, list(cell.precisions), device_type="cpu", use_cache=False, split_ends=split_ends)
+    first_use_s = time.perf_counter() - cold
+    try:
+        from autofit.probes.device_rates import probe_rates
+
+        cold = time.perf_counter()
+        probe_rates("cpu", use_cache=False)
+        first_use_s += time.perf_counter() - cold
+        rates = probe_rates("cpu")
+        from autofit.probes.links import split_sizes, with_links
+
+        if split_sizes(configs, max(cell.device_splits)):  # the splits' collectives, timed as a search times them
+            cold = time.perf_counter()
+            with_links(rates, configs, max(cell.device_splits), use_cache=False)
+            first_use_s += time.perf_counter() - cold
+            with_links(rates, configs, max(cell.device_splits))
+        from autofit.estimate.layer_prior import workload_prior
+
+        cold = time.perf_counter()  # the workload's own layer, timed for the prior (then cached for the runs)
+        cold_profile = profile_workload(workload, list(cell.precisions), device_type="cpu", split_ends=split_ends)
+        precisions = [p.value for p in cell.precisions]
+        workload_prior(workload, cold_profile, rates, precisions, use_cache=False)
+        first_use_s += time.perf_counter() - cold
+        workload_prior(workload, cold_profile, rates, precisions)
+    except ImportError:
+        pass
+    return first_use_s
 
 
 def _second_sample_job(workload: str, config: TrainConfig) -> dict:
