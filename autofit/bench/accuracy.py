@@ -283,7 +283,7 @@ def run_accuracy(out_dir: Path, env: dict, *, quick: bool = False, workloads: tu
                 allocator_peak_bytes=tuple(first.get("allocator_peak_bytes") or ()),
                 resident_peak_bytes=tuple(first.get("resident_peak_bytes") or ()),
                 observed_allocator_peak_bytes=first.get("observed_allocator_peak_bytes"),
-                peak_samples_bytes=tuple(s.get("peak_bytes") if s.get("status") == "ok" else None for s in taken)
+                peak_samples_bytes=tuple(s.get("peak_bytes") if s.get("status") == TrialStatus.OK else None for s in taken)
                 if len(taken) > 1 else ()))
     prior = []
     if workloads is None:  # the time model's prior over the search suite's grid configs (autofit.bench.prior)

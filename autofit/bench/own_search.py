@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from autofit.bench.problem import Oracle, Problem
-from autofit.bench.strategies import PEERS, Strategy
+from autofit.bench.strategies import PEERS, Criterion, Strategy
 from autofit.bench.verdict import AUTOFIT_NAME
 from autofit.core.config import TrainConfig
 
@@ -54,6 +54,6 @@ def autofit_search(problem: Problem, oracle: Oracle, seed: int = 0, first_use_s:
     return result.best
 
 
-AUTOFIT = Strategy(AUTOFIT_NAME, autofit_search, "throughput", False,
+AUTOFIT = Strategy(AUTOFIT_NAME, autofit_search, Criterion.THROUGHPUT, False,
                    "autofit's search as shipped: estimate prunes, time model orders, real trials confirm")
 STRATEGIES: tuple[Strategy, ...] = (AUTOFIT,) + PEERS

@@ -20,7 +20,7 @@ import pandas as pd
 from autofit.bench.oracles import ReplayOracle
 from autofit.bench.own_search import STRATEGIES
 from autofit.bench.scoring import run_strategy
-from autofit.bench.search_data import Cell, Grid, GridPoint, MiB, RunResult
+from autofit.bench.search_data import BenchMode, Cell, Grid, GridPoint, MiB, RunResult
 from autofit.bench.search_tables import done_when_table
 from autofit.bench.strategies import Strategy, sweeps
 from autofit.core.config import Precision, SplitMode, TrainConfig
@@ -98,7 +98,8 @@ def replay(grids: list[Grid], strategies: tuple[Strategy, ...], seeds: int, firs
             for strategy in strategies:
                 for seed in range(seeds):
                     budget = budget_mib * MiB
-                    runs.append(run_strategy(strategy, grid, budget, seed, ReplayOracle(grid, budget, first_sample), "replay"))
+                    runs.append(run_strategy(strategy, grid, budget, seed, ReplayOracle(grid, budget, first_sample),
+                                             BenchMode.REPLAY))
     return runs
 
 

@@ -9,7 +9,7 @@ import math
 from autofit.bench.own_search import NotAvailable, autofit_search
 from autofit.bench.problem import Oracle
 from autofit.bench.search_cells import problem_for
-from autofit.bench.search_data import Grid, RunResult
+from autofit.bench.search_data import BenchMode, Grid, RunResult
 from autofit.bench.strategies import Strategy, incumbent
 from autofit.core.config import TrainConfig
 from autofit.core.records import TrialStatus
@@ -17,7 +17,7 @@ from autofit.core.records import TrialStatus
 TARGET_FRACTION = 0.95   # time to target: the clock when the strategy's incumbent first reached this
 
 
-def score(strategy: Strategy, grid: Grid, budget_bytes: int, seed: int, mode: str, oracle: Oracle,
+def score(strategy: Strategy, grid: Grid, budget_bytes: int, seed: int, mode: BenchMode, oracle: Oracle,
           answer: TrainConfig | None, error: str | None = None) -> RunResult:
     records = oracle.history
     reached = None
@@ -26,7 +26,7 @@ def score(strategy: Strategy, grid: Grid, budget_bytes: int, seed: int, mode: st
             reached = record.clock_s
             break
     live_tput = None
-    if mode == "live" and answer is not None:
+    if BenchMode(mode) is BenchMode.LIVE and answer is not None:
         live_tput = next((r.outcome.samples_per_s for r in records if r.outcome.config == answer), None)
     return RunResult(
         strategy=strategy.name, workload=grid.cell.workload, budget_bytes=budget_bytes, seed=seed, mode=mode,
@@ -38,7 +38,8 @@ def score(strategy: Strategy, grid: Grid, budget_bytes: int, seed: int, mode: st
     )
 
 
-def run_strategy(strategy: Strategy, grid: Grid, budget_bytes: int, seed: int, oracle: Oracle, mode: str) -> RunResult:
+def run_strategy(strategy: Strategy, grid: Grid, budget_bytes: int, seed: int, oracle: Oracle,
+                 mode: BenchMode) -> RunResult:
     problem = problem_for(grid.cell, budget_bytes, grid.param_count)
     if strategy.run is autofit_search:
         strategy = dataclasses.replace(strategy, kwargs={**strategy.kwargs, "first_use_s": grid.first_use_s})

@@ -33,7 +33,14 @@ from autofit.bench.oracles import LiveOracle, ReplayOracle
 from autofit.bench.own_search import STRATEGIES
 from autofit.bench.scoring import run_strategy
 from autofit.bench.search_cells import CELLS, QUICK_CELLS
-from autofit.bench.search_data import Cell, Grid, MiB, RunResult, SearchResults
+from autofit.bench.search_data import (
+    BenchMode,
+    Cell,
+    Grid,
+    MiB,
+    RunResult,
+    SearchResults,
+)
 from autofit.bench.search_grid import measure_grid
 from autofit.bench.search_tables import write_search
 from autofit.bench.strategies import PEERS, Strategy, optuna_tpe, sweeps
@@ -50,7 +57,8 @@ LIVE_EVERY_CELL = ("autofit",)
 
 def _run_live(strategy: Strategy, grid: Grid, budget: int, progress: Callable[[str], None]) -> RunResult:
     label = f"{strategy.name} @ {grid.cell.workload} {budget / MiB:.0f} MiB"
-    result = run_strategy(strategy, grid, budget, 0, LiveOracle(grid.cell.workload, budget, progress, label), "live")
+    result = run_strategy(strategy, grid, budget, 0, LiveOracle(grid.cell.workload, budget, progress, label),
+                          BenchMode.LIVE)
     progress(f"live {label}: answer {result.answer.short() if result.answer else None}, "
              f"{pct(result.fraction)} of optimum, {seconds(result.wall_s)} s"
              + (f" ({result.error})" if result.error else ""))
@@ -90,7 +98,8 @@ def run_search_suite(out_dir: Path, env: dict, *, quick: bool = False, seeds: in
             budget = budget_mib * MiB
             for strategy in strategies:
                 for seed in range(seeds):
-                    runs.append(run_strategy(strategy, grid, budget, seed, ReplayOracle(grid, budget), "replay"))
+                    runs.append(run_strategy(strategy, grid, budget, seed, ReplayOracle(grid, budget),
+                                             BenchMode.REPLAY))
     results = SearchResults(grids, runs, live_cell, seeds, time.perf_counter() - started, strategies=strategies)
     results.files = write_search(out_dir, env, results, strategies)
     return results

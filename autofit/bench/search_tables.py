@@ -7,11 +7,13 @@ and says, in plain sentences, every figure on which autofit is worse than a peer
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from autofit.bench.common import (
     Report,
+    Spread,
     markdown_table,
     median_and_spread,
     mib,
@@ -20,15 +22,18 @@ from autofit.bench.common import (
     try_plot,
     write_csv,
 )
+from autofit.bench.search_data import (
+    BenchMode,
+    Cell,
+    Grid,
+    MiB,
+    RunResult,
+    SearchResults,
+)
 from autofit.bench.strategies import Strategy, sweeps
 from autofit.bench.verdict import AUTOFIT_NAME, CHECKS, verdicts
 from autofit.core.records import TrialStatus
 from autofit.runtime.schedule import DEFAULT_SCHEDULE as SCHEDULE
-
-if TYPE_CHECKING:
-    from autofit.bench.search_data import Cell, Grid, RunResult, SearchResults
-
-MiB = 2**20
 
 
 def _summary(runs: list[RunResult]) -> dict:
@@ -42,8 +47,8 @@ def _summary(runs: list[RunResult]) -> dict:
             "reached": len(reached), "n": len(runs)}
 
 
-def _spread(triple, fmt) -> str:
-    med, lo, hi = triple
+def _spread(spread: Spread, fmt) -> str:
+    med, lo, hi = spread
     if math.isnan(med):
         return "-"
     return fmt(med) if lo == hi else f"{fmt(med)} [{fmt(lo)}–{fmt(hi)}]"
@@ -60,12 +65,12 @@ def losses(runs: list[RunResult], strategies: tuple[Strategy, ...]) -> list[str]
     the optimum that peer found, so a fast peer that finds little reads as such).
     """
     out = []
-    for mode in ("replay", "live"):
-        keys = sorted({(r.workload, r.budget_bytes) for r in runs if r.mode == mode})
+    for mode in (BenchMode.REPLAY, BenchMode.LIVE):
+        keys = sorted({(r.workload, r.budget_bytes) for r in runs if r.mode is mode})
         for workload, budget in keys:
-            where = f"{workload} @ {budget / MiB:.0f} MiB" + (" (live)" if mode == "live" else "")
-            what = "medians" if mode == "replay" else "one live run each"
-            cell = [r for r in runs if r.mode == mode and r.workload == workload and r.budget_bytes == budget]
+            where = f"{workload} @ {budget / MiB:.0f} MiB" + (" (live)" if mode is BenchMode.LIVE else "")
+            what = "medians" if mode is BenchMode.REPLAY else "one live run each"
+            cell = [r for r in runs if r.mode is mode and r.workload == workload and r.budget_bytes == budget]
             mine = [r for r in cell if r.strategy == AUTOFIT_NAME]
             if not mine:
                 continue
@@ -76,11 +81,23 @@ def losses(runs: list[RunResult], strategies: tuple[Strategy, ...]) -> list[str]
     return out
 
 
+@dataclass(frozen=True)
+class _Figure:
+    """A figure autofit is compared on: its name in the sentence, its key in :func:`_summary`, and its format."""
+
+    label: str
+    key: str
+    higher_better: bool
+    fmt: Callable[[float], str]
+
+
+_FIGURES = (_Figure("best throughput found", "fraction", True, pct), _Figure("wall time (s)", "wall", False, seconds),
+            _Figure("real trials", "trials", False, _count), _Figure("OOM trials", "ooms", False, _count),
+            _Figure("time to 95% (s)", "t95", False, seconds))
+
+
 def _cell_losses(where: str, what: str, a: dict, cell: list, strategies) -> list[str]:
-    figures = (("best throughput found", "fraction", True, pct), ("wall time (s)", "wall", False, seconds),
-               ("real trials", "trials", False, _count), ("OOM trials", "ooms", False, _count),
-               ("time to 95% (s)", "t95", False, seconds))
-    beaten: dict[str, list[str]] = {name: [] for name, *_ in figures}
+    beaten: dict[str, list[str]] = {f.label: [] for f in _FIGURES}
     out = []
     for s in strategies:
         theirs = [r for r in cell if r.strategy == s.name]
@@ -89,17 +106,17 @@ def _cell_losses(where: str, what: str, a: dict, cell: list, strategies) -> list
         b = _summary(theirs)
         if b["reached"] and not a["reached"]:
             out.append(f"{where}: {s.name} reaches 95% of the optimum; autofit does not.")
-        for name, key, higher_better, fmt in figures:
-            if key == "t95" and not (a["reached"] and b["reached"]):
+        for f in _FIGURES:
+            if f.key == "t95" and not (a["reached"] and b["reached"]):
                 continue
-            mine_v, theirs_v = a[key][0], b[key][0]
-            if mine_v < theirs_v - 1e-9 if higher_better else mine_v > theirs_v + 1e-9:
-                found = "" if key == "fraction" else f", {pct(b['fraction'][0], 0)} of the optimum"
-                beaten[name].append(f"{s.name} {fmt(theirs_v)}{found}")
-    for name, _key, _hb, fmt in figures:
-        if beaten[name]:
-            out.append(f"{where}: on {name} autofit's {fmt(a[_key][0])} is beaten by " + "; ".join(beaten[name])
-                       + f" ({what}).")
+            mine_v, theirs_v = a[f.key].median, b[f.key].median
+            if mine_v < theirs_v - 1e-9 if f.higher_better else mine_v > theirs_v + 1e-9:
+                found = "" if f.key == "fraction" else f", {pct(b['fraction'].median, 0)} of the optimum"
+                beaten[f.label].append(f"{s.name} {f.fmt(theirs_v)}{found}")
+    for f in _FIGURES:
+        if beaten[f.label]:
+            out.append(f"{where}: on {f.label} autofit's {f.fmt(a[f.key].median)} is beaten by "
+                       + "; ".join(beaten[f.label]) + f" ({what}).")
     return out
 
 
@@ -119,18 +136,18 @@ def done_when_table(runs: list[RunResult], strategies: tuple[Strategy, ...]) -> 
 
 
 def _live_plan(runs: list[RunResult]) -> str:
-    cells = dict.fromkeys((r.workload, r.budget_bytes) for r in runs if r.mode == "live")
-    return "; ".join(f"{w} @ {b / MiB:.0f} MiB — " + ", ".join(r.strategy for r in runs if r.mode == "live"
+    cells = dict.fromkeys((r.workload, r.budget_bytes) for r in runs if r.mode is BenchMode.LIVE)
+    return "; ".join(f"{w} @ {b / MiB:.0f} MiB — " + ", ".join(r.strategy for r in runs if r.mode is BenchMode.LIVE
                                                                and (r.workload, r.budget_bytes) == (w, b))
                      for w, b in cells)
 
 
 def _autofit_time(runs: list[RunResult], cell: Cell, budget: int) -> str:
-    mine = [r for r in runs if r.mode == "replay" and r.strategy == AUTOFIT_NAME and r.workload == cell.workload
+    mine = [r for r in runs if r.mode is BenchMode.REPLAY and r.strategy == AUTOFIT_NAME and r.workload == cell.workload
             and r.budget_bytes == budget and not math.isnan(r.wall_s)]
     if not mine:
         return ""
-    med = lambda xs: median_and_spread(xs)[0]
+    med = lambda xs: median_and_spread(xs).median
     trials, extra = med([r.trials_s for r in mine]), med([r.extra_s for r in mine])
     own = med([r.wall_s - r.trials_s - r.extra_s for r in mine])
     return (f"autofit's wall time (medians): {seconds(extra)} s first use + {seconds(trials)} s of trials + "
@@ -224,7 +241,7 @@ def _grid_section(grid: Grid) -> str:
              + (f", device splits {', '.join(map(str, cell.device_splits))} "
                 f"({', '.join(m.value for m in cell.split_modes)})" if cell.device_splits != (1,) else ""))
     measured = (f"{len(grid.points)} configs measured in {grid.wall_s / 60:.1f} min "
-                f"(median trial {seconds(median_and_spread([p.wall_s for p in grid.points.values()])[0])} s; "
+                f"(median trial {seconds(median_and_spread([p.wall_s for p in grid.points.values()]).median)} s; "
                 f"a trial that dies at its first operator: {grid.oom_floor_s:.1f} s). autofit's clock is charged "
                 f"{grid.first_use_s:.1f} s per run for its first use on this workload: profiling on fake tensors "
                 "and probing the device (and, where a split runs, its collectives), with cold caches.")
@@ -234,7 +251,7 @@ def _grid_section(grid: Grid) -> str:
     if pairs:
         diffs = [abs(a / b - 1) for a, b in pairs]
         lines.append(f"Measurement noise: the trial's throughput and a second sample of the same config differ by "
-                     f"{pct(median_and_spread(diffs)[0], 0)} (median) and up to {pct(max(diffs), 0)}; the ground "
+                     f"{pct(median_and_spread(diffs).median, 0)} (median) and up to {pct(max(diffs), 0)}; the ground "
                      "truth is the larger of the two (load from other processes only ever slows a step).")
     bad = [p for p in grid.points.values() if p.status is not TrialStatus.OK]
     if bad:
@@ -263,7 +280,7 @@ def _budget_section(grid: Grid, budget_mib: int, runs: list[RunResult], strategi
                if fits_wrong or pruned_wrong else "."), lever_line(grid, budget), ""]
     rows = []
     for s in strategies:
-        mine = [r for r in runs if r.mode == "replay" and r.strategy == s.name and r.workload == cell.workload
+        mine = [r for r in runs if r.mode is BenchMode.REPLAY and r.strategy == s.name and r.workload == cell.workload
                 and r.budget_bytes == budget]
         if mine:
             rows.append(_strategy_row(s.name, mine))
@@ -287,17 +304,17 @@ def _strategy_row(name: str, mine: list[RunResult]) -> list:
                                             if sm["reached"] < sm["n"] else ""))
             if sm["reached"] else "never",
             ", ".join(f"`{a}`" for a in answers[:3]) + (" ..." if len(answers) > 3 else ""),
-            "replay" + (f" ({sm['n']} seeds)" if sm["n"] > 1 else "")]
+            f"{BenchMode.REPLAY}" + (f" ({sm['n']} seeds)" if sm["n"] > 1 else "")]
 
 
 def _live_section(runs: list[RunResult]) -> str | None:
     """Every live run beside its replay (None without live runs)."""
-    live = [r for r in runs if r.mode == "live"]
+    live = [r for r in runs if r.mode is BenchMode.LIVE]
     if not live:
         return None
     rows = []
     for r in live:
-        replay = next((x for x in runs if x.mode == "replay" and x.strategy == r.strategy and x.seed == 0
+        replay = next((x for x in runs if x.mode is BenchMode.REPLAY and x.strategy == r.strategy and x.seed == 0
                        and x.workload == r.workload and x.budget_bytes == r.budget_bytes), None)
         if r.error and math.isnan(r.fraction):
             rows.append([f"{r.workload} @ {r.budget_bytes / MiB:.0f} MiB", r.strategy,
@@ -319,11 +336,11 @@ def _live_section(runs: list[RunResult]) -> str | None:
 
 
 def _plot(plt, res: SearchResults, strategies):
-    keys = sorted({(r.workload, r.budget_bytes) for r in res.runs if r.mode == "replay"})
+    keys = sorted({(r.workload, r.budget_bytes) for r in res.runs if r.mode is BenchMode.REPLAY})
     fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.8), squeeze=False)
     for ax, (workload, budget) in zip(axes[0], keys):
         for s in strategies:
-            mine = [r for r in res.runs if r.mode == "replay" and r.strategy == s.name and r.workload == workload
+            mine = [r for r in res.runs if r.mode is BenchMode.REPLAY and r.strategy == s.name and r.workload == workload
                     and r.budget_bytes == budget and not math.isnan(r.fraction)]
             if mine:
                 ax.scatter([r.wall_s for r in mine], [r.fraction for r in mine], label=s.name, s=18)

@@ -21,6 +21,7 @@ would train with), and declares how it ranks its own trials (:class:`Criterion`)
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -119,53 +120,72 @@ def _suggest_split(trial, problem: Problem) -> tuple[int, SplitMode]:
 # --------------------------------------------------------------------------------------
 
 
+class Criterion(str, enum.Enum):
+    """How a strategy ranks its own trials: the config it would answer after each (for "time to 95%")."""
+
+    THROUGHPUT = "throughput"         # the best measured so far
+    LARGEST = "largest"               # the largest micro-batch that ran
+    # the largest that ran per precision, then the fastest of those (a per-precision sweep of a finder)
+    SWEEP_LARGEST = "sweep-largest"
+
+
 @dataclass(frozen=True)
 class Strategy:
     """A named strategy and how it ranks its own trials (for "time to 95% of the optimum")."""
 
     name: str
     run: Callable[[Problem, Oracle, int], TrainConfig | None]
-    # "throughput": best measured so far; "largest": largest micro-batch that ran; "sweep-largest":
-    # the largest that ran per precision, then the fastest of those (a per-precision sweep of a finder)
-    criterion: str
+    criterion: Criterion
     deterministic: bool
     description: str = ""
     kwargs: dict = field(default_factory=dict)
     handicap: str = ""        # what it still leaves out, carried into the headline (e.g. "no checkpointing")
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "criterion", Criterion(self.criterion))
+
     def __call__(self, problem: Problem, oracle: Oracle, seed: int) -> TrainConfig | None:
         return self.run(problem, oracle, seed, **self.kwargs)
 
 
-# The batch finders as the tools ship them: (name, function, criterion, description).
+@dataclass(frozen=True)
+class Finder:
+    """A batch finder as its tool ships it."""
+
+    name: str
+    run: Callable
+    criterion: Criterion
+    description: str
+
+
 FINDERS = (
-    ("accelerate-x0.5", accelerate_halving, "largest",
-     "HF Accelerate find_executable_batch_size: from the largest micro-batch, x0.5 on OOM"),
-    ("accelerate-x0.9", accelerate_halving_09, "largest", "the same with the newer x0.9 factor"),
-    ("lightning-binsearch", lightning_binsearch, "largest",
-     "Lightning BatchSizeFinder binsearch: double from 2 until OOM, then bisect; it can end on a size it "
-     "never ran (1, after an OOM at 2), which counts for best found but not for time to 95%"),
-    ("deepspeed-autotuner", deepspeed_autotuner, "throughput",
-     "DeepSpeed autotuner at its defaults (stage 0): profile run at micro-batch 1, linear max, probes, bisect "
-     "with 5% plateau, tuning list"),
+    Finder("accelerate-x0.5", accelerate_halving, Criterion.LARGEST,
+           "HF Accelerate find_executable_batch_size: from the largest micro-batch, x0.5 on OOM"),
+    Finder("accelerate-x0.9", accelerate_halving_09, Criterion.LARGEST, "the same with the newer x0.9 factor"),
+    Finder("lightning-binsearch", lightning_binsearch, Criterion.LARGEST,
+           "Lightning BatchSizeFinder binsearch: double from 2 until OOM, then bisect; it can end on a size it "
+           "never ran (1, after an OOM at 2), which counts for best found but not for time to 95%"),
+    Finder("deepspeed-autotuner", deepspeed_autotuner, Criterion.THROUGHPUT,
+           "DeepSpeed autotuner at its defaults (stage 0): profile run at micro-batch 1, linear max, probes, bisect "
+           "with 5% plateau, tuning list"),
 )
 
 
 def _finder_variants() -> tuple[Strategy, ...]:
     out = []
-    for name, fn, criterion, description in FINDERS:
-        out.append(Strategy(f"{name} @{USER_PRECISION.value}", at_user_precision, criterion, True,
-                            f"{description}; at {USER_PRECISION.value}", {"finder": fn},
+    for f in FINDERS:
+        out.append(Strategy(f"{f.name} @{USER_PRECISION.value}", at_user_precision, f.criterion, True,
+                            f"{f.description}; at {USER_PRECISION.value}", {"finder": f.run},
                             f"{USER_PRECISION.value} only, no checkpointing"))
-        out.append(Strategy(f"{name} sweep", precision_sweep,
-                            "sweep-largest" if criterion == "largest" else criterion, True,
-                            f"{description}; once per precision, the fastest answer kept, trials summed",
-                            {"finder": fn}, "no checkpointing"))
+        out.append(Strategy(f"{f.name} sweep", precision_sweep,
+                            Criterion.SWEEP_LARGEST if f.criterion is Criterion.LARGEST else f.criterion, True,
+                            f"{f.description}; once per precision, the fastest answer kept, trials summed",
+                            {"finder": f.run}, "no checkpointing"))
     return tuple(out)
 
 
 PEERS: tuple[Strategy, ...] = (
-    Strategy("optuna-tpe", optuna_tpe, "throughput", False,
+    Strategy("optuna-tpe", optuna_tpe, Criterion.THROUGHPUT, False,
              "Optuna TPE over the whole grid, real trials only: start-up trials a fifth of the budget (at least 2), "
              "multivariate, the budget as a constraint (an OOM is found by running and violates it)",
              handicap="no memory estimate"),
@@ -177,16 +197,16 @@ def sweeps(strategies: tuple[Strategy, ...]) -> tuple[Strategy, ...]:
     return tuple(s for s in strategies if s.run is precision_sweep)
 
 
-def incumbent(records: list[OracleRecord], criterion: str) -> list[TrainConfig | None]:
+def incumbent(records: list[OracleRecord], criterion: Criterion) -> list[TrainConfig | None]:
     """The config a strategy would answer after each of its trials, by its own criterion."""
     out: list[TrainConfig | None] = []
-    best: dict[object, Outcome] = {}     # the incumbent per precision ("sweep-largest") or overall
+    best: dict[object, Outcome] = {}     # the incumbent per precision (Criterion.SWEEP_LARGEST) or overall
     for record in records:
         o = record.outcome
-        key = o.config.precision if criterion == "sweep-largest" else None
+        key = o.config.precision if criterion is Criterion.SWEEP_LARGEST else None
         if o.ok:
             old = best.get(key)
-            if criterion in ("largest", "sweep-largest"):
+            if criterion in (Criterion.LARGEST, Criterion.SWEEP_LARGEST):
                 better = old is None or o.config.micro_batch > old.config.micro_batch
             else:
                 better = old is None or (o.samples_per_s or 0.0) > (old.samples_per_s or 0.0)

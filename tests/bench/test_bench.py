@@ -26,12 +26,12 @@ from autofit.bench.oracles import ReplayOracle
 from autofit.bench.problem import Oracle, OracleRecord, Outcome, Problem
 from autofit.bench.scoring import run_strategy, score
 from autofit.bench.search_cells import problem_for
-from autofit.bench.search_data import Cell, Grid, GridPoint, SearchResults
+from autofit.bench.search_data import BenchMode, Cell, Grid, GridPoint, SearchResults
 from autofit.bench.search_tables import losses, write_search
 from autofit.core.config import Precision, TrainConfig
 
 MiB = 2**20
-HALVING = st.Strategy("accelerate-x0.5", finders.accelerate_halving, "largest", True)   # the finder at fp32
+HALVING = st.Strategy("accelerate-x0.5", finders.accelerate_halving, st.Criterion.LARGEST, True)   # the finder at fp32
 
 
 # --- a synthetic oracle --------------------------------------------------------------------------
@@ -156,8 +156,8 @@ def test_incumbent_by_criterion():
     recs = [OracleRecord(Outcome(c(8), "ok", 5.0, 1, 1.0), 1.0),
             OracleRecord(Outcome(c(16), "ok", 4.0, 1, 1.0), 2.0),
             OracleRecord(Outcome(c(32), "oom", None, None, 1.0), 3.0)]
-    assert [x.micro_batch for x in st.incumbent(recs, "largest")] == [8, 16, 16]
-    assert [x.micro_batch for x in st.incumbent(recs, "throughput")] == [8, 8, 8]
+    assert [x.micro_batch for x in st.incumbent(recs, st.Criterion.LARGEST)] == [8, 16, 16]
+    assert [x.micro_batch for x in st.incumbent(recs, st.Criterion.THROUGHPUT)] == [8, 8, 8]
 
 
 def test_problem_rejects_non_divisors():
@@ -200,7 +200,7 @@ def test_sweep_incumbent_is_largest_per_precision_then_fastest():
             OracleRecord(Outcome(c(Precision.BF16, 4), "ok", 9.0, 1, 1.0), 2.0),
             OracleRecord(Outcome(c(Precision.BF16, 2), "ok", 9.5, 1, 1.0), 3.0),   # smaller: not bf16's answer
             OracleRecord(Outcome(c(Precision.FP32, 16), "ok", 12.0, 1, 1.0), 4.0)]
-    assert [x.short() for x in st.incumbent(recs, "sweep-largest")] == [
+    assert [x.short() for x in st.incumbent(recs, st.Criterion.SWEEP_LARGEST)] == [
         c(Precision.FP32, 8).short(), c(Precision.BF16, 4).short(), c(Precision.BF16, 4).short(),
         c(Precision.FP32, 16).short()]
 
@@ -276,9 +276,10 @@ def test_replay_answers_the_trial_sample_then_the_second_and_loads_back_from_csv
     assert [swapped.run(c).samples_per_s for _ in range(3)] == [12.0, 9.0, 12.0]
     assert oracle.history[0].outcome.step_time_s == pytest.approx(c.samples_per_step / 9.0)
     halving = HALVING
-    runs = [run_strategy(halving, grid, 50 * MiB, 0, ReplayOracle(grid, 50 * MiB), "replay")]
+    runs = [run_strategy(halving, grid, 50 * MiB, 0, ReplayOracle(grid, 50 * MiB), BenchMode.REPLAY)]
     write_search(tmp_path, environment("test"), SearchResults([grid], runs, ("synthetic", 50 * MiB), 1, 0.0), (halving,))
     (loaded,) = load_grids(tmp_path / "search_grid.csv")
+    assert [row["mode"] for row in csv.DictReader((tmp_path / "search_runs.csv").open())] == ["replay"]
     assert loaded.cell.budgets_mib == (50, 100) and loaded.cell.micro_batches == (2, 4, 8)
     assert loaded.points[c].trial_samples_per_s == 9.0 and loaded.optimum(50 * MiB) == grid.optimum(50 * MiB)
     assert loaded.oom_floor_s == 1.5
@@ -293,7 +294,7 @@ def test_run_strategy_scores_peers_and_reports_unavailable_autofit():
     grid = _grid()
     budget = 100 * MiB
     strat = HALVING
-    res = run_strategy(strat, grid, budget, 0, ReplayOracle(grid, budget), "replay")
+    res = run_strategy(strat, grid, budget, 0, ReplayOracle(grid, budget), BenchMode.REPLAY)
     assert res.answer is not None and 0 < res.fraction <= 1 and res.trials >= 1 and res.error is None
     assert res.wall_s >= 3.0
     from autofit.bench.own_search import AUTOFIT
@@ -302,8 +303,8 @@ def test_run_strategy_scores_peers_and_reports_unavailable_autofit():
         from autofit.bench.own_search import NotAvailable
         raise NotAvailable("not yet available")
 
-    fake = st.Strategy(AUTOFIT.name, unavailable, "throughput", False)
-    missing = run_strategy(fake, grid, budget, 0, ReplayOracle(grid, budget), "replay")
+    fake = st.Strategy(AUTOFIT.name, unavailable, st.Criterion.THROUGHPUT, False)
+    missing = run_strategy(fake, grid, budget, 0, ReplayOracle(grid, budget), BenchMode.REPLAY)
     assert missing.error == "not yet available" and math.isnan(missing.fraction)
     text = losses([res, missing], (fake, strat))
     assert text and "did not run" in text[0]
@@ -314,12 +315,12 @@ def test_time_to_target_uses_strategy_clock():
     budget = 1000 * MiB
     halving = HALVING
     oracle = ReplayOracle(grid, budget)
-    res = score(halving, grid, budget, 0, "replay", oracle, halving(problem_for(grid.cell, budget, 0), oracle, 0))
+    res = score(halving, grid, budget, 0, BenchMode.REPLAY, oracle, halving(problem_for(grid.cell, budget, 0), oracle, 0))
     # keeps fp32 while pure bf16 is twice as fast here: half the optimum, never 95%
     assert res.fraction == pytest.approx(0.5) and res.time_to_target_s is None
     tpe = next(s for s in st.PEERS if s.name == "optuna-tpe")
     oracle = ReplayOracle(grid, budget)
-    res = score(tpe, grid, budget, 0, "replay", oracle, tpe(problem_for(grid.cell, budget, 0), oracle, 0))
+    res = score(tpe, grid, budget, 0, BenchMode.REPLAY, oracle, tpe(problem_for(grid.cell, budget, 0), oracle, 0))
     first = next(r for r in oracle.history if r.outcome.config == grid.optimum(budget).config)
     assert res.fraction == 1.0 and res.time_to_target_s == pytest.approx(first.clock_s)
 
@@ -338,18 +339,18 @@ def _verdict_runs(autofit_fn, budget_mib: int):
             oracle.run(config)
         return optimum
 
-    strategies = (st.Strategy("autofit", autofit_fn, "throughput", True),
-                  st.Strategy("optuna-tpe", tpe, "throughput", True)) + st.sweeps(st.PEERS)
-    runs = [run_strategy(s, grid, budget, seed, ReplayOracle(grid, budget), "replay") for s in strategies
+    strategies = (st.Strategy("autofit", autofit_fn, st.Criterion.THROUGHPUT, True),
+                  st.Strategy("optuna-tpe", tpe, st.Criterion.THROUGHPUT, True)) + st.sweeps(st.PEERS)
+    runs = [run_strategy(s, grid, budget, seed, ReplayOracle(grid, budget), BenchMode.REPLAY) for s in strategies
             for seed in (0, 1)]
-    runs.append(run_strategy(strategies[0], grid, budget, 0, ReplayOracle(grid, budget), "live"))
+    runs.append(run_strategy(strategies[0], grid, budget, 0, ReplayOracle(grid, budget), BenchMode.LIVE))
     return SearchResults([grid], runs, ("synthetic", budget), 2, 1.0, strategies=strategies), optimum
 
 
 def test_done_when_passes_a_search_that_goes_straight_to_the_optimum(tmp_path):
     from autofit.bench.search_tables import write_search
     from autofit.bench.summary import headline
-    from autofit.bench.verdict import CHECKS, verdicts
+    from autofit.bench.verdict import CHECK, CHECKS, verdicts
 
     def straight(problem, oracle, seed):
         return oracle.run(_grid().optimum(problem.budget_bytes).config).config
@@ -357,7 +358,7 @@ def test_done_when_passes_a_search_that_goes_straight_to_the_optimum(tmp_path):
     res, _ = _verdict_runs(straight, 100)
     [v] = verdicts(res.runs, tuple(s.name for s in st.sweeps(st.PEERS)))
     assert v.checks == {c: True for c in CHECKS} and v.passed and not v.notes
-    assert v.figures[CHECKS[3]] == "1 vs 3"        # one trial against the sweep's one per precision
+    assert v.figures[CHECK.fewer_trials] == "1 vs 3"        # one trial against the sweep's one per precision
     write_search(tmp_path, {"date": "today"}, res, res.strategies)
     text = (tmp_path / "search.md").read_text()
     assert "## Done when" in text and "| synthetic @ 100 MiB | 100.0% ✓" in text and "| PASS |" in text
@@ -367,7 +368,7 @@ def test_done_when_passes_a_search_that_goes_straight_to_the_optimum(tmp_path):
 
 
 def test_done_when_fails_and_says_where_and_why():
-    from autofit.bench.verdict import CHECKS, verdicts
+    from autofit.bench.verdict import CHECK, CHECKS, verdicts
 
     def clumsy(problem, oracle, seed):   # an OOM first, then a small fp32 micro-batch
         oracle.run(problem.config(8))
@@ -376,7 +377,7 @@ def test_done_when_fails_and_says_where_and_why():
     res, optimum = _verdict_runs(clumsy, 50)
     [v] = verdicts(res.runs, tuple(s.name for s in st.sweeps(st.PEERS)))
     assert not v.passed
-    assert {c for c in CHECKS if v.checks[c] is False} >= {CHECKS[0], CHECKS[1], CHECKS[2], CHECKS[5]}
+    assert {c for c in CHECKS if v.checks[c] is False} >= {CHECK.answer, CHECK.live, CHECK.no_oom, CHECK.tpe}
     notes = " ".join(v.notes)
     assert "`fp32 mb=8" in notes and "OOM" in notes and "`fp32 mb=2" in notes and "never" in notes
 
@@ -440,7 +441,7 @@ def test_search_plot_written_when_matplotlib_is_importable(tmp_path):
     pytest.importorskip("matplotlib")
 
     grid = _grid()
-    runs = [run_strategy(s, grid, b * MiB, 0, ReplayOracle(grid, b * MiB), "replay")
+    runs = [run_strategy(s, grid, b * MiB, 0, ReplayOracle(grid, b * MiB), BenchMode.REPLAY)
             for b in grid.cell.budgets_mib for s in st.PEERS]
     files = write_search(tmp_path, {"date": "today"}, SearchResults([grid], runs, ("synthetic", 50 * MiB), 1, 1.0),
                          st.PEERS)
@@ -518,14 +519,14 @@ def test_finders_score_zero_where_only_a_split_fits_and_tpe_searches_the_split()
     best = grid.optimum(budget)
     assert best.config.device_split == 2
     for strategy in st.PEERS:
-        res = run_strategy(strategy, grid, budget, 0, ReplayOracle(grid, budget), "replay")
+        res = run_strategy(strategy, grid, budget, 0, ReplayOracle(grid, budget), BenchMode.REPLAY)
         assert res.error is None and res.trials > 0
         assert all(r.outcome.config.device_split == 1 for r in res.history) or strategy.name == "optuna-tpe"
         if strategy.name != "optuna-tpe":
             assert res.fraction == 0.0
     tpe = next(s for s in st.PEERS if s.name == "optuna-tpe")
     oracle = ReplayOracle(grid, budget)
-    res = run_strategy(tpe, grid, budget, 0, oracle, "replay")
+    res = run_strategy(tpe, grid, budget, 0, oracle, BenchMode.REPLAY)
     assert {r.outcome.config.device_split for r in res.history} == {1, 2} and res.fraction > 0
 
 
@@ -552,7 +553,7 @@ def test_replay_loads_two_cells_of_one_workload_with_their_splits(tmp_path):
     one, split = _grid(), _split_grid(4, (1, 2, 4))   # global batches 8 and 4: two cells of one workload
     split = dataclasses.replace(split, cell=dataclasses.replace(split.cell, workload="synthetic", budgets_mib=(30,)))
     runs = [run_strategy(HALVING, g, g.cell.budgets_mib[0] * MiB, 0, ReplayOracle(g, g.cell.budgets_mib[0] * MiB),
-                         "replay") for g in (one, split)]
+                         BenchMode.REPLAY) for g in (one, split)]
     write_search(tmp_path, environment("test"), SearchResults([one, split], runs, ("synthetic", 50 * MiB), 1, 0.0),
                  (HALVING,))
     first, second = load_grids(tmp_path / "search_grid.csv")
@@ -574,8 +575,8 @@ def test_suite_runs_peers_live_on_the_first_cell_and_autofit_live_on_every_cell(
 
     sweep = next(s for s in st.PEERS if s.name == "accelerate-x0.5 sweep")
     res = search.run_search_suite(tmp_path, {"date": "today"}, cells=(grid.cell,), seeds=1, live=True,
-                                  strategies=(st.Strategy("autofit", straight, "throughput", True), sweep))
-    live = [(r.strategy, r.budget_bytes // MiB) for r in res.runs if r.mode == "live"]
+                                  strategies=(st.Strategy("autofit", straight, st.Criterion.THROUGHPUT, True), sweep))
+    live = [(r.strategy, r.budget_bytes // MiB) for r in res.runs if r.mode is BenchMode.LIVE]
     assert live == [("autofit", 50), ("accelerate-x0.5 sweep", 50), ("autofit", 100)]
     text = (tmp_path / "search.md").read_text()
     assert "| synthetic @ 100 MiB | autofit |" in text and "| synthetic @ 100 MiB | 100.0% ✓ | 100.0% ✓ |" in text
