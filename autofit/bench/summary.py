@@ -14,7 +14,8 @@ def headline(results) -> list[str]:
     lines = []
     acc = results.suites.get("accuracy")
     if acc is not None:
-        from autofit.bench.accuracy import MAIN_WORKLOADS, safety
+        from autofit.bench.accuracy import safety
+        from autofit.bench.accuracy_cases import MAIN_WORKLOADS
 
         main = tuple(w for w in MAIN_WORKLOADS if any(r.workload == w for r in acc.rows))
         s = acc.stats(main)

@@ -411,7 +411,7 @@ def test_markdown_and_csv_writing(tmp_path):
 @pytest.mark.slow
 def test_tiny_search_and_accuracy_suites(tmp_path, monkeypatch):
     """One workload, a 2-config grid, replay only, plus two accuracy configs: the files exist and parse."""
-    from autofit.bench import accuracy, search
+    from autofit.bench import accuracy, accuracy_cases, search
     from autofit.bench.common import environment
     from autofit.bench.own_search import AUTOFIT
 
@@ -425,7 +425,7 @@ def test_tiny_search_and_accuracy_suites(tmp_path, monkeypatch):
     assert "gpt-tiny @ 80 MiB" in text and "Where autofit loses" in text
     assert len(list(csv.DictReader((tmp_path / "search_runs.csv").open()))) == 3
 
-    monkeypatch.setattr(accuracy, "_QUICK_CASES", {"gpt-tiny": [("bf16", 2), ("fp32", 2, 2, 1)]})
+    monkeypatch.setattr(accuracy_cases, "_QUICK_CASES", {"gpt-tiny": [("bf16", 2), ("fp32", 2, 2, 1)]})
     acc = accuracy.run_accuracy(tmp_path, env, quick=True, workloads=("gpt-tiny",),
                                 budgets={"gpt-tiny": (40 * MiB,)}, truth_repeats=1)
     assert [r.status for r in acc.rows] == ["ok", "ok"]
@@ -583,7 +583,7 @@ def test_suite_runs_peers_live_on_the_first_cell_and_autofit_live_on_every_cell(
 
 
 def test_accuracy_workloads_are_selected_by_parts_of_their_names():
-    from autofit.bench.accuracy import (
+    from autofit.bench.accuracy_cases import (
         HF_WORKLOADS,
         USER_WORKLOADS,
         cases,
