@@ -42,7 +42,7 @@ def run_bench(suites: Sequence[str] = SUITES, *, out_dir: Path = DEFAULT_OUT, qu
     """Run ``suites`` in order and write their tables to ``out_dir``.
 
     ``workloads``: parts of the accuracy suite's workload names; only those workloads are
-    measured (:func:`autofit.bench.accuracy.select_workloads`).
+    measured (:func:`autofit.bench.accuracy_cases.select_workloads`).
     Returns a :class:`BenchResults`. Raises ValueError for an unknown suite name, ConfigError
     for a ``workloads`` part that names none. Every real training step runs in a child process
     with ``OMP_WAIT_POLICY=PASSIVE`` (set here).
@@ -52,7 +52,7 @@ def run_bench(suites: Sequence[str] = SUITES, *, out_dir: Path = DEFAULT_OUT, qu
         raise ValueError(f"unknown suite(s) {unknown}: expected {', '.join(SUITES)}")
     selected = None
     if workloads:
-        from autofit.bench.accuracy import select_workloads
+        from autofit.bench.accuracy_cases import select_workloads
 
         selected = select_workloads(tuple(workloads), quick)
     apply_bench_env()

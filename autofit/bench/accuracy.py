@@ -32,6 +32,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from autofit.bench.accuracy_cases import (
+    EXTRA_WORKLOADS,
+    HF_WORKLOADS,
+    MAIN_WORKLOADS,
+    USER_WORKLOADS,
+    cases,
+)
 from autofit.bench.common import (
     ErrorStats,
     Report,
@@ -46,26 +53,9 @@ from autofit.bench.common import (
 from autofit.bench.repeats import median_sample, repeats_note, resample, samples_cell
 from autofit.bench.truth_table import truth_section
 from autofit.core.config import Precision, SplitMode, TrainConfig
-from autofit.core.errors import ConfigError
 from autofit.core.records import TrialStatus
 
-MAIN_WORKLOADS = ("gpt-tiny", "convnet-bn")
-EXTRA_WORKLOADS = ("lstm-lm",)
-# Issue 12: tiny configs of four Hugging Face families (three decoders, one vision encoder),
-# built from their transformers config classes; the hf extra must be installed.
-HF_WORKLOADS = (
-    "hf:gpt2?n_layer=4&n_embd=128&n_head=4&vocab_size=2048#seq_len=64",
-    "hf:llama?num_hidden_layers=4&hidden_size=128&intermediate_size=344&num_attention_heads=4&num_key_value_heads=2"
-    "&vocab_size=2048#seq_len=64",
-    "hf:qwen3?num_hidden_layers=4&hidden_size=128&intermediate_size=344&num_attention_heads=4&num_key_value_heads=2"
-    "&head_dim=32&vocab_size=2048#seq_len=64",
-    "hf:vit?num_hidden_layers=4&hidden_size=128&num_attention_heads=4&intermediate_size=512&image_size=64&patch_size=8",
-)
-HF_TARGET_MEDIAN = 0.02
-# Issue 13: models written as a user would write them in a file (not built-ins), loaded by
-# module path here so the tables name them the same on every machine; as files they load the
-# same way (``--model path/to/vit.py:workload``).
-USER_WORKLOADS = ("autofit.bench.user_models.vit:workload", "autofit.bench.user_models.mixer:workload")
+HF_TARGET_MEDIAN = 0.02   # the Hugging Face models (and the user models)
 TARGET_MEDIAN = 0.03
 # Issue 13: over every built-in, lstm-lm included
 ALL_BUILTINS_TARGET_MEDIAN = 0.02
@@ -75,92 +65,6 @@ TARGET_MAX = 0.08
 ANCHORS = ("LLMem (IJCAI 2024): <= 1.6% on one GPU (3.0% multi-GPU); DNNMem (ESEC/FSE 2020): ~15% mean; "
            "PyTorch MemTracker's own test tolerance: 10% against the CUDA allocator's peak.")
 JOB_TIMEOUT_S = 300.0
-
-
-def _c(precision: str, micro_batch: int, grad_accum: int = 1, checkpoint_every: int = 0,
-       device_split: int = 1, split_mode: str = "pipeline") -> TrainConfig:
-    return TrainConfig(Precision(precision), micro_batch, grad_accum, checkpoint_every, device_split, split_mode)
-
-
-def _fsdp_cases(micro_batch: int) -> list[tuple]:
-    """Issue 9: FSDP at 2 and 4 ranks, every precision, checkpointing off and on (amp-fp16 at micro-batch 1)."""
-    return [(p, 1 if p == "amp-fp16" else micro_batch, 1, ckpt, ranks, "fsdp")
-            for p in ("fp32", "amp-bf16", "bf16", "amp-fp16") for ranks in (2, 4) for ckpt in (0, 1)]
-
-
-# (precision, micro_batch, grad_accum, checkpoint_every, device_split[, split_mode])
-_CASES = {
-    "gpt-tiny": [
-        ("fp32", 1), ("fp32", 4), ("fp32", 8), ("fp32", 8, 1, 1), ("fp32", 8, 1, 2), ("fp32", 2, 4),
-        ("fp32", 4, 2, 1),
-        ("amp-bf16", 1), ("amp-bf16", 4), ("amp-bf16", 8), ("amp-bf16", 8, 1, 1), ("amp-bf16", 4, 3, 2),
-        ("bf16", 2), ("bf16", 8), ("bf16", 8, 1, 1), ("bf16", 4, 2),
-        ("amp-fp16", 1), ("amp-fp16", 1, 2), ("amp-fp16", 2, 1, 1),
-        ("fp32", 4, 2, 0, 2), ("amp-bf16", 4, 2, 1, 2), ("bf16", 2, 2, 0, 2), ("amp-fp16", 1, 2, 0, 2),
-        *_fsdp_cases(2),
-    ],
-    "convnet-bn": [
-        ("fp32", 4), ("fp32", 16), ("fp32", 32), ("fp32", 32, 1, 1), ("fp32", 32, 1, 2), ("fp32", 8, 4),
-        ("fp32", 16, 2, 1),
-        ("amp-bf16", 4), ("amp-bf16", 16), ("amp-bf16", 32), ("amp-bf16", 32, 1, 1), ("amp-bf16", 16, 3, 2),
-        ("bf16", 8), ("bf16", 32), ("bf16", 32, 1, 1), ("bf16", 16, 2),
-        ("amp-fp16", 1), ("amp-fp16", 1, 2, 1),
-        ("fp32", 16, 2, 0, 2), ("amp-bf16", 16, 2, 1, 2), ("bf16", 8, 2, 0, 2),
-        *_fsdp_cases(8),
-    ],
-    "lstm-lm": [
-        ("fp32", 4), ("fp32", 16), ("fp32", 16, 1, 1), ("fp32", 8, 2),
-        ("amp-bf16", 16), ("amp-bf16", 16, 1, 1), ("bf16", 16), ("bf16", 8, 2, 1),
-        ("amp-fp16", 2),
-        ("fp32", 8, 2, 0, 2), ("amp-bf16", 8, 2, 0, 2),
-    ],
-}
-_HF_DECODER_CASES = [
-    ("fp32", 4), ("fp32", 4, 1, 1), ("fp32", 4, 1, 2), ("amp-bf16", 4), ("amp-bf16", 4, 1, 1), ("amp-bf16", 4, 2, 2),
-    ("bf16", 4, 2), ("bf16", 4, 1, 2), ("amp-fp16", 2), ("amp-fp16", 2, 1, 1),
-    # split 2: every precision, checkpointing at 1 and 2, 1F1B with k = p and k > p micro-batches
-    ("fp32", 2, 2, 0, 2), ("amp-bf16", 2, 2, 1, 2), ("fp32", 2, 4, 2, 2), ("bf16", 2, 3, 0, 2),
-    ("amp-fp16", 1, 2, 0, 2),
-]
-_HF_ENCODER_CASES = [("fp32", 8), ("fp32", 8, 1, 1), ("fp32", 8, 1, 2), ("amp-bf16", 8, 2), ("amp-bf16", 8, 1, 2),
-                     ("bf16", 8), ("bf16", 8, 2, 1), ("amp-fp16", 4)]
-_CASES.update({w: _HF_ENCODER_CASES if w.startswith("hf:vit") else _HF_DECODER_CASES for w in HF_WORKLOADS})
-_USER_CASES = [("fp32", 16), ("fp32", 16, 1, 1), ("fp32", 16, 1, 2), ("fp32", 8, 2), ("amp-bf16", 16),
-               ("amp-bf16", 16, 1, 1), ("bf16", 16), ("bf16", 8, 2, 2), ("amp-fp16", 4),
-               ("fp32", 8, 2, 0, 2), ("amp-bf16", 8, 4, 1, 2), ("bf16", 8, 2, 2, 2), ("amp-fp16", 2, 2, 0, 2)]
-_CASES.update({w: _USER_CASES for w in USER_WORKLOADS})
-
-_QUICK_CASES = {
-    "gpt-tiny": [("fp32", 4), ("amp-bf16", 4, 2, 1), ("bf16", 4), ("amp-fp16", 1), ("fp32", 2, 2, 0, 2)],
-    "convnet-bn": [("fp32", 16, 1, 1), ("amp-bf16", 16, 2), ("bf16", 16)],
-    "lstm-lm": [("fp32", 8)],
-    USER_WORKLOADS[1]: [("amp-bf16", 8, 2, 0, 2)],
-}
-
-
-def cases(quick: bool = False, workloads: tuple[str, ...] | None = None) -> dict[str, list[TrainConfig]]:
-    """The configs measured per workload."""
-    table = _QUICK_CASES if quick else _CASES
-    names = workloads or tuple(w for w in table if not w.startswith("hf:") or _has_transformers())
-    return {w: [_c(*args) for args in table[w]] for w in names}
-
-
-def select_workloads(selectors: tuple[str, ...], quick: bool = False) -> tuple[str, ...]:
-    """The suite's workloads whose name contains one of ``selectors`` (e.g. ``hf:``, ``user_models``).
-
-    Raises ConfigError naming a selector that matches none, with the names it could match."""
-    names = tuple(_QUICK_CASES if quick else _CASES)
-    for sel in selectors:
-        if not any(sel in w for w in names):
-            raise ConfigError(f"--workloads {sel!r} matches none of the accuracy suite's workloads"
-                              f"{' (--quick)' if quick else ''}: {', '.join(names)}")
-    return tuple(w for w in names if any(sel in w for sel in selectors))
-
-
-def _has_transformers() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("transformers") is not None
 
 
 @dataclass
@@ -244,7 +148,7 @@ def run_accuracy(out_dir: Path, env: dict, *, quick: bool = False, workloads: tu
                  budgets: dict[str, tuple[int, ...]] | None = None, truth_repeats: int = TRUTH_REPEATS,
                  progress: Callable[[str], None] = lambda _m: None) -> AccuracyResults:
     """Predict and measure every case, then write ``accuracy.md`` and ``accuracy.csv`` to ``out_dir``."""
-    from autofit.bench.search import search_budgets
+    from autofit.bench.search_cells import search_budgets
     from autofit.bench.worker import run_jobs
     from autofit.estimate.memory_model import estimate_table
     from autofit.profiling.profile import profile_workload
@@ -283,12 +187,12 @@ def run_accuracy(out_dir: Path, env: dict, *, quick: bool = False, workloads: tu
                 allocator_peak_bytes=tuple(first.get("allocator_peak_bytes") or ()),
                 resident_peak_bytes=tuple(first.get("resident_peak_bytes") or ()),
                 observed_allocator_peak_bytes=first.get("observed_allocator_peak_bytes"),
-                peak_samples_bytes=tuple(s.get("peak_bytes") if s.get("status") == "ok" else None for s in taken)
+                peak_samples_bytes=tuple(s.get("peak_bytes") if s.get("status") == TrialStatus.OK else None for s in taken)
                 if len(taken) > 1 else ()))
     prior = []
     if workloads is None:  # the time model's prior over the search suite's grid configs (autofit.bench.prior)
         from autofit.bench.prior import prior_rows
-        from autofit.bench.search import CELLS, QUICK_CELLS
+        from autofit.bench.search_cells import CELLS, QUICK_CELLS
 
         prior = prior_rows(QUICK_CELLS if quick else CELLS, progress)
     res = AccuracyResults(rows, budgets, time_model_note, time.perf_counter() - started, prior=prior)
@@ -310,85 +214,121 @@ def _verdict(stats, median_target: float) -> str:
 
 
 def write_accuracy(out_dir: Path, env: dict, res: AccuracyResults) -> list[Path]:
+    """Write ``accuracy.csv``, ``accuracy.md`` (and ``accuracy_prior.csv`` with a prior table); return their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     files = [write_csv(out_dir / "accuracy.csv", [r.to_dict() for r in res.rows])]
     rep = Report("Accuracy: predicted against measured peak memory", env)
-    groups = [(w,) for w in dict.fromkeys(r.workload for r in res.rows)]
     main = tuple(w for w in MAIN_WORKLOADS if any(r.workload == w for r in res.rows))
+    for part in _target_sections(res, main):
+        rep.add(part)
+    rep.add(_coverage_line(res, main))
+    rep.add(repeats_note(res.rows))
+    rep.add(_summary_section(res, main))
+    for part in (truth_section(res.rows), _stage_line(res), _safety_section(res)):
+        if part:
+            rep.add(part)
+    rep.add(_step_time_section(res))
+    if res.prior:
+        from autofit.bench.prior import prior_section
+
+        files.append(write_csv(out_dir / "accuracy_prior.csv", res.prior))
+        rep.add(prior_section(res.prior))
+    if any(r.workload == "lstm-lm" for r in res.rows):
+        rep.add(_LSTM_SECTION)
+    rep.add(_every_config_section(res))
+    files.append(rep.write(out_dir / "accuracy.md"))
+    return files
+
+
+def _target_sections(res: AccuracyResults, main: tuple[str, ...]) -> list[str]:
+    """The suite's wall time and method, then each target the measured workloads are held to, with its verdict."""
     main_stats = res.stats(main)
     verdict = "PASS" if res.passes(main) else "FAIL"
     n_main = sum(1 for r in res.rows if r.workload in main)
-    rep.add(f"Suite wall time: {res.wall_s / 60:.1f} min. Measured: live tensor bytes on the CPU "
-            "(`MemoryTracker`, steady state: the peak over the steps after two warm-up steps), the largest device's "
-            "peak for a device split. Predicted: `estimate_table` on a fake-tensor profile. Error = (predicted − "
-            "measured) / measured; negative is an under-estimate (a false fit waiting to happen).")
-    rep.add(f"**Issue 3 target** (median |error| ≤ {pct(TARGET_MEDIAN, 0)}, largest ≤ {pct(TARGET_MAX, 0)}, on "
-            f"{' and '.join(main)}, {n_main} configs): **{verdict}** — median {pct(main_stats.median, 2)}, largest "
-            f"{pct(main_stats.max, 2)}.\n\nAnchors: {ANCHORS}")
+    out = [f"Suite wall time: {res.wall_s / 60:.1f} min. Measured: live tensor bytes on the CPU "
+           "(`MemoryTracker`, steady state: the peak over the steps after two warm-up steps), the largest device's "
+           "peak for a device split. Predicted: `estimate_table` on a fake-tensor profile. Error = (predicted − "
+           "measured) / measured; negative is an under-estimate (a false fit waiting to happen).",
+           f"**Issue 3 target** (median |error| ≤ {pct(TARGET_MEDIAN, 0)}, largest ≤ {pct(TARGET_MAX, 0)}, on "
+           f"{' and '.join(main)}, {n_main} configs): **{verdict}** — median {pct(main_stats.median, 2)}, largest "
+           f"{pct(main_stats.max, 2)}.\n\nAnchors: {ANCHORS}"]
     fsdp = ErrorStats.of(r.error_rel for r in res.rows if r.workload in main and r.config.split_mode is SplitMode.FSDP)
     if fsdp.n:
         fsdp_verdict = _verdict(fsdp, TARGET_MEDIAN)
-        rep.add(f"**Issue 9 target** (FSDP ranks, split_mode=fsdp, on {' and '.join(main)}: median |error| ≤ "
-                f"{pct(TARGET_MEDIAN, 0)}, largest ≤ {pct(TARGET_MAX, 0)} against the largest rank's measured peak; "
-                f"{fsdp.n} configs): **{fsdp_verdict}** — median {pct(fsdp.median, 2)}, largest {pct(fsdp.max, 2)}.")
+        out.append(f"**Issue 9 target** (FSDP ranks, split_mode=fsdp, on {' and '.join(main)}: median |error| ≤ "
+                   f"{pct(TARGET_MEDIAN, 0)}, largest ≤ {pct(TARGET_MAX, 0)} against the largest rank's measured peak; "
+                   f"{fsdp.n} configs): **{fsdp_verdict}** — median {pct(fsdp.median, 2)}, largest {pct(fsdp.max, 2)}.")
     hf = tuple(w for w in HF_WORKLOADS if any(r.workload == w for r in res.rows))
     if hf:
         hs = res.stats(hf)
         hf_verdict = _verdict(hs, HF_TARGET_MEDIAN)
-        rep.add(f"**Issue 12 target** (Hugging Face models: median |error| ≤ {pct(HF_TARGET_MEDIAN, 0)}, largest ≤ "
-                f"{pct(TARGET_MAX, 0)}, {hs.n} measured configs of {len(hf)} families): **{hf_verdict}** — median "
-                f"{pct(hs.median, 2)}, largest {pct(hs.max, 2)}.")
+        out.append(f"**Issue 12 target** (Hugging Face models: median |error| ≤ {pct(HF_TARGET_MEDIAN, 0)}, largest ≤ "
+                   f"{pct(TARGET_MAX, 0)}, {hs.n} measured configs of {len(hf)} families): **{hf_verdict}** — median "
+                   f"{pct(hs.median, 2)}, largest {pct(hs.max, 2)}.")
     builtins = tuple(w for w in MAIN_WORKLOADS + EXTRA_WORKLOADS if any(r.workload == w for r in res.rows))
     if set(builtins) - set(main):
         bs = res.stats(builtins)
         b_verdict = _verdict(bs, ALL_BUILTINS_TARGET_MEDIAN)
-        rep.add(f"**Issue 13 target** (every built-in, lstm-lm included: median |error| ≤ "
-                f"{pct(ALL_BUILTINS_TARGET_MEDIAN, 0)}, largest ≤ {pct(TARGET_MAX, 0)}, {bs.n} measured configs): "
-                f"**{b_verdict}** — median {pct(bs.median, 2)}, largest {pct(bs.max, 2)}. The independent ground "
-                "truth is in its own section below.")
+        out.append(f"**Issue 13 target** (every built-in, lstm-lm included: median |error| ≤ "
+                   f"{pct(ALL_BUILTINS_TARGET_MEDIAN, 0)}, largest ≤ {pct(TARGET_MAX, 0)}, {bs.n} measured configs): "
+                   f"**{b_verdict}** — median {pct(bs.median, 2)}, largest {pct(bs.max, 2)}. The independent ground "
+                   "truth is in its own section below.")
     user = tuple(w for w in USER_WORKLOADS if any(r.workload == w for r in res.rows))
     if user:
         us = res.stats(user)
         user_verdict = _verdict(us, HF_TARGET_MEDIAN)
-        rep.add(f"**Issue 13 target, user models** (models written in a user's file, `autofit/bench/user_models/`: median |error| "
-                f"≤ {pct(HF_TARGET_MEDIAN, 0)}, largest ≤ {pct(TARGET_MAX, 0)}, {us.n} measured configs of "
-                f"{len(user)} models, device split included): **{user_verdict}** — median {pct(us.median, 2)}, "
-                f"largest {pct(us.max, 2)}.")
+        out.append(f"**Issue 13 target, user models** (models written in a user's file, `autofit/bench/user_models/`: median |error| "
+                   f"≤ {pct(HF_TARGET_MEDIAN, 0)}, largest ≤ {pct(TARGET_MAX, 0)}, {us.n} measured configs of "
+                   f"{len(user)} models, device split included): **{user_verdict}** — median {pct(us.median, 2)}, "
+                   f"largest {pct(us.max, 2)}.")
+    return out
+
+
+def _coverage_line(res: AccuracyResults, main: tuple[str, ...]) -> str:
     covered = [r for r in res.rows if r.workload in main]
-    rep.add("Coverage of the target set: " + ", ".join(
+    return ("Coverage of the target set: " + ", ".join(
         f"{p.value} {sum(r.config.precision is p for r in covered)}" for p in Precision)
         + f"; checkpointing on {sum(r.config.checkpoint_every > 0 for r in covered)}, off "
         f"{sum(r.config.checkpoint_every == 0 for r in covered)}; accumulation > 1 "
         f"{sum(r.config.grad_accum > 1 for r in covered)}; device split 1 "
         f"{sum(r.config.device_split == 1 for r in covered)}, 2 {sum(r.config.device_split == 2 for r in covered)}; "
         f"FSDP (split_mode=fsdp) {sum(r.config.split_mode is SplitMode.FSDP for r in covered)}.")
-    rep.add(repeats_note(res.rows))
+
+
+def _summary_section(res: AccuracyResults, main: tuple[str, ...]) -> str:
+    """Per workload (and the target set together), the error statistics and whether they meet the target."""
+    groups = [(w,) for w in dict.fromkeys(r.workload for r in res.rows)]
     rows = []
     for g in groups + ([main] if len(main) > 1 else []):
         s = res.stats(g)
         members = [r for r in res.rows if r.workload in g]
         not_ok = sum(r.status is not TrialStatus.OK for r in members)
-        target = ("PASS" if s.n and s.median <= TARGET_MEDIAN and s.max <= TARGET_MAX else "FAIL") \
-            if set(g) <= set(MAIN_WORKLOADS + EXTRA_WORKLOADS) else "reported (not a target)"
+        target = _verdict(s, TARGET_MEDIAN) if set(g) <= set(MAIN_WORKLOADS + EXTRA_WORKLOADS) \
+            else "reported (not a target)"
         rows.append([" + ".join(g), len(members), s.n, not_ok, pct(s.median, 2), pct(s.p95, 2), pct(s.max, 2),
                      signed_pct(s.mean_signed), f"{s.under}/{s.n}", target])
-    rep.add("## Summary\n\n" + markdown_table(
+    return "## Summary\n\n" + markdown_table(
         ["workload", "configs", "measured", "did not run", "median abs. error", "p95", "max", "mean signed error",
-         "under-estimates", "median ≤ 3% and max ≤ 8%"], rows, "lrrrrrrrrl"))
-    truth = truth_section(res.rows)
-    if truth:
-        rep.add(truth)
+         "under-estimates", "median ≤ 3% and max ≤ 8%"], rows, "lrrrrrrrrl")
+
+
+def _stage_line(res: AccuracyResults) -> str | None:
+    """Every stage of the device-split configs, not only the largest (None without any)."""
     stage_errors = [(r, i, relative_error(p, m)) for r in res.rows if r.status is TrialStatus.OK and r.config.device_split > 1
                     and len(r.predicted_per_device) == len(r.measured_per_device)
                     for i, (p, m) in enumerate(zip(r.predicted_per_device, r.measured_per_device))]
-    if stage_errors:
-        st = ErrorStats.of(e for _, _, e in stage_errors)
-        worst = max(stage_errors, key=lambda x: abs(x[2]))
-        rep.add(f"Every stage of the device-split configs, not only the largest: {st.n} stage peaks, median |error| "
-                f"{pct(st.median, 2)}, max {pct(st.max, 2)} (stage {worst[1]} of `{worst[0].workload} "
-                f"{worst[0].config.short()}`, {signed_pct(worst[2])}). The tables above judge a split config by its "
-                "largest device, the one that decides whether it fits.")
-    # Safety at the search suite's budgets
+    if not stage_errors:
+        return None
+    st = ErrorStats.of(e for _, _, e in stage_errors)
+    row, stage, error = max(stage_errors, key=lambda x: abs(x[2]))
+    return (f"Every stage of the device-split configs, not only the largest: {st.n} stage peaks, median |error| "
+            f"{pct(st.median, 2)}, max {pct(st.max, 2)} (stage {stage} of `{row.workload} "
+            f"{row.config.short()}`, {signed_pct(error)}). The tables above judge a split config by its "
+            "largest device, the one that decides whether it fits.")
+
+
+def _safety_section(res: AccuracyResults) -> str | None:
+    """False fits and false prunes at the search suite's budgets (None without budgets)."""
     srows = []
     for w, budgets in res.budgets.items():
         members = [r for r in res.rows if r.workload == w]
@@ -397,49 +337,51 @@ def write_accuracy(out_dir: Path, env: dict, res: AccuracyResults) -> list[Path]
             fits_in = sum(1 for r in members if r.status is TrialStatus.OK and r.measured_peak_bytes <= b)
             srows.append([w, f"{b / 2**20:.0f} MiB", sum(r.status is TrialStatus.OK for r in members), fits_in, len(fits),
                           len(prunes), "; ".join(f"`{r.config.short()}`" for r in fits + prunes) or "-"])
-    if srows:
-        rep.add("## False fits and false prunes at the search suite's budgets\n\n"
-                "A false fit is predicted to fit but measured over the budget (a trial that will OOM); a false prune "
-                "is predicted over but measured under (a config the search never tries).\n\n"
-                + markdown_table(["workload", "budget", "configs measured", "fit (measured)", "false fits",
-                                  "false prunes", "which"], srows, "llrrrrl"))
+    if not srows:
+        return None
+    return ("## False fits and false prunes at the search suite's budgets\n\n"
+            "A false fit is predicted to fit but measured over the budget (a trial that will OOM); a false prune "
+            "is predicted over but measured under (a config the search never tries).\n\n"
+            + markdown_table(["workload", "budget", "configs measured", "fit (measured)", "false fits",
+                              "false prunes", "which"], srows, "llrrrrl"))
+
+
+def _step_time_section(res: AccuracyResults) -> str:
+    """Predicted against measured step time per workload and device split (or why there is no prediction)."""
     if res.time_model is None:
-        rep.add("## Step time\n\nPredicted step time is left out: `autofit.estimate.time_model` does not exist in this "
+        return ("## Step time\n\nPredicted step time is left out: `autofit.estimate.time_model` does not exist in this "
                 "checkout. Measured step times (untracked steps, `grad_accum` micro-steps composed with the "
                 "optimizer step) are in `accuracy.csv`.")
-    else:
-        trows = []
-        for w in dict.fromkeys(r.workload for r in res.rows):
-            for split in (1, 2):
-                errs = [relative_error(r.predicted_step_time_s, r.measured_step_time_s) for r in res.rows
-                        if r.workload == w and r.config.device_split == split and r.predicted_step_time_s
-                        and r.measured_step_time_s]
-                ts = ErrorStats.of(errs)
-                if ts.n:
-                    trows.append([w, split, ts.n, pct(ts.median), pct(ts.p95), pct(ts.max), signed_pct(ts.mean_signed, 1)])
-        rep.add(f"## Step time\n\n{res.time_model}. Measured: the trial's untracked steps (median of 3, "
-                "micro-steps and optimizer step composed) on a machine shared with other processes, so a few "
-                "tens of percent is noise. amp-fp16 configs are untimed. On the CPU the stages of a device split "
-                "share the same two cores, which the time model does not assume (it costs stages as separate "
-                "devices).\n\n" + (markdown_table(["workload", "device split", "configs", "median abs. error", "p95",
-                                                   "max", "mean signed"], trows, "lrrrrrr") if trows
-                                    else "No timed config has a prediction."))
-    if res.prior:
-        from autofit.bench.prior import prior_section
+    trows = []
+    for w in dict.fromkeys(r.workload for r in res.rows):
+        for split in (1, 2):
+            errs = [relative_error(r.predicted_step_time_s, r.measured_step_time_s) for r in res.rows
+                    if r.workload == w and r.config.device_split == split and r.predicted_step_time_s
+                    and r.measured_step_time_s]
+            ts = ErrorStats.of(errs)
+            if ts.n:
+                trows.append([w, split, ts.n, pct(ts.median), pct(ts.p95), pct(ts.max), signed_pct(ts.mean_signed, 1)])
+    return (f"## Step time\n\n{res.time_model}. Measured: the trial's untracked steps (median of 3, "
+            "micro-steps and optimizer step composed) on a machine shared with other processes, so a few "
+            "tens of percent is noise. amp-fp16 configs are untimed. On the CPU the stages of a device split "
+            "share the same two cores, which the time model does not assume (it costs stages as separate "
+            "devices).\n\n" + (markdown_table(["workload", "device split", "configs", "median abs. error", "p95",
+                                               "max", "mean signed"], trows, "lrrrrrr") if trows
+                                else "No timed config has a prediction."))
 
-        files.append(write_csv(out_dir / "accuracy_prior.csv", res.prior))
-        rep.add(prior_section(res.prior))
-    # lstm note
-    if any(r.workload == "lstm-lm" for r in res.rows):
-        rep.add("## lstm-lm\n\nOn the CPU, `nn.LSTM` runs oneDNN's RNN primitive, which returns a workspace "
-                "that backward needs; its fake kernel makes it empty, so a fake-tensor profile alone is ~40% low. "
-                "The profile's real steps (`autofit.profiling.real_check`: real steps at micro-batches 2 and 4 on this device, "
-                "their bytes beyond the fake steps added region by region) put it back, in the profile the search "
-                "prunes with. "
-                "amp-fp16 does not run at all: oneDNN has no fp16 LSTM "
-                "primitive on this CPU (the trial reports the error). Both are reported as measured, not hidden; on "
-                "CUDA, cuDNN's reserve space plays the workspace's part.")
-    # Full table
+
+_LSTM_SECTION = (
+    "## lstm-lm\n\nOn the CPU, `nn.LSTM` runs oneDNN's RNN primitive, which returns a workspace "
+    "that backward needs; its fake kernel makes it empty, so a fake-tensor profile alone is ~40% low. "
+    "The profile's real steps (`autofit.profiling.real_check`: real steps at micro-batches 2 and 4 on this device, "
+    "their bytes beyond the fake steps added region by region) put it back, in the profile the search "
+    "prunes with. "
+    "amp-fp16 does not run at all: oneDNN has no fp16 LSTM "
+    "primitive on this CPU (the trial reports the error). Both are reported as measured, not hidden; on "
+    "CUDA, cuDNN's reserve space plays the workspace's part.")
+
+
+def _every_config_section(res: AccuracyResults) -> str:
     full = []
     for r in res.rows:
         per_dev = ""
@@ -452,25 +394,19 @@ def write_accuracy(out_dir: Path, env: dict, res: AccuracyResults) -> list[Path]
                      seconds(r.measured_step_time_s, 3) if r.measured_step_time_s else
                      ("untimed (fp16)" if not r.timed and r.config.device_split == 1 else "-"),
                      samples_cell(r.predicted_peak_bytes, r.peak_samples_bytes) or "-"])
-    rep.add("## Every config\n\n" + markdown_table(
+    return "## Every config\n\n" + markdown_table(
         ["workload", "config", "status", "predicted MiB", "measured MiB", "error", "per device (pred vs meas)",
          "predicted step (s)", "measured step (s)", "repeated: every sample MiB (error), first first"], full,
-        "lllrrrlrrl"))
-    files.append(rep.write(out_dir / "accuracy.md"))
-    return files
+        "lllrrrlrrl")
 
 
 __all__ = [
     "ANCHORS",
-    "HF_WORKLOADS",
-    "MAIN_WORKLOADS",
     "TARGET_MAX",
     "TARGET_MEDIAN",
-    "USER_WORKLOADS",
     "AccuracyResults",
     "AccuracyRow",
-    "cases",
     "run_accuracy",
     "safety",
-    "select_workloads",
+    "write_accuracy",
 ]

@@ -16,7 +16,7 @@ import subprocess
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -127,13 +127,19 @@ class ErrorStats:
                    float(e.mean()), int((e < 0).sum()))
 
 
-def median_and_spread(values: Sequence[float | None]) -> tuple[float, float, float]:
+class Spread(NamedTuple):
+    median: float
+    low: float
+    high: float
+
+
+def median_and_spread(values: Sequence[float | None]) -> Spread:
     """(median, min, max) of the non-missing values; NaNs when there are none."""
     v = np.array([x for x in values if x is not None and not (isinstance(x, float) and math.isnan(x))],
                  dtype=np.float64)
     if v.size == 0:
-        return math.nan, math.nan, math.nan
-    return float(np.median(v)), float(v.min()), float(v.max())
+        return Spread(math.nan, math.nan, math.nan)
+    return Spread(float(np.median(v)), float(v.min()), float(v.max()))
 
 
 # --------------------------------------------------------------------------------------

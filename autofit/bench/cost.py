@@ -24,6 +24,7 @@ from pathlib import Path
 
 from autofit.bench.common import Report, markdown_table, seconds, write_csv
 from autofit.core.config import Precision, TrainConfig
+from autofit.core.records import TrialStatus
 
 N_SCORED = 100_000
 
@@ -225,7 +226,7 @@ def _tracker_slowdown(quick: bool, progress) -> list[dict]:
     rows = []
     for (name, config), out in zip(cases, run_jobs(jobs, job_timeout_s=300)):
         item = f"{name} `{config.short()}`"
-        if out.get("status") != "ok":
+        if out.get("status") != TrialStatus.OK:
             rows.append({"kind": "tracker", "item": item, "metric": "slowdown", "value": None, "unit": "x",
                          "note": f"{out.get('status')}: {out.get('error')}"})
             continue

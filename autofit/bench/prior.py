@@ -13,14 +13,27 @@ import math
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import astuple, dataclass
 
-PRIORS = ("bare matmul probe", "workload's own layer")
+from autofit.core.records import TrialStatus
+
+
+@dataclass(frozen=True)
+class PriorLabels:
+    """The two priors compared, by name (their labels in the tables)."""
+
+    bare: str = "bare matmul probe"       # the device probe alone
+    layer: str = "workload's own layer"   # rescaled by the workload's own layer, as a search uses it
+
+
+PRIOR = PriorLabels()
+PRIORS = astuple(PRIOR)   # in the tables' order
 
 
 def prior_rows(cells, progress: Callable[[str], None] = lambda _m: None) -> list[dict]:
     """One row per (grid config, prior): predicted and measured step time and the relative error
     (negative: predicted faster than measured), with what the layer probe cost and found."""
-    from autofit.bench.search import problem_for
+    from autofit.bench.search_cells import problem_for
     from autofit.bench.search_data import MiB
     from autofit.bench.worker import run_jobs
     from autofit.estimate.layer_prior import workload_prior
@@ -46,16 +59,16 @@ def prior_rows(cells, progress: Callable[[str], None] = lambda _m: None) -> list
         probe_s = time.perf_counter() - start
         measured = run_jobs([{"kind": "throughput", "workload": name, "config": c.to_dict(), "steps": 3}
                              for c in configs], job_timeout_s=300)
-        for prior, counts in zip(PRIORS, (op_counts(workload), layered)):
+        for prior, counts in ((PRIOR.bare, op_counts(workload)), (PRIOR.layer, layered)):
             predicted = predict_table(profile, configs, rates, counts)["step_time_s"].tolist()
             scales = "; ".join(f"{p} x{c:.2f} per sample, x{f:.2f} fixed" for p, c, f in
                                (counts.layer_scales if counts else ()))
             for config, p, m in zip(configs, predicted, measured):
-                t = m.get("step_time_s") if m.get("status") == "ok" else None
+                t = m.get("step_time_s") if m.get("status") == TrialStatus.OK else None
                 rows.append({"workload": name, "config": config.short(), "prior": prior,
                              "predicted_step_time_s": p, "measured_step_time_s": t,
                              "relative_error": (p - t) / t if t and math.isfinite(p) else None,
-                             "layer_probe_s": probe_s if prior == PRIORS[1] else None, "layer_scales": scales})
+                             "layer_probe_s": probe_s if prior == PRIOR.layer else None, "layer_scales": scales})
             s = summary(rows, prior, name)
             progress(f"accuracy: time model prior ({prior}) on {name}: median {s['median_abs_error']}, "
                      f"max {s['max_abs_error']} over {s['configs']} configs")
@@ -106,4 +119,4 @@ def prior_section(rows: list[dict]) -> str:
                               "layer probe (s)", "layer factors"], table, "llrrrrrl"))
 
 
-__all__ = ["PRIORS", "overall", "prior_rows", "prior_section", "summary"]
+__all__ = ["PRIOR", "PRIORS", "PriorLabels", "overall", "prior_rows", "prior_section", "summary"]

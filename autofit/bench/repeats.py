@@ -26,6 +26,7 @@ import statistics
 from collections.abc import Callable
 
 from autofit.bench.common import mib, relative_error, signed_pct
+from autofit.core.records import TrialStatus
 
 __all__ = ["AGREE_WITHIN", "EXTRA_SAMPLES", "REPEAT_ABOVE", "median_sample", "misses", "resample", "samples_cell"]
 
@@ -39,13 +40,13 @@ AGREE_WITHIN = 0.005
 
 def misses(predicted_bytes: float | None, out: dict) -> bool:
     """Whether a measured result is ``ok`` and off ``predicted_bytes`` by more than :data:`REPEAT_ABOVE`."""
-    if out.get("status") != "ok" or not out.get("peak_bytes") or predicted_bytes is None:
+    if out.get("status") != TrialStatus.OK or not out.get("peak_bytes") or predicted_bytes is None:
         return False
     return abs(relative_error(predicted_bytes, out["peak_bytes"])) > REPEAT_ABOVE
 
 
 def _agree(a: dict, b: dict) -> bool:
-    ok = a.get("status") == b.get("status") == "ok" and a.get("peak_bytes") and b.get("peak_bytes")
+    ok = a.get("status") == b.get("status") == TrialStatus.OK and a.get("peak_bytes") and b.get("peak_bytes")
     return bool(ok) and abs(relative_error(b["peak_bytes"], a["peak_bytes"])) <= AGREE_WITHIN
 
 
@@ -71,7 +72,7 @@ def resample(jobs: list[dict], first: list[dict], predicted: list[float | None],
 def median_sample(samples: list[dict]) -> dict:
     """The sample with the median peak among the ``ok`` ones (the lower middle of an even count);
     the first sample when fewer than two are ``ok``."""
-    ok = [s for s in samples if s.get("status") == "ok" and s.get("peak_bytes") is not None]
+    ok = [s for s in samples if s.get("status") == TrialStatus.OK and s.get("peak_bytes") is not None]
     if len(ok) < 2:
         return samples[0]
     peak = statistics.median_low(s["peak_bytes"] for s in ok)

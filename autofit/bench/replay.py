@@ -2,8 +2,8 @@
 
 A change to the search is judged in seconds this way, without measuring the grids again: the
 grid (every config measured, two throughput samples each) is what ``autofit bench --suite search``
-wrote; the replay is the suite's own (:func:`autofit.bench.search.run_strategy` with a
-:class:`~autofit.bench.search.ReplayOracle`). ``python -m autofit.bench.replay`` prints
+wrote; the replay is the suite's own (:func:`autofit.bench.scoring.run_strategy` with a
+:class:`~autofit.bench.oracles.ReplayOracle`). ``python -m autofit.bench.replay`` prints
 autofit's figures per cell (``--help``).
 """
 
@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from autofit.bench.search import STRATEGIES, ReplayOracle, run_strategy
-from autofit.bench.search_data import Cell, Grid, GridPoint, MiB, RunResult
+from autofit.bench.oracles import ReplayOracle
+from autofit.bench.own_search import STRATEGIES
+from autofit.bench.scoring import run_strategy
+from autofit.bench.search_data import BenchMode, Cell, Grid, GridPoint, MiB, RunResult
 from autofit.bench.search_tables import done_when_table
 from autofit.bench.strategies import Strategy, sweeps
 from autofit.core.config import Precision, SplitMode, TrainConfig
@@ -89,14 +91,15 @@ def load_grids(csv_path: Path, markdown: Path | None = None) -> list[Grid]:
 
 def replay(grids: list[Grid], strategies: tuple[Strategy, ...], seeds: int, first_sample: int = 0) -> list[RunResult]:
     """Every strategy on every cell (grid x budget) and seed, replayed (``first_sample``: see
-    :class:`~autofit.bench.search.ReplayOracle`)."""
+    :class:`~autofit.bench.oracles.ReplayOracle`)."""
     runs = []
     for grid in grids:
         for budget_mib in grid.cell.budgets_mib:
             for strategy in strategies:
                 for seed in range(seeds):
                     budget = budget_mib * MiB
-                    runs.append(run_strategy(strategy, grid, budget, seed, ReplayOracle(grid, budget, first_sample), "replay"))
+                    runs.append(run_strategy(strategy, grid, budget, seed, ReplayOracle(grid, budget, first_sample),
+                                             BenchMode.REPLAY))
     return runs
 
 

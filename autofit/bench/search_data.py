@@ -3,17 +3,26 @@ and the suite's results, read by the driver, the replay and the tables."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from autofit.bench.strategies import (
-    OracleRecord,
-    Strategy,
-)
+from autofit.bench.problem import OracleRecord
+from autofit.bench.strategies import Strategy
 from autofit.core.config import Precision, SplitMode, TrainConfig
 from autofit.core.records import TrialStatus
 
 MiB = 2**20
+
+
+class BenchMode(str, enum.Enum):
+    """How a strategy's run met its trials: each one real (``live``) or answered from the measured grid (``replay``)."""
+
+    LIVE = "live"
+    REPLAY = "replay"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True)
@@ -111,7 +120,7 @@ class RunResult:
     workload: str
     budget_bytes: int
     seed: int
-    mode: str                        # "live" or "replay"
+    mode: BenchMode
     answer: TrainConfig | None
     fraction: float                  # grid throughput of the answer over the optimum
     wall_s: float
@@ -124,6 +133,9 @@ class RunResult:
     history: list[OracleRecord] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     extra_s: float = 0.0             # charged for work done elsewhere (autofit's first use)
+
+    def __post_init__(self) -> None:
+        self.mode = BenchMode(self.mode)
 
     @property
     def trials_s(self) -> float:

@@ -1,17 +1,19 @@
 """The search suite's tables: ``search.md``, ``search_grid.csv``, ``search_runs.csv`` and ``search.png``.
 
-Reads the suite's results (:class:`autofit.bench.search.SearchResults`: grids and scored runs)
+Reads the suite's results (:class:`autofit.bench.search_data.SearchResults`: grids and scored runs)
 and says, in plain sentences, every figure on which autofit is worse than a peer (:func:`losses`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from autofit.bench.common import (
     Report,
+    Spread,
     markdown_table,
     median_and_spread,
     mib,
@@ -20,15 +22,18 @@ from autofit.bench.common import (
     try_plot,
     write_csv,
 )
+from autofit.bench.search_data import (
+    BenchMode,
+    Cell,
+    Grid,
+    MiB,
+    RunResult,
+    SearchResults,
+)
 from autofit.bench.strategies import Strategy, sweeps
 from autofit.bench.verdict import AUTOFIT_NAME, CHECKS, verdicts
 from autofit.core.records import TrialStatus
 from autofit.runtime.schedule import DEFAULT_SCHEDULE as SCHEDULE
-
-if TYPE_CHECKING:
-    from autofit.bench.search_data import Cell, RunResult, SearchResults
-
-MiB = 2**20
 
 
 def _summary(runs: list[RunResult]) -> dict:
@@ -42,8 +47,8 @@ def _summary(runs: list[RunResult]) -> dict:
             "reached": len(reached), "n": len(runs)}
 
 
-def _spread(triple, fmt) -> str:
-    med, lo, hi = triple
+def _spread(spread: Spread, fmt) -> str:
+    med, lo, hi = spread
     if math.isnan(med):
         return "-"
     return fmt(med) if lo == hi else f"{fmt(med)} [{fmt(lo)}–{fmt(hi)}]"
@@ -60,12 +65,12 @@ def losses(runs: list[RunResult], strategies: tuple[Strategy, ...]) -> list[str]
     the optimum that peer found, so a fast peer that finds little reads as such).
     """
     out = []
-    for mode in ("replay", "live"):
-        keys = sorted({(r.workload, r.budget_bytes) for r in runs if r.mode == mode})
+    for mode in (BenchMode.REPLAY, BenchMode.LIVE):
+        keys = sorted({(r.workload, r.budget_bytes) for r in runs if r.mode is mode})
         for workload, budget in keys:
-            where = f"{workload} @ {budget / MiB:.0f} MiB" + (" (live)" if mode == "live" else "")
-            what = "medians" if mode == "replay" else "one live run each"
-            cell = [r for r in runs if r.mode == mode and r.workload == workload and r.budget_bytes == budget]
+            where = f"{workload} @ {budget / MiB:.0f} MiB" + (" (live)" if mode is BenchMode.LIVE else "")
+            what = "medians" if mode is BenchMode.REPLAY else "one live run each"
+            cell = [r for r in runs if r.mode is mode and r.workload == workload and r.budget_bytes == budget]
             mine = [r for r in cell if r.strategy == AUTOFIT_NAME]
             if not mine:
                 continue
@@ -76,11 +81,23 @@ def losses(runs: list[RunResult], strategies: tuple[Strategy, ...]) -> list[str]
     return out
 
 
+@dataclass(frozen=True)
+class _Figure:
+    """A figure autofit is compared on: its name in the sentence, its key in :func:`_summary`, and its format."""
+
+    label: str
+    key: str
+    higher_better: bool
+    fmt: Callable[[float], str]
+
+
+_FIGURES = (_Figure("best throughput found", "fraction", True, pct), _Figure("wall time (s)", "wall", False, seconds),
+            _Figure("real trials", "trials", False, _count), _Figure("OOM trials", "ooms", False, _count),
+            _Figure("time to 95% (s)", "t95", False, seconds))
+
+
 def _cell_losses(where: str, what: str, a: dict, cell: list, strategies) -> list[str]:
-    figures = (("best throughput found", "fraction", True, pct), ("wall time (s)", "wall", False, seconds),
-               ("real trials", "trials", False, _count), ("OOM trials", "ooms", False, _count),
-               ("time to 95% (s)", "t95", False, seconds))
-    beaten: dict[str, list[str]] = {name: [] for name, *_ in figures}
+    beaten: dict[str, list[str]] = {f.label: [] for f in _FIGURES}
     out = []
     for s in strategies:
         theirs = [r for r in cell if r.strategy == s.name]
@@ -89,17 +106,17 @@ def _cell_losses(where: str, what: str, a: dict, cell: list, strategies) -> list
         b = _summary(theirs)
         if b["reached"] and not a["reached"]:
             out.append(f"{where}: {s.name} reaches 95% of the optimum; autofit does not.")
-        for name, key, higher_better, fmt in figures:
-            if key == "t95" and not (a["reached"] and b["reached"]):
+        for f in _FIGURES:
+            if f.key == "t95" and not (a["reached"] and b["reached"]):
                 continue
-            mine_v, theirs_v = a[key][0], b[key][0]
-            if mine_v < theirs_v - 1e-9 if higher_better else mine_v > theirs_v + 1e-9:
-                found = "" if key == "fraction" else f", {pct(b['fraction'][0], 0)} of the optimum"
-                beaten[name].append(f"{s.name} {fmt(theirs_v)}{found}")
-    for name, _key, _hb, fmt in figures:
-        if beaten[name]:
-            out.append(f"{where}: on {name} autofit's {fmt(a[_key][0])} is beaten by " + "; ".join(beaten[name])
-                       + f" ({what}).")
+            mine_v, theirs_v = a[f.key].median, b[f.key].median
+            if mine_v < theirs_v - 1e-9 if f.higher_better else mine_v > theirs_v + 1e-9:
+                found = "" if f.key == "fraction" else f", {pct(b['fraction'].median, 0)} of the optimum"
+                beaten[f.label].append(f"{s.name} {f.fmt(theirs_v)}{found}")
+    for f in _FIGURES:
+        if beaten[f.label]:
+            out.append(f"{where}: on {f.label} autofit's {f.fmt(a[f.key].median)} is beaten by "
+                       + "; ".join(beaten[f.label]) + f" ({what}).")
     return out
 
 
@@ -119,18 +136,18 @@ def done_when_table(runs: list[RunResult], strategies: tuple[Strategy, ...]) -> 
 
 
 def _live_plan(runs: list[RunResult]) -> str:
-    cells = dict.fromkeys((r.workload, r.budget_bytes) for r in runs if r.mode == "live")
-    return "; ".join(f"{w} @ {b / MiB:.0f} MiB — " + ", ".join(r.strategy for r in runs if r.mode == "live"
+    cells = dict.fromkeys((r.workload, r.budget_bytes) for r in runs if r.mode is BenchMode.LIVE)
+    return "; ".join(f"{w} @ {b / MiB:.0f} MiB — " + ", ".join(r.strategy for r in runs if r.mode is BenchMode.LIVE
                                                                and (r.workload, r.budget_bytes) == (w, b))
                      for w, b in cells)
 
 
 def _autofit_time(runs: list[RunResult], cell: Cell, budget: int) -> str:
-    mine = [r for r in runs if r.mode == "replay" and r.strategy == AUTOFIT_NAME and r.workload == cell.workload
+    mine = [r for r in runs if r.mode is BenchMode.REPLAY and r.strategy == AUTOFIT_NAME and r.workload == cell.workload
             and r.budget_bytes == budget and not math.isnan(r.wall_s)]
     if not mine:
         return ""
-    med = lambda xs: median_and_spread(xs)[0]
+    med = lambda xs: median_and_spread(xs).median
     trials, extra = med([r.trials_s for r in mine]), med([r.extra_s for r in mine])
     own = med([r.wall_s - r.trials_s - r.extra_s for r in mine])
     return (f"autofit's wall time (medians): {seconds(extra)} s first use + {seconds(trials)} s of trials + "
@@ -143,138 +160,20 @@ def _after_table(stops: list[str], time_text: str) -> str:
 
 
 def write_search(out_dir: Path, env: dict, res: SearchResults, strategies: tuple[Strategy, ...]) -> list[Path]:
+    """Write ``search_grid.csv``, ``search_runs.csv``, ``search.md`` and (with matplotlib) ``search.png``."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    files = []
-    grid_rows = []
-    for grid in res.grids:
-        for p in grid.points.values():
-            row = {"workload": grid.cell.workload, **p.config.to_dict(), "status": p.status,
-                   "measured_peak_bytes": p.peak_bytes, "predicted_peak_bytes": p.predicted_peak_bytes,
-                   "samples_per_s": p.samples_per_s, "trial_samples_per_s": p.trial_samples_per_s,
-                   "second_samples_per_s": p.second_samples_per_s, "step_time_s": p.step_time_s, "trial_wall_s": p.wall_s,
-                   "error": p.error or "", "param_count": grid.param_count}
-            for b in grid.cell.budgets_mib:
-                row[f"fits_{b}MiB"] = p.status is TrialStatus.OK and p.peak_bytes is not None and p.peak_bytes <= b * MiB
-            grid_rows.append(row)
-    files.append(write_csv(out_dir / "search_grid.csv", grid_rows))
-    files.append(write_csv(out_dir / "search_runs.csv", [r.row() for r in res.runs]))
-
+    files = [write_csv(out_dir / "search_grid.csv", _grid_rows(res.grids)),
+             write_csv(out_dir / "search_runs.csv", [r.row() for r in res.runs])]
     rep = Report("Search: autofit against its peers", env)
-    rep.add(f"Suite wall time: {res.wall_s / 60:.1f} min. Grids measured with `run_trial` "
-            f"(warm-up {SCHEDULE.warmup_steps}, measured {SCHEDULE.measured_steps} step(s), timed steps "
-            f"{SCHEDULE.timed_steps}), one config at a time. "
-            f"Replayed figures: {res.seeds} seeds per strategy and cell (median [min–max]); deterministic "
-            "strategies give the same figures for every seed. Live figures: one real run (seed 0) per strategy "
-            "and cell: " + (_live_plan(res.runs) or "none") + ".")
-    rep.add("How a replayed trial is charged: a config that fits costs the grid's measured trial wall time; one "
-            "over the budget costs the wall time of a trial that went over at its first operator plus one step of "
-            "that config. A replayed trial shows the strategy the throughput that config's grid trial measured "
-            "(noise included); running the same config again (autofit's re-measurements) shows the grid's second "
-            "sample. Answers are scored by the grid's throughput of the answered config over the grid's best "
-            "config that fits (0 when the answer does not fit or there is none). *Time to 95%*: the strategy's "
-            "clock when the config it would answer at that point first reached 95% of the optimum.")
-    rep.add("How the batch-size finders (Accelerate, Lightning, DeepSpeed's autotuner) are run: each tunes the "
-            "micro-batch only, keeping the global batch (accumulation = global batch / micro-batch) and leaving "
-            "checkpointing off, as the tools do. `@amp-bf16`: at the precision a knowledgeable user chooses, the "
-            "mixed-precision switch each tool documents (Accelerate `mixed_precision=\"bf16\"`, the HF Trainer's "
-            "`bf16=True`, Lightning's `bf16-mixed`, DeepSpeed's `bf16` section). `sweep`: once per precision of the "
-            "grid, the fastest measured answer kept, all trials charged to one clock. amp-fp16 is not in the grids, "
-            "to keep them affordable: on CPUs without native fp16 kernels a step is ~1000x slower (FACTS.md); where "
-            "the CPU has them (this machine's matmul probe shows avx512_fp16 rates) it measures close to fp32. "
-            "The finders run on one device: none of them splits a model, so where only a device split fits they "
-            "find nothing and score 0. DeepSpeed itself would also try ZeRO stages 1-3 on several devices (stage 3 "
-            "shards as fsdp does here), which the re-implementation here (stage 0) does not: a handicap in the "
-            "split cells.")
-    for s in strategies:
-        rep.add(f"- **{s.name}**: {s.description}" + (f" (handicap: {s.handicap})" if s.handicap else ""))
+    for part in _method_sections(res, strategies):
+        rep.add(part)
     for grid in res.grids:
-        cell = grid.cell
-        title = (f"## {cell.workload}: global batch {cell.global_batch}, micro-batches "
-                 f"{', '.join(map(str, cell.micro_batches))}, precisions {', '.join(p.value for p in cell.precisions)}, "
-                 f"checkpointing {', '.join(map(str, cell.checkpoints))}"
-                 + (f", device splits {', '.join(map(str, cell.device_splits))} "
-                    f"({', '.join(m.value for m in cell.split_modes)})" if cell.device_splits != (1,) else ""))
-        measured = (f"{len(grid.points)} configs measured in {grid.wall_s / 60:.1f} min "
-                    f"(median trial {seconds(median_and_spread([p.wall_s for p in grid.points.values()])[0])} s; "
-                    f"a trial that dies at its first operator: {grid.oom_floor_s:.1f} s). autofit's clock is charged "
-                    f"{grid.first_use_s:.1f} s per run for its first use on this workload: profiling on fake tensors "
-                    "and probing the device (and, where a split runs, its collectives), with cold caches.")
-        lines = [title, "", measured]
-        pairs = [(p.trial_samples_per_s, p.second_samples_per_s) for p in grid.points.values()
-                 if p.trial_samples_per_s and p.second_samples_per_s]
-        if pairs:
-            diffs = [abs(a / b - 1) for a, b in pairs]
-            lines.append(f"Measurement noise: the trial's throughput and a second sample of the same config differ by "
-                         f"{pct(median_and_spread(diffs)[0], 0)} (median) and up to {pct(max(diffs), 0)}; the ground "
-                         "truth is the larger of the two (load from other processes only ever slows a step).")
-        bad = [p for p in grid.points.values() if p.status is not TrialStatus.OK]
-        if bad:
-            lines.append("Grid configs that did not run: " + "; ".join(f"{p.config.short()}: {p.status} ({p.error})" for p in bad))
-        rep.add("\n".join(lines))
-        for budget_mib in cell.budgets_mib:
-            budget = budget_mib * MiB
-            best = grid.optimum(budget)
-            feasible = grid.feasible(budget)
-            pruned_wrong = [p for p in grid.points.values() if p.status is TrialStatus.OK and p.predicted_peak_bytes is not None
-                            and p.predicted_peak_bytes > budget >= p.peak_bytes]
-            fits_wrong = [p for p in grid.points.values() if p.status is TrialStatus.OK and p.predicted_peak_bytes is not None
-                          and p.predicted_peak_bytes <= budget < p.peak_bytes]
-            head = [f"### {cell.workload} @ {budget_mib} MiB",
-                    "",
-                    f"{len(feasible)} of {len(grid.points)} configs fit (measured). Optimum: "
-                    + (f"`{best.config.short()}` at {best.samples_per_s:.1f} samples/s, {mib(best.peak_bytes)} MiB."
-                       if best else "none fits."),
-                    f"The estimate on this grid: {len(fits_wrong)} false fit(s), {len(pruned_wrong)} false prune(s)"
-                    + (": " + "; ".join(f"`{p.config.short()}` predicted {mib(p.predicted_peak_bytes)} measured "
-                                        f"{mib(p.peak_bytes)} MiB" for p in fits_wrong + pruned_wrong)
-                       if fits_wrong or pruned_wrong else "."), lever_line(grid, budget), ""]
-            rows = []
-            for s in strategies:
-                mine = [r for r in res.runs if r.mode == "replay" and r.strategy == s.name and r.workload == cell.workload
-                        and r.budget_bytes == budget]
-                if not mine:
-                    continue
-                if all(r.error and math.isnan(r.fraction) for r in mine):
-                    rows.append([s.name, f"**not available**: {mine[0].error}", "-", "-", "-", "-", "-", "FAIL"])
-                    continue
-                sm = _summary(mine)
-                answers = sorted({r.answer.short() if r.answer else "none" for r in mine})
-                rows.append([s.name, _spread(sm["fraction"], pct), _spread(sm["wall"], seconds),
-                             _spread(sm["trials"], _count), _spread(sm["ooms"], _count),
-                             (_spread(sm["t95"], seconds) + (f" ({sm['reached']}/{sm['n']} reached)"
-                                                             if sm["reached"] < sm["n"] else ""))
-                             if sm["reached"] else "never",
-                             ", ".join(f"`{a}`" for a in answers[:3]) + (" ..." if len(answers) > 3 else ""),
-                             "replay" + (f" ({sm['n']} seeds)" if sm["n"] > 1 else "")])
-            stops = sorted({n for r in res.runs if r.strategy == AUTOFIT_NAME and r.workload == cell.workload
-                            and r.budget_bytes == budget for n in r.notes if n.startswith("stopped:")})
-            rep.add("\n".join(head) + markdown_table(
-                ["strategy", "best found / optimum", "wall time (s)", "real trials", "OOM trials", "time to 95% (s)",
-                 "answer(s)", "figures"], rows, "lrrrrrll")
-                + _after_table(stops, _autofit_time(res.runs, cell, budget)))
-    live = [r for r in res.runs if r.mode == "live"]
+        rep.add(_grid_section(grid))
+        for budget_mib in grid.cell.budgets_mib:
+            rep.add(_budget_section(grid, budget_mib, res.runs, strategies))
+    live = _live_section(res.runs)
     if live:
-        rows = []
-        for r in live:
-            replay = next((x for x in res.runs if x.mode == "replay" and x.strategy == r.strategy and x.seed == 0
-                           and x.workload == r.workload and x.budget_bytes == r.budget_bytes), None)
-            if r.error and math.isnan(r.fraction):
-                rows.append([f"{r.workload} @ {r.budget_bytes / MiB:.0f} MiB", r.strategy,
-                             f"**not available**: {r.error}", "-", "-", "-", "-", "-", "-"])
-                continue
-            rows.append([f"{r.workload} @ {r.budget_bytes / MiB:.0f} MiB", r.strategy,
-                         f"`{r.answer.short()}`" if r.answer else "none", pct(r.fraction),
-                         seconds(r.wall_s), r.trials, r.oom_trials, seconds(r.time_to_target_s) if r.time_to_target_s
-                         else "never",
-                         (f"{seconds(replay.wall_s)} s, {replay.trials} trials, {pct(replay.fraction)}" if replay else "-")
-                         + (f"; error: {r.error}" if r.error else "")])
-        rep.add("## Live runs, seed 0\n\n"
-                "Every trial real, isolated and budget-enforced, timed by the wall clock. The last column is the same "
-                "strategy and seed replayed against the grid: where they differ, the machine's noise (other "
-                "processes share its two cores) or a config near the budget measured differently.\n\n"
-                + markdown_table(["cell", "strategy", "answer", "best found / optimum (grid)", "wall time (s)",
-                                  "real trials", "OOM trials", "time to 95% (s)", "replay of the same run"], rows,
-                                 "lllrrrrrl"))
+        rep.add(live)
     rep.add(done_when_table(res.runs, strategies))
     lost = losses(res.runs, strategies)
     rep.add("## Where autofit loses\n\n" + ("\n".join(f"- {line}" for line in lost) if lost
@@ -286,12 +185,162 @@ def write_search(out_dir: Path, env: dict, res: SearchResults, strategies: tuple
     return files
 
 
+def _grid_rows(grids: list[Grid]) -> list[dict]:
+    """``search_grid.csv``: every measured config, and whether it fits each of its cell's budgets."""
+    grid_rows = []
+    for grid in grids:
+        for p in grid.points.values():
+            row = {"workload": grid.cell.workload, **p.config.to_dict(), "status": p.status,
+                   "measured_peak_bytes": p.peak_bytes, "predicted_peak_bytes": p.predicted_peak_bytes,
+                   "samples_per_s": p.samples_per_s, "trial_samples_per_s": p.trial_samples_per_s,
+                   "second_samples_per_s": p.second_samples_per_s, "step_time_s": p.step_time_s, "trial_wall_s": p.wall_s,
+                   "error": p.error or "", "param_count": grid.param_count}
+            for b in grid.cell.budgets_mib:
+                row[f"fits_{b}MiB"] = p.status is TrialStatus.OK and p.peak_bytes is not None and p.peak_bytes <= b * MiB
+            grid_rows.append(row)
+    return grid_rows
+
+
+def _method_sections(res: SearchResults, strategies: tuple[Strategy, ...]) -> list[str]:
+    """How the suite measured, charged and scored, how the finders are run, and one line per strategy."""
+    out = [f"Suite wall time: {res.wall_s / 60:.1f} min. Grids measured with `run_trial` "
+           f"(warm-up {SCHEDULE.warmup_steps}, measured {SCHEDULE.measured_steps} step(s), timed steps "
+           f"{SCHEDULE.timed_steps}), one config at a time. "
+           f"Replayed figures: {res.seeds} seeds per strategy and cell (median [min–max]); deterministic "
+           "strategies give the same figures for every seed. Live figures: one real run (seed 0) per strategy "
+           "and cell: " + (_live_plan(res.runs) or "none") + ".",
+           "How a replayed trial is charged: a config that fits costs the grid's measured trial wall time; one "
+           "over the budget costs the wall time of a trial that went over at its first operator plus one step of "
+           "that config. A replayed trial shows the strategy the throughput that config's grid trial measured "
+           "(noise included); running the same config again (autofit's re-measurements) shows the grid's second "
+           "sample. Answers are scored by the grid's throughput of the answered config over the grid's best "
+           "config that fits (0 when the answer does not fit or there is none). *Time to 95%*: the strategy's "
+           "clock when the config it would answer at that point first reached 95% of the optimum.",
+           "How the batch-size finders (Accelerate, Lightning, DeepSpeed's autotuner) are run: each tunes the "
+           "micro-batch only, keeping the global batch (accumulation = global batch / micro-batch) and leaving "
+           "checkpointing off, as the tools do. `@amp-bf16`: at the precision a knowledgeable user chooses, the "
+           "mixed-precision switch each tool documents (Accelerate `mixed_precision=\"bf16\"`, the HF Trainer's "
+           "`bf16=True`, Lightning's `bf16-mixed`, DeepSpeed's `bf16` section). `sweep`: once per precision of the "
+           "grid, the fastest measured answer kept, all trials charged to one clock. amp-fp16 is not in the grids, "
+           "to keep them affordable: on CPUs without native fp16 kernels a step is ~1000x slower (FACTS.md); where "
+           "the CPU has them (this machine's matmul probe shows avx512_fp16 rates) it measures close to fp32. "
+           "The finders run on one device: none of them splits a model, so where only a device split fits they "
+           "find nothing and score 0. DeepSpeed itself would also try ZeRO stages 1-3 on several devices (stage 3 "
+           "shards as fsdp does here), which the re-implementation here (stage 0) does not: a handicap in the "
+           "split cells."]
+    return out + [f"- **{s.name}**: {s.description}" + (f" (handicap: {s.handicap})" if s.handicap else "")
+                  for s in strategies]
+
+
+def _grid_section(grid: Grid) -> str:
+    """A cell's heading: its grid, what measuring it cost, the measurement noise, and configs that did not run."""
+    cell = grid.cell
+    title = (f"## {cell.workload}: global batch {cell.global_batch}, micro-batches "
+             f"{', '.join(map(str, cell.micro_batches))}, precisions {', '.join(p.value for p in cell.precisions)}, "
+             f"checkpointing {', '.join(map(str, cell.checkpoints))}"
+             + (f", device splits {', '.join(map(str, cell.device_splits))} "
+                f"({', '.join(m.value for m in cell.split_modes)})" if cell.device_splits != (1,) else ""))
+    measured = (f"{len(grid.points)} configs measured in {grid.wall_s / 60:.1f} min "
+                f"(median trial {seconds(median_and_spread([p.wall_s for p in grid.points.values()]).median)} s; "
+                f"a trial that dies at its first operator: {grid.oom_floor_s:.1f} s). autofit's clock is charged "
+                f"{grid.first_use_s:.1f} s per run for its first use on this workload: profiling on fake tensors "
+                "and probing the device (and, where a split runs, its collectives), with cold caches.")
+    lines = [title, "", measured]
+    pairs = [(p.trial_samples_per_s, p.second_samples_per_s) for p in grid.points.values()
+             if p.trial_samples_per_s and p.second_samples_per_s]
+    if pairs:
+        diffs = [abs(a / b - 1) for a, b in pairs]
+        lines.append(f"Measurement noise: the trial's throughput and a second sample of the same config differ by "
+                     f"{pct(median_and_spread(diffs).median, 0)} (median) and up to {pct(max(diffs), 0)}; the ground "
+                     "truth is the larger of the two (load from other processes only ever slows a step).")
+    bad = [p for p in grid.points.values() if p.status is not TrialStatus.OK]
+    if bad:
+        lines.append("Grid configs that did not run: " + "; ".join(f"{p.config.short()}: {p.status} ({p.error})" for p in bad))
+    return "\n".join(lines)
+
+
+def _budget_section(grid: Grid, budget_mib: int, runs: list[RunResult], strategies: tuple[Strategy, ...]) -> str:
+    """One cell at one budget: its optimum, the estimate's mistakes, the levers, and every strategy's replayed figures."""
+    cell = grid.cell
+    budget = budget_mib * MiB
+    best = grid.optimum(budget)
+    feasible = grid.feasible(budget)
+    pruned_wrong = [p for p in grid.points.values() if p.status is TrialStatus.OK and p.predicted_peak_bytes is not None
+                    and p.predicted_peak_bytes > budget >= p.peak_bytes]
+    fits_wrong = [p for p in grid.points.values() if p.status is TrialStatus.OK and p.predicted_peak_bytes is not None
+                  and p.predicted_peak_bytes <= budget < p.peak_bytes]
+    head = [f"### {cell.workload} @ {budget_mib} MiB",
+            "",
+            f"{len(feasible)} of {len(grid.points)} configs fit (measured). Optimum: "
+            + (f"`{best.config.short()}` at {best.samples_per_s:.1f} samples/s, {mib(best.peak_bytes)} MiB."
+               if best else "none fits."),
+            f"The estimate on this grid: {len(fits_wrong)} false fit(s), {len(pruned_wrong)} false prune(s)"
+            + (": " + "; ".join(f"`{p.config.short()}` predicted {mib(p.predicted_peak_bytes)} measured "
+                                f"{mib(p.peak_bytes)} MiB" for p in fits_wrong + pruned_wrong)
+               if fits_wrong or pruned_wrong else "."), lever_line(grid, budget), ""]
+    rows = []
+    for s in strategies:
+        mine = [r for r in runs if r.mode is BenchMode.REPLAY and r.strategy == s.name and r.workload == cell.workload
+                and r.budget_bytes == budget]
+        if mine:
+            rows.append(_strategy_row(s.name, mine))
+    stops = sorted({n for r in runs if r.strategy == AUTOFIT_NAME and r.workload == cell.workload
+                    and r.budget_bytes == budget for n in r.notes if n.startswith("stopped:")})
+    return ("\n".join(head) + markdown_table(
+        ["strategy", "best found / optimum", "wall time (s)", "real trials", "OOM trials", "time to 95% (s)",
+         "answer(s)", "figures"], rows, "lrrrrrll")
+        + _after_table(stops, _autofit_time(runs, cell, budget)))
+
+
+def _strategy_row(name: str, mine: list[RunResult]) -> list:
+    """A strategy's replayed figures in one cell and budget, over its seeds."""
+    if all(r.error and math.isnan(r.fraction) for r in mine):
+        return [name, f"**not available**: {mine[0].error}", "-", "-", "-", "-", "-", "FAIL"]
+    sm = _summary(mine)
+    answers = sorted({r.answer.short() if r.answer else "none" for r in mine})
+    return [name, _spread(sm["fraction"], pct), _spread(sm["wall"], seconds),
+            _spread(sm["trials"], _count), _spread(sm["ooms"], _count),
+            (_spread(sm["t95"], seconds) + (f" ({sm['reached']}/{sm['n']} reached)"
+                                            if sm["reached"] < sm["n"] else ""))
+            if sm["reached"] else "never",
+            ", ".join(f"`{a}`" for a in answers[:3]) + (" ..." if len(answers) > 3 else ""),
+            f"{BenchMode.REPLAY}" + (f" ({sm['n']} seeds)" if sm["n"] > 1 else "")]
+
+
+def _live_section(runs: list[RunResult]) -> str | None:
+    """Every live run beside its replay (None without live runs)."""
+    live = [r for r in runs if r.mode is BenchMode.LIVE]
+    if not live:
+        return None
+    rows = []
+    for r in live:
+        replay = next((x for x in runs if x.mode is BenchMode.REPLAY and x.strategy == r.strategy and x.seed == 0
+                       and x.workload == r.workload and x.budget_bytes == r.budget_bytes), None)
+        if r.error and math.isnan(r.fraction):
+            rows.append([f"{r.workload} @ {r.budget_bytes / MiB:.0f} MiB", r.strategy,
+                         f"**not available**: {r.error}", "-", "-", "-", "-", "-", "-"])
+            continue
+        rows.append([f"{r.workload} @ {r.budget_bytes / MiB:.0f} MiB", r.strategy,
+                     f"`{r.answer.short()}`" if r.answer else "none", pct(r.fraction),
+                     seconds(r.wall_s), r.trials, r.oom_trials, seconds(r.time_to_target_s) if r.time_to_target_s
+                     else "never",
+                     (f"{seconds(replay.wall_s)} s, {replay.trials} trials, {pct(replay.fraction)}" if replay else "-")
+                     + (f"; error: {r.error}" if r.error else "")])
+    return ("## Live runs, seed 0\n\n"
+            "Every trial real, isolated and budget-enforced, timed by the wall clock. The last column is the same "
+            "strategy and seed replayed against the grid: where they differ, the machine's noise (other "
+            "processes share its two cores) or a config near the budget measured differently.\n\n"
+            + markdown_table(["cell", "strategy", "answer", "best found / optimum (grid)", "wall time (s)",
+                              "real trials", "OOM trials", "time to 95% (s)", "replay of the same run"], rows,
+                             "lllrrrrrl"))
+
+
 def _plot(plt, res: SearchResults, strategies):
-    keys = sorted({(r.workload, r.budget_bytes) for r in res.runs if r.mode == "replay"})
+    keys = sorted({(r.workload, r.budget_bytes) for r in res.runs if r.mode is BenchMode.REPLAY})
     fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.8), squeeze=False)
     for ax, (workload, budget) in zip(axes[0], keys):
         for s in strategies:
-            mine = [r for r in res.runs if r.mode == "replay" and r.strategy == s.name and r.workload == workload
+            mine = [r for r in res.runs if r.mode is BenchMode.REPLAY and r.strategy == s.name and r.workload == workload
                     and r.budget_bytes == budget and not math.isnan(r.fraction)]
             if mine:
                 ax.scatter([r.wall_s for r in mine], [r.fraction for r in mine], label=s.name, s=18)

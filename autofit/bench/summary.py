@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 from autofit.bench.common import median_and_spread, pct, seconds
+from autofit.bench.search_data import BenchMode
 
 
 def headline(results) -> list[str]:
@@ -13,7 +14,8 @@ def headline(results) -> list[str]:
     lines = []
     acc = results.suites.get("accuracy")
     if acc is not None:
-        from autofit.bench.accuracy import MAIN_WORKLOADS, safety
+        from autofit.bench.accuracy import safety
+        from autofit.bench.accuracy_cases import MAIN_WORKLOADS
 
         main = tuple(w for w in MAIN_WORKLOADS if any(r.workload == w for r in acc.rows))
         s = acc.stats(main)
@@ -31,10 +33,10 @@ def headline(results) -> list[str]:
                 fits, prunes = safety([r for r in acc.rows if r.workload == w], b)
                 n_fits, n_prunes = n_fits + len(fits), n_prunes + len(prunes)
         lines.append(f"At the search budgets: {n_fits} false fit(s), {n_prunes} false prune(s).")
-        from autofit.bench.prior import PRIORS, overall
+        from autofit.bench.prior import PRIOR, overall
 
-        if acc.prior and overall(acc.prior, PRIORS[0]) and overall(acc.prior, PRIORS[1]):
-            (med, top), (bare_med, bare_top) = overall(acc.prior, PRIORS[1]), overall(acc.prior, PRIORS[0])
+        if acc.prior and overall(acc.prior, PRIOR.bare) and overall(acc.prior, PRIOR.layer):
+            (med, top), (bare_med, bare_top) = overall(acc.prior, PRIOR.layer), overall(acc.prior, PRIOR.bare)
             lines.append(f"Time model prior error (before any trial calibrates it) over the search grids' configs, "
                          f"median/max: {pct(med, 0)}/{pct(top, 0)} with the workload's own layer timed, against "
                          f"{pct(bare_med, 0)}/{pct(bare_top, 0)} from the bare matmul probe alone.")
@@ -67,7 +69,7 @@ def headline(results) -> list[str]:
 
 def _search_lines(srch) -> list[str]:
     """Per cell: each strategy's median fraction and wall time, its handicap named; then the done-when verdicts."""
-    from autofit.bench.search import AUTOFIT
+    from autofit.bench.own_search import AUTOFIT
     from autofit.bench.strategies import sweeps
     from autofit.bench.verdict import verdicts
 
@@ -76,21 +78,21 @@ def _search_lines(srch) -> list[str]:
     lines = []
     for grid in srch.grids:
         for b in grid.cell.budgets_mib:
-            runs = [r for r in srch.runs if r.mode == "replay" and r.workload == grid.cell.workload
+            runs = [r for r in srch.runs if r.mode is BenchMode.REPLAY and r.workload == grid.cell.workload
                     and r.budget_bytes == b * 2**20]
             parts = []
             for name in dict.fromkeys(r.strategy for r in runs):
                 mine = [r for r in runs if r.strategy == name]
-                frac = median_and_spread([r.fraction for r in mine])[0]
+                frac = median_and_spread([r.fraction for r in mine]).median
                 if math.isnan(frac):
                     parts.append(f"{name} not available")
                     continue
-                wall = median_and_spread([r.wall_s for r in mine])[0]
+                wall = median_and_spread([r.wall_s for r in mine]).median
                 parts.append(f"{named(name)} {pct(frac, 0)} in {seconds(wall, 0)} s")
             lines.append(f"Search, {grid.cell.workload} @ {b} MiB (best found / optimum, median wall time): "
                          + "; ".join(parts) + ".")
-    for workload, budget in dict.fromkeys((r.workload, r.budget_bytes) for r in srch.runs if r.mode == "live"):
-        live = [r for r in srch.runs if r.mode == "live" and (r.workload, r.budget_bytes) == (workload, budget)]
+    for workload, budget in dict.fromkeys((r.workload, r.budget_bytes) for r in srch.runs if r.mode is BenchMode.LIVE):
+        live = [r for r in srch.runs if r.mode is BenchMode.LIVE and (r.workload, r.budget_bytes) == (workload, budget)]
         lines.append(f"Live, {workload} @ {budget / 2**20:.0f} MiB (one real run each): "
                      + "; ".join(f"{named(r.strategy)} {pct(r.fraction, 0)} in {seconds(r.wall_s, 0)} s"
                                  for r in live if not math.isnan(r.fraction)) + ".")

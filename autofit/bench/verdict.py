@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
+from typing import NamedTuple
 
 from autofit.bench.common import pct, seconds
+from autofit.bench.search_data import BenchMode
+from autofit.core.records import TrialStatus
 
 AUTOFIT_NAME = "autofit"
 MiB = 2**20
@@ -30,8 +33,21 @@ REPLAY_TARGET = 0.98       # autofit's answer, median over seeds, of the grid op
 LIVE_TARGET = 0.95         # the live run
 TPE_SPEEDUP = 2.0          # time to 95%: at least this many times sooner than TPE
 
-CHECKS = ("≥98% of optimum", "live ≥95%", "no OOM trial", "fewer trials than best sweep",
-          "less wall time than best sweep", "95% ≥2× sooner than TPE")
+
+@dataclass(frozen=True)
+class CheckLabels:
+    """Each check's label, by name: the key of :attr:`CellVerdict.checks` and its column in the table."""
+
+    answer: str = "≥98% of optimum"
+    live: str = "live ≥95%"
+    no_oom: str = "no OOM trial"
+    fewer_trials: str = "fewer trials than best sweep"
+    less_wall: str = "less wall time than best sweep"
+    tpe: str = "95% ≥2× sooner than TPE"
+
+
+CHECK = CheckLabels()
+CHECKS = astuple(CHECK)   # every check, in the table's column order
 
 
 @dataclass
@@ -69,13 +85,20 @@ def _secs(x: float) -> str:
     return "never" if math.isinf(x) else seconds(x)
 
 
-def best_sweep(cell_runs, sweep_names: tuple[str, ...]) -> tuple[str, list] | None:
+class SweepRuns(NamedTuple):
+    """A sweep's name and its runs in one cell."""
+
+    name: str
+    runs: list
+
+
+def best_sweep(cell_runs, sweep_names: tuple[str, ...]) -> SweepRuns | None:
     """The sweep with the highest median fraction of the optimum, then the least median wall time."""
-    found = [(name, [r for r in cell_runs if r.strategy == name]) for name in sweep_names]
-    found = [(n, rs) for n, rs in found if rs and not all(math.isnan(r.fraction) for r in rs)]
+    found = [SweepRuns(name, [r for r in cell_runs if r.strategy == name]) for name in sweep_names]
+    found = [f for f in found if f.runs and not all(math.isnan(r.fraction) for r in f.runs)]
     if not found:
         return None
-    return max(found, key=lambda x: (_median([r.fraction for r in x[1]]), -_median([r.wall_s for r in x[1]])))
+    return max(found, key=lambda f: (_median([r.fraction for r in f.runs]), -_median([r.wall_s for r in f.runs])))
 
 
 def cell_verdict(runs, workload: str, budget_bytes: int, sweep_names: tuple[str, ...],
@@ -83,9 +106,9 @@ def cell_verdict(runs, workload: str, budget_bytes: int, sweep_names: tuple[str,
     """Check one cell; ``runs`` are all the suite's scored runs (replayed and live)."""
     v = CellVerdict(workload, budget_bytes)
     here = [r for r in runs if r.workload == workload and r.budget_bytes == budget_bytes]
-    replay = [r for r in here if r.mode == "replay"]
+    replay = [r for r in here if r.mode is BenchMode.REPLAY]
     mine = [r for r in replay if r.strategy == AUTOFIT_NAME]
-    live = [r for r in here if r.mode == "live" and r.strategy == AUTOFIT_NAME]
+    live = [r for r in here if r.mode is BenchMode.LIVE and r.strategy == AUTOFIT_NAME]
     if not mine or all(math.isnan(r.fraction) for r in mine):
         v.checks = {c: False for c in CHECKS}
         v.notes.append("autofit's search did not run" + (f" ({mine[0].error})" if mine and mine[0].error else ""))
@@ -95,28 +118,28 @@ def cell_verdict(runs, workload: str, budget_bytes: int, sweep_names: tuple[str,
     _check_sweep(v, mine, replay, sweep_names)
     _check_tpe(v, mine, [r for r in replay if r.strategy == tpe_name])
     # Why, once: how autofit's search stopped, and where its time went.
-    if any(v.checks.get(c) is False for c in (CHECKS[0], CHECKS[3])) and _stop_reasons(mine):
+    if any(v.checks.get(c) is False for c in (CHECK.answer, CHECK.fewer_trials)) and _stop_reasons(mine):
         v.notes.append(_stop_reasons(mine))
-    if v.checks.get(CHECKS[4]) is False or v.checks.get(CHECKS[5]) is False:
+    if v.checks.get(CHECK.less_wall) is False or v.checks.get(CHECK.tpe) is False:
         v.notes.append(_time_parts(mine))
     return v
 
 
 def _check_answer(v: CellVerdict, mine, live) -> None:
     frac = _median([r.fraction for r in mine])
-    v.figures[CHECKS[0]] = pct(frac)
-    v.checks[CHECKS[0]] = frac >= REPLAY_TARGET
-    if not v.checks[CHECKS[0]]:
+    v.figures[CHECK.answer] = pct(frac)
+    v.checks[CHECK.answer] = frac >= REPLAY_TARGET
+    if not v.checks[CHECK.answer]:
         wrong = sorted({r.answer.short() if r.answer else "none" for r in mine if r.fraction < REPLAY_TARGET})
         v.notes.append(f"replayed answers under 98%: {', '.join(f'`{a}`' for a in wrong)}")
     if not live:
-        v.checks[CHECKS[1]] = None
-        v.figures[CHECKS[1]] = "not run live"
+        v.checks[CHECK.live] = None
+        v.figures[CHECK.live] = "not run live"
         return
     r = live[0]
-    v.figures[CHECKS[1]] = pct(r.fraction)
-    v.checks[CHECKS[1]] = r.fraction >= LIVE_TARGET
-    if not v.checks[CHECKS[1]]:
+    v.figures[CHECK.live] = pct(r.fraction)
+    v.checks[CHECK.live] = r.fraction >= LIVE_TARGET
+    if not v.checks[CHECK.live]:
         measured = next((x.outcome.samples_per_s for x in r.history
                          if r.answer is not None and x.outcome.config == r.answer), None)
         v.notes.append(f"live answer `{r.answer.short() if r.answer else 'none'}` is {pct(r.fraction)} of the grid "
@@ -125,9 +148,10 @@ def _check_answer(v: CellVerdict, mine, live) -> None:
 
 
 def _check_ooms(v: CellVerdict, runs) -> None:
-    ooms = sorted({x.outcome.config.short() for r in runs for x in r.history if x.outcome.status == "oom"})
-    v.figures[CHECKS[2]] = str(max(r.oom_trials for r in runs))
-    v.checks[CHECKS[2]] = not ooms
+    ooms = sorted({x.outcome.config.short() for r in runs for x in r.history
+                   if x.outcome.status is TrialStatus.OOM})
+    v.figures[CHECK.no_oom] = str(max(r.oom_trials for r in runs))
+    v.checks[CHECK.no_oom] = not ooms
     if ooms:
         v.notes.append(f"OOM trial(s): {', '.join(f'`{c}`' for c in ooms)}")
 
@@ -135,12 +159,13 @@ def _check_ooms(v: CellVerdict, runs) -> None:
 def _check_sweep(v: CellVerdict, mine, replay, sweep_names) -> None:
     best = best_sweep(replay, sweep_names)
     if best is None:
-        for c in CHECKS[3:5]:
+        for c in (CHECK.fewer_trials, CHECK.less_wall):
             v.checks[c], v.figures[c] = None, "no sweep"
         return
     name, theirs = best
     against = f"{name}, {pct(_median([r.fraction for r in theirs]))} of the optimum"
-    for check, key, fmt in ((CHECKS[3], "trials", lambda x: f"{x:g}"), (CHECKS[4], "wall_s", seconds)):
+    for check, key, fmt in ((CHECK.fewer_trials, "trials", lambda x: f"{x:g}"),
+                            (CHECK.less_wall, "wall_s", seconds)):
         a, b = _median([getattr(r, key) for r in mine]), _median([getattr(r, key) for r in theirs])
         v.figures[check] = f"{fmt(a)} vs {fmt(b)}"
         v.checks[check] = a < b
@@ -151,12 +176,12 @@ def _check_sweep(v: CellVerdict, mine, replay, sweep_names) -> None:
 
 def _check_tpe(v: CellVerdict, mine, tpe) -> None:
     if not tpe:
-        v.checks[CHECKS[5]], v.figures[CHECKS[5]] = None, "no TPE"
+        v.checks[CHECK.tpe], v.figures[CHECK.tpe] = None, "no TPE"
         return
     a, b = _t95(mine), _t95(tpe)
-    v.figures[CHECKS[5]] = f"{_secs(a)} vs {_secs(b)}"
-    v.checks[CHECKS[5]] = not math.isinf(a) and a * TPE_SPEEDUP <= b
-    if not v.checks[CHECKS[5]]:
+    v.figures[CHECK.tpe] = f"{_secs(a)} vs {_secs(b)}"
+    v.checks[CHECK.tpe] = not math.isinf(a) and a * TPE_SPEEDUP <= b
+    if not v.checks[CHECK.tpe]:
         v.notes.append("autofit's median never reaches 95%" + ("" if math.isinf(b) else f" (TPE: {_secs(b)} s)")
                        if math.isinf(a) else
                        f"time to 95% {_secs(a)} s vs TPE {_secs(b)} s (2x sooner needs ≤ {_secs(b / TPE_SPEEDUP)} s)")
@@ -177,8 +202,8 @@ def _time_parts(runs) -> str:
 
 def verdicts(runs, sweep_names: tuple[str, ...], tpe_name: str = "optuna-tpe") -> list[CellVerdict]:
     """One :class:`CellVerdict` per replayed cell, in the order the cells first appear."""
-    keys = dict.fromkeys((r.workload, r.budget_bytes) for r in runs if r.mode == "replay")
+    keys = dict.fromkeys((r.workload, r.budget_bytes) for r in runs if r.mode is BenchMode.REPLAY)
     return [cell_verdict(runs, w, b, sweep_names, tpe_name) for w, b in keys]
 
 
-__all__ = ["CHECKS", "CellVerdict", "best_sweep", "cell_verdict", "verdicts"]
+__all__ = ["CHECK", "CHECKS", "CellVerdict", "CheckLabels", "best_sweep", "cell_verdict", "verdicts"]

@@ -27,6 +27,7 @@ import time
 import traceback
 from collections.abc import Callable
 
+from autofit.core.records import TrialStatus
 from autofit.runtime import procs
 from autofit.runtime.devicelock import DeviceLock, device_names
 from autofit.runtime.schedule import MeasureSchedule, run_steps
@@ -65,7 +66,7 @@ def _memory(job: dict) -> dict:
         out = _memory_only(workload, config, schedule)
     keep = ("status", "error", "peak_bytes", "per_device_peak_bytes", "breakdown", "step_time_s", "samples_per_s")
     out = {k: out.get(k) for k in keep}
-    if job.get("truth_repeats") and config.device_split == 1 and out["status"] == "ok":
+    if job.get("truth_repeats") and config.device_split == 1 and out["status"] == TrialStatus.OK:
         from autofit.trial.ground_truth import ground_truth
 
         # after the trial's own steps, on fresh models: nothing timed runs under the profiler
@@ -194,7 +195,7 @@ def _run_jobs(jobs: list[dict], job_timeout_s: float, on_result) -> list[dict]:
                 pending.pop(0)
                 results[job["id"]] = out
                 _report(on_result, job, out)
-                if out["status"] == "timeout" or (worker.done and not worker.messages):
+                if out["status"] == TrialStatus.TIMEOUT or (worker.done and not worker.messages):
                     break
                 worker.extend_deadline(job_timeout_s)
         finally:

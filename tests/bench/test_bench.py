@@ -11,6 +11,7 @@ import math
 
 import pytest
 
+from autofit.bench import finders
 from autofit.bench import strategies as st
 from autofit.bench.common import (
     ErrorStats,
@@ -21,23 +22,21 @@ from autofit.bench.common import (
     relative_error,
     write_csv,
 )
-from autofit.bench.search import (
-    ReplayOracle,
-    problem_for,
-    run_strategy,
-    score,
-)
+from autofit.bench.oracles import ReplayOracle
+from autofit.bench.problem import Oracle, OracleRecord, Outcome, Problem
+from autofit.bench.scoring import run_strategy, score
+from autofit.bench.search_cells import problem_for
+from autofit.bench.search_data import BenchMode, Cell, Grid, GridPoint, SearchResults
 from autofit.bench.search_tables import losses, write_search
-from autofit.bench.search_data import Cell, Grid, GridPoint, SearchResults
 from autofit.core.config import Precision, TrainConfig
 
 MiB = 2**20
-HALVING = st.Strategy("accelerate-x0.5", st.accelerate_halving, "largest", True)   # the finder at fp32
+HALVING = st.Strategy("accelerate-x0.5", finders.accelerate_halving, st.Criterion.LARGEST, True)   # the finder at fp32
 
 
 # --- a synthetic oracle --------------------------------------------------------------------------
 
-class Synthetic(st.Oracle):
+class Synthetic(Oracle):
     """Memory linear in the micro-batch; throughput rising with it (saturating); checkpointing halves
     activations and costs a third more time; pure bf16 halves everything and is twice as fast."""
 
@@ -56,19 +55,19 @@ class Synthetic(st.Oracle):
         speed = 2.0 if c.precision is Precision.BF16 else 1.0
         return speed * 100 * c.micro_batch / (c.micro_batch + 4) / (1.33 if c.checkpoint_every else 1.0)
 
-    def _run(self, c: TrainConfig) -> st.Outcome:
+    def _run(self, c: TrainConfig) -> Outcome:
         peak = self.peak(c)
         if peak > self.budget_bytes:
-            return st.Outcome(c, "oom", None, None, 1.0)
-        return st.Outcome(c, "ok", self.throughput(c), int(peak), 2.0)
+            return Outcome(c, "oom", None, None, 1.0)
+        return Outcome(c, "ok", self.throughput(c), int(peak), 2.0)
 
 
-def _problem(budget_mib: float, micro_batches=(1, 2, 4, 8, 16, 32, 64), global_batch=64, param_count=0) -> st.Problem:
-    return st.Problem("synthetic", int(budget_mib * MiB), global_batch, (Precision.FP32, Precision.BF16),
+def _problem(budget_mib: float, micro_batches=(1, 2, 4, 8, 16, 32, 64), global_batch=64, param_count=0) -> Problem:
+    return Problem("synthetic", int(budget_mib * MiB), global_batch, (Precision.FP32, Precision.BF16),
                       tuple(micro_batches), (0, 1), param_count=param_count)
 
 
-def _largest_fitting(oracle: Synthetic, problem: st.Problem) -> int | None:
+def _largest_fitting(oracle: Synthetic, problem: Problem) -> int | None:
     fitting = [m for m in problem.micro_batches if oracle.peak(problem.config(m)) <= problem.budget_bytes]
     return max(fitting) if fitting else None
 
@@ -77,7 +76,7 @@ def _largest_fitting(oracle: Synthetic, problem: st.Problem) -> int | None:
 def test_halving_finds_largest_fitting_batch_in_log_trials(budget_mib):
     problem = _problem(budget_mib)
     oracle = Synthetic(problem.budget_bytes)
-    answer = st.accelerate_halving(problem, oracle)
+    answer = finders.accelerate_halving(problem, oracle)
     expected = _largest_fitting(oracle, problem)
     assert (answer.micro_batch if answer else None) == expected
     # from 64 down by halves: one trial per power of two tried
@@ -90,7 +89,7 @@ def test_halving_finds_largest_fitting_batch_in_log_trials(budget_mib):
 def test_halving_with_09_rounds_down_to_divisors_and_never_repeats():
     problem = _problem(100, micro_batches=(1, 2, 3, 4, 6, 12), global_batch=12)
     oracle = Synthetic(problem.budget_bytes, per_sample=12 * MiB)
-    answer = st.accelerate_halving_09(problem, oracle)
+    answer = finders.accelerate_halving_09(problem, oracle)
     tried = [r.outcome.config.micro_batch for r in oracle.history]
     assert len(tried) == len(set(tried))
     assert answer.micro_batch == _largest_fitting(oracle, problem)
@@ -101,7 +100,7 @@ def test_halving_with_09_rounds_down_to_divisors_and_never_repeats():
 def test_halving_gives_up_when_nothing_fits():
     problem = _problem(5)
     oracle = Synthetic(problem.budget_bytes)
-    assert st.accelerate_halving(problem, oracle) is None
+    assert finders.accelerate_halving(problem, oracle) is None
     assert all(r.outcome.status == "oom" for r in oracle.history)
 
 
@@ -109,7 +108,7 @@ def test_halving_gives_up_when_nothing_fits():
 def test_binsearch_finds_largest_fitting_batch(budget_mib):
     problem = _problem(budget_mib, micro_batches=tuple(range(1, 65)), global_batch=None)  # Lightning's own domain
     oracle = Synthetic(problem.budget_bytes)
-    answer = st.lightning_binsearch(problem, oracle)
+    answer = finders.lightning_binsearch(problem, oracle)
     # when nothing fits, Lightning ends on its initial low of 1, which never ran
     assert answer.micro_batch == (_largest_fitting(oracle, problem) or 1)
     assert len(oracle.history) <= 2 * int(math.log2(64)) + 2
@@ -119,7 +118,7 @@ def test_binsearch_trial_sequence_matches_lightning():
     # fits up to 6 (20 + 10 * 6 = 80 MiB): 2 ok, 4 ok, 8 oom, then bisect (4+8)//2 = 6 ok, (6+8)//2 = 7 oom
     problem = _problem(85, micro_batches=tuple(range(1, 65)), global_batch=None)
     oracle = Synthetic(problem.budget_bytes)
-    st.lightning_binsearch(problem, oracle)
+    finders.lightning_binsearch(problem, oracle)
     assert [r.outcome.config.micro_batch for r in oracle.history] == [2, 4, 8, 6, 7]
 
 
@@ -127,7 +126,7 @@ def test_deepspeed_predicts_max_from_profile_run_and_probes():
     # model states 16 B/param; the profile run at micro-batch 1 gives activations per sample by difference
     problem = _problem(200, micro_batches=tuple(range(1, 65)), global_batch=None, param_count=(20 * MiB) // 16)
     oracle = Synthetic(problem.budget_bytes)
-    answer = st.deepspeed_autotuner(problem, oracle)
+    answer = finders.deepspeed_autotuner(problem, oracle)
     tried = [r.outcome.config.micro_batch for r in oracle.history]
     assert tried[0] == 1                          # the profile run
     assert tried[1] == math.ceil(1.05 * 18)       # (200 - 20) / 10 = 18 predicted; probe 5% above first
@@ -139,7 +138,7 @@ def test_deepspeed_predicts_max_from_profile_run_and_probes():
 def test_deepspeed_gives_up_when_profile_run_does_not_fit():
     problem = _problem(5, param_count=1000)
     oracle = Synthetic(problem.budget_bytes)
-    assert st.deepspeed_autotuner(problem, oracle) is None
+    assert finders.deepspeed_autotuner(problem, oracle) is None
     assert len(oracle.history) == 1
 
 
@@ -154,11 +153,11 @@ def test_tpe_explores_whole_space_and_respects_trial_budget():
 
 def test_incumbent_by_criterion():
     c = lambda m: TrainConfig(Precision.FP32, m, 1)
-    recs = [st.OracleRecord(st.Outcome(c(8), "ok", 5.0, 1, 1.0), 1.0),
-            st.OracleRecord(st.Outcome(c(16), "ok", 4.0, 1, 1.0), 2.0),
-            st.OracleRecord(st.Outcome(c(32), "oom", None, None, 1.0), 3.0)]
-    assert [x.micro_batch for x in st.incumbent(recs, "largest")] == [8, 16, 16]
-    assert [x.micro_batch for x in st.incumbent(recs, "throughput")] == [8, 8, 8]
+    recs = [OracleRecord(Outcome(c(8), "ok", 5.0, 1, 1.0), 1.0),
+            OracleRecord(Outcome(c(16), "ok", 4.0, 1, 1.0), 2.0),
+            OracleRecord(Outcome(c(32), "oom", None, None, 1.0), 3.0)]
+    assert [x.micro_batch for x in st.incumbent(recs, st.Criterion.LARGEST)] == [8, 16, 16]
+    assert [x.micro_batch for x in st.incumbent(recs, st.Criterion.THROUGHPUT)] == [8, 8, 8]
 
 
 def test_problem_rejects_non_divisors():
@@ -168,15 +167,15 @@ def test_problem_rejects_non_divisors():
 
 # --- fair baselines: the user's precision, per-precision sweeps, TPE for a small budget -------------
 
-def _three(budget_mib: float) -> st.Problem:
-    return st.Problem("synthetic", int(budget_mib * MiB), 64, (Precision.FP32, Precision.AMP_BF16, Precision.BF16),
+def _three(budget_mib: float) -> Problem:
+    return Problem("synthetic", int(budget_mib * MiB), 64, (Precision.FP32, Precision.AMP_BF16, Precision.BF16),
                       (1, 2, 4, 8, 16, 32, 64), (0, 1))
 
 
 def test_finder_at_user_precision_runs_amp_bf16_only():
     problem = _three(200)
     oracle = Synthetic(problem.budget_bytes)
-    answer = st.at_user_precision(problem, oracle, 0, finder=st.accelerate_halving)
+    answer = finders.at_user_precision(problem, oracle, 0, finder=finders.accelerate_halving)
     assert {r.outcome.config.precision for r in oracle.history} == {Precision.AMP_BF16}
     assert answer.precision is Precision.AMP_BF16 and answer.micro_batch == 16   # 20 + 10 * 16 = 180 MiB fits
 
@@ -184,24 +183,24 @@ def test_finder_at_user_precision_runs_amp_bf16_only():
 def test_sweep_runs_each_precision_on_one_clock_and_keeps_the_fastest():
     problem = _three(200)
     oracle = Synthetic(problem.budget_bytes)
-    answer = st.precision_sweep(problem, oracle, 0, finder=st.accelerate_halving)
+    answer = finders.precision_sweep(problem, oracle, 0, finder=finders.accelerate_halving)
     by_precision = {p: [r for r in oracle.history if r.outcome.config.precision is p] for p in problem.precisions}
     assert all(by_precision.values())
     # pure bf16 halves the memory (fits 32) and is twice as fast: the sweep answers it
     assert answer == problem.config(32, Precision.BF16)
     single = Synthetic(problem.budget_bytes)
-    st.accelerate_halving(dataclasses.replace(problem, default_precision=Precision.BF16), single)
+    finders.accelerate_halving(dataclasses.replace(problem, default_precision=Precision.BF16), single)
     assert len(oracle.history) == sum(len(v) for v in by_precision.values()) > len(single.history)
     assert oracle.clock_s >= sum(r.outcome.cost_s for r in oracle.history)
 
 
 def test_sweep_incumbent_is_largest_per_precision_then_fastest():
     c = lambda p, m: TrainConfig(p, m, 1)
-    recs = [st.OracleRecord(st.Outcome(c(Precision.FP32, 8), "ok", 5.0, 1, 1.0), 1.0),
-            st.OracleRecord(st.Outcome(c(Precision.BF16, 4), "ok", 9.0, 1, 1.0), 2.0),
-            st.OracleRecord(st.Outcome(c(Precision.BF16, 2), "ok", 9.5, 1, 1.0), 3.0),   # smaller: not bf16's answer
-            st.OracleRecord(st.Outcome(c(Precision.FP32, 16), "ok", 12.0, 1, 1.0), 4.0)]
-    assert [x.short() for x in st.incumbent(recs, "sweep-largest")] == [
+    recs = [OracleRecord(Outcome(c(Precision.FP32, 8), "ok", 5.0, 1, 1.0), 1.0),
+            OracleRecord(Outcome(c(Precision.BF16, 4), "ok", 9.0, 1, 1.0), 2.0),
+            OracleRecord(Outcome(c(Precision.BF16, 2), "ok", 9.5, 1, 1.0), 3.0),   # smaller: not bf16's answer
+            OracleRecord(Outcome(c(Precision.FP32, 16), "ok", 12.0, 1, 1.0), 4.0)]
+    assert [x.short() for x in st.incumbent(recs, st.Criterion.SWEEP_LARGEST)] == [
         c(Precision.FP32, 8).short(), c(Precision.BF16, 4).short(), c(Precision.BF16, 4).short(),
         c(Precision.FP32, 16).short()]
 
@@ -277,9 +276,10 @@ def test_replay_answers_the_trial_sample_then_the_second_and_loads_back_from_csv
     assert [swapped.run(c).samples_per_s for _ in range(3)] == [12.0, 9.0, 12.0]
     assert oracle.history[0].outcome.step_time_s == pytest.approx(c.samples_per_step / 9.0)
     halving = HALVING
-    runs = [run_strategy(halving, grid, 50 * MiB, 0, ReplayOracle(grid, 50 * MiB), "replay")]
+    runs = [run_strategy(halving, grid, 50 * MiB, 0, ReplayOracle(grid, 50 * MiB), BenchMode.REPLAY)]
     write_search(tmp_path, environment("test"), SearchResults([grid], runs, ("synthetic", 50 * MiB), 1, 0.0), (halving,))
     (loaded,) = load_grids(tmp_path / "search_grid.csv")
+    assert [row["mode"] for row in csv.DictReader((tmp_path / "search_runs.csv").open())] == ["replay"]
     assert loaded.cell.budgets_mib == (50, 100) and loaded.cell.micro_batches == (2, 4, 8)
     assert loaded.points[c].trial_samples_per_s == 9.0 and loaded.optimum(50 * MiB) == grid.optimum(50 * MiB)
     assert loaded.oom_floor_s == 1.5
@@ -294,17 +294,17 @@ def test_run_strategy_scores_peers_and_reports_unavailable_autofit():
     grid = _grid()
     budget = 100 * MiB
     strat = HALVING
-    res = run_strategy(strat, grid, budget, 0, ReplayOracle(grid, budget), "replay")
+    res = run_strategy(strat, grid, budget, 0, ReplayOracle(grid, budget), BenchMode.REPLAY)
     assert res.answer is not None and 0 < res.fraction <= 1 and res.trials >= 1 and res.error is None
     assert res.wall_s >= 3.0
-    from autofit.bench.search import AUTOFIT
+    from autofit.bench.own_search import AUTOFIT
 
     def unavailable(problem, oracle, seed):
-        from autofit.bench.search import NotAvailable
+        from autofit.bench.own_search import NotAvailable
         raise NotAvailable("not yet available")
 
-    fake = st.Strategy(AUTOFIT.name, unavailable, "throughput", False)
-    missing = run_strategy(fake, grid, budget, 0, ReplayOracle(grid, budget), "replay")
+    fake = st.Strategy(AUTOFIT.name, unavailable, st.Criterion.THROUGHPUT, False)
+    missing = run_strategy(fake, grid, budget, 0, ReplayOracle(grid, budget), BenchMode.REPLAY)
     assert missing.error == "not yet available" and math.isnan(missing.fraction)
     text = losses([res, missing], (fake, strat))
     assert text and "did not run" in text[0]
@@ -315,12 +315,12 @@ def test_time_to_target_uses_strategy_clock():
     budget = 1000 * MiB
     halving = HALVING
     oracle = ReplayOracle(grid, budget)
-    res = score(halving, grid, budget, 0, "replay", oracle, halving(problem_for(grid.cell, budget, 0), oracle, 0))
+    res = score(halving, grid, budget, 0, BenchMode.REPLAY, oracle, halving(problem_for(grid.cell, budget, 0), oracle, 0))
     # keeps fp32 while pure bf16 is twice as fast here: half the optimum, never 95%
     assert res.fraction == pytest.approx(0.5) and res.time_to_target_s is None
     tpe = next(s for s in st.PEERS if s.name == "optuna-tpe")
     oracle = ReplayOracle(grid, budget)
-    res = score(tpe, grid, budget, 0, "replay", oracle, tpe(problem_for(grid.cell, budget, 0), oracle, 0))
+    res = score(tpe, grid, budget, 0, BenchMode.REPLAY, oracle, tpe(problem_for(grid.cell, budget, 0), oracle, 0))
     first = next(r for r in oracle.history if r.outcome.config == grid.optimum(budget).config)
     assert res.fraction == 1.0 and res.time_to_target_s == pytest.approx(first.clock_s)
 
@@ -339,18 +339,18 @@ def _verdict_runs(autofit_fn, budget_mib: int):
             oracle.run(config)
         return optimum
 
-    strategies = (st.Strategy("autofit", autofit_fn, "throughput", True),
-                  st.Strategy("optuna-tpe", tpe, "throughput", True)) + st.sweeps(st.PEERS)
-    runs = [run_strategy(s, grid, budget, seed, ReplayOracle(grid, budget), "replay") for s in strategies
+    strategies = (st.Strategy("autofit", autofit_fn, st.Criterion.THROUGHPUT, True),
+                  st.Strategy("optuna-tpe", tpe, st.Criterion.THROUGHPUT, True)) + st.sweeps(st.PEERS)
+    runs = [run_strategy(s, grid, budget, seed, ReplayOracle(grid, budget), BenchMode.REPLAY) for s in strategies
             for seed in (0, 1)]
-    runs.append(run_strategy(strategies[0], grid, budget, 0, ReplayOracle(grid, budget), "live"))
+    runs.append(run_strategy(strategies[0], grid, budget, 0, ReplayOracle(grid, budget), BenchMode.LIVE))
     return SearchResults([grid], runs, ("synthetic", budget), 2, 1.0, strategies=strategies), optimum
 
 
 def test_done_when_passes_a_search_that_goes_straight_to_the_optimum(tmp_path):
     from autofit.bench.search_tables import write_search
     from autofit.bench.summary import headline
-    from autofit.bench.verdict import CHECKS, verdicts
+    from autofit.bench.verdict import CHECK, CHECKS, verdicts
 
     def straight(problem, oracle, seed):
         return oracle.run(_grid().optimum(problem.budget_bytes).config).config
@@ -358,7 +358,7 @@ def test_done_when_passes_a_search_that_goes_straight_to_the_optimum(tmp_path):
     res, _ = _verdict_runs(straight, 100)
     [v] = verdicts(res.runs, tuple(s.name for s in st.sweeps(st.PEERS)))
     assert v.checks == {c: True for c in CHECKS} and v.passed and not v.notes
-    assert v.figures[CHECKS[3]] == "1 vs 3"        # one trial against the sweep's one per precision
+    assert v.figures[CHECK.fewer_trials] == "1 vs 3"        # one trial against the sweep's one per precision
     write_search(tmp_path, {"date": "today"}, res, res.strategies)
     text = (tmp_path / "search.md").read_text()
     assert "## Done when" in text and "| synthetic @ 100 MiB | 100.0% ✓" in text and "| PASS |" in text
@@ -368,7 +368,7 @@ def test_done_when_passes_a_search_that_goes_straight_to_the_optimum(tmp_path):
 
 
 def test_done_when_fails_and_says_where_and_why():
-    from autofit.bench.verdict import CHECKS, verdicts
+    from autofit.bench.verdict import CHECK, CHECKS, verdicts
 
     def clumsy(problem, oracle, seed):   # an OOM first, then a small fp32 micro-batch
         oracle.run(problem.config(8))
@@ -377,7 +377,7 @@ def test_done_when_fails_and_says_where_and_why():
     res, optimum = _verdict_runs(clumsy, 50)
     [v] = verdicts(res.runs, tuple(s.name for s in st.sweeps(st.PEERS)))
     assert not v.passed
-    assert {c for c in CHECKS if v.checks[c] is False} >= {CHECKS[0], CHECKS[1], CHECKS[2], CHECKS[5]}
+    assert {c for c in CHECKS if v.checks[c] is False} >= {CHECK.answer, CHECK.live, CHECK.no_oom, CHECK.tpe}
     notes = " ".join(v.notes)
     assert "`fp32 mb=8" in notes and "OOM" in notes and "`fp32 mb=2" in notes and "never" in notes
 
@@ -411,20 +411,21 @@ def test_markdown_and_csv_writing(tmp_path):
 @pytest.mark.slow
 def test_tiny_search_and_accuracy_suites(tmp_path, monkeypatch):
     """One workload, a 2-config grid, replay only, plus two accuracy configs: the files exist and parse."""
-    from autofit.bench import accuracy, search
+    from autofit.bench import accuracy, accuracy_cases, search
     from autofit.bench.common import environment
+    from autofit.bench.own_search import AUTOFIT
 
     env = environment("autofit bench (test)")
     cell = Cell("gpt-tiny", 4, (2, 4), (Precision.FP32,), (80,), checkpoints=(0,))
     peers = tuple(s for s in st.PEERS if s.name in ("accelerate-x0.5 sweep", "lightning-binsearch sweep"))
-    res = search.run_search_suite(tmp_path, env, cells=(cell,), seeds=1, strategies=(search.AUTOFIT,) + peers,
+    res = search.run_search_suite(tmp_path, env, cells=(cell,), seeds=1, strategies=(AUTOFIT,) + peers,
                                   live=False)
     assert len(res.grids[0].points) == 2 and all(p.status == "ok" for p in res.grids[0].points.values())
     text = (tmp_path / "search.md").read_text()
     assert "gpt-tiny @ 80 MiB" in text and "Where autofit loses" in text
     assert len(list(csv.DictReader((tmp_path / "search_runs.csv").open()))) == 3
 
-    monkeypatch.setattr(accuracy, "_QUICK_CASES", {"gpt-tiny": [("bf16", 2), ("fp32", 2, 2, 1)]})
+    monkeypatch.setattr(accuracy_cases, "_QUICK_CASES", {"gpt-tiny": [("bf16", 2), ("fp32", 2, 2, 1)]})
     acc = accuracy.run_accuracy(tmp_path, env, quick=True, workloads=("gpt-tiny",),
                                 budgets={"gpt-tiny": (40 * MiB,)}, truth_repeats=1)
     assert [r.status for r in acc.rows] == ["ok", "ok"]
@@ -438,11 +439,9 @@ def test_tiny_search_and_accuracy_suites(tmp_path, monkeypatch):
 
 def test_search_plot_written_when_matplotlib_is_importable(tmp_path):
     pytest.importorskip("matplotlib")
-    from autofit.bench.search import write_search
-    from autofit.bench.search_data import SearchResults
 
     grid = _grid()
-    runs = [run_strategy(s, grid, b * MiB, 0, ReplayOracle(grid, b * MiB), "replay")
+    runs = [run_strategy(s, grid, b * MiB, 0, ReplayOracle(grid, b * MiB), BenchMode.REPLAY)
             for b in grid.cell.budgets_mib for s in st.PEERS]
     files = write_search(tmp_path, {"date": "today"}, SearchResults([grid], runs, ("synthetic", 50 * MiB), 1, 1.0),
                          st.PEERS)
@@ -561,7 +560,7 @@ def test_split_grid_matches_autofit_space_and_fsdp_keeps_the_global_batch():
     assert all(c.samples_per_step == 8 for c in problem.configs())
     assert problem.micro_batches_for((2, SplitMode.FSDP)) == (1, 2, 4)
     with pytest.raises(ValueError, match="device_splits must include 1"):
-        st.Problem("x", 1, 8, (Precision.FP32,), (1, 2), device_splits=(2,))
+        Problem("x", 1, 8, (Precision.FP32,), (1, 2), device_splits=(2,))
 
 
 def test_finders_score_zero_where_only_a_split_fits_and_tpe_searches_the_split():
@@ -570,14 +569,14 @@ def test_finders_score_zero_where_only_a_split_fits_and_tpe_searches_the_split()
     best = grid.optimum(budget)
     assert best.config.device_split == 2
     for strategy in st.PEERS:
-        res = run_strategy(strategy, grid, budget, 0, ReplayOracle(grid, budget), "replay")
+        res = run_strategy(strategy, grid, budget, 0, ReplayOracle(grid, budget), BenchMode.REPLAY)
         assert res.error is None and res.trials > 0
         assert all(r.outcome.config.device_split == 1 for r in res.history) or strategy.name == "optuna-tpe"
         if strategy.name != "optuna-tpe":
             assert res.fraction == 0.0
     tpe = next(s for s in st.PEERS if s.name == "optuna-tpe")
     oracle = ReplayOracle(grid, budget)
-    res = run_strategy(tpe, grid, budget, 0, oracle, "replay")
+    res = run_strategy(tpe, grid, budget, 0, oracle, BenchMode.REPLAY)
     assert {r.outcome.config.device_split for r in res.history} == {1, 2} and res.fraction > 0
 
 
@@ -604,7 +603,7 @@ def test_replay_loads_two_cells_of_one_workload_with_their_splits(tmp_path):
     one, split = _grid(), _split_grid(4, (1, 2, 4))   # global batches 8 and 4: two cells of one workload
     split = dataclasses.replace(split, cell=dataclasses.replace(split.cell, workload="synthetic", budgets_mib=(30,)))
     runs = [run_strategy(HALVING, g, g.cell.budgets_mib[0] * MiB, 0, ReplayOracle(g, g.cell.budgets_mib[0] * MiB),
-                         "replay") for g in (one, split)]
+                         BenchMode.REPLAY) for g in (one, split)]
     write_search(tmp_path, environment("test"), SearchResults([one, split], runs, ("synthetic", 50 * MiB), 1, 0.0),
                  (HALVING,))
     first, second = load_grids(tmp_path / "search_grid.csv")
@@ -626,15 +625,15 @@ def test_suite_runs_peers_live_on_the_first_cell_and_autofit_live_on_every_cell(
 
     sweep = next(s for s in st.PEERS if s.name == "accelerate-x0.5 sweep")
     res = search.run_search_suite(tmp_path, {"date": "today"}, cells=(grid.cell,), seeds=1, live=True,
-                                  strategies=(st.Strategy("autofit", straight, "throughput", True), sweep))
-    live = [(r.strategy, r.budget_bytes // MiB) for r in res.runs if r.mode == "live"]
+                                  strategies=(st.Strategy("autofit", straight, st.Criterion.THROUGHPUT, True), sweep))
+    live = [(r.strategy, r.budget_bytes // MiB) for r in res.runs if r.mode is BenchMode.LIVE]
     assert live == [("autofit", 50), ("accelerate-x0.5 sweep", 50), ("autofit", 100)]
     text = (tmp_path / "search.md").read_text()
     assert "| synthetic @ 100 MiB | autofit |" in text and "| synthetic @ 100 MiB | 100.0% ✓ | 100.0% ✓ |" in text
 
 
 def test_accuracy_workloads_are_selected_by_parts_of_their_names():
-    from autofit.bench.accuracy import (
+    from autofit.bench.accuracy_cases import (
         HF_WORKLOADS,
         USER_WORKLOADS,
         cases,
@@ -653,12 +652,12 @@ def test_accuracy_workloads_are_selected_by_parts_of_their_names():
 
 def test_search_cells_are_valid_problems_whose_workloads_load():
     """Every cell builds a Problem every peer variant accepts, and its workload (a file, for one) loads."""
-    from autofit.bench.search import CELLS
+    from autofit.bench.search_cells import CELLS
     from autofit.workloads.load import load_workload
 
     for cell in CELLS:
         problem = problem_for(cell, cell.budgets_mib[0] * MiB, 0)
-        assert st.USER_PRECISION in problem.precisions and problem.configs()
+        assert finders.USER_PRECISION in problem.precisions and problem.configs()
         load_workload(cell.workload)
     assert any(c.device_splits != (1,) for c in CELLS)
     assert any(c.workload.endswith(".py:workload") for c in CELLS)

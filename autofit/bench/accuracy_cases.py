@@ -1,0 +1,111 @@
+"""The accuracy suite's workloads and the configs measured on each: the two of the targets (a transformer
+and a CNN), an RNN, tiny Hugging Face models and models written in a user's file; :func:`select_workloads`
+picks some of them by parts of their names (``autofit bench --workloads``)."""
+
+from __future__ import annotations
+
+from autofit.core.config import Precision, TrainConfig
+from autofit.core.errors import ConfigError
+
+MAIN_WORKLOADS = ("gpt-tiny", "convnet-bn")
+EXTRA_WORKLOADS = ("lstm-lm",)
+# Issue 12: tiny configs of four Hugging Face families (three decoders, one vision encoder),
+# built from their transformers config classes; the hf extra must be installed.
+HF_WORKLOADS = (
+    "hf:gpt2?n_layer=4&n_embd=128&n_head=4&vocab_size=2048#seq_len=64",
+    "hf:llama?num_hidden_layers=4&hidden_size=128&intermediate_size=344&num_attention_heads=4&num_key_value_heads=2"
+    "&vocab_size=2048#seq_len=64",
+    "hf:qwen3?num_hidden_layers=4&hidden_size=128&intermediate_size=344&num_attention_heads=4&num_key_value_heads=2"
+    "&head_dim=32&vocab_size=2048#seq_len=64",
+    "hf:vit?num_hidden_layers=4&hidden_size=128&num_attention_heads=4&intermediate_size=512&image_size=64&patch_size=8",
+)
+# Issue 13: models written as a user would write them in a file (not built-ins), loaded by
+# module path here so the tables name them the same on every machine; as files they load the
+# same way (``--model path/to/vit.py:workload``).
+USER_WORKLOADS = ("autofit.bench.user_models.vit:workload", "autofit.bench.user_models.mixer:workload")
+
+
+def _c(precision: str, micro_batch: int, grad_accum: int = 1, checkpoint_every: int = 0,
+       device_split: int = 1, split_mode: str = "pipeline") -> TrainConfig:
+    return TrainConfig(Precision(precision), micro_batch, grad_accum, checkpoint_every, device_split, split_mode)
+
+
+def _fsdp_cases(micro_batch: int) -> list[tuple]:
+    """Issue 9: FSDP at 2 and 4 ranks, every precision, checkpointing off and on (amp-fp16 at micro-batch 1)."""
+    return [(p, 1 if p == "amp-fp16" else micro_batch, 1, ckpt, ranks, "fsdp")
+            for p in ("fp32", "amp-bf16", "bf16", "amp-fp16") for ranks in (2, 4) for ckpt in (0, 1)]
+
+
+# (precision, micro_batch, grad_accum, checkpoint_every, device_split[, split_mode])
+_CASES = {
+    "gpt-tiny": [
+        ("fp32", 1), ("fp32", 4), ("fp32", 8), ("fp32", 8, 1, 1), ("fp32", 8, 1, 2), ("fp32", 2, 4),
+        ("fp32", 4, 2, 1),
+        ("amp-bf16", 1), ("amp-bf16", 4), ("amp-bf16", 8), ("amp-bf16", 8, 1, 1), ("amp-bf16", 4, 3, 2),
+        ("bf16", 2), ("bf16", 8), ("bf16", 8, 1, 1), ("bf16", 4, 2),
+        ("amp-fp16", 1), ("amp-fp16", 1, 2), ("amp-fp16", 2, 1, 1),
+        ("fp32", 4, 2, 0, 2), ("amp-bf16", 4, 2, 1, 2), ("bf16", 2, 2, 0, 2), ("amp-fp16", 1, 2, 0, 2),
+        *_fsdp_cases(2),
+    ],
+    "convnet-bn": [
+        ("fp32", 4), ("fp32", 16), ("fp32", 32), ("fp32", 32, 1, 1), ("fp32", 32, 1, 2), ("fp32", 8, 4),
+        ("fp32", 16, 2, 1),
+        ("amp-bf16", 4), ("amp-bf16", 16), ("amp-bf16", 32), ("amp-bf16", 32, 1, 1), ("amp-bf16", 16, 3, 2),
+        ("bf16", 8), ("bf16", 32), ("bf16", 32, 1, 1), ("bf16", 16, 2),
+        ("amp-fp16", 1), ("amp-fp16", 1, 2, 1),
+        ("fp32", 16, 2, 0, 2), ("amp-bf16", 16, 2, 1, 2), ("bf16", 8, 2, 0, 2),
+        *_fsdp_cases(8),
+    ],
+    "lstm-lm": [
+        ("fp32", 4), ("fp32", 16), ("fp32", 16, 1, 1), ("fp32", 8, 2),
+        ("amp-bf16", 16), ("amp-bf16", 16, 1, 1), ("bf16", 16), ("bf16", 8, 2, 1),
+        ("amp-fp16", 2),
+        ("fp32", 8, 2, 0, 2), ("amp-bf16", 8, 2, 0, 2),
+    ],
+}
+_HF_DECODER_CASES = [
+    ("fp32", 4), ("fp32", 4, 1, 1), ("fp32", 4, 1, 2), ("amp-bf16", 4), ("amp-bf16", 4, 1, 1), ("amp-bf16", 4, 2, 2),
+    ("bf16", 4, 2), ("bf16", 4, 1, 2), ("amp-fp16", 2), ("amp-fp16", 2, 1, 1),
+    # split 2: every precision, checkpointing at 1 and 2, 1F1B with k = p and k > p micro-batches
+    ("fp32", 2, 2, 0, 2), ("amp-bf16", 2, 2, 1, 2), ("fp32", 2, 4, 2, 2), ("bf16", 2, 3, 0, 2),
+    ("amp-fp16", 1, 2, 0, 2),
+]
+_HF_ENCODER_CASES = [("fp32", 8), ("fp32", 8, 1, 1), ("fp32", 8, 1, 2), ("amp-bf16", 8, 2), ("amp-bf16", 8, 1, 2),
+                     ("bf16", 8), ("bf16", 8, 2, 1), ("amp-fp16", 4)]
+_CASES.update({w: _HF_ENCODER_CASES if w.startswith("hf:vit") else _HF_DECODER_CASES for w in HF_WORKLOADS})
+_USER_CASES = [("fp32", 16), ("fp32", 16, 1, 1), ("fp32", 16, 1, 2), ("fp32", 8, 2), ("amp-bf16", 16),
+               ("amp-bf16", 16, 1, 1), ("bf16", 16), ("bf16", 8, 2, 2), ("amp-fp16", 4),
+               ("fp32", 8, 2, 0, 2), ("amp-bf16", 8, 4, 1, 2), ("bf16", 8, 2, 2, 2), ("amp-fp16", 2, 2, 0, 2)]
+_CASES.update({w: _USER_CASES for w in USER_WORKLOADS})
+
+_QUICK_CASES = {
+    "gpt-tiny": [("fp32", 4), ("amp-bf16", 4, 2, 1), ("bf16", 4), ("amp-fp16", 1), ("fp32", 2, 2, 0, 2)],
+    "convnet-bn": [("fp32", 16, 1, 1), ("amp-bf16", 16, 2), ("bf16", 16)],
+    "lstm-lm": [("fp32", 8)],
+    USER_WORKLOADS[1]: [("amp-bf16", 8, 2, 0, 2)],
+}
+
+
+def cases(quick: bool = False, workloads: tuple[str, ...] | None = None) -> dict[str, list[TrainConfig]]:
+    """The configs measured per workload."""
+    table = _QUICK_CASES if quick else _CASES
+    names = workloads or tuple(w for w in table if not w.startswith("hf:") or _has_transformers())
+    return {w: [_c(*args) for args in table[w]] for w in names}
+
+
+def select_workloads(selectors: tuple[str, ...], quick: bool = False) -> tuple[str, ...]:
+    """The suite's workloads whose name contains one of ``selectors`` (e.g. ``hf:``, ``user_models``).
+
+    Raises ConfigError naming a selector that matches none, with the names it could match."""
+    names = tuple(_QUICK_CASES if quick else _CASES)
+    for sel in selectors:
+        if not any(sel in w for w in names):
+            raise ConfigError(f"--workloads {sel!r} matches none of the accuracy suite's workloads"
+                              f"{' (--quick)' if quick else ''}: {', '.join(names)}")
+    return tuple(w for w in names if any(sel in w for sel in selectors))
+
+
+def _has_transformers() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformers") is not None

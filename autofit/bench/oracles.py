@@ -1,0 +1,72 @@
+"""The two oracles the suite runs strategies through: :class:`ReplayOracle` answers trials from a
+measured grid, :class:`LiveOracle` runs them for real (see :mod:`autofit.bench.search`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from autofit.bench.common import seconds
+from autofit.bench.problem import Oracle, Outcome
+from autofit.bench.search_data import Grid, GridPoint
+from autofit.bench.search_grid import SCHEDULE, TRIAL_TIMEOUT_S
+from autofit.core.config import TrainConfig
+from autofit.core.records import TrialStatus
+
+
+class ReplayOracle(Oracle):
+    """Answers trials from a measured grid; charges each the grid's cost (see :mod:`autofit.bench.search`).
+
+    A strategy sees what a real trial would have shown it, noise included: the first run of a
+    config answers the grid trial's own throughput, a second run (a re-measurement) the grid's
+    second sample, and further runs take the two in turn (the grid holds two samples per config
+    that fits one of its cell's budgets; over all of them a config has its trial's sample only).
+    The answer is still scored by the ground truth (the larger of the two). ``first_sample`` 1
+    answers the second sample first: the other draw of the noise, to see whether a strategy's
+    answer holds under it."""
+
+    def __init__(self, grid: Grid, budget_bytes: int, first_sample: int = 0) -> None:
+        super().__init__()
+        self.grid = grid
+        self.budget_bytes = budget_bytes
+        self.first_sample = first_sample
+        self.runs: dict[TrainConfig, int] = {}
+
+    def sample(self, point: GridPoint) -> float | None:
+        """The throughput this run of ``point`` measures (see the class docstring)."""
+        samples = [s for s in (point.trial_samples_per_s, point.second_samples_per_s) if s] or [point.samples_per_s]
+        k = self.runs.get(point.config, 0)
+        self.runs[point.config] = k + 1
+        return samples[(k + self.first_sample) % len(samples)]
+
+    def _run(self, config: TrainConfig) -> Outcome:
+        point = self.grid.points.get(config)
+        if point is None:
+            raise KeyError(f"{config.short()} is not in the measured grid")
+        if point.status is not TrialStatus.OK:
+            return Outcome(config, point.status, None, None, point.wall_s)
+        if point.peak_bytes > self.budget_bytes:
+            return Outcome(config, TrialStatus.OOM, None, None, self.grid.oom_floor_s + (point.step_time_s or 0.0))
+        sample = self.sample(point)
+        step = config.samples_per_step / sample if sample else point.step_time_s
+        return Outcome(config, TrialStatus.OK, sample, point.peak_bytes, point.wall_s, step)
+
+
+class LiveOracle(Oracle):
+    """Runs each trial for real with :func:`autofit.trial.run.run_trial`, the budget enforced."""
+
+    def __init__(self, workload: str, budget_bytes: int, progress: Callable[[str], None] = lambda _m: None,
+                 label: str = "") -> None:
+        super().__init__()
+        self.workload = workload
+        self.budget_bytes = budget_bytes
+        self.progress = progress
+        self.label = label
+
+    def _run(self, config: TrainConfig) -> Outcome:
+        from autofit.trial.run import run_trial
+
+        r = run_trial(self.workload, config, device="cpu", budget_bytes=self.budget_bytes, schedule=SCHEDULE,
+                      timeout_s=TRIAL_TIMEOUT_S)
+        self.progress(f"live {self.label}: {config.short()} {r.status.value} {seconds(r.samples_per_s)} samples/s "
+                      f"({r.wall_s:.1f} s)")
+        return Outcome(config, r.status, r.samples_per_s, r.peak_bytes, r.wall_s, r.step_time_s, r)

@@ -1,0 +1,59 @@
+"""autofit's own search, as shipped, as one of the suite's strategies (beside the peers of
+:mod:`autofit.bench.strategies`)."""
+
+from __future__ import annotations
+
+from autofit.bench.problem import Oracle, Problem
+from autofit.bench.strategies import PEERS, Criterion, Strategy
+from autofit.bench.verdict import AUTOFIT_NAME
+from autofit.core.config import TrainConfig
+
+
+class NotAvailable(Exception):
+    """A strategy that cannot run in this checkout (e.g. autofit's search before it lands)."""
+
+
+def autofit_search(problem: Problem, oracle: Oracle, seed: int = 0, first_use_s: float = 0.0) -> TrainConfig | None:
+    """autofit's search (:func:`autofit.api.run_study.search`, defaults as shipped) over the problem's grid.
+
+    Its trials go through ``oracle`` (passed to the search as its ``trial_runner``), so a live
+    oracle runs them for real and a replay oracle answers from the grid; everything else --
+    estimate, time model, calibration, Optuna storage, reports -- runs for real and is timed.
+    ``first_use_s`` is charged to the clock: profiling the workload on fake tensors and probing
+    the device with cold caches, measured once per workload (the runs themselves find both cached).
+    """
+    import tempfile
+
+    from autofit.api.run_study import search
+    from autofit.core.space import SearchSpace
+    from autofit.trial.run import TrialResult
+
+    def run_trial(workload, config, *, device, budget_bytes, timeout_s):
+        outcome = oracle.run(config)
+        if outcome.result is not None:
+            return outcome.result
+        return TrialResult(workload=problem.workload, config=config, device=device, status=outcome.status,
+                           peak_bytes=outcome.peak_bytes,
+                           per_device_peak_bytes=[outcome.peak_bytes] if outcome.peak_bytes else [],
+                           samples_per_s=outcome.samples_per_s, step_time_s=outcome.step_time_s if outcome.ok else None,
+                           wall_s=outcome.cost_s, budget_bytes=budget_bytes,
+                           error=None if outcome.ok else f"{outcome.status} (replayed from the measured grid)")
+
+    if first_use_s:
+        oracle.charge(first_use_s, "cold profile and device probe")
+    space = SearchSpace(precision=problem.precisions, micro_batch=problem.micro_batches,
+                        checkpoint_every=problem.checkpoints, device_split=problem.device_splits,
+                        split_mode=problem.split_modes, global_batch=problem.global_batch)
+    with tempfile.TemporaryDirectory(prefix="autofit-bench-study-") as out:
+        # devices: the grid's largest split (its stages or ranks are processes sharing this CPU)
+        result = search(problem.workload, problem.budget_bytes, space=space, out_dir=out, device="cpu", seed=seed,
+                        devices=max(problem.device_splits), trial_runner=run_trial)
+    stop = getattr(result, "stop_reason", None)
+    if stop:
+        oracle.notes.append(f"stopped: {stop}")
+    return result.best
+
+
+AUTOFIT = Strategy(AUTOFIT_NAME, autofit_search, Criterion.THROUGHPUT, False,
+                   "autofit's search as shipped: estimate prunes, time model orders, real trials confirm")
+STRATEGIES: tuple[Strategy, ...] = (AUTOFIT,) + PEERS

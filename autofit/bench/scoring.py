@@ -1,0 +1,54 @@
+"""Running one strategy on one cell and scoring its answer by the grid's throughput of the config it
+answered (so a live run and its replay are judged by the same yardstick)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from autofit.bench.own_search import NotAvailable, autofit_search
+from autofit.bench.problem import Oracle
+from autofit.bench.search_cells import problem_for
+from autofit.bench.search_data import BenchMode, Grid, RunResult
+from autofit.bench.strategies import Strategy, incumbent
+from autofit.core.config import TrainConfig
+from autofit.core.records import TrialStatus
+
+TARGET_FRACTION = 0.95   # time to target: the clock when the strategy's incumbent first reached this
+
+
+def score(strategy: Strategy, grid: Grid, budget_bytes: int, seed: int, mode: BenchMode, oracle: Oracle,
+          answer: TrainConfig | None, error: str | None = None) -> RunResult:
+    records = oracle.history
+    reached = None
+    for record, config in zip(records, incumbent(records, strategy.criterion)):
+        if config is not None and grid.fraction(config, budget_bytes) >= TARGET_FRACTION:
+            reached = record.clock_s
+            break
+    live_tput = None
+    if BenchMode(mode) is BenchMode.LIVE and answer is not None:
+        live_tput = next((r.outcome.samples_per_s for r in records if r.outcome.config == answer), None)
+    return RunResult(
+        strategy=strategy.name, workload=grid.cell.workload, budget_bytes=budget_bytes, seed=seed, mode=mode,
+        answer=answer, fraction=grid.fraction(answer, budget_bytes), wall_s=oracle.clock_s, trials=len(records),
+        oom_trials=sum(r.outcome.status is TrialStatus.OOM for r in records),
+        failed_trials=sum(r.outcome.status in (TrialStatus.ERROR, TrialStatus.TIMEOUT) for r in records),
+        time_to_target_s=reached, error=error, live_samples_per_s=live_tput, history=list(records),
+        notes=list(oracle.notes), extra_s=oracle.extra_s,
+    )
+
+
+def run_strategy(strategy: Strategy, grid: Grid, budget_bytes: int, seed: int, oracle: Oracle,
+                 mode: BenchMode) -> RunResult:
+    problem = problem_for(grid.cell, budget_bytes, grid.param_count)
+    if strategy.run is autofit_search:
+        strategy = dataclasses.replace(strategy, kwargs={**strategy.kwargs, "first_use_s": grid.first_use_s})
+    try:
+        answer = strategy(problem, oracle, seed)
+        error = None
+    except NotAvailable as exc:
+        return RunResult(strategy.name, grid.cell.workload, budget_bytes, seed, mode, None, math.nan, math.nan, 0, 0,
+                         0, None, error=str(exc))
+    except Exception as exc:  # noqa: BLE001 -- a broken strategy is a row that says so
+        answer, error = None, f"{type(exc).__name__}: {exc}"
+    return score(strategy, grid, budget_bytes, seed, mode, oracle, answer, error)

@@ -1,0 +1,80 @@
+"""The search suite's cells: the workloads, grids and budgets on which autofit's search meets its
+peers, each chosen so that a lever (accumulation, checkpointing, a device split) decides the optimum;
+and the :class:`~autofit.bench.problem.Problem` a strategy is given for a cell and a budget."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from autofit.bench.problem import Problem
+from autofit.bench.search_data import Cell, MiB
+from autofit.core.config import Precision, SplitMode
+
+_THREE = (Precision.FP32, Precision.AMP_BF16, Precision.BF16)
+# amp-fp16 is left out to keep the exhaustive grids affordable: on CPUs without native fp16
+# kernels a step is ~1000x slower (FACTS.md), and where the CPU has them (avx512_fp16, as the
+# search's probe found on this machine) it measures close to fp32, which the grid already has.
+_PIPELINE_AND_FSDP = (SplitMode.PIPELINE, SplitMode.FSDP)
+
+
+def user_model(file: str, function: str = "workload") -> str:
+    """The ``--model`` spec of a workload file in ``autofit/bench/user_models`` (written as a user
+    writes one, loaded by path), relative to the working directory as a user would type it."""
+    path = Path(__file__).resolve().parent / "user_models" / file
+    try:
+        path = Path(os.path.relpath(path))
+    except ValueError:  # another drive (Windows): keep it absolute
+        pass
+    return f"{path.as_posix()}:{function}"
+
+
+# Cells where each lever decides the optimum, chosen from measurements (the tables' "The optimum
+# uses ..." line states, per budget, what each lever is worth in the committed run):
+# - accumulation: gpt-tiny @ 64 MiB. No config with grad_accum 1 fits at global batch 12 (the
+#   smallest, bf16 mb=12 ckpt=1, measured 66.2 MiB); the optimum was bf16 mb=6 ga=2.
+# - checkpointing: gpt-tiny @ 94 MiB. fp32 mb=6 ckpt=1 (90.9 MiB) measured 46.3 samples/s where the
+#   best config without checkpointing, bf16 mb=6 (62.4 MiB), measured 34.7 (+33%; fp32 mb=4, 96.4 MiB,
+#   is over). Checkpointing wins here because a small model's CPU step gains much from a larger
+#   micro-batch (fp32 mb=2 -> 6: 32.5 -> 55.7 samples/s) and recomputation costs ~20% (46.3 vs 55.7).
+#   Replayed on that committed grid at 94 MiB: autofit answered the optimum in 3 of 3 seeds; the
+#   per-precision finder sweeps, which never checkpoint, 70-75% of it.
+# - device split: a 2-way pipeline and 2 FSDP ranks (gloo processes on this CPU) at 24 MiB, under
+#   gpt-tiny's smallest one-device config (bf16 mb=1 ckpt=1, 25.3 MiB; the fp32 states alone are
+#   42 MB): bf16 pipeline mb=1 measured 18.6 MiB, fsdp mb=1 19.3, fsdp mb=2 21.6 (pipeline mb=2,
+#   24.2, is over). Only budgets where nothing fits on one device: there every fitting config is
+#   one job on both devices, so autofit's objective (job samples/s, autofit.core.objective) and the
+#   grid's (one trial's samples/s) rank them alike; with room for one device, autofit would count
+#   an unsplit config twice (two data-parallel replicas) where the grid counts it once.
+# - a workload file: the MLP-Mixer of user_models/mixer.py (RMSprop with momentum), loaded by path as
+#   a user would load it. Its budgets from the estimate (which matched the tracker on it): at 16 MiB
+#   fp32 fits up to mb=8 with checkpointing, amp-bf16 mb=4 without / mb=16 with, bf16 mb=8 / mb=32;
+#   at 24 MiB fp32 mb=16 with checkpointing, amp-bf16 mb=8 / mb=32, bf16 mb=16 / mb=32.
+# Every grid's micro-batches go down to 1, so a finder that halves its way down always has a size
+# left to try (a grid starting at 4 scored a finder that would have run 3 as finding nothing).
+CELLS = (
+    Cell("gpt-tiny", 12, (1, 2, 4, 6, 12), _THREE, (64, 94, 128)),
+    Cell("convnet-bn", 24, (1, 2, 4, 6, 8, 12, 24), _THREE, (16, 24)),
+    Cell("gpt-tiny", 4, (1, 2), _THREE, (24,), checkpoints=(0,),
+         device_splits=(1, 2), split_modes=_PIPELINE_AND_FSDP),
+    Cell(user_model("mixer.py"), 32, (1, 4, 8, 16, 32), _THREE, (16, 24)),
+)
+QUICK_CELLS = (
+    Cell("gpt-tiny", 12, (1, 4, 12), (Precision.FP32, Precision.AMP_BF16), (64, 128)),
+)
+
+
+def search_budgets(quick: bool = False) -> dict[str, tuple[int, ...]]:
+    """Budgets in bytes per workload, as used by the search suite (the accuracy suite reuses them).
+
+    A workload in several cells gets the budgets of all of them."""
+    out: dict[str, tuple[int, ...]] = {}
+    for c in QUICK_CELLS if quick else CELLS:
+        out[c.workload] = tuple(sorted(set(out.get(c.workload, ())) | {b * MiB for b in c.budgets_mib}))
+    return out
+
+
+def problem_for(cell: Cell, budget_bytes: int, param_count: int) -> Problem:
+    return Problem(workload=cell.workload, budget_bytes=budget_bytes, global_batch=cell.global_batch,
+                   precisions=cell.precisions, micro_batches=cell.micro_batches, checkpoints=cell.checkpoints,
+                   param_count=param_count, device_splits=cell.device_splits, split_modes=cell.split_modes)
