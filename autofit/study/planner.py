@@ -25,7 +25,7 @@ from autofit.core.records import (
     median_value,
 )
 from autofit.estimate.calibration import Calibration, calibrate, observations
-from autofit.estimate.memory_model import BREAKDOWN, estimate_table
+from autofit.estimate.memory_table import BREAKDOWN, estimate_table
 from autofit.estimate.time_model import OpCounts, predict_table
 from autofit.probes.device_rates import DeviceRates
 from autofit.profiling.data import Profile
