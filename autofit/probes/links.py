@@ -245,6 +245,8 @@ def measure_links(device_type: str, world_size: int) -> LinkRates:
     RuntimeError when a rank fails or what it measured is implausible."""
     import torch
 
+    from autofit.core.records import TrialStatus
+    from autofit.runtime.messages import result_status
     from autofit.runtime.ranks import free_port
 
     started = time.perf_counter()
@@ -261,7 +263,7 @@ def measure_links(device_type: str, world_size: int) -> LinkRates:
             child.kill()
     results = [child.last_message() for child in children]
     failed = next((r.get("error") if r else child.failure() for r, child in zip(results, children)
-                   if not r or r.get("status") != "ok"), None)
+                   if result_status(r) is not TrialStatus.OK), None)
     if failed is not None:
         raise RuntimeError(f"the link probe of {world_size} {device_type} ranks failed: {failed}")
     # A collective ends when its slowest rank does.

@@ -17,11 +17,24 @@ import threading
 import traceback
 from collections.abc import Callable
 
+from autofit.core.records import TrialStatus
 from autofit.runtime.reaping import die_with_parent
 
 MAX_MESSAGE_BYTES = 64 << 20  # results are small (a profile: ~100 KB); more than this is not a result
 
 Send = Callable[[dict], None]
+
+
+def result_status(message: dict | None, missing: TrialStatus = TrialStatus.ERROR) -> TrialStatus:
+    """The ``status`` of a child's result message as the enum (between processes it is the string
+    value): ``missing`` when there is no message or it says none, ``error`` for a value that is no status."""
+    value = message.get("status") if message else None
+    if not value:
+        return missing
+    try:
+        return TrialStatus(value)
+    except ValueError:
+        return TrialStatus.ERROR
 
 
 class MessageReader:
