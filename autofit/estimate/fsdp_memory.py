@@ -39,6 +39,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from autofit.core.config import Precision
 from autofit.profiling.data import Line, PrecisionProfile, Region, segment_freed_late
 
 # Columns of a line's constant parts: sharded+gathered params, shard+whole grads, optimizer state, buffers.
@@ -125,6 +126,131 @@ def _output_regions(pp: PrecisionProfile) -> tuple[Region, Region, Region, Regio
     return pp.head_forward, pp.loss_forward, pp.loss_backward, pp.head_backward
 
 
+class _RankWalk(_Timeline):
+    """The state :func:`_walk` advances along rank 0's micro-step: live activations (a line), the
+    all-gather or reduce-scatter buffer held, the gradient shards made; and the units' sizes."""
+
+    def __init__(self, pp: PrecisionProfile, n_ranks: int, every: int, later: bool, cuda: bool) -> None:
+        layers = pp.layers
+        units = fsdp_units(len(layers), every)
+        self.w = [float(sum(layers[i].grad_bytes for i in range(s, e))) for s, e in units]  # whole weights = grads' size
+        self.ws = [sum(padded_shard_bytes(layers[i].grad_rows, layers[i].grad_bytes, n_ranks) for i in range(s, e))
+                   for s, e in units]  # rank 0's padded shards
+        self.wb = [n_ranks * x for x in self.ws]  # a unit's all-gather (and reduce-scatter) buffer: N padded shards
+        self.root = float(pp.grad_bytes - sum(self.w))
+        grad_total = float(pp.grad_bytes)
+        shard_total = _shard_total(pp, n_ranks)
+        self.root_s = shard_total - sum(self.ws)
+        self.root_b = n_ranks * self.root_s
+        super().__init__(np.array([shard_total + pp.static_param_bytes - grad_total, 0.0,
+                                   _optimizer_shard(pp, n_ranks), 0.0]))
+        self.pp, self.layers, self.units, self.every, self.later, self.cuda = pp, layers, units, every, later, cuda
+        self.g_sh = shard_total if later else 0.0  # gradient shards (later micro-steps: all, accumulating)
+        self.live: Line = (0.0, 0.0)
+        self.held = 0.0
+        self.root_grads = 0.0
+        self.amp_cache = [0.0] * len(layers)  # autocast's weight copies kept to the end of forward in checkpointed segments
+        if every and Precision(pp.precision).is_amp:
+            self.amp_cache = [max(0.0, l.forward.delta[0]) for l in layers]
+        # segment arguments the unchecked profile saw die as the model returned: each checkpoint keeps its own
+        self.late = [segment_freed_late(layers, s, e) if every else (0.0, 0.0) for s, e in units]
+
+    def _wb_at(self, u: int) -> float:
+        return self.wb[u] if 0 <= u < len(self.wb) else 0.0
+
+    def forward(self) -> None:
+        """The root, then each unit gathered (copied out of its buffer, which stays held)."""
+        root, layers, g_sh = self.root, self.layers, self.g_sh
+        self.at(self.live, "forward", gathered=root + self.root_b, grads=g_sh)
+        self.peaks(self.live, self.pp.pre_forward, "forward", gathered=root + self.root_b, grads=g_sh)
+        self.live = _plus(self.live, self.pp.pre_forward.delta)
+        self.held = self.root_b
+        for u, (s, e) in enumerate(self.units):
+            ahead = self._wb_at(u + 1) if self.cuda else 0.0  # CUDA issues the next gather while this unit computes
+            self.at(self.live, "forward", gathered=root + self.held + self.w[u] + self.wb[u], grads=g_sh)
+            self.held = self.wb[u]
+            gathered = root + self.w[u] + self.held + ahead
+            if self.every:  # one checkpointed segment: only its output survives
+                kept: Line = (0.0, 0.0)
+                for i in range(s, e):
+                    self.peaks(_plus(self.live, kept), layers[i].forward_checkpointed(), "forward", gathered=gathered,
+                               grads=g_sh)
+                    kept = layers[i].output
+                    self.live = _plus(self.live, (self.amp_cache[i], 0.0))
+                self.live = _plus(self.live, layers[e - 1].output)
+            else:
+                self.peaks(self.live, layers[s].forward, "forward", gathered=gathered, grads=g_sh)
+                self.live = _plus(self.live, _plus(layers[s].forward.delta, layers[s].after))
+
+    def output(self) -> None:
+        """The head and the loss, forward and backward, between the units' forwards and backwards."""
+        root, g_sh, wb = self.root, self.g_sh, self.wb
+        head_fwd, loss_fwd, loss_bwd, head_bwd = _output_regions(self.pp)
+        late_total = (sum(x[0] for x in self.late), sum(x[1] for x in self.late))
+        self.peaks(_plus(self.live, late_total), head_fwd, "forward", gathered=root + self.held, grads=g_sh)
+        self.live = _plus(self.live, head_fwd.delta)
+        # the root's post-forward frees its weights and the held buffer; the loss runs without them
+        self.peaks(_plus(self.live, late_total), loss_fwd, "forward", grads=g_sh)
+        self.live = _plus(self.live, _plus(loss_fwd.delta, late_total))
+        self.live = _plus(self.live, (-sum(self.amp_cache), 0.0))  # autocast exits
+        self.peaks(self.live, loss_bwd, "backward", grads=g_sh)
+        self.live = _plus(self.live, loss_bwd.delta_nongrad)
+        # the output's gradient: the root gathered again, the last unit's gather prefetched
+        last = len(self.units) - 1
+        self.at(self.live, "backward", gathered=max(root + self.root_b, root + wb[last]), grads=g_sh)
+        self.peaks(self.live, head_bwd, "backward", gathered=root + wb[last], grads=g_sh)
+        self.live = _plus(self.live, head_bwd.delta_nongrad)
+        # The root's whole gradients made in the head's backward live until the root's post-backward
+        # at the end. (A weight tied to the embedding is not among them: autograd sums its two uses
+        # before accumulating, so the head's part is in the live bytes already.)
+        self.root_grads = max(0.0, head_bwd.delta[0] - head_bwd.delta_nongrad[0])
+
+    def unit_backward(self, u: int) -> None:
+        """Unit ``u``'s gather, recomputation (checkpointed), backward and post-backward."""
+        (s, e), layers, root, root_grads, w, wb = self.units[u], self.layers, self.root, self.root_grads, self.w, self.wb
+        prefetch = self._wb_at(u - 1)
+        # FSDP2 keeps the previous unit's reduce-scatter input (its N padded shards) alive until
+        # this unit's post-backward (``reduce_scatter_states``, at most one in flight): through
+        # this unit's gather, recomputation and backward. Its size is that unit's, not this one's
+        # (measured on torch 2.13: convnet-bn's 2 MiB last segment beside the 0.5 MiB one before it).
+        held = wb[u + 1] if u < len(self.units) - 1 else 0.0
+        # copy-out of this unit's (prefetched) gather, and the previous unit's gather issued
+        self.at(self.live, "backward", gathered=root + w[u] + wb[u], grads=self.g_sh + root_grads, temp=held)
+        gathered = root + w[u] + prefetch
+        if self.every:
+            if layers[e - 1].output_saved:
+                self.live = _plus(self.live, layers[e - 1].output, -1.0)
+            for i in range(s, e):  # recomputation under the gathered unit
+                self.peaks(self.live, layers[i].recomputed(last=i == e - 1), "backward", gathered=gathered,
+                           grads=self.g_sh + root_grads, temp=held)
+                self.live = _plus(self.live, layers[i].forward.delta if i == s
+                                  else _plus(layers[i].forward.delta, layers[i].after))
+            if not layers[e - 1].output_saved:
+                self.live = _plus(self.live, layers[e - 1].output, -1.0)
+        whole = 0.0
+        for i in reversed(range(s, e)):
+            self.peaks(self.live, layers[i].backward, "backward", gathered=gathered,
+                       grads=self.g_sh + root_grads + whole, temp=held)
+            whole += layers[i].grad_bytes
+            self.live = _plus(self.live, layers[i].backward.delta_nongrad)
+        if self.every:  # the checkpoint kept the segment's input to here (freed in ``after`` where no layer saves it)
+            self.live = _plus(_plus(self.live, layers[s].after), self.late[u], -1.0)
+        # post-backward: reshard, the previous reduce-scatter input dropped, then the whole
+        # gradients copied into this unit's reduce-scatter input (kept until the next one's)
+        self.at(self.live, "backward", gathered=root + prefetch, grads=self.g_sh + root_grads + w[u],
+                temp=wb[u] + self.ws[u])
+        self.held = wb[u]
+        if not self.later:
+            self.g_sh += self.ws[u]
+
+    def root_backward(self) -> None:
+        """The embedding's backward, then the root's reduce-scatter."""
+        self.peaks(self.live, self.pp.pre_backward, "backward", gathered=self.root, grads=self.g_sh + self.root_grads,
+                   temp=self.held)
+        self.live = _plus(self.live, self.pp.pre_backward.delta_nongrad)
+        self.at(self.live, "backward", grads=self.g_sh + self.root, temp=self.root_b + self.root_s)
+
+
 def _walk(pp: PrecisionProfile, n_ranks: int, every: int, later: bool, cuda: bool) -> _Timeline:
     """One micro-step of rank 0, region by region (see the module docstring for each term).
 
@@ -134,107 +260,13 @@ def _walk(pp: PrecisionProfile, n_ranks: int, every: int, later: bool, cuda: boo
     gradients (FSDP makes whole gradients as one device does); live bytes advance without them
     (FSDP turns them into shards at the unit's post-backward).
     """
-    layers = pp.layers
-    n = len(layers)
-    units = fsdp_units(n, every)
-    w = [float(sum(layers[i].grad_bytes for i in range(s, e))) for s, e in units]  # whole weights = grads' size
-    ws = [sum(padded_shard_bytes(layers[i].grad_rows, layers[i].grad_bytes, n_ranks) for i in range(s, e))
-          for s, e in units]  # rank 0's padded shards
-    wb = [n_ranks * x for x in ws]  # a unit's all-gather (and reduce-scatter) buffer: N padded shards
-    root = float(pp.grad_bytes - sum(w))
-    grad_total = float(pp.grad_bytes)
-    shard_total = _shard_total(pp, n_ranks)
-    root_s = shard_total - sum(ws)
-    root_b = n_ranks * root_s
-    base = np.array([shard_total + pp.static_param_bytes - grad_total, 0.0, _optimizer_shard(pp, n_ranks), 0.0])
-    t = _Timeline(base)
-    g_sh = shard_total if later else 0.0  # gradient shards (later micro-steps: all, accumulating)
-    live: Line = (0.0, 0.0)
-    head_fwd, loss_fwd, loss_bwd, head_bwd = _output_regions(pp)
-    amp_cache = [0.0] * n  # autocast's weight copies kept to the end of forward in checkpointed segments
-    if every and pp.precision.startswith("amp"):
-        amp_cache = [max(0.0, l.forward.delta[0]) for l in layers]
-
-    def wb_at(u: int) -> float:
-        return wb[u] if 0 <= u < len(wb) else 0.0
-
-    # forward: the root, then each unit gathered (copied out of its buffer, which stays held)
-    t.at(live, "forward", gathered=root + root_b, grads=g_sh)
-    t.peaks(live, pp.pre_forward, "forward", gathered=root + root_b, grads=g_sh)
-    live = _plus(live, pp.pre_forward.delta)
-    held = root_b
-    for u, (s, e) in enumerate(units):
-        ahead = wb_at(u + 1) if cuda else 0.0  # CUDA issues the next gather while this unit computes
-        t.at(live, "forward", gathered=root + held + w[u] + wb[u], grads=g_sh)
-        held = wb[u]
-        gathered = root + w[u] + held + ahead
-        if every:  # one checkpointed segment: only its output survives
-            kept: Line = (0.0, 0.0)
-            for i in range(s, e):
-                t.peaks(_plus(live, kept), layers[i].forward_checkpointed(), "forward", gathered=gathered, grads=g_sh)
-                kept = layers[i].output
-                live = _plus(live, (amp_cache[i], 0.0))
-            live = _plus(live, layers[e - 1].output)
-        else:
-            t.peaks(live, layers[s].forward, "forward", gathered=gathered, grads=g_sh)
-            live = _plus(live, _plus(layers[s].forward.delta, layers[s].after))
-    # segment arguments the unchecked profile saw die as the model returned: each checkpoint keeps its own
-    late = [segment_freed_late(layers, s, e) if every else (0.0, 0.0) for s, e in units]
-    late_total = (sum(x[0] for x in late), sum(x[1] for x in late))
-    t.peaks(_plus(live, late_total), head_fwd, "forward", gathered=root + held, grads=g_sh)
-    live = _plus(live, head_fwd.delta)
-    # the root's post-forward frees its weights and the held buffer; the loss runs without them
-    t.peaks(_plus(live, late_total), loss_fwd, "forward", grads=g_sh)
-    live = _plus(live, _plus(loss_fwd.delta, late_total))
-    live = _plus(live, (-sum(amp_cache), 0.0))  # autocast exits
-    t.peaks(live, loss_bwd, "backward", grads=g_sh)
-    live = _plus(live, loss_bwd.delta_nongrad)
-    # the output's gradient: the root gathered again, the last unit's gather prefetched
-    last = len(units) - 1
-    t.at(live, "backward", gathered=max(root + root_b, root + wb[last]), grads=g_sh)
-    t.peaks(live, head_bwd, "backward", gathered=root + wb[last], grads=g_sh)
-    live = _plus(live, head_bwd.delta_nongrad)
-    # The root's whole gradients made in the head's backward live until the root's post-backward
-    # at the end. (A weight tied to the embedding is not among them: autograd sums its two uses
-    # before accumulating, so the head's part is in the live bytes already.)
-    root_grads = max(0.0, head_bwd.delta[0] - head_bwd.delta_nongrad[0])
-    for u in reversed(range(len(units))):
-        s, e = units[u]
-        prefetch = wb_at(u - 1)
-        # FSDP2 keeps the previous unit's reduce-scatter input (its N padded shards) alive until
-        # this unit's post-backward (``reduce_scatter_states``, at most one in flight): through
-        # this unit's gather, recomputation and backward. Its size is that unit's, not this one's
-        # (measured on torch 2.13: convnet-bn's 2 MiB last segment beside the 0.5 MiB one before it).
-        held = wb[u + 1] if u < last else 0.0
-        # copy-out of this unit's (prefetched) gather, and the previous unit's gather issued
-        t.at(live, "backward", gathered=root + w[u] + wb[u], grads=g_sh + root_grads, temp=held)
-        gathered = root + w[u] + prefetch
-        if every:
-            if layers[e - 1].output_saved:
-                live = _plus(live, layers[e - 1].output, -1.0)
-            for i in range(s, e):  # recomputation under the gathered unit
-                t.peaks(live, layers[i].recomputed(last=i == e - 1), "backward", gathered=gathered, grads=g_sh + root_grads,
-                        temp=held)
-                live = _plus(live, layers[i].forward.delta if i == s else _plus(layers[i].forward.delta, layers[i].after))
-            if not layers[e - 1].output_saved:
-                live = _plus(live, layers[e - 1].output, -1.0)
-        whole = 0.0
-        for i in reversed(range(s, e)):
-            t.peaks(live, layers[i].backward, "backward", gathered=gathered, grads=g_sh + root_grads + whole, temp=held)
-            whole += layers[i].grad_bytes
-            live = _plus(live, layers[i].backward.delta_nongrad)
-        if every:  # the checkpoint kept the segment's input to here (freed in ``after`` where no layer saves it)
-            live = _plus(_plus(live, layers[s].after), late[u], -1.0)
-        # post-backward: reshard, the previous reduce-scatter input dropped, then the whole
-        # gradients copied into this unit's reduce-scatter input (kept until the next one's)
-        t.at(live, "backward", gathered=root + prefetch, grads=g_sh + root_grads + w[u], temp=wb[u] + ws[u])
-        held = wb[u]
-        if not later:
-            g_sh += ws[u]
-    t.peaks(live, pp.pre_backward, "backward", gathered=root, grads=g_sh + root_grads, temp=held)
-    live = _plus(live, pp.pre_backward.delta_nongrad)
-    t.at(live, "backward", grads=g_sh + root, temp=root_b + root_s)  # the root's reduce-scatter
-    return t
+    walk = _RankWalk(pp, n_ranks, every, later, cuda)
+    walk.forward()
+    walk.output()
+    for u in reversed(range(len(walk.units))):
+        walk.unit_backward(u)
+    walk.root_backward()
+    return walk
 
 
 def _shard_total(pp: PrecisionProfile, n_ranks: int) -> float:

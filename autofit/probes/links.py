@@ -247,7 +247,9 @@ def measure_links(device_type: str, world_size: int) -> LinkRates:
     :mod:`autofit.probes.failures`) or what it measured is implausible."""
     import torch
 
+    from autofit.core.records import TrialStatus
     from autofit.probes.failures import child_failure
+    from autofit.runtime.messages import result_status
     from autofit.runtime.ranks import free_port
 
     started = time.perf_counter()
@@ -264,7 +266,8 @@ def measure_links(device_type: str, world_size: int) -> LinkRates:
             child.kill()
     results = [child.last_message() for child in children]
     failed = next((child_failure(child, True, f"the link probe's rank {rank}")
-                   for rank, (r, child) in enumerate(zip(results, children)) if not r or r.get("status") != "ok"), None)
+                   for rank, (r, child) in enumerate(zip(results, children))
+                   if result_status(r) is not TrialStatus.OK), None)
     if failed is not None:
         raise RuntimeError(f"the link probe of {world_size} {device_type} ranks failed: {failed}")
     # A collective ends when its slowest rank does.

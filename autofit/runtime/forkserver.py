@@ -259,7 +259,7 @@ atexit.register(_stop_at_exit)
 def zygote_main(request: dict, send: procs.Send) -> None:
     """In the zygote: import, say ready, then fork one trial per request until the socket closes."""
     sock = socket.socket(fileno=request["socket_fd"])
-    own_message_fd = int(sys.argv[2])  # procs.child_main's message pipe to our parent: no trial keeps it
+    own_message_fd = int(sys.argv[2])  # messages.child_main's message pipe to our parent: no trial keeps it
     started_env = dict(os.environ)
     for name in request["preload"]:
         importlib.import_module(name)

@@ -18,6 +18,10 @@ a study worker) is a :class:`Child`:
   whatever it started dies with it), else alone; and it **dies with its parent**
   (:func:`die_with_parent`), so a killed caller leaves no orphans.
 
+This module starts, limits and kills children (the parent's side); :mod:`autofit.runtime.messages`
+holds the JSON messaging, both ends (:func:`serve` runs in the child), and
+:mod:`autofit.runtime.reaping` how a child's exit is learnt. Their public names are here too.
+
 Example::
 
     child = spawn("autofit.probes.device_rates:probe_child", {"device_type": "cuda"}, timeout_s=300)
@@ -32,9 +36,7 @@ Example::
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import importlib
 import json
 import os
 import re
@@ -44,32 +46,24 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Protocol
 
-__all__ = ["MAX_MESSAGE_BYTES", "STDERR_TAIL_BYTES", "Child", "Reaper", "child_env", "die_with_parent", "exit_text",
-           "fork", "pump", "serve", "spawn"]
+from autofit.runtime.messages import MAX_MESSAGE_BYTES, MessageReader, Send, serve
+from autofit.runtime.reaping import (
+    REAP_GRACE_S,
+    Reaper,
+    die_with_parent,
+    exit_text,
+    has_exited,
+    peek_status,
+    wait_group_gone,
+)
 
-MAX_MESSAGE_BYTES = 64 << 20  # results are small (a profile: ~100 KB); more than this is not a result
+__all__ = ["MAX_MESSAGE_BYTES", "STDERR_TAIL_BYTES", "Child", "Reaper", "Send", "child_env", "die_with_parent",
+           "exit_text", "fork", "pump", "serve", "spawn"]
+
 STDERR_TAIL_BYTES = 8192
-_REAP_GRACE_S = 2.0          # after SIGKILL, how long to wait for the group's members to go
-_PARENT_POLL_S = 0.5
-
-Send = Callable[[dict], None]
-
-
-class Reaper(Protocol):
-    """Who learns how a child exited when it is not our own child (a fork server's, :mod:`autofit.runtime.forkserver`)."""
-
-    def poll_status(self, pid: int) -> int | None:
-        """Its ``os.waitpid`` status if it has exited, else None; never blocks."""
-
-    def wait_status(self, pid: int, timeout_s: float) -> int | None:
-        """Its status once it has exited, waiting up to ``timeout_s``; None if still unknown."""
-
-
 SECRET_ENV = ("PGPASSWORD", "MYSQL_PWD")  # database passwords a trial has no use for
 _URL_WITH_PASSWORD = re.compile(r"://[^/@:\s]+:[^@/\s]+@")
 
@@ -88,36 +82,6 @@ def child_env(extra: dict[str, str] | None = None, secrets: bool = False) -> dic
     return env
 
 
-def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
-    """In a child: when ``parent_pid`` is no longer our parent, send ``sig`` to our process group
-    if we lead one (taking what we started with us), else to ourselves.
-
-    A watcher thread, not ``prctl(PR_SET_PDEATHSIG)``: that one fires when the *thread* that
-    started us exits, and exists on Linux only. ``sig=SIGINT`` lets a study worker mark its
-    running trial failed before it goes.
-    """
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(_PARENT_POLL_S)
-        if os.getpgid(0) == os.getpid():
-            os.killpg(0, sig)
-        else:
-            os.kill(os.getpid(), sig)
-
-    threading.Thread(target=watch, name="autofit-parent-watch", daemon=True).start()
-
-
-def exit_text(wait_status: int) -> str:
-    """``killed by signal SIGSEGV`` or ``exited with status 3``, from an ``os.waitpid`` status."""
-    if os.WIFSIGNALED(wait_status):
-        sig = os.WTERMSIG(wait_status)
-        try:
-            return f"killed by signal {signal.Signals(sig).name}"
-        except ValueError:
-            return f"killed by signal {sig}"
-    return f"exited with status {os.waitstatus_to_exitcode(wait_status)}"
-
-
 class Child:
     """A started child process: its messages, its stderr tail, its limit. Build with :func:`spawn` or :func:`fork`.
 
@@ -134,19 +98,23 @@ class Child:
         self.started = time.monotonic()
         self.timeout_s = timeout_s
         self.deadline = None if timeout_s is None else self.started + timeout_s
-        self.messages: collections.deque[dict] = collections.deque()
-        self.protocol_error: str | None = None  # a message that was not a JSON object, or too long
+        self._reader = MessageReader()
+        self.messages = self._reader.messages
         self.wait_status: int | None = None
         self._popen = popen
         self._message_fd: int | None = message_fd
         self._stderr_fd = stderr_fd
         self._echo = echo_stderr
         self._log_path = log_path
-        self._partial = bytearray()
         self._tail = bytearray()
         self._exited = False
 
     # --- reading -----------------------------------------------------------------------------
+
+    @property
+    def protocol_error(self) -> str | None:
+        """What the child sent that is not a message: not a JSON object, too long, or cut short."""
+        return self._reader.error
 
     @property
     def done(self) -> bool:
@@ -178,35 +146,13 @@ class Child:
         if not data:
             self._close_messages()
             return
-        self._partial.extend(data)
-        while (end := self._partial.find(b"\n")) >= 0:
-            line = bytes(self._partial[:end])
-            del self._partial[:end + 1]
-            self._decode(line)
-        if len(self._partial) > MAX_MESSAGE_BYTES:
-            self.protocol_error = f"a message over {MAX_MESSAGE_BYTES} bytes"
-            self._partial.clear()
-
-    def _decode(self, line: bytes) -> None:
-        if len(line) > MAX_MESSAGE_BYTES:
-            self.protocol_error = f"a message over {MAX_MESSAGE_BYTES} bytes"
-            return
-        try:
-            message = json.loads(line)
-        except ValueError:
-            message = None
-        if isinstance(message, dict):
-            self.messages.append(message)
-        else:
-            self.protocol_error = "a message that is not a JSON object"
+        self._reader.feed(data)
 
     def _close_messages(self) -> None:
         if self._message_fd is not None:
             os.close(self._message_fd)
             self._message_fd = None
-        if self._partial:  # a last line without its newline: the child died while writing it
-            self.protocol_error = self.protocol_error or "a truncated message"
-            self._partial.clear()
+        self._reader.close()
 
     def _close_stderr(self) -> None:
         if self._stderr_fd is not None:
@@ -220,10 +166,7 @@ class Child:
         if self._reaper is not None:
             self._exited = self._reaper.poll_status(self.pid) is not None
             return self._exited
-        try:
-            self._exited = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-        except ChildProcessError:
-            self._exited = True
+        self._exited = has_exited(self.pid)
         return self._exited
 
     def _drain(self) -> None:
@@ -276,31 +219,13 @@ class Child:
             return f"exceeded the wall-clock limit of {self.timeout_s:g} s"
         if self.protocol_error:
             return f"sent {self.protocol_error}"
-        status = self.wait_status if self.wait_status is not None else self._peek_status()
+        status = self.wait_status if self.wait_status is not None else peek_status(self.pid, self._reaper)
         if status is None:
             return "did not exit and sent no result"
         if os.WIFSIGNALED(status):
             return exit_text(status)
         last = self.stderr_last_line()
         return f"{exit_text(status)}: {last}" if last else f"{exit_text(status)} without a result"
-
-    def _peek_status(self) -> int | None:
-        """How it exited, without reaping it (its group may still need killing: :meth:`kill` reaps)."""
-        if self._reaper is not None:
-            return self._reaper.wait_status(self.pid, _REAP_GRACE_S)
-        end = time.monotonic() + _REAP_GRACE_S  # its pipes close as it dies, a moment before it exits
-        while True:
-            try:
-                info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-            except ChildProcessError:
-                return None
-            if info is not None:
-                if info.si_code == os.CLD_EXITED:
-                    return (info.si_status & 0xFF) << 8
-                return info.si_status & 0x7F  # killed (or dumped core) by this signal
-            if time.monotonic() >= end:
-                return None
-            time.sleep(0.01)
 
     # --- signals, kill, reap -----------------------------------------------------------------
 
@@ -328,7 +253,7 @@ class Child:
                     time.sleep(0.02)
             self.signal(signal.SIGKILL)
             if self.new_group:
-                _wait_group_gone(self.pid)
+                wait_group_gone(self.pid)
             self._reap()
         self._drain_stderr()
         self._close_messages()
@@ -337,7 +262,7 @@ class Child:
 
     def _reap(self) -> None:
         if self.wait_status is None and self._reaper is not None:
-            status = self._reaper.wait_status(self.pid, 2 * _REAP_GRACE_S)
+            status = self._reaper.wait_status(self.pid, 2 * REAP_GRACE_S)
             self.wait_status = status if status is not None else signal.SIGKILL  # its reaper died with it
         if self.wait_status is None:
             try:
@@ -386,7 +311,7 @@ def spawn(entry: str, request: dict, *, timeout_s: float | None = None, new_grou
     out = log.fileno() if log is not None else stderr_w
     try:
         popen = subprocess.Popen(
-            [sys.executable, "-c", "from autofit.runtime.procs import child_main; child_main()", entry, str(message_w),
+            [sys.executable, "-c", "from autofit.runtime.messages import child_main; child_main()", entry, str(message_w),
              str(os.getpid())],
             pass_fds=(message_w, *pass_fds), stdin=subprocess.PIPE, stdout=out, stderr=out,
             env=env if env is not None else child_env(),
@@ -452,81 +377,3 @@ def fork(function: Callable[[dict, Send], dict | None], request: dict, *, timeou
     os.close(stderr_w)
     return Child(pid, message_r, stderr_r, new_group=new_group, timeout_s=timeout_s, echo_stderr=echo_stderr,
                  log_path=None)
-
-
-# --- the child side --------------------------------------------------------------------------
-
-
-def child_main() -> None:
-    """Entry point of a spawned child: ``python -c '...; child_main()' ENTRY MESSAGE_FD PARENT_PID``, the request on stdin."""
-    entry, fd, parent_pid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    request = json.loads(sys.stdin.buffer.read())
-    devnull = os.open(os.devnull, os.O_RDONLY)  # stdin is spent: a workload reading it gets EOF, as before
-    os.dup2(devnull, 0)
-    os.close(devnull)
-    module_name, _, name = entry.partition(":")
-
-    def call(request: dict, send: Send) -> dict | None:
-        return getattr(importlib.import_module(module_name), name)(request, send)
-
-    serve(call, request, fd, parent_pid)
-
-
-def serve(function: Callable[[dict, Send], dict | None], request: dict, fd: int, parent_pid: int) -> None:
-    """In a child: die with ``parent_pid``, run ``function(request, send)`` sending JSON lines on ``fd``,
-    and exit (never returns): status 0, an exit code, or 1 after printing an exception's traceback."""
-    die_with_parent(parent_pid)
-    lock = threading.Lock()
-
-    def send(message: dict) -> None:
-        data = (json.dumps(message) + "\n").encode()  # raises for what is not JSON
-        with lock:
-            while data:
-                data = data[os.write(fd, data):]
-
-    status = 0
-    try:
-        last = function(request, send)
-        if last is not None:
-            send(last)
-    except SystemExit as exc:
-        if isinstance(exc.code, str):
-            sys.stderr.write(exc.code + "\n")
-        status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except KeyboardInterrupt:
-        sys.stderr.write("interrupted\n")
-        status = 130
-    except BaseException:  # noqa: BLE001 -- the parent reads the last line of the traceback
-        traceback.print_exc()
-        status = 1
-    finally:
-        with contextlib.suppress(BaseException):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(status)  # skip interpreter teardown (and a forked parent's atexit handlers)
-
-
-def _wait_group_gone(pgid: int) -> None:
-    deadline = time.monotonic() + _REAP_GRACE_S
-    while time.monotonic() < deadline and _group_alive(pgid):
-        time.sleep(0.01)
-
-
-def _group_alive(pgid: int) -> bool:
-    """Whether a process in group ``pgid`` is still running (zombies do not count). Linux /proc; else False."""
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return False
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(b")") + 2:].split()  # after "pid (comm) ": state ppid pgrp ...
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b"Z":
-            return True
-    return False

@@ -37,7 +37,9 @@ import torch
 import torch.distributed as dist
 
 from autofit.core.errors import ConfigError
+from autofit.core.records import TrialStatus
 from autofit.runtime import procs
+from autofit.runtime.messages import result_status
 from autofit.runtime.schedule import MeasureSchedule, run_steps
 from autofit.workloads.base import Workload
 
@@ -102,8 +104,9 @@ def _collect(children: list[procs.Child], label: str) -> tuple[dict[int, dict], 
             if child.done:
                 message = child.last_message()
                 results[rank] = message if message is not None and "status" in message else {
-                    "rank": rank, "status": "error", "error": f"{label} {rank} process {child.failure()}"}
-                if results[rank]["status"] != "ok" and failed_at is None:
+                    "rank": rank, "status": TrialStatus.ERROR.value,
+                    "error": f"{label} {rank} process {child.failure()}"}
+                if result_status(results[rank]) is not TrialStatus.OK and failed_at is None:
                     failed_at = time.monotonic()
     return results, False
 
@@ -111,7 +114,7 @@ def _collect(children: list[procs.Child], label: str) -> tuple[dict[int, dict], 
 def _stop(children: list[procs.Child], results: dict[int, dict]) -> None:
     grace_end = time.monotonic() + EXIT_GRACE_S
     for rank, child in enumerate(children):
-        if rank in results and results[rank]["status"] == "ok":
+        if rank in results and result_status(results[rank]) is TrialStatus.OK:
             while not child.exited() and time.monotonic() < grace_end:
                 time.sleep(0.02)
     for child in children:
@@ -215,11 +218,11 @@ def _sync(device: torch.device) -> None:
 def check_budget(result: dict, budget_bytes: int | None, label: str) -> None:
     """``ok``, or ``oom`` when the rank's peak passed the budget."""
     if budget_bytes is not None and result["peak_bytes"] > budget_bytes:
-        result["status"] = "oom"
+        result["status"] = TrialStatus.OOM.value
         result["error"] = (f"{label} {result['rank']} peaked at {result['peak_bytes']} bytes, over the budget "
                            f"of {budget_bytes} bytes")
     else:
-        result["status"] = "ok"
+        result["status"] = TrialStatus.OK.value
 
 
 # --------------------------------------------------------------------------- failures
@@ -260,13 +263,13 @@ def record_failure(result: dict, exc: BaseException, *, label: str, tracker, bud
     rank = result["rank"]
     if tracker is not None and tracker.exceeded_bytes is not None:
         # Checked by state, not by exception type: the schedule wraps what the rank raised.
-        result["status"] = "oom"
+        result["status"] = TrialStatus.OOM.value
         result["error"] = (f"{label} {rank}: live tensor bytes reached {tracker.exceeded_bytes} "
                            f"(over the budget of {budget_bytes} bytes)")
     else:
         cause = root_cause(exc, preferred)
         oom = any(isinstance(e, (torch.OutOfMemoryError, MemoryError)) for e in cause_chain(exc))
-        result["status"] = "oom" if oom else "error"
+        result["status"] = (TrialStatus.OOM if oom else TrialStatus.ERROR).value
         result["error"] = f"{label} {rank}: {type(cause).__name__}: {last_line(cause)}"
         result["peer_failed"] = is_peer_failure(exc)
     result["traceback"] = traceback.format_exc(limit=8)
@@ -280,15 +283,16 @@ def combine_results(results: list[dict], world_size: int, label: str) -> tuple[d
     failure: the status and error of the cause.
     """
     by_rank = {r["rank"]: r for r in results}
-    combined: dict[str, Any] = {"status": "ok", "error": None, "per_device_peak_bytes": [], "peak_bytes": None,
-                                "breakdown": None, "per_device_breakdown": [], "step_time_s": None, "losses": []}
-    failed = [by_rank[r] for r in sorted(by_rank) if by_rank[r]["status"] != "ok"]
+    combined: dict[str, Any] = {"status": TrialStatus.OK.value, "error": None, "per_device_peak_bytes": [],
+                                "peak_bytes": None, "breakdown": None, "per_device_breakdown": [], "step_time_s": None,
+                                "losses": []}
+    failed = [by_rank[r] for r in sorted(by_rank) if result_status(by_rank[r]) is not TrialStatus.OK]
     missing = [r for r in range(world_size) if r not in by_rank]
     if failed or missing:
         # An out-of-memory rank first, then one that failed on its own, before one that failed
         # because a peer it talked to went away.
-        failed.sort(key=lambda r: (r["status"] != "oom", bool(r.get("peer_failed"))))
-        combined["status"] = failed[0]["status"] if failed else "error"
+        failed.sort(key=lambda r: (result_status(r) is not TrialStatus.OOM, bool(r.get("peer_failed"))))
+        combined["status"] = failed[0]["status"] if failed else TrialStatus.ERROR.value
         combined["error"] = failed[0]["error"] if failed else f"{label}(s) {missing} returned no result"
         return combined, None
     ordered = [by_rank[r] for r in range(world_size)]

@@ -96,7 +96,7 @@ _HOMES = {
                               "distributions", "load_snapshot", "make_storage", "open_study", "read_records",
                               "record_of", "snapshot"),
     "autofit.study.planner": ("BOUND", "NEAR", "NOISE_MIN", "REMEASURE_SAMPLES", "REMEASURE_TOP", "SLOW_FACTOR",
-                              "TRIAL_STARTUP_S", "Planner", "Prune", "Step"),
+                              "TRIAL_STARTUP_S", "Planner", "Prune", "Step", "StopReason"),
     "autofit.study.progress": ("ProgressCallback", "SearchProgress", "progress_of"),
     "autofit.study.worker": ("HEARTBEAT_S", "ORPHAN_S", "STALE_S", "TrialRunner", "fail_stale_trials", "is_stale",
                              "process_start", "run_trial_isolated", "run_worker", "worker_identity"),

@@ -7,6 +7,7 @@ reads the study's :class:`autofit.core.records.TrialRecord` values; it never tou
 
 from __future__ import annotations
 
+import enum
 import math
 import time
 from collections.abc import Sequence
@@ -25,7 +26,7 @@ from autofit.core.records import (
     median_value,
 )
 from autofit.estimate.calibration import Calibration, calibrate, observations
-from autofit.estimate.memory_model import BREAKDOWN, estimate_table
+from autofit.estimate.memory_table import BREAKDOWN, estimate_table
 from autofit.estimate.time_model import OpCounts, predict_table
 from autofit.probes.device_rates import DeviceRates
 from autofit.profiling.data import Profile
@@ -58,6 +59,16 @@ REMEASURE_RESERVE = 4      # with a trial limit, exploration leaves up to 1/this
 # A trial runs DEFAULT_SCHEDULE (autofit.runtime.schedule); its time limit is sized from that schedule.
 
 
+class StopReason(enum.Enum):
+    """Why exploration stops (:meth:`Planner._stop`); a :class:`Step` says it in words too (``stop``)."""
+
+    TIMEOUT = "timeout"          # no trial starts after the time limit
+    EXHAUSTED = "exhausted"      # every config of the space ran or was pruned
+    TRIAL_LIMIT = "trial limit"  # the real trials allowed (less those left to re-measure) have run
+    PATIENCE = "patience"        # real trials in a row without improving the best
+    BOUND = "bound"              # the best remaining config is predicted well under the best measured
+
+
 @dataclass(frozen=True)
 class Prune:
     """A config to record as pruned: its index in :attr:`Planner.configs`, why, and its predictions."""
@@ -70,8 +81,8 @@ class Prune:
 
 @dataclass(frozen=True)
 class Step:
-    """One planning step: prunes to record, then the config to run (``run`` None: stop, with ``stop``)
-    and which measurement of it that is (``sample``)."""
+    """One planning step: prunes to record, then the config to run (``run`` None: stop, with
+    ``stop_reason`` and ``stop``, the reason in words) and which measurement of it that is (``sample``)."""
 
     prunes: list[Prune]
     run: int | None
@@ -79,6 +90,7 @@ class Step:
     stop: str | None
     calibration: Calibration
     sample: int = 1            # 1: the config's first trial; more: a re-measurement of a top config
+    stop_reason: StopReason | None = None
 
 
 def calibration_group(config: TrainConfig) -> tuple:
@@ -289,18 +301,19 @@ class Planner:
         # The bound rules out what is left on the prediction alone: not a kind no trial vouches for
         # before the model's error across kinds is measured (then _slow_precisions judges it).
         unmeasured = cross is None and any(self._keys[i] not in vouched for i in candidates)
-        stop = self._stop(candidates, finished, running, sps, now, None if unmeasured else best_median, reserve)
-        if stop is None:
+        stopped = self._stop(candidates, finished, running, sps, now, None if unmeasured else best_median, reserve)
+        if stopped is None:
             chosen = self._choose(candidates, sps, ratio, records)
             return Step(prunes, chosen, self.prediction(chosen, calibration, float(ratio[chosen])), None, calibration)
         under_limit = settings.trials is None or len(finished) + running < settings.trials
-        if remeasure and under_limit and not stop.startswith("timeout"):
+        stop_reason, stop = stopped
+        if remeasure and under_limit and stop_reason is not StopReason.TIMEOUT:
             i, sample = remeasure[0]
             return Step(prunes, i, self.prediction(i, calibration, float(ratio[i])), None, calibration, sample)
         extra = sum(r.sample > 1 and r.status.ran for r in records)
         if extra:
             stop += f"; then {extra} re-measurement(s) of the top configs (the best is the highest median)"
-        return Step(prunes, None, None, stop, calibration)
+        return Step(prunes, None, None, stop, calibration, stop_reason=stop_reason)
 
     def _remeasure(self, records: Sequence[TrialRecord], by_config: dict) -> list[tuple[int, int]]:
         """The re-measurements still due before the best is crowned, as (config index, sample number):
@@ -405,16 +418,16 @@ class Planner:
                         break
 
     def _stop(self, candidates: list[int], finished: list[TrialRecord], running: int, sps: np.ndarray,
-              now: float | None, best_median: float | None, reserve: int) -> str | None:
-        """Why exploration stops (None: it goes on). Re-measurements are real trials: they count
+              now: float | None, best_median: float | None, reserve: int) -> tuple[StopReason, str] | None:
+        """Why exploration stops, and that in words (None: it goes on). Re-measurements are real trials: they count
         towards the trial limit (``reserve`` of it is left for them), not towards patience."""
         settings = self.settings
         if settings.deadline is not None and (now or time.time()) >= settings.deadline:
-            return "timeout: no trial starts after the time limit"
+            return StopReason.TIMEOUT, "timeout: no trial starts after the time limit"
         if not candidates:
-            return "exhausted: every config of the space ran or was pruned"
+            return StopReason.EXHAUSTED, "exhausted: every config of the space ran or was pruned"
         if settings.trials is not None and len(finished) + running >= settings.trials - reserve:
-            return f"trial limit: {settings.trials} real trials" + (
+            return StopReason.TRIAL_LIMIT, f"trial limit: {settings.trials} real trials" + (
                 f", {reserve} of them left to re-measure the top configs" if reserve else "")
         ordered = sorted((r for r in finished if r.sample == 1), key=lambda r: (r.finished is None, r.finished, r.number))
         best, since = None, 0
@@ -427,13 +440,14 @@ class Planner:
                 if value is not None and value > best:
                     best = value
         if since >= settings.patience:
-            return (f"patience: {since} real trials in a row without improving the best by "
-                    f"{settings.min_improvement:.0%}" + ("" if best is not None else " (none fitted)"))
+            return StopReason.PATIENCE, (f"patience: {since} real trials in a row without improving the best by "
+                                         f"{settings.min_improvement:.0%}"
+                                         + ("" if best is not None else " (none fitted)"))
         if best_median is not None:
             top = max(sps[i] for i in candidates)
             if top < BOUND * best_median:
-                return (f"bound: the best remaining config is predicted at {top:.3g} samples/s, under "
-                        f"{BOUND:.0%} of the best measured {best_median:.3g}")
+                return StopReason.BOUND, (f"bound: the best remaining config is predicted at {top:.3g} samples/s, "
+                                          f"under {BOUND:.0%} of the best measured {best_median:.3g}")
         return None
 
     def _choose(self, candidates: list[int], sps: np.ndarray, ratio: np.ndarray,

@@ -49,7 +49,9 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from autofit.core.config import Precision, SplitMode, TrainConfig
+from autofit.core.records import TrialStatus
 from autofit.estimate.fsdp_memory import fsdp_units
+from autofit.runtime.messages import result_status
 from autofit.runtime.ranks import (
     agreed_optimizer_step,
     cap_cuda_memory,
@@ -271,10 +273,10 @@ def measure_fsdp(workload: Workload | str, config: TrainConfig, *, device_type: 
                     for rank in range(world_size)]
         results, timed_out = launch("autofit.trial.fsdp:rank_child", requests, source,
                                     timeout_s=timeout_s, label="rank")
-        if timed_out and all(r["status"] == "ok" for r in results.values()):
+        if timed_out and all(result_status(r) is TrialStatus.OK for r in results.values()):
             return {**base, "status": "timeout", "error": f"ranks did not finish within {timeout_s:g} s"}
         combined = combine_rank_results(list(results.values()), world_size)
-        if collect_params and combined["status"] == "ok":
+        if collect_params and result_status(combined) is TrialStatus.OK:
             combined["params"] = load_tensors(Path(params_dir) / "rank-0.npz")
     return combined
 

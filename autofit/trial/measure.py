@@ -34,11 +34,13 @@ from typing import Any, Callable
 import torch
 
 from autofit.core.config import SplitMode, TrainConfig
+from autofit.core.records import TrialStatus
 from autofit.probes.cuda_overhead import (
     context_bytes_now,
     fallback_overhead,
     warm_up_kernels,
 )
+from autofit.runtime.messages import result_status
 from autofit.runtime.schedule import MeasureSchedule, run_steps
 from autofit.runtime.tracker import CATEGORIES as BREAKDOWN_KEYS
 from autofit.runtime.tracker import MemoryTracker, optimizer_state_bytes, storage_bytes
@@ -248,9 +250,9 @@ def _measure_split(workload: Workload, config: TrainConfig, *, device_type: str,
     except ImportError as exc:
         return _failed("error", f"device_split={config.device_split} needs {engine}, which is not available ({exc})")
     out: dict[str, Any] = measure(workload, config, device_type=device_type, steps=schedule, budget_bytes=budget_bytes)
-    status = str(getattr(out.get("status"), "value", out.get("status") or "ok"))
-    if status != "ok":
-        return _failed(status, out.get("error") or f"pipeline trial ended with status {status}")
+    status = result_status(out, missing=TrialStatus.OK)
+    if status is not TrialStatus.OK:
+        return _failed(status.value, out.get("error") or f"pipeline trial ended with status {status}")
     per_device = [int(b) for b in out.get("per_device_peak_bytes") or []]
     step_time_s = float(out["step_time_s"])
     breakdown = out.get("breakdown") or {}

@@ -41,6 +41,7 @@ from autofit.core.config import TrainConfig
 from autofit.core.records import TrialStatus
 from autofit.runtime import forkserver, procs
 from autofit.runtime.devicelock import DeviceLock, device_names
+from autofit.runtime.messages import result_status
 from autofit.runtime.schedule import MeasureSchedule
 from autofit.runtime.tracker import CATEGORIES
 from autofit.workloads.base import Workload
@@ -209,10 +210,7 @@ def _supervise(child: procs.Child) -> dict:
 
 def _to_result(outcome: dict, name: str, config: TrainConfig, device: str, budget_bytes: int | None,
                wall_s: float, wait_s: float = 0.0, started_at: float | None = None) -> TrialResult:
-    try:
-        status = TrialStatus(outcome.get("status"))
-    except ValueError:
-        status = TrialStatus.ERROR
+    status = result_status(outcome)
     known = {f.name for f in dataclasses.fields(TrialResult)} - {"workload", "config", "device", "status", "wall_s",
                                                                   "wait_s", "started_at", "budget_bytes", "breakdown"}
     values = {k: v for k, v in outcome.items() if k in known}

@@ -6,7 +6,7 @@ import pytest
 
 from autofit.core.config import TrainConfig
 from autofit.estimate.fsdp_memory import fsdp_units, padded_shard_bytes, rank_lines
-from autofit.estimate.memory_model import estimate_table
+from autofit.estimate.memory_table import estimate_table
 from autofit.profiling.data import Profile
 from autofit.profiling.profile import profile_workload
 from autofit.trial.fsdp import measure_fsdp

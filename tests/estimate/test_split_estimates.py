@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from autofit.core.config import TrainConfig
-from autofit.estimate.memory_model import estimate, in_flight, in_flight_later
+from autofit.estimate.memory_model import estimate
+from autofit.estimate.memory_table import in_flight, in_flight_later
 from autofit.profiling.profile import profile_workload
 from autofit.trial.pipeline import measure_split
 from autofit.workloads.base import Workload

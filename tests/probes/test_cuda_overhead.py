@@ -15,7 +15,8 @@ from torch import nn
 from autofit.core.config import TrainConfig
 from autofit.core.records import TrialStatus
 from autofit.estimate.calibration import measured_peak
-from autofit.estimate.memory_model import estimate, estimate_table
+from autofit.estimate.memory_model import estimate
+from autofit.estimate.memory_table import estimate_table
 from autofit.probes.cuda_overhead import (
     FALLBACK_CONTEXT_BYTES,
     CudaOverhead,

@@ -43,7 +43,7 @@ def _env(monkeypatch):
 
 from autofit.core.records import PruneReason, TrialRecord, TrialStatus
 from autofit.core.space import space_from_dict
-from autofit.study import Planner, StudySettings, space_to_dict  # noqa: E402
+from autofit.study import Planner, StopReason, StudySettings, space_to_dict  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +195,7 @@ def test_a_slow_measurement_does_not_undo_dominance(tiny_profile, rates):
     trials += [ran_trial(planner, a0, 2, samples_per_s=predicted[a0] / 10),
                ran_trial(planner, b0, 3, samples_per_s=predicted[b0])]
     step = settle(planner, trials)
-    assert step.run is None and step.stop.startswith("exhausted")
+    assert step.run is None and step.stop_reason is StopReason.EXHAUSTED and step.stop.startswith("exhausted")
 
 
 def test_each_precision_is_explored_before_exploiting(tiny_profile, rates):
@@ -211,21 +211,25 @@ def test_stop_rules(tiny_profile, rates):
     configs = planner.configs
     # exhausted
     trials = [ran_trial(planner, c, k) for k, c in enumerate(configs)]
-    assert settle(planner, trials).stop.startswith("exhausted")
+    step = settle(planner, trials)
+    assert step.stop_reason is StopReason.EXHAUSTED and step.stop.startswith("exhausted")
     # trial limit
     limited = dataclasses.replace(planner.settings, trials=1)
     planner_limited = Planner(limited, tiny_profile, rates)
-    assert planner_limited.step(trials[:1]).stop.startswith("trial limit")
+    step = planner_limited.step(trials[:1])
+    assert step.stop_reason is StopReason.TRIAL_LIMIT and step.stop.startswith("trial limit")
     # patience: the first is the best, the next ones do not improve it by 2%
     patient = Planner(dataclasses.replace(planner.settings, patience=2), tiny_profile, rates)
     flat = [ran_trial(patient, configs[0], 0, samples_per_s=100.0),
             ran_trial(patient, configs[1], 1, samples_per_s=101.0),
             ran_trial(patient, configs[2], 2, samples_per_s=99.0)]
-    assert settle(patient, flat).stop.startswith("patience")
-    assert patient.step(flat[:2]).stop is None
+    step = settle(patient, flat)
+    assert step.stop_reason is StopReason.PATIENCE and step.stop.startswith("patience")
+    assert patient.step(flat[:2]).stop is None and patient.step(flat[:2]).stop_reason is None
     # time limit
     late = Planner(dataclasses.replace(planner.settings, deadline=time.time() - 1), tiny_profile, rates)
-    assert late.step([]).stop.startswith("timeout")
+    step = late.step([])
+    assert step.stop_reason is StopReason.TIMEOUT and step.stop.startswith("timeout")
 
 
 def test_bound_stops_when_nothing_left_is_predicted_close(tiny_profile, rates):
@@ -237,7 +241,7 @@ def test_bound_stops_when_nothing_left_is_predicted_close(tiny_profile, rates):
     small_predicted = planner.prediction(planner.index[small], Calibration.prior())["samples_per_s"]
     boosted = ran_trial(planner, big, 0, samples_per_s=predicted * 3 * predicted / small_predicted)
     step = settle(planner, [boosted])
-    assert step.stop is not None and step.stop.startswith("bound")
+    assert step.stop_reason is StopReason.BOUND and step.stop.startswith("bound")
 
 
 def test_bound_does_not_rule_out_a_kind_before_the_error_across_kinds_is_measured(tiny_profile, rates):

@@ -184,7 +184,7 @@ def test_builtin_llama_7b_and_default_hf_llama_agree():
 
 def test_splits_of_a_model_that_cannot_be_cut_are_pruned_with_the_reason():
     from autofit import TrainConfig
-    from autofit.estimate.memory_model import estimate_table
+    from autofit.estimate.memory_table import estimate_table
     from autofit.profiling.profile import profile_workload
 
     vit = hf_workload("vit?num_hidden_layers=2&hidden_size=32&num_attention_heads=2&intermediate_size=64"

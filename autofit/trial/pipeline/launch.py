@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 
 from autofit.core.config import TrainConfig
+from autofit.core.records import TrialStatus
 from autofit.runtime import procs
+from autofit.runtime.messages import result_status
 from autofit.runtime.ranks import (
     combine_results,
     free_port,
@@ -122,10 +124,10 @@ def measure_split(workload: Workload, config: TrainConfig, *, device_type: str, 
                     for rank in range(world_size)]
         results, timed_out = launch("autofit.trial.pipeline.launch:stage_entry", requests, workload, timeout_s=timeout_s,
                                     label="stage")
-        if timed_out and all(r["status"] == "ok" for r in results.values()):
+        if timed_out and all(result_status(r) is TrialStatus.OK for r in results.values()):
             return {**base, "status": "timeout", "error": f"stages did not finish within {timeout_s:g} s"}
         combined = combine_stage_results(list(results.values()), world_size)
-        if collect_params and combined["status"] == "ok":
+        if collect_params and result_status(combined) is TrialStatus.OK:
             combined["params"] = {}
             for rank in range(world_size):
                 combined["params"].update(load_tensors(Path(params_dir) / f"stage-{rank}.npz"))

@@ -1,0 +1,252 @@
+"""The memory model, vectorised: many configs scored at once (:func:`estimate_table`).
+
+For one structure (precision, checkpoint interval, split) every quantity is a line ``c0 + c1·b``
+in the micro-batch b (:mod:`autofit.estimate.stage_walk` lays them out per stage), so the peak is
+the upper envelope of a few dozen lines, evaluated for all micro-batches and accumulation counts at
+once with numpy; pipeline stages add the micro-batches in flight and their receive buffers here.
+The model itself is described in :mod:`autofit.estimate.memory_model`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from autofit.core.config import (
+    FIELDS,
+    PipelineSchedule,
+    Precision,
+    SplitMode,
+    TrainConfig,
+    stage_bounds,
+)
+from autofit.core.errors import ProfileError
+from autofit.estimate.fsdp_memory import FSDP_EXTRA_COLUMNS, score_fsdp
+from autofit.estimate.stage_walk import stage_lines
+from autofit.probes.cuda_overhead import CudaOverhead, fallback_overhead
+from autofit.profiling.data import PrecisionProfile, Profile
+
+BREAKDOWN = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "temporary_bytes", "overhead_bytes")
+
+
+def _pipeline_buffers(pp: PrecisionProfile, start: int, end: int, stage: int, split: int,
+                      k: np.ndarray, b: np.ndarray, schedule: PipelineSchedule) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes torch.distributed.pipelining keeps on a stage: ``(kept, pending)``. ``kept``: one
+    receive buffer per micro-batch for the input activation (later stages) and for the output's
+    gradient (earlier stages), allocated once and alive through the optimizer step too;
+    ``pending``: sends keep one more boundary tensor alive during the micro-steps (measured
+    on torch 2.13's 1F1B: an earlier stage's first output once it runs ahead, a later
+    stage's last input gradient)."""
+    kept, pending = np.zeros_like(b), np.zeros_like(b)
+    if split == 1:
+        return kept, pending
+    kf = k.astype(np.float64)
+    if stage > 0:
+        c0, c1 = pp.layers[start - 1].output
+        boundary = c0 + c1 * b
+        kept = kept + kf * boundary
+        # the input gradient sent back stays referenced by its send until the next micro-batch's
+        pending = pending + np.where(k > 1, boundary, 0.0)
+    if stage < split - 1:
+        c0, c1 = pp.layers[end - 1].output
+        boundary = c0 + c1 * b
+        kept = kept + kf * boundary
+        if PipelineSchedule(schedule) is PipelineSchedule.ONE_F_ONE_B:
+            pending = pending + np.where(k > split - stage, boundary, 0.0)
+    return kept, pending
+
+
+def in_flight(stage: int, device_split: int, grad_accum: np.ndarray,
+              schedule: PipelineSchedule | str = PipelineSchedule.ONE_F_ONE_B) -> np.ndarray:
+    """Micro-batches whose activations stage ``stage`` holds at once (Narayanan et al. SC'21):
+    during every forward before its first backward, and during the first backward."""
+    if device_split == 1:
+        return np.ones_like(grad_accum)
+    if PipelineSchedule(schedule) is PipelineSchedule.GPIPE:
+        return grad_accum
+    return np.minimum(grad_accum, device_split - stage)
+
+
+def in_flight_later(stage: int, device_split: int, grad_accum: np.ndarray,
+                    schedule: PipelineSchedule | str = PipelineSchedule.ONE_F_ONE_B) -> np.ndarray:
+    """Micro-batches stage ``stage`` holds at once while any later micro-step runs with the
+    gradients already made (its backward, and a forward that follows a backward), at least 1.
+
+    Both schedules run the backwards in micro-batch order, each freeing its micro-batch. GPipe
+    runs every forward first: backward j starts with k - j in flight. 1F1B (torch's
+    ``Schedule1F1B``: p - s warm-up forwards, then backward i, forward i + p - s, ...) starts
+    backward j with min(k - j, p - s) in flight, and each steady-state forward with p - s.
+    For j >= 1: GPipe k - 1, 1F1B min(k - 1, p - s). Forwards before the first backward hold
+    no gradients yet: the first micro-step's walk (with :func:`in_flight`) covers them."""
+    k = np.asarray(grad_accum)
+    if device_split == 1:
+        return np.ones_like(k)
+    if PipelineSchedule(schedule) is PipelineSchedule.GPIPE:
+        return np.maximum(k - 1, 1)
+    return np.maximum(np.minimum(k - 1, device_split - stage), 1)
+
+
+def estimate_table(profile: Profile, configs: list[TrainConfig], budget_bytes: int | None = None,
+                   schedule: PipelineSchedule | str = PipelineSchedule.ONE_F_ONE_B,
+                   overhead: CudaOverhead | None = None) -> pd.DataFrame:
+    """Score many configs at once. One row per config, in the given order.
+
+    ``overhead``: the CUDA device's measured context and workspace (``DeviceRates.memory_overhead()``);
+    None on CUDA means the fallback constants (:func:`autofit.probes.cuda_overhead.fallback_overhead`).
+
+    Columns: the five config fields, the six breakdown categories (at the largest device's
+    peak), ``model_state_bytes``, ``peak_bytes``, ``per_device_peak_bytes`` (a tuple),
+    ``peak_phase``, ``fits`` (None without a budget) and ``valid`` / ``reason`` (False with a
+    reason when the config cannot run at all, e.g. more stages than layers; its peak is NaN).
+    Raises KeyError if the profile lacks a precision in ``configs``, ProfileError if it lacks the
+    split ends a pipeline split of a model with tied weights needs
+    (:func:`autofit.estimate.memory_model.needs_split_ends`).
+    """
+    n = len(configs)
+    cols = {f: np.array([getattr(getattr(c, f), "value", getattr(c, f)) for c in configs]) for f in FIELDS}
+    out = {k: np.zeros(n, dtype=np.float64) for k in BREAKDOWN + ("peak_bytes",)}
+    per_device = np.empty(n, dtype=object)
+    phase = np.empty(n, dtype=object)
+    valid = np.ones(n, dtype=bool)
+    reason = np.full(n, "", dtype=object)
+    extra = {name: np.full(n, np.nan) for name in FSDP_EXTRA_COLUMNS}
+    for (precision, every, split, mode), members in _structures(configs).items():
+        idx = np.array(members, dtype=np.int64)
+        if mode is SplitMode.FSDP and split > 1:
+            _score_fsdp_group(profile, profile.for_precision(precision), overhead or fallback_overhead(), every, split,
+                              cols["micro_batch"][idx].astype(np.float64), cols["grad_accum"][idx].astype(np.int64),
+                              idx, out, extra, per_device, phase)
+            continue
+        if split > profile.n_layers:
+            valid[idx] = False
+            reason[idx] = (f"device_split {split} > {profile.n_layers} layers: each pipeline stage needs at least "
+                           f"one layer (device_split 1 to {profile.n_layers})")
+            out["peak_bytes"][idx] = np.nan
+            per_device[idx] = [()] * len(idx)
+            continue
+        pp = profile.for_precision(precision)
+        if split > 1 and pp.split_ends_skipped and not profile.split_refusal:
+            raise ProfileError(
+                f"{profile.workload} {precision.value}: device_split {split} (pipeline) needs the profile's split ends "
+                "(each end stage holds its own copy of the weights tied across the model's ends), but it was made "
+                "with split_ends=False; profile with profile_workload(..., split_ends=True)")
+        _score_group(profile, pp, overhead or fallback_overhead(), min(every, profile.n_layers), split,
+                     cols["micro_batch"][idx].astype(np.float64), cols["grad_accum"][idx].astype(np.int64),
+                     schedule, idx, out, per_device, phase)
+    _refuse_splits(profile, configs, valid, reason)
+    table = pd.DataFrame({f: cols[f] for f in FIELDS})
+    for k in BREAKDOWN + ("peak_bytes",):
+        table[k] = out[k]
+    for name in FSDP_EXTRA_COLUMNS:  # fsdp rows only: all shards, and the whole weights at the peak
+        table[name] = extra[name]
+    table["model_state_bytes"] = [_model_state(profile, p) for p in cols["precision"]] if n else []
+    table["per_device_peak_bytes"] = per_device
+    table["peak_phase"] = phase
+    table["valid"] = valid
+    table["reason"] = reason
+    table["fits"] = (table["peak_bytes"] <= budget_bytes) & valid if budget_bytes is not None else None
+    return table
+
+
+def _structures(configs: list[TrainConfig]) -> dict[tuple[Precision, int, int, SplitMode], list[int]]:
+    """Config indices grouped by what fixes the peak's lines: (precision, checkpoint interval, split, mode)."""
+    groups: dict[tuple[Precision, int, int, SplitMode], list[int]] = {}
+    for i, c in enumerate(configs):
+        groups.setdefault((c.precision, c.checkpoint_every, c.device_split, c.split_mode), []).append(i)
+    return groups
+
+
+def _score_fsdp_group(profile: Profile, pp: PrecisionProfile, cuda_overhead: CudaOverhead, every: int, ranks: int,
+                      b: np.ndarray, k: np.ndarray, idx: np.ndarray, out: dict, extra: dict, per_device, phase) -> None:
+    # Every rank holds the same; rank 0 (the largest optimizer-state shard) stands for all. The
+    # cuBLAS workspace is a block of its own: it goes with the context, outside the fragmentation.
+    scored = score_fsdp(pp, ranks, min(every, profile.n_layers), b, k, cuda=profile.device_type == "cuda",
+                        context_bytes=cuda_overhead.context_bytes + cuda_overhead.workspace_bytes,
+                        fragmentation=cuda_overhead.fragmentation)
+    for name in BREAKDOWN + ("peak_bytes",):
+        out[name][idx] = scored[name]
+    for name in FSDP_EXTRA_COLUMNS:
+        extra[name][idx] = scored[name]
+    per_device[idx] = [(int(round(p)),) * ranks for p in scored["peak_bytes"]]
+    phase[idx] = scored["phase"]
+
+
+def _refuse_splits(profile: Profile, configs: list[TrainConfig], valid: np.ndarray, reason: np.ndarray) -> None:
+    """Pipeline splits of a model that cannot be cut (``profile.split_refusal``) cannot run: invalid, with why."""
+    refusal = getattr(profile, "split_refusal", None)
+    if not refusal:
+        return
+    for i, c in enumerate(configs):
+        if c.device_split > 1 and getattr(getattr(c, "split_mode", None), "value", "pipeline") == "pipeline":
+            valid[i] = False
+            reason[i] = refusal
+
+
+def _model_state(profile: Profile, precision: str) -> int:
+    pp = profile.for_precision(precision)
+    return pp.static_param_bytes + pp.grad_bytes + pp.optimizer_bytes
+
+
+def _score_group(profile: Profile, pp: PrecisionProfile, cuda_overhead: CudaOverhead, every: int, split: int,
+                 b: np.ndarray,
+                 k: np.ndarray, schedule: PipelineSchedule | str, idx: np.ndarray, out: dict, per_device, phase) -> None:
+    cuda = profile.device_type == "cuda"
+    n = len(idx)
+    best = np.full(n, -np.inf)
+    best_parts = {name: np.zeros(n) for name in BREAKDOWN}
+    best_phase = np.empty(n, dtype=object)
+    stage_peaks = []
+    ends = (pp.split_ends or pp) if split > 1 else pp  # a split holds its own copy of each tied weight
+    for s, (start, end) in enumerate(stage_bounds(profile.n_layers, split)):
+        st = stage_lines(ends, start, end, s == 0, s == split - 1, every)
+        one = st.held[0] + st.held[1] * b                             # one micro-batch's activations
+        kept, pending = _pipeline_buffers(ends, start, end, s, split, k, b, schedule)
+        buffers = kept + pending
+        # other micro-batches in flight: during the first micro-step, and during later ones
+        held = one * (in_flight(s, split, k, schedule) - 1) + buffers
+        held_later = one * (in_flight_later(s, split, k, schedule) - 1) + buffers
+        base = st.params_bytes + st.optimizer_bytes
+        v1 = st.first[:, 0][None, :] + st.first[:, 1][None, :] * b[:, None]        # (n, E)
+        a1 = np.argmax(v1, axis=1)
+        peak1 = base + v1[np.arange(n), a1] + held
+        vn = st.later[:, 0][None, :] + st.later[:, 1][None, :] * b[:, None]
+        an = np.argmax(vn, axis=1)
+        # A stage in a pipeline runs later micro-steps while gradients exist from the first backward on.
+        has_later = (k > 1)
+        peakn = np.where(has_later, base + st.grads_bytes + vn[np.arange(n), an] + held_later, -np.inf)
+        peak_opt = base + st.grads_bytes + st.optimizer_peak_bytes + kept  # receive buffers outlive the step
+        stage_peak = np.maximum(np.maximum(peak1, peakn), peak_opt)
+        input_bytes = (pp.input_bytes[0] + pp.input_bytes[1] * b) if (cuda and s == 0) else 0.0
+        # The workspaces are allocated blocks of their own (no fragmentation); the context is outside the allocator.
+        overhead = (cuda_overhead.context_bytes + cuda_overhead.workspace_bytes
+                    + cuda_overhead.fragmentation * (stage_peak + input_bytes)) if cuda else np.zeros(n)
+        stage_total = stage_peak + input_bytes + overhead
+        stage_peaks.append(stage_total)
+        # Breakdown at this stage's peak.
+        acts1 = st.first_acts[a1, 0] + st.first_acts[a1, 1] * b + held
+        actsn = st.later_acts[an, 0] + st.later_acts[an, 1] * b + held_later
+        is1 = peak1 >= np.maximum(peakn, peak_opt)
+        isn = ~is1 & (peakn >= peak_opt)
+        grads = np.where(is1, st.first_grads[a1], st.grads_bytes)
+        acts = np.where(is1, acts1, np.where(isn, actsn, kept)) + (input_bytes if cuda else 0.0)
+        parts = {
+            "params_bytes": np.full(n, float(st.params_bytes)),
+            "grads_bytes": grads,
+            "optimizer_bytes": np.full(n, float(st.optimizer_bytes)),
+            "activations_bytes": np.maximum(acts, 0.0),
+            "overhead_bytes": overhead if cuda else np.zeros(n),
+        }
+        parts["temporary_bytes"] = np.maximum(stage_total - sum(parts.values()), 0.0)
+        ph = np.where(is1, np.array(st.first_phase, dtype=object)[a1],
+                      np.where(isn, np.array(st.later_phase, dtype=object)[an], "optimizer"))
+        better = stage_total > best
+        best = np.where(better, stage_total, best)
+        for name in BREAKDOWN:
+            best_parts[name] = np.where(better, parts[name], best_parts[name])
+        best_phase = np.where(better, ph, best_phase)
+    out["peak_bytes"][idx] = best
+    for name in BREAKDOWN:
+        out[name][idx] = best_parts[name]
+    stacked = np.stack(stage_peaks, axis=1).round().astype(np.int64)
+    per_device[idx] = [tuple(int(x) for x in row) for row in stacked]
+    phase[idx] = best_phase
