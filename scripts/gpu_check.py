@@ -397,7 +397,7 @@ def estimates(spec: str, configs: list[str], device_type: str, overhead=None) ->
     ``overhead``: a callable giving the device's measured :class:`autofit.probes.cuda_overhead.CudaOverhead`
     (waited for only once the profile is done), or None (CPU, or the fallback)."""
     from autofit.core.config import TrainConfig
-    from autofit.estimate.memory_model import estimate
+    from autofit.estimator.memory_model import estimate
     from autofit.profiling.profile import profile_workload
     from autofit.workloads.load import load_workload
 

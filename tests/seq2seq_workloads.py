@@ -1,5 +1,5 @@
 """An encoder-decoder seq2seq model written as a user would write it in a file, on ``nn.Transformer``
-(``tests/seq2seq_workloads.py:nn_transformer``), for tests/estimate/test_seq2seq_estimate.py. The repeated
+(``tests/seq2seq_workloads.py:nn_transformer``), for tests/estimator/test_seq2seq_estimate.py. The repeated
 blocks found by default are the decoder layers; each takes the encoder's output (``memory``) beside
 the previous layer's output, so under checkpointing every segment keeps ``memory`` as an input."""
 

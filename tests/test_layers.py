@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "autofit"
 
 # Lowest first. A module may import its own layer and the layers before it. The bench sits above
 # the library; only the command line, the entry point of everything, is above it (``autofit bench``).
-LAYERS = ("core", "workloads", "runtime", "profiling", "probes", "estimate", "trial", "study", "report",
+LAYERS = ("core", "workloads", "runtime", "profiling", "probes", "estimator", "trial", "study", "report",
           "sizing", "api", "bench", "cli")
 BENCH_ENTRY = "autofit.cli.bench"  # the one module outside the bench that may import it
 # The package root (``import autofit``: the public names) is the API; ``python -m autofit`` is the command line.

@@ -28,9 +28,9 @@ from autofit.api.run_study import search as study_search
 from autofit.core.budget import parse_budget
 from autofit.core.config import TrainConfig
 from autofit.core.space import SearchSpace
-from autofit.estimate.memory_model import MemoryEstimate
-from autofit.estimate.memory_model import estimate as estimate_one
-from autofit.estimate.memory_table import estimate_table
+from autofit.estimator.memory_model import MemoryEstimate
+from autofit.estimator.memory_model import estimate as estimate_one
+from autofit.estimator.memory_table import estimate_table
 from autofit.profiling.profile import profile_workload
 from autofit.report.result import SearchResult
 from autofit.runtime.training import check_fake_device
@@ -83,9 +83,9 @@ def estimate(workload: Workload | str, config: TrainConfig | str | SearchSpace |
     """Predicted peak memory, from a fake-tensor profile (nothing is trained).
 
     With a :class:`TrainConfig` (or ``"precision=amp-bf16,micro_batch=8"``): its
-    :class:`autofit.estimate.memory_model.MemoryEstimate`. With a space (SearchSpace, TOML path or
+    :class:`autofit.estimator.memory_model.MemoryEstimate`. With a space (SearchSpace, TOML path or
     name, mapping; None = the default space): a DataFrame, one row per config
-    (:func:`autofit.estimate.memory_table.estimate_table`'s columns). ``fits`` needs ``budget``.
+    (:func:`autofit.estimator.memory_table.estimate_table`'s columns). ``fits`` needs ``budget``.
     Raises ConfigError, SpaceError, BudgetError or WorkloadError.
 
     >>> autofit.estimate("gpt-tiny", "precision=amp-bf16,micro_batch=8", budget="2GB").fits  # doctest: +SKIP

@@ -13,9 +13,9 @@ import optuna
 from autofit.core.budget import parse_budget
 from autofit.core.errors import RunFailure, StudyError
 from autofit.core.space import SearchSpace, load_space, space_from_dict
-from autofit.estimate.layer_prior import workload_prior
-from autofit.estimate.memory_model import needs_split_ends
-from autofit.estimate.time_model import OpCounts
+from autofit.estimator.layer_prior import workload_prior
+from autofit.estimator.memory_model import needs_split_ends
+from autofit.estimator.time_model import OpCounts
 from autofit.probes.device_rates import DeviceRates, probe_rates
 from autofit.probes.links import with_links
 from autofit.profiling.profile import profile_workload
@@ -216,7 +216,7 @@ def device_prior(workload: Workload, profile, device: str, space: SearchSpace,
                  note: Callable[[str], None] | None = None, devices: int = 1) -> tuple[DeviceRates, OpCounts | None]:
     """The device's rates (:func:`autofit.probes.device_rates.probe_rates`; with the collectives' costs of the
     device splits that run on ``devices``, :func:`autofit.probes.links.with_links`) and the time model's
-    prior of ``workload`` (:func:`autofit.estimate.layer_prior.workload_prior`), each read from the disk cache or
+    prior of ``workload`` (:func:`autofit.estimator.layer_prior.workload_prior`), each read from the disk cache or
     measured (and cached); ``note`` is told which, a line at a time."""
     rates = with_links(probe_rates(device, note=note), space.configs(), devices, note=note)
     return rates, workload_prior(workload, profile, rates, [p.value for p in space.precision], note=note)

@@ -128,10 +128,10 @@ class AccuracyResults:
 
 
 def _predicted_step_times(profile, workload, configs) -> tuple[list[float | None], str | None]:
-    """Step times from ``autofit.estimate.time_model`` (its uncalibrated prior) when it exists in this checkout."""
+    """Step times from ``autofit.estimator.time_model`` (its uncalibrated prior) when it exists in this checkout."""
     try:
-        from autofit.estimate.layer_prior import workload_prior
-        from autofit.estimate.time_model import predict_table
+        from autofit.estimator.layer_prior import workload_prior
+        from autofit.estimator.time_model import predict_table
         from autofit.probes.device_rates import probe_rates
     except ImportError:
         return [None] * len(configs), None
@@ -139,7 +139,7 @@ def _predicted_step_times(profile, workload, configs) -> tuple[list[float | None
     precisions = list(dict.fromkeys(c.precision.value for c in configs))
     table = predict_table(profile, configs, rates, workload_prior(workload, profile, rates, precisions))
     return [float(x) if math.isfinite(x) else None for x in table["step_time_s"]], (
-        "Predicted: `autofit.estimate.time_model.predict_table` — the uncalibrated prior a search starts from: profiled "
+        "Predicted: `autofit.estimator.time_model.predict_table` — the uncalibrated prior a search starts from: profiled "
         "FLOPs, the probed device rates and the workload's own layer timed once (`autofit.probes.layer_timing`); a "
         "search calibrates it with its trials")
 
@@ -150,7 +150,7 @@ def run_accuracy(out_dir: Path, env: dict, *, quick: bool = False, workloads: tu
     """Predict and measure every case, then write ``accuracy.md`` and ``accuracy.csv`` to ``out_dir``."""
     from autofit.bench.search_cells import search_budgets
     from autofit.bench.worker import run_jobs
-    from autofit.estimate.memory_model import estimate_table
+    from autofit.estimator.memory_model import estimate_table
     from autofit.profiling.profile import profile_workload
     from autofit.workloads.load import load_workload
 
@@ -349,7 +349,7 @@ def _safety_section(res: AccuracyResults) -> str | None:
 def _step_time_section(res: AccuracyResults) -> str:
     """Predicted against measured step time per workload and device split (or why there is no prediction)."""
     if res.time_model is None:
-        return ("## Step time\n\nPredicted step time is left out: `autofit.estimate.time_model` does not exist in this "
+        return ("## Step time\n\nPredicted step time is left out: `autofit.estimator.time_model` does not exist in this "
                 "checkout. Measured step times (untracked steps, `grad_accum` micro-steps composed with the "
                 "optimizer step) are in `accuracy.csv`.")
     trows = []

@@ -1,6 +1,6 @@
 """The cost suite: what autofit's machinery costs on this machine.
 
-- the estimator: configs scored per second by :func:`autofit.estimate.memory_model.estimate_table`
+- the estimator: configs scored per second by :func:`autofit.estimator.memory_model.estimate_table`
   (100,000 configs of one profile);
 - the profiler: time to profile each built-in workload on fake tensors with a cold cache
   (``use_cache=False``), the 7B preset included;
@@ -47,7 +47,7 @@ def scoring_configs(n: int = N_SCORED, n_layers: int = 4) -> list[TrainConfig]:
 
 
 def _estimator_rate(progress) -> list[dict]:
-    from autofit.estimate.memory_model import estimate_table
+    from autofit.estimator.memory_model import estimate_table
     from autofit.profiling.profile import profile_workload
     from autofit.workloads.load import load_workload
 
@@ -76,7 +76,7 @@ def _default_space_scoring(quick: bool, progress) -> list[dict]:
     time is the first ``estimate_table`` call, before its per-structure cache is warm.
     """
     from autofit.core.space import load_space
-    from autofit.estimate.memory_model import clear_caches, estimate_table
+    from autofit.estimator.memory_model import clear_caches, estimate_table
     from autofit.profiling.profile import profile_workload
     from autofit.workloads import BUILTINS
     from autofit.workloads.load import load_workload

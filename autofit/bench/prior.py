@@ -4,7 +4,7 @@ The prior orders a search before any trial calibrates it, so its error is what t
 pay for. Each grid config's step time is measured here (a few untracked steps in a bench worker,
 timed as a trial times them) and compared with two priors computed in the same run: the bare
 device probe (square matmuls, :func:`autofit.probes.device_rates.probe_rates`) and the one a search uses,
-rescaled by the workload's own layer timed for real (:func:`autofit.estimate.layer_prior.workload_prior`).
+rescaled by the workload's own layer timed for real (:func:`autofit.estimator.layer_prior.workload_prior`).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ def prior_rows(cells, progress: Callable[[str], None] = lambda _m: None) -> list
     from autofit.bench.search_cells import problem_for
     from autofit.bench.search_data import MiB
     from autofit.bench.worker import run_jobs
-    from autofit.estimate.layer_prior import workload_prior
-    from autofit.estimate.time_model import op_counts, predict_table
+    from autofit.estimator.layer_prior import workload_prior
+    from autofit.estimator.time_model import op_counts, predict_table
     from autofit.probes.device_rates import probe_rates
     from autofit.profiling.profile import profile_workload
     from autofit.workloads import param_count

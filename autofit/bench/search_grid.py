@@ -21,7 +21,7 @@ TRIAL_TIMEOUT_S = 240.0
 def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) -> Grid:
     """Run every config of ``cell`` (no budget), plus one trial that dies at once (the OOM cost floor)."""
     from autofit.bench.worker import run_jobs
-    from autofit.estimate.memory_model import estimate_table, needs_split_ends
+    from autofit.estimator.memory_model import estimate_table, needs_split_ends
     from autofit.profiling.profile import profile_workload
     from autofit.trial.run import run_trial
     from autofit.workloads import param_count
@@ -94,7 +94,7 @@ def _first_use_s(cell: Cell, workload, configs: list[TrainConfig], split_ends) -
             with_links(rates, configs, max(cell.device_splits), use_cache=False)
             first_use_s += time.perf_counter() - cold
             with_links(rates, configs, max(cell.device_splits))
-        from autofit.estimate.layer_prior import workload_prior
+        from autofit.estimator.layer_prior import workload_prior
 
         cold = time.perf_counter()  # the workload's own layer, timed for the prior (then cached for the runs)
         cold_profile = profile_workload(workload, list(cell.precisions), device_type="cpu", split_ends=split_ends)

@@ -10,9 +10,9 @@ from autofit.cli._args import MODEL_HELP, add_hf_options, model_spec
 from autofit.core.budget import format_budget, format_bytes, parse_budget
 from autofit.core.config import TrainConfig
 from autofit.core.space import load_space
-from autofit.estimate.advice import advise
-from autofit.estimate.memory_model import estimate
-from autofit.estimate.memory_table import BREAKDOWN, estimate_table
+from autofit.estimator.advice import advise
+from autofit.estimator.memory_model import estimate
+from autofit.estimator.memory_table import BREAKDOWN, estimate_table
 from autofit.probes.device_rates import device_overhead
 from autofit.profiling.profile import profile_workload
 from autofit.runtime.training import check_fake_device

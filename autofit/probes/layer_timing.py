@@ -7,10 +7,10 @@ grids). So before a search, a child process builds the model on the meta device 
 captures what its first repeated layer receives at two small micro-batches, materialises that
 one layer and those inputs with random values, and times a forward and backward of it in each
 precision (``autocast`` for the amp modes, the layer cast for bf16). Against the time model's
-own prediction for that layer (:func:`autofit.estimate.time_model.layer_time_line`) this gives two
+own prediction for that layer (:func:`autofit.estimator.time_model.layer_time_line`) this gives two
 factors per precision -- one for the per-sample part (FLOPs, activation traffic), one for the
-fixed part (operators, weight traffic) -- which :func:`autofit.estimate.time_model.predict_table`
-applies to the whole model (:attr:`autofit.estimate.time_model.OpCounts.layer_scales`).
+fixed part (operators, weight traffic) -- which :func:`autofit.estimator.time_model.predict_table`
+applies to the whole model (:attr:`autofit.estimator.time_model.OpCounts.layer_scales`).
 
 A model whose forward cannot run on the meta device before its first layer -- one that reads a
 value there, as ``transformers``' mask code does (``Tensor.item() cannot be called on meta

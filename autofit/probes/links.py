@@ -16,7 +16,7 @@ beyond a plain tensor's. It runs only when the space has splits that run,
 once per machine and world size, cached next to the device rates.
 
 From those lines and the profile's bytes of the model in hand (:func:`fsdp_micro_step_seconds`,
-:func:`send_seconds`) the time model (:func:`autofit.estimate.time_model.predict_table`) costs, per
+:func:`send_seconds`) the time model (:func:`autofit.estimator.time_model.predict_table`) costs, per
 micro-step of one rank or stage::
 
     fsdp  = sum over units u (each layer or checkpoint segment, and the root) of

@@ -41,7 +41,7 @@ def profile_workload(workload: Workload, precisions: Iterable[Precision | str] =
     Returns a :class:`Profile`. Raises WorkloadError when the model cannot be built or
     followed on fake tensors. Profiles are cached per precision under :func:`cache_dir`.
     ``split_ends=False``: a caller that estimates no pipeline split (``device_split > 1``,
-    :func:`autofit.estimate.memory_model.needs_split_ends`) skips profiling the ends of a model with tied
+    :func:`autofit.estimator.memory_model.needs_split_ends`) skips profiling the ends of a model with tied
     weights untied (about 40% of its profile); a cached profile without them is completed when
     they are asked for. ``note`` is called with a line for a user as profiling starts and ends
     (read from the cache or traced).

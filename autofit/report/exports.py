@@ -397,8 +397,8 @@ def _peaks(notes: list[Note], ctx: Context) -> list[Note]:
     wanted = [n.nearest_config for n in notes if n.nearest_config is not None]
     if not wanted or (ctx.workload is None and not ctx.model_spec and ctx.profile is None):
         return [dataclasses.replace(n, budget_bytes=ctx.budget_bytes) for n in notes]
-    from autofit.estimate.memory_model import needs_split_ends
-    from autofit.estimate.memory_table import estimate_table
+    from autofit.estimator.memory_model import needs_split_ends
+    from autofit.estimator.memory_table import estimate_table
     from autofit.profiling.profile import profile_workload
     from autofit.workloads.load import load_workload
 

@@ -15,8 +15,8 @@ from autofit.core.records import (
     StudySnapshot,
     TrialRecord,
 )
-from autofit.estimate.advice import nothing_fits
-from autofit.estimate.calibration import Calibration
+from autofit.estimator.advice import nothing_fits
+from autofit.estimator.calibration import Calibration
 from autofit.report.tables import (
     _n_configs,
     best_samples,

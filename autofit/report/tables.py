@@ -39,8 +39,8 @@ from autofit.core.records import (
     config_samples,
     median_value,
 )
-from autofit.estimate.advice import nothing_fits
-from autofit.estimate.calibration import (
+from autofit.estimator.advice import nothing_fits
+from autofit.estimator.calibration import (
     Calibration,
     calibrate,
     measured_peak,

@@ -37,7 +37,7 @@ import numpy as np
 
 from autofit.core.config import Precision
 from autofit.core.errors import AutofitError, WorkloadError
-from autofit.estimate.time_model import OpCounts, op_counts
+from autofit.estimator.time_model import OpCounts, op_counts
 from autofit.profiling.data import PrecisionProfile, Profile
 from autofit.profiling.profile import profile_workload
 from autofit.sizing.family import Family, SizeError

@@ -4,7 +4,7 @@ For every shape of a grid over a family's size fields (:mod:`autofit.sizing.fami
 of a search space, from the estimate alone (nothing allocated): does any config fit, which one
 the time model predicts fastest, at what peak. Shape profiles come from a few one-layer
 fake-tensor profiles (:mod:`autofit.sizing.scaling` says how); scoring is
-:func:`autofit.estimate.memory_table.estimate_table` and :func:`autofit.estimate.time_model.predict_table`,
+:func:`autofit.estimator.memory_table.estimate_table` and :func:`autofit.estimator.time_model.predict_table`,
 vectorized over each shape's configs. A shape whose weights, gradients and optimizer state
 alone exceed the budget times the largest allowed device split fits no config and is not
 scored further.
@@ -35,8 +35,8 @@ import pandas as pd
 from autofit.core.budget import format_budget, parse_budget
 from autofit.core.config import TrainConfig
 from autofit.core.space import SearchSpace, builtin_spaces, load_space
-from autofit.estimate.memory_table import estimate_table
-from autofit.estimate.time_model import predict_table
+from autofit.estimator.memory_table import estimate_table
+from autofit.estimator.time_model import predict_table
 from autofit.probes.device_rates import probe_rates
 from autofit.runtime.training import check_fake_device
 from autofit.sizing.family import Family, SizeError, load_family, parse_vary

@@ -2,7 +2,7 @@
 
 One planning step (every worker, before every trial, from what the storage holds):
 
-1. **calibrate** from the real trials so far (:mod:`autofit.estimate.calibration`);
+1. **calibrate** from the real trials so far (:mod:`autofit.estimator.calibration`);
 2. **prune**, with a reason, every config that should not run (recorded as a ``PRUNED`` trial
    whose user attrs hold the predicted breakdown): ``invalid`` (more stages than layers),
    ``devices`` (a device split larger than the devices a worker has: estimated, never run),

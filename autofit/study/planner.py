@@ -25,9 +25,9 @@ from autofit.core.records import (
     config_samples,
     median_value,
 )
-from autofit.estimate.calibration import Calibration, calibrate, observations
-from autofit.estimate.memory_table import BREAKDOWN, estimate_table
-from autofit.estimate.time_model import OpCounts, predict_table
+from autofit.estimator.calibration import Calibration, calibrate, observations
+from autofit.estimator.memory_table import BREAKDOWN, estimate_table
+from autofit.estimator.time_model import OpCounts, predict_table
 from autofit.probes.device_rates import DeviceRates
 from autofit.profiling.data import Profile
 from autofit.runtime.schedule import DEFAULT_SCHEDULE, MeasureSchedule

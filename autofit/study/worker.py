@@ -21,10 +21,10 @@ from optuna.samplers import BaseSampler
 from autofit.core.budget import format_bytes
 from autofit.core.config import TrainConfig
 from autofit.core.records import PruneReason, TrialRecord, TrialStatus
-from autofit.estimate.calibration import relative_error
-from autofit.estimate.layer_prior import workload_prior
-from autofit.estimate.memory_model import needs_split_ends
-from autofit.estimate.time_model import OpCounts
+from autofit.estimator.calibration import relative_error
+from autofit.estimator.layer_prior import workload_prior
+from autofit.estimator.memory_model import needs_split_ends
+from autofit.estimator.time_model import OpCounts
 from autofit.probes.device_rates import DeviceRates, probe_rates
 from autofit.probes.links import with_links
 from autofit.profiling.data import Profile
@@ -193,7 +193,7 @@ def run_worker(settings: StudySettings, workload: Workload, *, profile: Profile 
     """Plan, prune and run trials of one study until a stop rule holds. Returns the stop reason.
 
     ``profile``, ``rates``, ``counts``: the workload's profile, the device's rates and the time
-    model's prior (:func:`autofit.estimate.layer_prior.workload_prior`), computed (or read from the disk
+    model's prior (:func:`autofit.estimator.layer_prior.workload_prior`), computed (or read from the disk
     cache) when not given. ``runner`` runs each trial (default: an isolated child process).
     Several workers (processes, machines) may run on one study at once. Raises StudyError when
     the study cannot be opened; KeyboardInterrupt marks the running trial interrupted and propagates.

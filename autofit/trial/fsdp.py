@@ -50,7 +50,7 @@ from torch.utils._pytree import tree_map_only
 
 from autofit.core.config import Precision, SplitMode, TrainConfig
 from autofit.core.records import TrialStatus
-from autofit.estimate.fsdp_memory import fsdp_units
+from autofit.estimator.fsdp_memory import fsdp_units
 from autofit.runtime.messages import result_status
 from autofit.runtime.ranks import (
     agreed_optimizer_step,

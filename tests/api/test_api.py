@@ -17,7 +17,7 @@ import autofit
 from autofit import api
 from autofit.core.config import TrainConfig
 from autofit.core.errors import ConfigError
-from autofit.estimate.memory_model import MemoryEstimate
+from autofit.estimator.memory_model import MemoryEstimate
 from autofit.trial.apply import TrainingPlan
 
 REPO = Path(__file__).resolve().parents[2]

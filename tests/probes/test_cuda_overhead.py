@@ -14,9 +14,9 @@ from torch import nn
 
 from autofit.core.config import TrainConfig
 from autofit.core.records import TrialStatus
-from autofit.estimate.calibration import measured_peak
-from autofit.estimate.memory_model import estimate
-from autofit.estimate.memory_table import estimate_table
+from autofit.estimator.calibration import measured_peak
+from autofit.estimator.memory_model import estimate
+from autofit.estimator.memory_table import estimate_table
 from autofit.probes.cuda_overhead import (
     FALLBACK_CONTEXT_BYTES,
     CudaOverhead,

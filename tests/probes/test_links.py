@@ -10,7 +10,7 @@ import pytest
 from trial_workloads import TINY_LM as TINY
 
 from autofit.core.config import TrainConfig
-from autofit.estimate.time_model import predict_table
+from autofit.estimator.time_model import predict_table
 from autofit.probes.device_rates import DeviceRates
 from autofit.probes.links import LinkRates, probe_links, with_links
 from autofit.workloads.load import load_workload

@@ -154,7 +154,7 @@ def _tied_loss(logits, targets):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_tied_weight_estimate_matches_measured_peak(precision):
     from autofit import TrainConfig
-    from autofit.estimate.memory_model import estimate
+    from autofit.estimator.memory_model import estimate
     from autofit.trial.measure import measure_trial
     from autofit.workloads.base import Workload
 
@@ -194,7 +194,7 @@ def test_a_model_whose_last_block_output_is_the_logits():
     import torch.nn.functional as F
 
     from autofit.core.config import TrainConfig
-    from autofit.estimate.memory_model import estimate_table
+    from autofit.estimator.memory_model import estimate_table
     from autofit.workloads.base import Workload
 
     def workload(head: bool) -> Workload:

@@ -11,8 +11,8 @@ import pytest
 from autofit.cli import main
 from autofit.core.config import Precision, TrainConfig
 from autofit.core.space import load_space
-from autofit.estimate.memory_table import estimate_table
-from autofit.estimate.time_model import op_counts, predict_table
+from autofit.estimator.memory_table import estimate_table
+from autofit.estimator.time_model import op_counts, predict_table
 from autofit.probes.device_rates import probe_rates
 from autofit.profiling.profile import profile_workload
 from autofit.sizing.family import SizeError, load_family, parse_vary

@@ -22,7 +22,7 @@ from optuna.trial import TrialState
 from trial_workloads import TINY_LM as TINY
 
 from autofit.core.config import TrainConfig
-from autofit.estimate.calibration import (
+from autofit.estimator.calibration import (
     PRIOR_MARGIN,
     Calibration,
     Observation,

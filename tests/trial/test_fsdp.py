@@ -83,7 +83,7 @@ def test_workload_without_source_is_a_clear_error():
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="FSDP over NCCL needs two GPUs")
 def test_fsdp_on_two_gpus_matches_its_estimate():
-    from autofit.estimate.memory_table import estimate_table
+    from autofit.estimator.memory_table import estimate_table
     from autofit.profiling.profile import profile_workload
 
     config = TrainConfig(precision="amp-bf16", micro_batch=2, grad_accum=2, device_split=2, split_mode="fsdp")

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autofit.core.config import Precision, TrainConfig
-from autofit.estimate.memory_model import estimate
+from autofit.estimator.memory_model import estimate
 from autofit.profiling.profile import profile_workload
 from autofit.profiling.raw import RawLayer, RawRegion, RawRun
 from autofit.profiling.real_check import correct_runs

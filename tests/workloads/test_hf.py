@@ -102,7 +102,7 @@ def test_estimate_json_for_an_hf_model(capsys):
 
 def test_lora_estimate_drops_grads_and_optimizer_state_to_the_adapter():
     from autofit import TrainConfig
-    from autofit.estimate.memory_model import estimate
+    from autofit.estimator.memory_model import estimate
     from autofit.profiling.profile import profile_workload
     from autofit.trial.measure import measure_trial
 
@@ -184,7 +184,7 @@ def test_builtin_llama_7b_and_default_hf_llama_agree():
 
 def test_splits_of_a_model_that_cannot_be_cut_are_pruned_with_the_reason():
     from autofit import TrainConfig
-    from autofit.estimate.memory_table import estimate_table
+    from autofit.estimator.memory_table import estimate_table
     from autofit.profiling.profile import profile_workload
 
     vit = hf_workload("vit?num_hidden_layers=2&hidden_size=32&num_attention_heads=2&intermediate_size=64"
@@ -200,7 +200,7 @@ def test_splits_of_a_model_that_cannot_be_cut_are_pruned_with_the_reason():
 @pytest.mark.parametrize("tie", ["true", "false"])
 def test_tied_embeddings_are_tied_in_the_profile_and_estimated_right(tie):
     from autofit import TrainConfig
-    from autofit.estimate.memory_model import estimate
+    from autofit.estimator.memory_model import estimate
     from autofit.profiling.cache import profile_key
     from autofit.profiling.profile import profile_workload
     from autofit.trial.measure import measure_trial

@@ -1,10 +1,10 @@
 """The memory model, vectorised: many configs scored at once (:func:`estimate_table`).
 
 For one structure (precision, checkpoint interval, split) every quantity is a line ``c0 + c1·b``
-in the micro-batch b (:mod:`autofit.estimate.stage_walk` lays them out per stage), so the peak is
+in the micro-batch b (:mod:`autofit.estimator.stage_walk` lays them out per stage), so the peak is
 the upper envelope of a few dozen lines, evaluated for all micro-batches and accumulation counts at
 once with numpy; pipeline stages add the micro-batches in flight and their receive buffers here.
-The model itself is described in :mod:`autofit.estimate.memory_model`.
+The model itself is described in :mod:`autofit.estimator.memory_model`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from autofit.core.config import (
     stage_bounds,
 )
 from autofit.core.errors import ProfileError
-from autofit.estimate.fsdp_memory import FSDP_EXTRA_COLUMNS, score_fsdp
-from autofit.estimate.stage_walk import stage_lines
+from autofit.estimator.fsdp_memory import FSDP_EXTRA_COLUMNS, score_fsdp
+from autofit.estimator.stage_walk import stage_lines
 from autofit.probes.cuda_overhead import CudaOverhead, fallback_overhead
 from autofit.profiling.data import PrecisionProfile, Profile
 
@@ -100,7 +100,7 @@ def estimate_table(profile: Profile, configs: list[TrainConfig], budget_bytes: i
     reason when the config cannot run at all, e.g. more stages than layers; its peak is NaN).
     Raises KeyError if the profile lacks a precision in ``configs``, ProfileError if it lacks the
     split ends a pipeline split of a model with tied weights needs
-    (:func:`autofit.estimate.memory_model.needs_split_ends`).
+    (:func:`autofit.estimator.memory_model.needs_split_ends`).
     """
     n = len(configs)
     cols = {f: np.array([getattr(getattr(c, f), "value", getattr(c, f)) for c in configs]) for f in FIELDS}

@@ -1,7 +1,7 @@
 """The time model: a predicted step time for every config, from the profile's FLOPs and the device's rates.
 
 It is a prior, for ordering a search and for sizing trial time limits; real trials calibrate
-it (:mod:`autofit.estimate.calibration`). Three measured rates of the device, per dtype where it
+it (:mod:`autofit.estimator.calibration`). Three measured rates of the device, per dtype where it
 matters, come from a short probe (:func:`probe_rates`: a child process with
 ``OMP_WAIT_POLICY=PASSIVE`` that measures twice, a few seconds once, then cached on disk next to
 the profiles; implausible rates are never cached), never from a table of peak numbers: the same chip runs fp16 matmuls 1000x
@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from autofit.core.config import FIELDS, Precision, TrainConfig, stage_bounds
-from autofit.estimate.comm_time import fsdp_micro_step_seconds, send_seconds
+from autofit.estimator.comm_time import fsdp_micro_step_seconds, send_seconds
 from autofit.probes.device_rates import DeviceRates
 from autofit.profiling.data import Profile
 

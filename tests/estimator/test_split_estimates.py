@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from autofit.core.config import TrainConfig
-from autofit.estimate.memory_model import estimate
-from autofit.estimate.memory_table import in_flight, in_flight_later
+from autofit.estimator.memory_model import estimate
+from autofit.estimator.memory_table import in_flight, in_flight_later
 from autofit.profiling.profile import profile_workload
 from autofit.trial.pipeline import measure_split
 from autofit.workloads.base import Workload

@@ -9,7 +9,7 @@ import pytest
 from trial_workloads import TINY_LM as TINY
 
 from autofit.core.config import TrainConfig
-from autofit.estimate.time_model import op_counts, predict_table
+from autofit.estimator.time_model import op_counts, predict_table
 from autofit.probes.device_rates import DeviceRates, probe_rates
 from autofit.runtime import forkserver, procs
 from autofit.workloads.load import load_workload
@@ -201,8 +201,8 @@ def test_the_layer_probe_times_the_workloads_first_layer_in_each_precision():
 
 
 def test_layer_scales_are_the_measured_line_over_the_models_and_rescale_the_micro_step(profile):
-    from autofit.estimate.layer_prior import layer_scales
-    from autofit.estimate.time_model import OpCounts, layer_time_line
+    from autofit.estimator.layer_prior import layer_scales
+    from autofit.estimator.time_model import OpCounts, layer_time_line
     from autofit.probes.layer_timing import LAYER_BATCHES
 
     rates = _rates()
@@ -220,8 +220,8 @@ def test_layer_scales_are_the_measured_line_over_the_models_and_rescale_the_micr
 
 
 def test_a_precision_without_its_own_layer_factors_gets_the_others_mean(profile, monkeypatch):
-    from autofit.estimate import layer_prior
-    from autofit.estimate.time_model import layer_time_line
+    from autofit.estimator import layer_prior
+    from autofit.estimator.time_model import layer_time_line
     from autofit.probes.layer_timing import LAYER_BATCHES
 
     rates = _rates()

@@ -5,9 +5,9 @@ import pytest
 
 from autofit.core.config import Precision, TrainConfig
 from autofit.core.errors import ConfigError
-from autofit.estimate.advice import advise
-from autofit.estimate.memory_model import estimate
-from autofit.estimate.memory_table import BREAKDOWN, estimate_table, in_flight
+from autofit.estimator.advice import advise
+from autofit.estimator.memory_model import estimate
+from autofit.estimator.memory_table import BREAKDOWN, estimate_table, in_flight
 from autofit.profiling.profile import profile_workload
 from autofit.trial.measure import measure_trial
 from autofit.workloads.load import load_workload

@@ -18,9 +18,9 @@ from autofit.probes.layer_timing import (
 
 def layer_scales(profile, rates, counts, seconds: dict[str, list[float]]) -> dict[str, tuple[float, float]]:
     """Per precision, (per-sample factor, fixed factor): the measured layer's line over the time model's
-    (:func:`autofit.estimate.time_model.layer_time_line`). Precisions whose factors fall outside
+    (:func:`autofit.estimator.time_model.layer_time_line`). Precisions whose factors fall outside
     :data:`SCALE_RANGE` are left out (the prior stays as it was for them)."""
-    from autofit.estimate.time_model import layer_time_line
+    from autofit.estimator.time_model import layer_time_line
 
     (b1, b2), scales = LAYER_BATCHES, {}
     for precision, (t1, t2) in seconds.items():
@@ -38,14 +38,14 @@ def layer_scales(profile, rates, counts, seconds: dict[str, list[float]]) -> dic
 
 def workload_prior(workload, profile, rates, precisions: list[str], use_cache: bool = True,
                    note: Callable[[str], None] | None = None):
-    """:func:`autofit.estimate.time_model.op_counts` of ``workload`` with its measured :attr:`layer_scales`, timed for
+    """:func:`autofit.estimator.time_model.op_counts` of ``workload`` with its measured :attr:`layer_scales`, timed for
     the precisions whose layer is cheap enough (:data:`MAX_LAYER_S`), the others given the timed ones'
     geometric mean; plain op counts when the workload has no source, no layer can be timed, or the
     probe fails. What a search's planner uses (:func:`autofit.study.worker.run_worker`). ``note``:
     as :func:`measure_layer_seconds`'s."""
     import dataclasses
 
-    from autofit.estimate.time_model import layer_time_line, op_counts
+    from autofit.estimator.time_model import layer_time_line, op_counts
 
     counts = op_counts(workload)
     if workload.source is None or counts is None:

@@ -7,8 +7,8 @@ import pytest
 
 from autofit.core.budget import parse_budget
 from autofit.core.config import Precision, TrainConfig
-from autofit.estimate.advice import advise_workload
-from autofit.estimate.memory_model import estimate
+from autofit.estimator.advice import advise_workload
+from autofit.estimator.memory_model import estimate
 from autofit.profiling.profile import profile_workload
 from autofit.workloads.load import load_workload
 

@@ -16,7 +16,7 @@ import pytest
 from seq2seq_workloads import SRC, TGT, D
 
 from autofit.core.config import Precision, TrainConfig
-from autofit.estimate.memory_model import estimate
+from autofit.estimator.memory_model import estimate
 from autofit.profiling.profile import profile_workload
 from autofit.trial.ground_truth import allocator_peak_bytes
 from autofit.workloads.load import load_workload

@@ -8,7 +8,7 @@ import pandas as pd
 
 from autofit.core.budget import format_bytes
 from autofit.core.config import Precision, SplitMode, TrainConfig
-from autofit.estimate.memory_table import estimate_table
+from autofit.estimator.memory_table import estimate_table
 from autofit.profiling.data import Profile
 
 

@@ -16,10 +16,10 @@ are laid end to end again for any config, as PyTorch would run it:
 - device split: stage s holds its layers (plus the embedding on the first stage and the head
   on the last), and under 1F1B up to ``min(grad_accum, p - s)`` micro-batches in flight
   (GPipe: all ``grad_accum``) during its forwards and first backward, one fewer once later
-  micro-steps run with the gradients made (:func:`autofit.estimate.memory_table.in_flight_later`);
+  micro-steps run with the gradients made (:func:`autofit.estimator.memory_table.in_flight_later`);
   its receive buffers live through the optimizer step; an earlier stage's output and that
   output's gradient live until the micro-batch's backward returns (the unsplit profile saw its
-  last layer free them: :mod:`autofit.estimate.stage_walk` adds them back from that layer's
+  last layer free them: :mod:`autofit.estimator.stage_walk` adds them back from that layer's
   backward on); a weight tied across the model's ends (embedding and head) is one copy per end
   stage, each with its own gradient: the ends come from the profile of the untied model
   (``PrecisionProfile.split_ends``);
@@ -33,12 +33,12 @@ Every quantity is a line ``c0 + c1·b`` in the micro-batch b, so for one structu
 checkpoint interval, split) the peak is the upper envelope of a few dozen lines, evaluated for
 all micro-batches and accumulation counts at once with numpy. A region contributes two lines
 (its peak at the profiled sizes and its steepest operator), since the operator that sets a
-region's peak can change with b. ``tests/estimate/test_memory_model_golden.py`` checks the result
+region's peak can change with b. ``tests/estimator/test_memory_model_golden.py`` checks the result
 byte for byte against hand arithmetic on a stack of Linear layers.
 
-The model in modules: :mod:`autofit.estimate.stage_walk` lays one stage's micro-step out as lines,
-:mod:`autofit.estimate.memory_table` scores many configs at once (:func:`~autofit.estimate.memory_table.estimate_table`;
-FSDP ranks: :mod:`autofit.estimate.fsdp_memory`), and this module gives one config's
+The model in modules: :mod:`autofit.estimator.stage_walk` lays one stage's micro-step out as lines,
+:mod:`autofit.estimator.memory_table` scores many configs at once (:func:`~autofit.estimator.memory_table.estimate_table`;
+FSDP ranks: :mod:`autofit.estimator.fsdp_memory`), and this module gives one config's
 :class:`MemoryEstimate` (:func:`estimate`).
 
 Known limitations: a region whose peak changes operator
@@ -59,9 +59,9 @@ import pandas as pd
 
 from autofit.core.config import PipelineSchedule, SplitMode, TrainConfig
 from autofit.core.errors import ConfigError
-from autofit.estimate.fsdp_memory import FSDP_EXTRA_COLUMNS
-from autofit.estimate.memory_table import BREAKDOWN, estimate_table
-from autofit.estimate.stage_walk import stage_lines
+from autofit.estimator.fsdp_memory import FSDP_EXTRA_COLUMNS
+from autofit.estimator.memory_table import BREAKDOWN, estimate_table
+from autofit.estimator.stage_walk import stage_lines
 from autofit.probes.cuda_overhead import (
     FALLBACK_CONTEXT_BYTES,
     FRAGMENTATION,

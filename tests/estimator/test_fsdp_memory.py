@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from autofit.core.config import TrainConfig
-from autofit.estimate.fsdp_memory import fsdp_units, padded_shard_bytes, rank_lines
-from autofit.estimate.memory_table import estimate_table
+from autofit.estimator.fsdp_memory import fsdp_units, padded_shard_bytes, rank_lines
+from autofit.estimator.memory_table import estimate_table
 from autofit.profiling.data import Profile
 from autofit.profiling.profile import profile_workload
 from autofit.trial.fsdp import measure_fsdp
@@ -75,7 +75,7 @@ def test_estimate_matches_each_ranks_measured_peak(profile, config):
 
 
 def test_fewest_devices_per_split_mode_with_a_breakdown(profile):
-    from autofit.estimate.advice import fewest_devices, fewest_devices_lines
+    from autofit.estimator.advice import fewest_devices, fewest_devices_lines
 
     one_device = estimate_table(profile, [TrainConfig()]).iloc[0].peak_bytes
     budget = int(one_device * 0.9)  # one device is not enough

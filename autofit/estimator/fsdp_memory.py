@@ -2,7 +2,7 @@
 
 Every rank runs the whole model on its own ``micro_batch`` samples, so its activations are
 those of one device at that micro-batch: the profile's regions, laid end to end as
-:mod:`autofit.estimate.memory_model` does, counted without parameter gradients. What FSDP2
+:mod:`autofit.estimator.memory_model` does, counted without parameter gradients. What FSDP2
 (:mod:`autofit.trial.fsdp`) changes is the model state and its traffic, added here term by term
 (N ranks; bytes in the parameter dtype; ``torch.distributed.fsdp`` 2.x behaviour):
 
@@ -29,7 +29,7 @@ activations, as on one device (see :mod:`autofit.trial.fsdp` for why no ``MixedP
 
 Known limitations: profiles without ``grad_rows`` (before version 8) count shards as exactly 1/N;
 the optimizer state is scaled by the parameters' padding (state follows each parameter's shape). On CUDA the context and fragmentation are added as in
-:mod:`autofit.estimate.memory_model`.
+:mod:`autofit.estimator.memory_model`.
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ from autofit.probes.links import LinkRates
 
 
 def fsdp_units_bytes(pp, n_layers: int, checkpoint_every: int) -> list[tuple[float, float]]:
-    """(parameter bytes, gradient bytes) of each FSDP unit (:func:`autofit.estimate.fsdp_memory.fsdp_units`),
+    """(parameter bytes, gradient bytes) of each FSDP unit (:func:`autofit.estimator.fsdp_memory.fsdp_units`),
     the root last: what the model outside its layers holds (tied weights counted once)."""
-    from autofit.estimate.fsdp_memory import fsdp_units
+    from autofit.estimator.fsdp_memory import fsdp_units
 
     units = [(float(sum(pp.layers[i].param_bytes for i in range(s, e))),
               float(sum(pp.layers[i].grad_bytes for i in range(s, e)))) for s, e in fsdp_units(n_layers, checkpoint_every)]

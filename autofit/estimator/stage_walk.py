@@ -1,7 +1,7 @@
 """One pipeline stage's micro-step, its profiled regions laid end to end as lines ``c0 + c1·b``.
 
-The rules (gradients, checkpointing, device split) are described in :mod:`autofit.estimate.memory_model`;
-:func:`stage_lines` gives what :mod:`autofit.estimate.memory_table` takes the upper envelope of.
+The rules (gradients, checkpointing, device split) are described in :mod:`autofit.estimator.memory_model`;
+:func:`stage_lines` gives what :mod:`autofit.estimator.memory_table` takes the upper envelope of.
 """
 
 from __future__ import annotations

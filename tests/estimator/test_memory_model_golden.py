@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from autofit.core.config import Precision, TrainConfig
-from autofit.estimate.memory_model import estimate
+from autofit.estimator.memory_model import estimate
 from autofit.profiling.profile import profile_workload
 from autofit.workloads.base import Workload
 

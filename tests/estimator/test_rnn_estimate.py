@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from autofit.core.config import Precision, TrainConfig
-from autofit.estimate.memory_model import estimate
+from autofit.estimator.memory_model import estimate
 from autofit.profiling.profile import profile_workload
 from autofit.trial.measure import measure_trial
 from autofit.workloads.load import load_workload

@@ -16,7 +16,7 @@ from torch import nn
 
 from autofit import TrainConfig, Workload
 from autofit.core.errors import ConfigError
-from autofit.estimate.memory_model import estimate
+from autofit.estimator.memory_model import estimate
 from autofit.profiling.profile import profile_workload
 from autofit.trial.measure import measure_trial
 
