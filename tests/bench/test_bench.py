@@ -27,8 +27,8 @@ from autofit.bench.search import (
     run_strategy,
     score,
 )
-from autofit.bench.search_tables import losses, write_search
 from autofit.bench.search_data import Cell, Grid, GridPoint, SearchResults
+from autofit.bench.search_tables import losses, write_search
 from autofit.core.config import Precision, TrainConfig
 
 MiB = 2**20

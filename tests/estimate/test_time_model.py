@@ -221,8 +221,8 @@ def test_layer_scales_are_the_measured_line_over_the_models_and_rescale_the_micr
 
 def test_a_precision_without_its_own_layer_factors_gets_the_others_mean(profile, monkeypatch):
     from autofit.estimate import layer_prior
-    from autofit.probes.layer_timing import LAYER_BATCHES
     from autofit.estimate.time_model import layer_time_line
+    from autofit.probes.layer_timing import LAYER_BATCHES
 
     rates = _rates()
     counts = op_counts(load_workload(TINY))
