@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         samples = best.get("samples") or []
         print(f"best: {best['short']} (trial {best['trial']}): {best['measured']['samples_per_s']:,.2f} samples/s, "
               f"peak {format_bytes(best['measured']['peak_bytes'])}"
-              + (f"; median of {len(samples)} samples {best['median_samples_per_s']:,.2f} samples/s"
+              + (f" (best of {len(samples)} samples; their median {best['median_samples_per_s']:,.2f})"
                  if len(samples) > 1 else ""))
         print(f"reproduce: {best['reproduce']}")
     else:

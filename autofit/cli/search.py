@@ -131,7 +131,7 @@ def _summary(result) -> None:
         if m.get("tokens_per_s"):
             rate += f", {m['tokens_per_s']:,.0f} tokens/s"
         print(f"throughput {rate}; step {m['step_time_s']:.3f} s"
-              + (f" (median of {m['samples']} samples: {m['median_samples_per_s']:,.2f} samples/s)"
+              + (f" (best of {m['samples']} samples; their median {m['median_samples_per_s']:,.2f})"
                  if m.get("samples", 1) > 1 else ""))
     print(f"pruned     {result.n_pruned} of {result.n_configs} configs by the estimate" + (f" ({reasons})" if reasons else ""))
     print(f"trials     {result.n_real} real" + (f" ({statuses})" if statuses else ""))

@@ -36,8 +36,8 @@ from autofit.study.settings import JOURNAL_NAME, redact
 class SearchResult:
     """What a search found. ``best`` is None when no trial ran ok under the budget.
 
-    - ``best``: the fastest config measured under the budget (the highest median over its
-      samples); ``best_measured``: its first trial's measurements (``samples_per_s``,
+    - ``best``: the fastest config measured under the budget (ranked by each config's best sample:
+      load only slows a trial); ``best_measured``: that sample's measurements (``samples_per_s``,
       ``peak_bytes``, ``step_time_s``, ...), with ``samples`` (how many) and ``median_samples_per_s``;
       ``best_predicted``: what the estimate said before it ran.
     - ``table``: every trial (:func:`trials_table`); ``n_configs``, ``n_pruned`` (configs the
@@ -99,7 +99,7 @@ class SearchResult:
 
 
 def _measured_with_samples(trial: TrialRecord, samples: list[TrialRecord]) -> dict:
-    """The first trial's measurements, with how many samples the config has and their median samples/s."""
+    """The best sample's measurements, with how many samples the config has and their median samples/s."""
     values = [r.measurement.get("samples_per_s") or 0.0 for r in samples]
     return {**trial.measurement, "samples": len(samples), "median_samples_per_s": float(np.median(values))}
 

@@ -3,10 +3,12 @@
 - ``trials.csv``: one row per trial: number, status (a :class:`autofit.core.records.TrialStatus`:
   ``ok``, ``oom``, ``error``, ``timeout``, ``pruned``; ``running`` and ``interrupted`` for a
   study in progress or interrupted), why it was pruned, the five config fields, predicted and measured peak bytes, samples/s,
-  step time, the prediction errors, and ``wait_s``, how long it waited for its device (another trial held it);
-- ``best.json``: the best config (the highest median over its samples among configs that ran ok
-  under the budget: it, and a runner-up within the measured noise of it, are measured again
-  before the search ends), its first trial's measurements, every sample and their median, and the command that measures it again;
+  step time, the prediction errors, what the timed steps got from the machine (``starved_steps``:
+  steps whose threads waited for a CPU, taken again; ``step_spread``, ``cpu_share``, ``threads``,
+  ``cpus``, ``max_wait_share``), and ``wait_s``, how long it waited for its device (another trial held it);
+- ``best.json``: the best config (ranked by each config's best sample among configs that ran ok
+  under the budget: load only ever slows a trial down), that sample's measurements, every
+  sample, their median and spread, and the command that measures it again;
 - ``summary.md``: the top configs, what the estimate pruned and why, the calibration, the
   prediction error of every real trial, the device, versions and wall time;
 - ``calibration.json``: the calibration the next planning step would use.
@@ -55,8 +57,9 @@ COLUMNS = (
     "number", "status", "sample", "reason_kind", "reason", *FIELDS,
     "predicted_peak_bytes", "calibrated_peak_bytes", "measured_peak_bytes", "peak_error",
     "predicted_step_time_s", "step_time_s", "step_time_error", "prior_step_time_error",
-    "predicted_samples_per_s", "samples_per_s", "objective", "basis", "tokens_per_s", "trial_wall_s", "wait_s", "error",
-    "started", "finished",
+    "predicted_samples_per_s", "samples_per_s", "objective", "basis", "tokens_per_s",
+    "timed_steps", "starved_steps", "step_spread", "cpu_share", "threads", "cpus", "max_wait_share",
+    "trial_wall_s", "wait_s", "error", "started", "finished",
 )
 
 
@@ -111,6 +114,9 @@ def trials_table(study: StudySnapshot) -> pd.DataFrame:
             else objective(r.config, measured["samples_per_s"], devices),
             "basis": basis(r.config, devices),
             "tokens_per_s": measured.get("tokens_per_s"),
+            # what the timed steps got from the machine: starved steps were taken again, never the figure
+            **{k: measured.get(k) for k in ("timed_steps", "starved_steps", "step_spread", "cpu_share", "threads",
+                                            "cpus", "max_wait_share")},
             "trial_wall_s": measured.get("wall_s"),
             "wait_s": measured.get("wait_s"),  # for its device: another trial held it (autofit.runtime.devicelock)
             "error": measured.get("error") or ("interrupted" if r.status is TrialStatus.INTERRUPTED else None),
@@ -120,6 +126,19 @@ def trials_table(study: StudySnapshot) -> pd.DataFrame:
     for name in ("predicted_peak_bytes", "calibrated_peak_bytes", "measured_peak_bytes"):
         table[name] = table[name].astype("Int64")
     return table
+
+
+def top_configs(table: pd.DataFrame, top: int | None = None) -> pd.DataFrame:
+    """One row per config that ran ok, its best sample's (the highest objective), best first, with
+    ``samples`` (how many ok samples it has) and ``spread`` (its best over its median, less one)."""
+    ok = table[table["status"] == TrialStatus.OK.value]
+    if ok.empty:
+        return ok.assign(samples=pd.Series(dtype="Int64"), spread=pd.Series(dtype=float))
+    keys = list(FIELDS)
+    grouped = ok.groupby(keys, sort=False, dropna=False)["objective"]
+    ok = ok.assign(samples=grouped.transform("size"), spread=ok["objective"] / grouped.transform("median") - 1.0)
+    ranked = select(ok)
+    return ranked.drop_duplicates(subset=keys, keep="first").head(top if top is not None else len(ranked))
 
 
 def select(table: pd.DataFrame, *, status: str | None = None, top: int | None = None) -> pd.DataFrame:
@@ -144,8 +163,8 @@ def calibration_of(study: StudySnapshot) -> Calibration:
 
 
 def best_trial(study: StudySnapshot) -> TrialRecord | None:
-    """The first trial of the best config (:func:`autofit.core.records.best_of`: the highest median over
-    its samples among configs that ran ok under the budget), or None."""
+    """The best sample of the best config (:func:`autofit.core.records.best_of`: the highest best sample
+    among configs that ran ok under the budget), or None."""
     return best_of(list(study.records))
 
 
@@ -188,6 +207,8 @@ def best_record(study: StudySnapshot) -> dict:
                      "samples_per_s": r.measurement.get("samples_per_s")} for r in samples],
         "median_objective": median_value(samples),
         "median_samples_per_s": float(np.median([r.measurement.get("samples_per_s") or 0.0 for r in samples])),
+        # best sample over the median, less one: how much the config's samples disagreed
+        "sample_spread": (trial.value / median_value(samples) - 1.0) if median_value(samples) else None,
         "peak_fraction_of_budget": measured_peak(measured) / budget if budget and measured_peak(measured) else None,
         "reproduce": measure_command(settings, config),
     }
@@ -336,19 +357,22 @@ def summary_markdown(study: StudySnapshot, table: pd.DataFrame | None = None, *,
                    + (f", {m['tokens_per_s']:,.0f} tokens/s" if m.get("tokens_per_s") else "")
                    + f"; step {_seconds(m.get('step_time_s'))}")
         if len(best["samples"]) > 1:
-            out.append(f"- measured {len(best['samples'])} times: median {best['median_samples_per_s']:.2f} samples/s ("
-                       + ", ".join(f"{x['samples_per_s']:.2f}" for x in best["samples"]) + "); the best config is "
-                       "the highest median; it, and a runner-up within the measured noise of it, were measured again before the "
-                       "search ended")
+            out.append(f"- measured {len(best['samples'])} times: "
+                       + ", ".join(f"{x['samples_per_s']:.2f}" for x in best["samples"]) + " samples/s; a config is "
+                       "ranked by its best sample (another process only ever slows a trial down)")
+        if m.get("starved_steps"):
+            out.append(f"- {m['starved_steps']} of its {m.get('timed_steps')} timed steps waited for a CPU (another "
+                       "process was running) and were taken again; the figure is from a step that did not wait")
         out.append(f"- measured peak: {_bytes(m.get('peak_bytes'))} = {100 * best['peak_fraction_of_budget']:.1f}% of "
                    f"the budget (predicted {_bytes(p.get('peak_bytes'))})")
         out.append(f"- reproduce: `{best['reproduce']}`\n")
     out.append(f"## Top {top} configs\n")
-    ran = select(table[table["status"] == TrialStatus.OK.value], top=top)
+    ran = top_configs(table, top)
     out.append(_md_table(pd.DataFrame({
         "trial": ran["number"], "config": [TrainConfig.from_dict({f: r[f] for f in FIELDS}).short()
                                            for _, r in ran.iterrows()],
         "samples/s": ran["samples_per_s"].map(lambda v: f"{v:.2f}"),
+        "samples": ran["samples"], "spread": ran["spread"].map(lambda v: "" if _missing(v) else f"{100 * v:.1f}%"),
         "objective": [f"{v:.2f} ({b})" for v, b in zip(ran["objective"], ran["basis"])],
         "step": ran["step_time_s"].map(_seconds), "peak": ran["measured_peak_bytes"].map(_bytes),
         "of budget": ran["measured_peak_bytes"].map(lambda v: "" if _missing(v) else f"{100 * v / budget:.1f}%"),

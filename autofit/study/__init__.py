@@ -44,11 +44,10 @@ One planning step (every worker, before every trial, from what the storage holds
    quarter of the limit for them), not towards patience; one that fails or goes over the budget
    rules its config out. Running re-measurements count, so workers and resumed searches never
    take the same measurement twice;
-4. otherwise **run** the next candidate: first, for each precision not measured yet, its
-   predicted-fastest config (one trial calibrates the whole precision), unless a wide margin
-   already rules the precision out (above); then the candidate with
-   the highest calibrated predicted throughput; predictions within NEAR of the best are a tie,
-   won by the cheapest trial. It runs through the worker's trial runner (by default an
+4. otherwise **run** the candidate with the highest calibrated predicted throughput (the first
+   trial is the search's best guess, not a calibration probe; what the measured error rules out
+   is already pruned above); predictions within TIE of the best are a tie, won by the cheapest
+   trial. It runs through the worker's trial runner (by default an
    isolated child, :func:`autofit.trial.run.run_trial` of :data:`autofit.runtime.schedule.DEFAULT_SCHEDULE`)
    under the budget and a time limit sized from its prediction and that schedule; the objective is measured samples/s, and ``trial.set_constraint`` records the
    measured peak minus the budget (and whether it failed), so a trial that went over, or
@@ -95,7 +94,7 @@ _HOMES = {
     "autofit.study.storage": ("JOURNAL_NAME", "META_NAME", "ClaimLock", "FlockLock", "config_of", "create_or_load",
                               "distributions", "load_snapshot", "make_storage", "open_study", "read_records",
                               "record_of", "snapshot"),
-    "autofit.study.planner": ("BOUND", "NEAR", "NOISE_MIN", "REMEASURE_SAMPLES", "REMEASURE_TOP", "SLOW_FACTOR",
+    "autofit.study.planner": ("BOUND", "TIE", "NOISE_MIN", "REMEASURE_SAMPLES", "REMEASURE_TOP", "SLOW_FACTOR",
                               "TRIAL_STARTUP_S", "Planner", "Prune", "Step", "StopReason"),
     "autofit.study.progress": ("ProgressCallback", "SearchProgress", "progress_of"),
     "autofit.study.worker": ("HEARTBEAT_S", "ORPHAN_S", "STALE_S", "TrialRunner", "fail_stale_trials", "is_stale",

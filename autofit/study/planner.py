@@ -22,8 +22,8 @@ from autofit.core.records import (
     PruneReason,
     TrialRecord,
     TrialStatus,
+    best_sample,
     config_samples,
-    median_value,
 )
 from autofit.estimator.calibration import Calibration, calibrate, observations
 from autofit.estimator.memory_table import BREAKDOWN, estimate_table
@@ -35,7 +35,7 @@ from autofit.study.settings import StudySettings
 
 # --- the rules' constants ---------------------------------------------------------------------
 SLOW_FACTOR = 20.0         # pruned: predicted this many times slower than the best predicted
-NEAR = 0.05                # predictions this close are a tie: the cheaper trial runs first
+TIE = 0.01                 # predictions this close are a tie: the cheaper trial runs first
 BOUND = 0.5                # stop: the best candidate is predicted below this fraction of the best measured
 MIN_TRIAL_TIMEOUT_S = 60.0
 TRIAL_TIMEOUT_FACTOR = 4.0  # a trial may take this many times its (calibrated) prediction
@@ -274,7 +274,8 @@ class Planner:
                 if r.feasible and r.measurement.get("step_time_s"):
                     measured_step[i] = r.measurement["step_time_s"]
         by_config = config_samples([r for r in records if r.config in self.index])
-        best_median = max((median_value(v) for v in by_config.values()), default=None)
+        # A config's figure is its best sample: load only ever slows a trial down.
+        best_median = max((best_sample(v).value for v in by_config.values()), default=None)
         # Calibrated predictions.
         peak = self.table["peak_bytes"].to_numpy(dtype=np.float64)
         ratio = calibration.time_ratios(self.table)
@@ -312,23 +313,26 @@ class Planner:
             return Step(prunes, i, self.prediction(i, calibration, float(ratio[i])), None, calibration, sample)
         extra = sum(r.sample > 1 and r.status.ran for r in records)
         if extra:
-            stop += f"; then {extra} re-measurement(s) of the top configs (the best is the highest median)"
+            stop += f"; then {extra} re-measurement(s) of the leaders"
         return Step(prunes, None, None, stop, calibration, stop_reason=stop_reason)
 
     def _remeasure(self, records: Sequence[TrialRecord], by_config: dict) -> list[tuple[int, int]]:
         """The re-measurements still due before the best is crowned, as (config index, sample number):
-        the config with the highest median, and the next (up to REMEASURE_TOP) whose median raised by
-        :func:`sample_noise` reaches the best's, each brought to REMEASURE_SAMPLES samples; running
-        ones count (another worker has them)."""
+        only where the leaders' noise bands overlap. The leaders are the configs whose best sample,
+        raised by :func:`sample_noise`, reaches the best config's (up to REMEASURE_TOP of them); when
+        there are two or more, each is brought to REMEASURE_SAMPLES samples, so a slow first sample
+        of the true best gets its second chance. A leader alone is not measured again: nothing
+        within the noise could overtake it. Running ones count (another worker has them)."""
         claimed = [r for r in records if r.claimed and r.config in self.index]
         if sum(r.sample > 1 for r in claimed) >= REMEASURE_MAX or not by_config:
             return []
-        ranked = sorted(by_config.items(), key=lambda kv: (-median_value(kv[1]), kv[1][0].number))
-        best, noise = median_value(ranked[0][1]), sample_noise(by_config)
+        ranked = sorted(by_config.items(), key=lambda kv: (-best_sample(kv[1]).value, kv[1][0].number))
+        best, noise = best_sample(ranked[0][1]).value, sample_noise(by_config)
+        leaders = [(c, done) for c, done in ranked[:REMEASURE_TOP] if best_sample(done).value * (1 + noise) >= best]
+        if len(leaders) < 2:
+            return []
         due = []
-        for config, done in ranked[:REMEASURE_TOP]:
-            if median_value(done) * (1 + noise) < best:
-                break
+        for config, done in leaders:
             mine = [r for r in claimed if r.config == config]
             if len(done) + sum(r.status is TrialStatus.RUNNING for r in mine) < REMEASURE_SAMPLES:
                 due.append((self.index[config], 1 + max(r.sample for r in mine)))
@@ -452,12 +456,11 @@ class Planner:
 
     def _choose(self, candidates: list[int], sps: np.ndarray, ratio: np.ndarray,
                 records: Sequence[TrialRecord]) -> int:
-        """Explore each precision once, then exploit the best prediction; among near-equal
-        predictions (within NEAR, below the model's resolution) take the cheapest trial."""
-        measured = {r.config.precision for r in records if r.claimed}
-        unexplored = [i for i in candidates if self.configs[i].precision not in measured]
-        pool = unexplored or candidates
-        top = max(sps[i] for i in pool)
-        near = [i for i in pool if sps[i] >= top * (1 - NEAR)]
+        """The candidate predicted fastest (calibrated; every config the estimate says does not fit,
+        with its safety margin, or that the measured error rules out, is already pruned): the first
+        trial is the search's best guess, not a calibration probe. Among predictions within TIE of
+        the top, below what the model can tell apart, the cheapest trial runs first."""
+        top = max(sps[i] for i in candidates)
+        near = [i for i in candidates if sps[i] >= top * (1 - TIE)]
         return min(near, key=lambda i: (self.trial_seconds(i, ratio[i]), -sps[i], self._tiebreak[i]))
 

@@ -43,7 +43,10 @@ ORPHAN_S = 60.0            # a RUNNING trial no worker signed within this long w
 MEASURED_KEYS = ("peak_bytes", "per_device_peak_bytes", "peak_reserved_bytes", "context_bytes", "peak_card_bytes",
                  "breakdown", "samples_per_s",
                  "tokens_per_s", "step_time_s", "micro_step_time_s", "optimizer_step_time_s", "error", "wall_s",
-                 "wait_s", "started_at")
+                 "wait_s", "started_at",
+                 # what the timed steps got from the machine (autofit.runtime.timing)
+                 "timed_steps", "starved_steps", "step_samples_s", "step_spread", "cpu_share", "threads", "cpus",
+                 "max_wait_share", "device_step_s")
 
 
 class TrialRunner(Protocol):
@@ -288,6 +291,6 @@ class _Worker:
             finally:
                 raise
         data = result.to_dict()
-        storage.tell_result(self.study, trial, result, prediction, {k: data[k] for k in MEASURED_KEYS},
+        storage.tell_result(self.study, trial, result, prediction, {k: data.get(k) for k in MEASURED_KEYS},
                             _errors(prediction, result), self.settings.budget_bytes, self.settings.devices)
         self.emit(_describe(trial.number, config, result))

@@ -16,7 +16,10 @@ What is measured, in order (the steps of a :class:`autofit.runtime.schedule.Meas
 3. throughput, on steps run without any tracker: micro-steps and the optimizer step are timed
    separately and composed as ``step_time_s = grad_accum * t_micro + t_optimizer``
    (docs/facts.md#step-time-with-accumulation), so a config with ``grad_accum=64`` runs only a few
-   micro-steps per timed step.
+   micro-steps per timed step. Each timed step records its CPU time and how long its threads
+   waited for a CPU (:mod:`autofit.runtime.timing`); a step another process starved is taken
+   again (up to ``MAX_RETIMED_STEPS`` more), and the throughput is the fastest step that was
+   not starved: load only ever slows a step, so the fastest is the figure it inflates least.
 
 Each measured step runs ``min(grad_accum, 3)`` micro-batches (the schedule's
 ``micro_steps_per_step``): after the second micro-step
@@ -42,6 +45,12 @@ from autofit.probes.cuda_overhead import (
 )
 from autofit.runtime.messages import result_status
 from autofit.runtime.schedule import MeasureSchedule, run_steps
+from autofit.runtime.timing import (
+    MAX_RETIMED_STEPS,
+    StepClock,
+    StepTimes,
+    cpus_available,
+)
 from autofit.runtime.tracker import CATEGORIES as BREAKDOWN_KEYS
 from autofit.runtime.tracker import MemoryTracker, optimizer_state_bytes, storage_bytes
 from autofit.runtime.training import (
@@ -107,8 +116,8 @@ def _measure_cpu(workload: Workload, config: TrainConfig, budget_bytes: int | No
         raise
     peak_bytes = tracker.peak_bytes
     breakdown = tracker.peak_breakdown()
-    t_micro, t_optimizer = time_micro_and_optimizer_steps(trainee, batches, schedule.timed_steps)
-    return _result(workload, config, peak_bytes, None, breakdown, t_micro, t_optimizer)
+    times, t_micro, t_optimizer = time_steps(trainee, batches, config, schedule.timed_steps)
+    return _result(workload, config, peak_bytes, None, breakdown, t_micro, t_optimizer, times)
 
 
 def _measure_cuda(workload: Workload, config: TrainConfig, device: str, budget_bytes: int | None,
@@ -134,8 +143,8 @@ def _measure_cuda(workload: Workload, config: TrainConfig, device: str, budget_b
     torch.cuda.synchronize(dev)
     torch.cuda.reset_peak_memory_stats(dev)
     # On CUDA nothing slows the steps down, so the timed steps are also the measured ones.
-    t_micro, t_optimizer = time_micro_and_optimizer_steps(trainee, batches, schedule.timed_steps,
-                                                          sync=lambda: torch.cuda.synchronize(dev))
+    times, t_micro, t_optimizer = time_steps(trainee, batches, config, schedule.timed_steps,
+                                             sync=lambda: torch.cuda.synchronize(dev), device=dev)
     peak_bytes = torch.cuda.max_memory_allocated(dev)
     reserved_bytes = torch.cuda.max_memory_reserved(dev)
     measured, _how = context_bytes_now(dev)
@@ -155,7 +164,7 @@ def _measure_cuda(workload: Workload, config: TrainConfig, device: str, budget_b
         "activations_bytes": max(0, peak_bytes - params - grads - state - inputs),
         "temporary_bytes": 0, "overhead_bytes": inputs,
     }
-    out = _result(workload, config, peak_bytes, reserved_bytes, breakdown, t_micro, t_optimizer)
+    out = _result(workload, config, peak_bytes, reserved_bytes, breakdown, t_micro, t_optimizer, times)
     out.update(context_bytes=int(context), context_measured=measured is not None, peak_card_bytes=int(card_bytes))
     return out
 
@@ -198,6 +207,57 @@ def time_micro_and_optimizer_steps(trainee, micro_batches: list, repeats: int,
     return statistics.median(micro_s), statistics.median(optimizer_s)
 
 
+def time_steps(trainee, micro_batches: list, config: TrainConfig, repeats: int,
+               sync: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.perf_counter,
+               device: torch.device | None = None) -> tuple[StepTimes, float, float]:
+    """Time ``repeats`` steps that no other process starved (taking up to ``MAX_RETIMED_STEPS`` more
+    to replace starved ones), each as :func:`autofit.runtime.training.train_step` runs it.
+
+    Returns the steps' :class:`~autofit.runtime.timing.StepTimes` and the micro-step and optimizer
+    step seconds of its best step (composed by :func:`compose_step_time` into ``best_s``). On
+    CUDA (``device``) each step's event time is recorded beside its wall time.
+    """
+    steps = StepClock(clock)
+    samples, parts = [], []
+    while len(samples) < repeats + MAX_RETIMED_STEPS:
+        events = _cuda_events(device)
+        micro_s, optimizer_s = _timed_step(trainee, micro_batches, sync, steps, events)
+        t_micro = statistics.fmean(micro_s)
+        device_s = events[0].elapsed_time(events[1]) / 1000.0 if events else None
+        samples.append(steps.step_sample(compose_step_time(config, t_micro, optimizer_s), device_s))
+        parts.append((t_micro, optimizer_s))
+        if sum(not s.starved for s in samples) >= repeats:
+            break
+    times = StepTimes(tuple(samples), torch.get_num_threads(), cpus_available())
+    t_micro, t_optimizer = parts[samples.index(times.best)]
+    return times, t_micro, t_optimizer
+
+
+def _timed_step(trainee, micro_batches: list, sync, steps: StepClock, events) -> tuple[list[float], float]:
+    trainee.optimizer.zero_grad(set_to_none=True)
+    micro_s = []
+    for inputs, targets in micro_batches:
+        sync()
+        steps.start()
+        if events and not micro_s:
+            events[0].record()
+        forward_backward(trainee, inputs, targets)
+        sync()
+        micro_s.append(steps.stop())
+    steps.start()
+    optimizer_step(trainee)
+    if events:
+        events[1].record()
+    sync()
+    return micro_s, steps.stop()
+
+
+def _cuda_events(device):
+    if device is None or device.type != "cuda":
+        return None
+    return (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+
+
 def compose_step_time(config: TrainConfig, micro_step_time_s: float, optimizer_step_time_s: float) -> float:
     """Seconds per optimizer step: ``grad_accum`` micro-steps and one optimizer step."""
     return config.grad_accum * micro_step_time_s + optimizer_step_time_s
@@ -211,10 +271,10 @@ def trial_micro_batches(workload: Workload, config: TrainConfig, device: torch.d
 
 
 def _result(workload: Workload, config: TrainConfig, peak_bytes: int, reserved_bytes: int | None,
-            breakdown: dict, t_micro: float, t_optimizer: float) -> dict:
+            breakdown: dict, t_micro: float, t_optimizer: float, times: StepTimes | None = None) -> dict:
     step_time_s = compose_step_time(config, t_micro, t_optimizer)
     samples_per_s = config.samples_per_step / step_time_s
-    return {
+    return {**(times.to_dict() if times is not None else {}),
         "status": "ok", "error": None,
         "peak_bytes": int(peak_bytes), "per_device_peak_bytes": [int(peak_bytes)],
         "peak_reserved_bytes": None if reserved_bytes is None else int(reserved_bytes),

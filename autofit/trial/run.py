@@ -71,6 +71,14 @@ class TrialResult:
     - CUDA only (None elsewhere): ``context_bytes``, the process's bytes on the card outside the
       allocator; ``peak_card_bytes``, reserved + context: what the card held, and what the
       estimate predicts on CUDA.
+    - What the timed steps got from the machine (:class:`autofit.runtime.timing.StepTimes`; None
+      where not measured, as for a device split): ``timed_steps`` (starved ones included),
+      ``starved_steps`` (steps whose threads waited for a CPU: taken again, never the figure),
+      ``step_samples_s`` (every timed step, composed), ``step_spread`` (median over best, less
+      one), ``cpu_share`` (CPU time over wall time times ``threads`` in the best step),
+      ``threads`` (intra-op threads asked for), ``cpus`` (CPUs the process could run on),
+      ``max_wait_share`` (the largest run-queue wait of a step over its wall time), and on CUDA
+      ``device_step_s`` (event time of the fastest step as run). The throughput is the best step's.
     """
 
     workload: str
@@ -93,6 +101,15 @@ class TrialResult:
     peak_reserved_bytes: int | None = None
     context_bytes: int | None = None
     peak_card_bytes: int | None = None
+    timed_steps: int | None = None
+    starved_steps: int | None = None
+    step_samples_s: list[float] | None = None
+    step_spread: float | None = None
+    cpu_share: float | None = None
+    threads: int | None = None
+    cpus: int | None = None
+    max_wait_share: float | None = None
+    device_step_s: float | None = None
 
     @property
     def judged_peak_bytes(self) -> int | None:

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from trial_workloads import TINY_LM as TINY
 from torch import nn
+from trial_workloads import TINY_LM as TINY
 
 from autofit.core.config import TrainConfig
 from autofit.core.records import TrialStatus
@@ -22,7 +22,12 @@ from autofit.probes.cuda_overhead import (
     CudaOverhead,
     fallback_overhead,
 )
-from autofit.probes.device_rates import DeviceRates, cached_rates, device_overhead, probe_rates
+from autofit.probes.device_rates import (
+    DeviceRates,
+    cached_rates,
+    device_overhead,
+    probe_rates,
+)
 from autofit.profiling.profile import profile_workload
 from autofit.runtime.training import cast_fake_in_place
 from autofit.trial.run import TrialResult, run_trial

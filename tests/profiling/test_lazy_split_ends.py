@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from autofit.profiling import precision as profile_module
 from autofit.core.config import TrainConfig
 from autofit.core.errors import ProfileError, WorkloadError
 from autofit.estimator.memory_model import estimate_table, needs_split_ends
+from autofit.profiling import precision as profile_module
 from autofit.profiling.profile import profile_workload
 from autofit.workloads.load import load_workload
 

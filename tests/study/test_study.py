@@ -581,8 +581,8 @@ def test_a_search_runs_its_trials_through_the_injected_runner(tmp_path):
 
 
 def test_start_up_progress_says_what_was_computed_then_what_came_from_the_cache(tmp_path, monkeypatch):
-    from autofit.probes import device_rates as time_model
     from autofit.api.run_study import search
+    from autofit.probes import device_rates as time_model
 
     monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path / "cache"))  # cold: profile, device probe, layer timing
     fixed = time_model.DeviceRates("cpu", "test", 2, {"float32": 1e11, "bfloat16": 5e10, "float16": 1e9}, 1e10, 5e-6,

@@ -185,3 +185,31 @@ def test_cuda_trial_over_budget_is_oom():
     result = run_trial("gpt-tiny", TrainConfig(micro_batch=64), device="cuda", budget_bytes=4 << 20, timeout_s=300)
     assert result.status is TrialStatus.OOM, result.error
     assert not torch.cuda.is_initialized()
+
+
+def test_starved_steps_are_taken_again_and_never_the_figure(monkeypatch):
+    """The first two timed steps' threads waited on the run queue half of each part: they are taken
+    again, and the throughput is the fastest step that did not wait (load only slows a step down)."""
+    from autofit.runtime import timing
+    from autofit.trial.measure import time_steps
+
+    workload = mlp_workload()
+    config = TrainConfig(micro_batch=2, grad_accum=2)
+    trainee = build_trainee(workload, config)
+    batches = trial_micro_batches(workload, config, trainee.device)
+    parts_per_step = len(batches) + 1
+    state = {"reads": 0, "wait_ns": 0}
+
+    def schedstats():  # read at the start and end of each timed part; each part of the first two steps waits 0.5 s
+        state["reads"] += 1
+        part = (state["reads"] - 1) // 2
+        if state["reads"] % 2 == 0 and part < 2 * parts_per_step:
+            state["wait_ns"] += 5 * 10**8
+        return {"1": (10**9 * state["reads"], state["wait_ns"])}
+
+    monkeypatch.setattr(timing, "_schedstats", schedstats)
+    ticks = iter(range(10_000))
+    times, t_micro, t_optimizer = time_steps(trainee, batches, config, 3, clock=lambda: float(next(ticks)))
+    assert times.starved_steps == 2 and len(times.samples) == 5
+    assert [s.starved for s in times.samples] == [True, True, False, False, False]
+    assert times.best_s == compose_step_time(config, t_micro, t_optimizer) == 2 * 1.0 + 1.0
