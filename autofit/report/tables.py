@@ -38,6 +38,7 @@ from autofit.core.records import (
     TrialRecord,
     TrialStatus,
     best_of,
+    best_sample,
     config_samples,
     median_value,
 )
@@ -128,17 +129,16 @@ def trials_table(study: StudySnapshot) -> pd.DataFrame:
     return table
 
 
-def top_configs(table: pd.DataFrame, top: int | None = None) -> pd.DataFrame:
-    """One row per config that ran ok, its best sample's (the highest objective), best first, with
-    ``samples`` (how many ok samples it has) and ``spread`` (its best over its median, less one)."""
-    ok = table[table["status"] == TrialStatus.OK.value]
-    if ok.empty:
-        return ok.assign(samples=pd.Series(dtype="Int64"), spread=pd.Series(dtype=float))
-    keys = list(FIELDS)
-    grouped = ok.groupby(keys, sort=False, dropna=False)["objective"]
-    ok = ok.assign(samples=grouped.transform("size"), spread=ok["objective"] / grouped.transform("median") - 1.0)
-    ranked = select(ok)
-    return ranked.drop_duplicates(subset=keys, keep="first").head(top if top is not None else len(ranked))
+def top_configs(study: StudySnapshot, table: pd.DataFrame, top: int | None = None) -> pd.DataFrame:
+    """One row per config that ran ok under the budget (:func:`autofit.core.records.config_samples`),
+    its best sample's, best first, with ``samples`` (how many feasible samples it has) and
+    ``spread`` (its best over its median, less one): the ranking :func:`best_trial` crowns from."""
+    by_config = config_samples(list(study.records))
+    best = {best_sample(s).number: (len(s), best_sample(s).value / median_value(s) - 1.0 if median_value(s) else None)
+            for s in by_config.values()}
+    rows = table[table["number"].isin(list(best))]
+    rows = rows.assign(samples=[best[n][0] for n in rows["number"]], spread=[best[n][1] for n in rows["number"]])
+    return select(rows, top=top)
 
 
 def select(table: pd.DataFrame, *, status: str | None = None, top: int | None = None) -> pd.DataFrame:
@@ -367,7 +367,7 @@ def summary_markdown(study: StudySnapshot, table: pd.DataFrame | None = None, *,
                    f"the budget (predicted {_bytes(p.get('peak_bytes'))})")
         out.append(f"- reproduce: `{best['reproduce']}`\n")
     out.append(f"## Top {top} configs\n")
-    ran = top_configs(table, top)
+    ran = top_configs(study, table, top)
     out.append(_md_table(pd.DataFrame({
         "trial": ran["number"], "config": [TrainConfig.from_dict({f: r[f] for f in FIELDS}).short()
                                            for _, r in ran.iterrows()],
