@@ -1,7 +1,7 @@
 """A GRU language model written as a user would write it in a file (``tests/rnn_workloads.py:gru_lm``),
 for tests/estimator/test_rnn_estimate.py. Each ``nn.GRU`` sits in its own block so checkpointing has segments;
 trained with Adagrad. Under autocast a GRU saves a bf16 copy of its input, not the input itself: the
-shape (issue 13) the estimate once under-counted by one layer input per sample with checkpointing."""
+shape the estimate once under-counted by one layer input per sample with checkpointing."""
 
 from __future__ import annotations
 

@@ -1,15 +1,15 @@
 """The accuracy suite: the estimator's predicted peak against the CPU tracker's measured peak.
 
-Also issue 3's acceptance table: >= 40 configs over two workloads of different kinds
+Also the acceptance table: >= 40 configs over two workloads of different kinds
 (``gpt-tiny``, a transformer; ``convnet-bn``, a CNN with BatchNorm) spanning the four
 precisions, checkpointing on and off, accumulation and device split 1 and 2, against the
 targets median |error| <= 3% and largest <= 8%. ``lstm-lm`` is a third kind (an RNN): on the CPU
 its oneDNN LSTM saves a workspace for backward that fake tensors do not allocate; the profile's
-real step (:mod:`autofit.profiling.real_check`) measures it, and lstm-lm counts toward issue 13's targets
+real step (:mod:`autofit.profiling.real_check`) measures it, and lstm-lm counts toward the every-built-in target
 (median <= 2%, largest <= 8% over every built-in). Beside the tracker, every single-device config
 is read against an independent ground truth (:mod:`autofit.trial.ground_truth`, the allocator's and the
-OS's view, repeated for their noise; :mod:`autofit.bench.truth_table`). Issue 12 adds tiny
-configs of four Hugging Face families (:data:`HF_WORKLOADS`), issue 13 two models written in a
+OS's view, repeated for their noise; :mod:`autofit.bench.truth_table`). It adds tiny
+configs of four Hugging Face families (:data:`HF_WORKLOADS`) and two models written in a
 user's file (:data:`USER_WORKLOADS`: a ViT from ``nn.TransformerEncoderLayer`` with AdamW, an
 MLP-Mixer with RMSprop), device split included. ``autofit bench --suite accuracy --workloads hf:,user_models``
 measures only the workloads whose name contains one of the given parts.
@@ -57,7 +57,7 @@ from autofit.core.records import TrialStatus
 
 HF_TARGET_MEDIAN = 0.02   # the Hugging Face models (and the user models)
 TARGET_MEDIAN = 0.03
-# Issue 13: over every built-in, lstm-lm included
+# Over every built-in, lstm-lm included
 ALL_BUILTINS_TARGET_MEDIAN = 0.02
 # Each single-device config's ground truth is read this many times per view (its noise is their spread).
 TRUTH_REPEATS = 3
@@ -249,27 +249,27 @@ def _target_sections(res: AccuracyResults, main: tuple[str, ...]) -> list[str]:
            "(`MemoryTracker`, steady state: the peak over the steps after two warm-up steps), the largest device's "
            "peak for a device split. Predicted: `estimate_table` on a fake-tensor profile. Error = (predicted − "
            "measured) / measured; negative is an under-estimate (a false fit waiting to happen).",
-           f"**Issue 3 target** (median |error| ≤ {pct(TARGET_MEDIAN, 0)}, largest ≤ {pct(TARGET_MAX, 0)}, on "
+           f"**Target, built-ins** (median |error| ≤ {pct(TARGET_MEDIAN, 0)}, largest ≤ {pct(TARGET_MAX, 0)}, on "
            f"{' and '.join(main)}, {n_main} configs): **{verdict}** — median {pct(main_stats.median, 2)}, largest "
            f"{pct(main_stats.max, 2)}.\n\nAnchors: {ANCHORS}"]
     fsdp = ErrorStats.of(r.error_rel for r in res.rows if r.workload in main and r.config.split_mode is SplitMode.FSDP)
     if fsdp.n:
         fsdp_verdict = _verdict(fsdp, TARGET_MEDIAN)
-        out.append(f"**Issue 9 target** (FSDP ranks, split_mode=fsdp, on {' and '.join(main)}: median |error| ≤ "
+        out.append(f"**Target, FSDP ranks** (FSDP ranks, split_mode=fsdp, on {' and '.join(main)}: median |error| ≤ "
                    f"{pct(TARGET_MEDIAN, 0)}, largest ≤ {pct(TARGET_MAX, 0)} against the largest rank's measured peak; "
                    f"{fsdp.n} configs): **{fsdp_verdict}** — median {pct(fsdp.median, 2)}, largest {pct(fsdp.max, 2)}.")
     hf = tuple(w for w in HF_WORKLOADS if any(r.workload == w for r in res.rows))
     if hf:
         hs = res.stats(hf)
         hf_verdict = _verdict(hs, HF_TARGET_MEDIAN)
-        out.append(f"**Issue 12 target** (Hugging Face models: median |error| ≤ {pct(HF_TARGET_MEDIAN, 0)}, largest ≤ "
+        out.append(f"**Target, Hugging Face models** (Hugging Face models: median |error| ≤ {pct(HF_TARGET_MEDIAN, 0)}, largest ≤ "
                    f"{pct(TARGET_MAX, 0)}, {hs.n} measured configs of {len(hf)} families): **{hf_verdict}** — median "
                    f"{pct(hs.median, 2)}, largest {pct(hs.max, 2)}.")
     builtins = tuple(w for w in MAIN_WORKLOADS + EXTRA_WORKLOADS if any(r.workload == w for r in res.rows))
     if set(builtins) - set(main):
         bs = res.stats(builtins)
         b_verdict = _verdict(bs, ALL_BUILTINS_TARGET_MEDIAN)
-        out.append(f"**Issue 13 target** (every built-in, lstm-lm included: median |error| ≤ "
+        out.append(f"**Target, every built-in** (every built-in, lstm-lm included: median |error| ≤ "
                    f"{pct(ALL_BUILTINS_TARGET_MEDIAN, 0)}, largest ≤ {pct(TARGET_MAX, 0)}, {bs.n} measured configs): "
                    f"**{b_verdict}** — median {pct(bs.median, 2)}, largest {pct(bs.max, 2)}. The independent ground "
                    "truth is in its own section below.")
@@ -277,7 +277,7 @@ def _target_sections(res: AccuracyResults, main: tuple[str, ...]) -> list[str]:
     if user:
         us = res.stats(user)
         user_verdict = _verdict(us, HF_TARGET_MEDIAN)
-        out.append(f"**Issue 13 target, user models** (models written in a user's file, `autofit/bench/user_models/`: median |error| "
+        out.append(f"**Target, user models** (models written in a user's file, `autofit/bench/user_models/`: median |error| "
                    f"≤ {pct(HF_TARGET_MEDIAN, 0)}, largest ≤ {pct(TARGET_MAX, 0)}, {us.n} measured configs of "
                    f"{len(user)} models, device split included): **{user_verdict}** — median {pct(us.median, 2)}, "
                    f"largest {pct(us.max, 2)}.")

@@ -9,7 +9,7 @@ from autofit.core.errors import ConfigError
 
 MAIN_WORKLOADS = ("gpt-tiny", "convnet-bn")
 EXTRA_WORKLOADS = ("lstm-lm",)
-# Issue 12: tiny configs of four Hugging Face families (three decoders, one vision encoder),
+# Tiny configs of four Hugging Face families (three decoders, one vision encoder),
 # built from their transformers config classes; the hf extra must be installed.
 HF_WORKLOADS = (
     "hf:gpt2?n_layer=4&n_embd=128&n_head=4&vocab_size=2048#seq_len=64",
@@ -19,7 +19,7 @@ HF_WORKLOADS = (
     "&head_dim=32&vocab_size=2048#seq_len=64",
     "hf:vit?num_hidden_layers=4&hidden_size=128&num_attention_heads=4&intermediate_size=512&image_size=64&patch_size=8",
 )
-# Issue 13: models written as a user would write them in a file (not built-ins), loaded by
+# Models written as a user would write them in a file (not built-ins), loaded by
 # module path here so the tables name them the same on every machine; as files they load the
 # same way (``--model path/to/vit.py:workload``).
 USER_WORKLOADS = ("autofit.bench.user_models.vit:workload", "autofit.bench.user_models.mixer:workload")
@@ -31,7 +31,7 @@ def _c(precision: str, micro_batch: int, grad_accum: int = 1, checkpoint_every: 
 
 
 def _fsdp_cases(micro_batch: int) -> list[tuple]:
-    """Issue 9: FSDP at 2 and 4 ranks, every precision, checkpointing off and on (amp-fp16 at micro-batch 1)."""
+    """FSDP at 2 and 4 ranks, every precision, checkpointing off and on (amp-fp16 at micro-batch 1)."""
     return [(p, 1 if p == "amp-fp16" else micro_batch, 1, ckpt, ranks, "fsdp")
             for p in ("fp32", "amp-bf16", "bf16", "amp-fp16") for ranks in (2, 4) for ckpt in (0, 1)]
 

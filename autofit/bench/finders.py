@@ -16,7 +16,7 @@ user runs one: at the user's precision, or once per precision.
   costed as fp32), probes at 1.05x/1x/0.95x of it, binary search with a 5% plateau rule, then
   the tuning list around the maximum and smaller sizes while each gains 5%.
 
-The batch finders tune the micro-batch only. How a user would run them fairly (issue 13):
+The batch finders tune the micro-batch only. How a user would run them fairly:
 
 - **at the user's precision** (:func:`at_user_precision`): amp-bf16, :data:`USER_PRECISION`. It is
   the mixed-precision switch each tool documents -- Accelerate ``mixed_precision="bf16"``, the HF

@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--strategy", action="append", help="strategy names (default: autofit)")
     parser.add_argument("--done-when", action="store_true",
-                        help="replay autofit, TPE and the finder sweeps and print issue 13's done-when table")
+                        help="replay autofit, TPE and the finder sweeps and print the search suite's done-when table")
     parser.add_argument("--swap-samples", action="store_true",
                         help="answer each config's second grid sample first (the other draw of the noise)")
     args = parser.parse_args(argv)

@@ -13,7 +13,7 @@ from autofit.core.config import Precision, SplitMode
 
 _THREE = (Precision.FP32, Precision.AMP_BF16, Precision.BF16)
 # amp-fp16 is left out to keep the exhaustive grids affordable: on CPUs without native fp16
-# kernels a step is ~1000x slower (FACTS.md), and where the CPU has them (avx512_fp16, as the
+# kernels a step is ~1000x slower (docs/facts.md#device-rates-differ-by-dtype), and where the CPU has them (avx512_fp16, as the
 # search's probe found on this machine) it measures close to fp32, which the grid already has.
 _PIPELINE_AND_FSDP = (SplitMode.PIPELINE, SplitMode.FSDP)
 

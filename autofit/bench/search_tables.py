@@ -121,12 +121,12 @@ def _cell_losses(where: str, what: str, a: dict, cell: list, strategies) -> list
 
 
 def done_when_table(runs: list[RunResult], strategies: tuple[Strategy, ...]) -> str:
-    """The "Done when (issue 13)" section: per cell, each check's figures, PASS/FAIL, where and why."""
+    """The "Done when" section: per cell, each check's figures, PASS/FAIL, where and why."""
     cells = verdicts(runs, tuple(s.name for s in sweeps(strategies)))
     rows = [[v.where] + [v.figures.get(c, "-") + ("" if v.checks.get(c) is None else
                                                   (" ✓" if v.checks[c] else " ✗")) for c in CHECKS]
             + ["PASS" if v.passed else "FAIL", "; ".join(v.notes) or "-"] for v in cells]
-    return ("## Done when (issue 13)\n\nPer cell: autofit's replayed answer ≥ 98% of the optimum (median over seeds), "
+    return ("## Done when\n\nPer cell: autofit's replayed answer ≥ 98% of the optimum (median over seeds), "
             "the live run ≥ 95% (where the cell ran live), no OOM trial in any run, fewer real trials and less wall "
             "time (medians) than the best per-precision finder sweep (highest median fraction, then least wall "
             "time), and time to 95% at least 2× sooner than Optuna TPE (medians; a seed that never reaches 95% "
@@ -222,7 +222,7 @@ def _method_sections(res: SearchResults, strategies: tuple[Strategy, ...]) -> li
            "mixed-precision switch each tool documents (Accelerate `mixed_precision=\"bf16\"`, the HF Trainer's "
            "`bf16=True`, Lightning's `bf16-mixed`, DeepSpeed's `bf16` section). `sweep`: once per precision of the "
            "grid, the fastest measured answer kept, all trials charged to one clock. amp-fp16 is not in the grids, "
-           "to keep them affordable: on CPUs without native fp16 kernels a step is ~1000x slower (FACTS.md); where "
+           "to keep them affordable: on CPUs without native fp16 kernels a step is ~1000x slower (docs/facts.md#device-rates-differ-by-dtype); where "
            "the CPU has them (this machine's matmul probe shows avx512_fp16 rates) it measures close to fp32. "
            "The finders run on one device: none of them splits a model, so where only a device split fits they "
            "find nothing and score 0. DeepSpeed itself would also try ZeRO stages 1-3 on several devices (stage 3 "

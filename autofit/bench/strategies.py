@@ -1,7 +1,7 @@
 """The search strategies compared by the search suite, written from their published behaviour.
 
 None of the peers is imported: each is re-implemented here from its documentation and source
-(FACTS.md, "Peers"), on the same problem autofit solves -- a fixed global batch, so a
+(docs/facts.md#peers), on the same problem autofit solves -- a fixed global batch, so a
 micro-batch ``m`` always runs with ``grad_accum = global_batch / m`` -- and through the same
 trial runner (an :class:`~autofit.bench.problem.Oracle`). Where a peer's algorithm proposes a micro-batch that does not
 divide the global batch, it is rounded down to the largest one that does (a user keeping the

@@ -99,7 +99,7 @@ def _search_lines(srch) -> list[str]:
     if not any(r.strategy == AUTOFIT.name and not math.isnan(r.fraction) for r in srch.runs):
         lines.append("autofit's own search was not available to the benchmark in this run.")
     for v in verdicts(srch.runs, tuple(s.name for s in sweeps(srch.strategies))):
-        lines.append(f"Done when (issue 13), {v.where}: " + ("PASS" if v.passed else
+        lines.append(f"Done when, {v.where}: " + ("PASS" if v.passed else
                      "FAIL on " + ", ".join(f"{c} ({v.figures.get(c, '-')})" for c in v.failed)) + ".")
     return lines
 

@@ -1,4 +1,4 @@
-"""Issue 13's done-when criteria, checked per cell of the search suite, and where autofit fails them.
+"""The search suite's done-when criteria, checked per cell of the search suite, and where autofit fails them.
 
 For each cell (a workload and a budget), from the scored runs of :mod:`autofit.bench.search`:
 

@@ -30,7 +30,7 @@ from autofit.workloads.base import Workload
 
 __all__ = ["CUDA_BLOCK_BYTES", "param_rows", "run_fake", "run_step"]
 
-# The CUDA caching allocator rounds every block up to 512 bytes (FACTS.md).
+# The CUDA caching allocator rounds every block up to 512 bytes (docs/facts.md#cuda-caching-allocator).
 CUDA_BLOCK_BYTES = 512
 
 

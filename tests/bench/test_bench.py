@@ -363,7 +363,7 @@ def test_done_when_passes_a_search_that_goes_straight_to_the_optimum(tmp_path):
     text = (tmp_path / "search.md").read_text()
     assert "## Done when" in text and "| synthetic @ 100 MiB | 100.0% ✓" in text and "| PASS |" in text
     lines = headline(type("R", (), {"suites": {"search": res}, "wall_s": {}})())
-    assert "Done when (issue 13), synthetic @ 100 MiB: PASS." in lines
+    assert "Done when, synthetic @ 100 MiB: PASS." in lines
     assert any("accelerate-x0.5 sweep (no checkpointing)" in line for line in lines)
 
 

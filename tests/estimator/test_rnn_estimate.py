@@ -1,4 +1,4 @@
-"""A user's GRU language model under autocast with activation checkpointing (issue 13): the estimate
+"""A user's GRU language model under autocast with activation checkpointing: the estimate
 against real CPU steps, and the profile facts it rests on. Before 1c17c23 this model was estimated
 4.1% under at micro-batch 8 (one layer input per sample missing), ~3.6% under in a review's search."""
 

@@ -1,4 +1,4 @@
-"""Models written as a user would write them in a file, for ``autofit bench`` (issue 13).
+"""Models written as a user would write them in a file, for ``autofit bench``.
 
 Each module has a ``workload()`` function: load one with ``--model path/to/vit.py:workload``
 (as a user would) or ``--model autofit.bench.user_models.vit:workload``. They are not

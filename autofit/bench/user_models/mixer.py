@@ -1,7 +1,7 @@
 """An MLP-Mixer written as a user would write it in a file, trained with RMSprop (momentum).
 
 Not a built-in: ``autofit bench`` loads it as ``--model path/to/mixer.py:workload`` to check the
-estimator on a model structure and an optimizer it was not built around (issue 13).
+estimator on a model structure and an optimizer it was not built around.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A Vision Transformer written as a user would write it in a file: ``nn.TransformerEncoderLayer`` blocks, AdamW.
 
 Not a built-in: ``autofit bench`` loads it as ``--model path/to/vit.py:workload`` to check the
-estimator on a model structure it was not built around (issue 13).
+estimator on a model structure it was not built around.
 """
 
 from __future__ import annotations
