@@ -32,7 +32,8 @@ from trial_workloads import tiny_lm, tiny_lm_batch  # noqa: E402
 
 FAULTS_ENV = "AUTOFIT_TEST_FAULTS"
 HOG_BYTES = 12 << 30     # untouched: harmless without a limit (on a machine with the address space)
-FLOOD_BYTES = 4 << 20
+FLOOD_CHUNK = ("flood " * 170 + "\n").encode() * 64  # about 64 KiB
+FLOOD_BYTES = 64 * len(FLOOD_CHUNK)  # about 4 MiB, written whole
 
 
 def faults() -> dict[int, str]:
@@ -55,9 +56,8 @@ def _misbehave(fault: str | None) -> None:
     elif fault == "hog":
         torch.empty(HOG_BYTES, dtype=torch.uint8)
     elif fault == "flood":  # on the file descriptor, as a library's C code would (and past any sys.stdout)
-        chunk = ("flood " * 170 + "\n").encode() * 64  # about 64 KiB
-        for _ in range(FLOOD_BYTES // len(chunk)):
-            os.write(1, chunk)
+        for _ in range(FLOOD_BYTES // len(FLOOD_CHUNK)):
+            os.write(1, FLOOD_CHUNK)
 
 
 def faulty_batch(n: int):
