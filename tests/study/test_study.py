@@ -282,7 +282,7 @@ def test_the_top_configs_are_measured_again_and_the_best_is_the_highest_median(t
         trials.append(ran_trial(planner, order[-1], len(trials), samples_per_s=first.value - 1, sample=step.sample))
         step = planner.step(trials)
     assert order == [b]  # the top two have two samples each; c is far below them: not worth a trial
-    assert "then 2 re-measurement(s)" in step.stop
+    assert step.stop.endswith("; then 2 re-measurements of the leaders")
     assert best_of(trials).config == b and planner.step(trials).run is None  # resumed: nothing measured twice
     # a re-measurement that goes over the budget rules its config out
     trials.append(ran_trial(planner, b, len(trials), status="oom", sample=3))
@@ -303,7 +303,7 @@ def test_the_runner_up_is_measured_again_only_within_the_measured_noise(tiny_pro
     # a's two samples agree (2%): b, 15% below with one sample, is beyond the noise floor: no trial for it
     steady = first + [ran_trial(planner, a, 4, samples_per_s=98.0, sample=2)]
     step = planner.step(steady)
-    assert step.run is None and "then 1 re-measurement(s)" in step.stop
+    assert step.run is None and step.stop.endswith("; then 1 re-measurement of the leaders")
     # a's samples differ by 25% (median 90): b (85) is within that noise of a, so it is measured again
     noisy = first + [ran_trial(planner, a, 4, samples_per_s=80.0, sample=2)]
     assert sample_noise(config_samples(noisy)) == pytest.approx(0.25)
@@ -321,7 +321,8 @@ def test_re_measurements_count_towards_the_trial_limit(tiny_profile, rates):
     assert planner.configs[step.run] == configs[0] and step.sample == 2
     trials.append(ran_trial(limited, configs[0], 3, samples_per_s=99.0, sample=2))
     step = limited.step(trials)
-    assert step.run is None and step.stop.startswith("trial limit: 4 real trials, 1 of them left")
+    # one short line: the re-measurement is one of the 4 (no "left to re-measure", no "then ...")
+    assert step.run is None and step.stop == "trial limit: 4 real trials, 1 of them a re-measurement of the leaders"
 
 
 def test_a_precision_the_calibrated_model_rules_out_is_dropped_after_its_own_trial(tiny_profile, rates):
@@ -772,7 +773,7 @@ def test_four_local_workers_on_the_journal_with_reports_while_they_run(tmp_path)
             if t.state == TrialState.COMPLETE]
     assert 1 <= len(real) == len(set(real)), "a measurement was taken twice"
     snapshot_best = next(r.config.to_dict() for r in load_snapshot(out).records
-                         if r.number == json.loads(text)["best_trial"])
+                         if r.number == json.loads(text)["best_number"])
     report = autofit("report", str(out), "--json")
     after = json.loads(report.communicate(timeout=120)[0])["best"]
     assert json.loads(text)["best"] == snapshot_best == after["config"]
