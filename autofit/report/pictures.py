@@ -76,6 +76,15 @@ def _nothing(ax, text: str) -> None:
             wrap=True)
 
 
+def _empty_figure(title: str, text: str):
+    """A short picture that only says why there is nothing to draw (a page of empty axes says nothing)."""
+    fig = _figure(7.5, 1.6, top=0.4, bottom=0.1)
+    ax = fig.add_subplot()
+    _title(ax, title)
+    _nothing(ax, text)
+    return fig
+
+
 def _unit(max_bytes: float) -> tuple[str, float]:
     """The binary unit that keeps axis numbers short, and its size."""
     for name, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
@@ -246,6 +255,8 @@ def _identity_panel(ax, predicted: np.ndarray, measured: np.ndarray, statuses: n
 def predicted_vs_measured(table: pd.DataFrame, title: str):
     """Predicted against measured peak and step time for every real trial, with the line where they are equal."""
     real = table[table["status"].isin(REAL)]
+    if real.empty:
+        return _empty_figure(f"{title}: predicted against measured", NO_TRIAL)
     fig = _figure(11.0, 5.0, top=0.6, bottom=0.9, wspace=0.28)  # the figure's title above, one legend below
     left, right = fig.subplots(1, 2)
     predicted, measured = _num(real["predicted_peak_bytes"]), _num(real["measured_peak_bytes"])
@@ -282,12 +293,9 @@ def memory_breakdown(table: pd.DataFrame, breakdowns: dict[int, tuple[dict, dict
         done = table[(table["status"] == "ok") & table["number"].isin(list(breakdowns))]
         rows = done.assign(_r=_num(done["objective"])).sort_values("_r", ascending=False).head(TOP_BREAKDOWN)
     if rows.empty:
-        fig = _figure(7.5, 5.2, top=0.6)
-        ax = fig.add_subplot()
-        _nothing(ax, "no real trial ran ok: no measured peak to break down"
-                 if table["status"].isin(REAL).any() else NO_TRIAL)
-        _title(ax, f"{title}: memory at the peak of the top configs")
-        return fig
+        return _empty_figure(f"{title}: memory at the peak of the top configs",
+                             "no real trial ran ok: no measured peak to break down"
+                             if table["status"].isin(REAL).any() else NO_TRIAL)
     numbers = [int(n) for n in rows["number"]]
     used = [key for key in CATEGORY_LABELS  # a category nothing holds (overhead on a CPU) is left out of the legend
             if any(float(breakdowns[n][k].get(key) or 0) for n in numbers for k in (0, 1))]
@@ -355,16 +363,16 @@ def best_curve(table: pd.DataFrame, budget_bytes: int) -> tuple[np.ndarray, np.n
 
 def best_so_far(table: pd.DataFrame, title: str, budget_bytes: int = 0, best: int | None = None, devices: int = 1):
     """The best measured throughput so far against seconds since the study's first real trial began."""
-    fig = _figure(7.5, 5.0, bottom=0.95)
-    ax = fig.add_subplot()
     real = table[table["status"].isin(REAL)].copy()
     started = pd.to_datetime(real["started"], errors="coerce").min()
     real["t"] = (pd.to_datetime(real["finished"], errors="coerce") - started).dt.total_seconds()
     done = real[(real["status"] == "ok") & real["t"].notna()].sort_values("t")
-    _title(ax, f"{title}: best throughput so far")
     if done.empty or pd.isna(started):
-        _nothing(ax, "no real trial ran ok: nothing measured to draw" if len(real) else NO_TRIAL)
-        return fig
+        return _empty_figure(f"{title}: best throughput so far",
+                             "no real trial ran ok: nothing measured to draw" if len(real) else NO_TRIAL)
+    fig = _figure(7.5, 5.0, bottom=0.95)
+    ax = fig.add_subplot()
+    _title(ax, f"{title}: best throughput so far")
     ax.scatter(done["t"], _num(done["objective"]), s=18, color=STATUS_COLOURS["ok"], alpha=0.6,
                label="a trial that ran ok", gid="status:ok")
     times, values = best_curve(table, budget_bytes)
