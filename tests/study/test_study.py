@@ -325,6 +325,20 @@ def test_re_measurements_count_towards_the_trial_limit(tiny_profile, rates):
     assert step.run is None and step.stop == "trial limit: 4 real trials, 1 of them a re-measurement of the leaders"
 
 
+def test_the_stop_line_says_the_re_measurements_in_a_few_words():
+    """One short line: within the trial limit the re-measurements are part of its count; after any
+    other rule they ran once the rule held."""
+    from autofit.study.planner import _remeasured_text
+
+    config = TrainConfig("fp32", 8, 1)
+    ran = [TrialRecord(number=n, config=config, status=TrialStatus.OK, value=1.0, sample=s)
+           for n, s in ((3, 1), (5, 2), (6, 3))]
+    assert _remeasured_text(ran[:1], StopReason.PATIENCE) == ""
+    assert _remeasured_text(ran[:2], StopReason.EXHAUSTED) == "; then 1 re-measurement of the leaders"
+    assert _remeasured_text(ran, StopReason.BOUND) == "; then 2 re-measurements of the leaders"
+    assert _remeasured_text(ran, StopReason.TRIAL_LIMIT) == ", 2 of them re-measurements of the leaders"
+
+
 def test_a_precision_the_calibrated_model_rules_out_is_dropped_after_its_own_trial(tiny_profile, rates):
     from autofit.study.planner import TIME_MARGIN_MIN, time_margin
 
