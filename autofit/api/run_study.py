@@ -194,7 +194,8 @@ def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | 
                 if stop is not None:
                     raise
         result = search_result(backend.snapshot(study), out, wall_s=time.time() - started_wall)
-        emit(progress_of(backend.read_records(study), f"done: {result.stop_reason}", started, done=True))
+        # the stop reason is said once, by whoever shows the result (the CLI's summary), not in this line
+        emit(progress_of(backend.read_records(study), "done", started, done=True, stop_reason=result.stop_reason))
         return result
 
 

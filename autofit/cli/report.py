@@ -61,8 +61,10 @@ def run(args: argparse.Namespace) -> int:
         print(summary_markdown(study, table))
         return 0
     c = counts(table)
-    print(f"study {study.study_name}: {len(table)} trials, {c['real']} real, {c['pruned']} configs pruned")
-    print(f"{'#':>4} {'status':<11} {'precision':<9} {'mb':>4} {'ga':>4} {'ckpt':>4} {'split':>5} {'mode':>8} "
+    print(f"study {study.study_name}: {c['real']} real trials, {c['pruned']} configs pruned by the estimate "
+          f"(never ran)")
+    # trial: real trials counted from 1 in the order they ran (a pruned config has none: '-')
+    print(f"{'trial':>5} {'status':<11} {'precision':<9} {'mb':>4} {'ga':>4} {'ckpt':>4} {'split':>5} {'mode':>8} "
           f"{'pred peak':>11} {'peak':>11} {'err':>7} {'samples/s':>11} {'objective':>16} {'step':>9}  reason")
     for r in shown.itertuples():
         err = "" if r.peak_error is None or r.peak_error != r.peak_error else f"{100 * r.peak_error:+.1f}%"
@@ -72,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
         peak = "" if _na(r.measured_peak_bytes) else format_bytes(r.measured_peak_bytes)
         pred = "" if _na(r.predicted_peak_bytes) else format_bytes(r.predicted_peak_bytes)
         reason = r.reason if isinstance(r.reason, str) else (r.error if isinstance(r.error, str) else "")
-        print(f"{r.number:>4} {r.status:<11} {r.precision:<9} {r.micro_batch:>4} {r.grad_accum:>4} "
+        trial = "-" if _na(r.trial) else str(r.trial)
+        print(f"{trial:>5} {r.status:<11} {r.precision:<9} {r.micro_batch:>4} {r.grad_accum:>4} "
               f"{r.checkpoint_every:>4} {r.device_split:>5} {r.split_mode:>8} {pred:>11} {peak:>11} {err:>7} {sps:>11} "
               f"{goal:>16} {step:>9}  "
               f"{reason[:70]}")

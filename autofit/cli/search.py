@@ -99,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
             "study": result.study_name, "out_dir": str(result.out_dir), "storage": result.storage,
             "workload": result.workload, "device": result.device, "budget_bytes": result.budget_bytes,
             "best": None if result.best is None else result.best.to_dict(), "best_trial": result.best_trial,
+            "best_number": result.best_number,
             "best_measured": result.best_measured, "best_predicted": result.best_predicted, "advice": list(result.advice),
             "n_configs": result.n_configs, "n_pruned": result.n_pruned, "pruned_by_reason": result.pruned_by_reason,
             "n_real": result.n_real, "stop_reason": result.stop_reason, "wall_s": result.wall_s,

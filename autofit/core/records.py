@@ -66,7 +66,9 @@ def _frozen(mapping: Mapping | None) -> Mapping:
 class TrialRecord:
     """One trial of a study, as every reader sees it.
 
-    - ``number``: the trial's number in the study; ``config``: what ran (or was pruned).
+    - ``number``: the trial's number in the storage (Optuna's: pruned configs use numbers up too, so
+      a study's first real trial may be number 315); what a user reads is :func:`trial_numbers`'
+      count of real trials; ``config``: what ran (or was pruned).
     - ``status``: a :class:`TrialStatus`; ``prune_reason`` and ``reason`` (one line) when pruned.
     - ``prediction``: the estimate and time model before it ran (``peak_bytes``,
       ``calibrated_peak_bytes``, ``step_time_s``, ``prior_step_time_s``, ``samples_per_s``,
@@ -112,6 +114,28 @@ class TrialRecord:
     def claimed(self) -> bool:
         """Ran, or is running: the config is taken (never planned again)."""
         return self.status.ran or self.status is TrialStatus.RUNNING
+
+
+def started_a_run(record: TrialRecord) -> bool:
+    """A trial a worker claimed to run: every status but ``pruned``, and a claim pruned afterwards
+    (another machine took the same measurement at once: it keeps its worker's signature), so a
+    trial's number never changes once shown."""
+    return record.status is not TrialStatus.PRUNED or bool(record.worker)
+
+
+def trial_numbers(records: Sequence[TrialRecord]) -> dict[int, int]:
+    """The number a user reads for each real trial, by its storage number: real trials (those that
+    :func:`started_a_run`) counted 1, 2, 3... in the order they started (their storage numbers'
+    order). Pruned configs have none. Every table, picture, progress line and export shows these;
+    the storage numbers stay in ``trials.csv``'s ``number`` column for Optuna's own tools."""
+    ran = sorted(r.number for r in records if started_a_run(r))
+    return {number: i for i, number in enumerate(ran, 1)}
+
+
+def trial_number(records: Sequence[TrialRecord], number: int) -> int:
+    """The user's number (:func:`trial_numbers`) of the real trial stored as ``number``: one more
+    than the real trials stored before it (``records`` need not hold it yet)."""
+    return 1 + sum(1 for r in records if r.number < number and started_a_run(r))
 
 
 def config_samples(records: Sequence[TrialRecord]) -> dict[TrainConfig, list[TrialRecord]]:

@@ -27,8 +27,9 @@ details { margin: .4em 0; } summary { cursor: pointer; font-weight: 600; }
 """
 
 PICTURE_CAPTIONS = {
-    "throughput_vs_peak": "Throughput against peak memory: every real trial, the budget, the best config, "
-                          "and the pruned configs' predictions",
+    "throughput_vs_peak": "Throughput against peak memory: every real trial, the budget, the best config "
+                          "(starred on its best sample), and, hollow, the configs the estimate pruned (never ran) "
+                          "at their estimate, by why they were pruned",
     "predicted_vs_measured": "Predicted against measured peak memory and step time, every real trial",
     "memory_breakdown": "Memory at the peak of the top configs, predicted beside measured",
     "best_so_far": "Best throughput so far against wall time",
@@ -152,11 +153,17 @@ def write_page(study, table, summary_md: str, out_dir) -> dict:
     from autofit.core.records import best_of
     from autofit.profiling.cache import study_profile
     from autofit.report import pictures
+    from autofit.report.tables import calibration_of, top_configs
 
     best = best_of(list(study.records))
     settings = study.settings
+    devices = int(settings.get("devices") or 1)
+    calibration = calibration_of(study)
     pngs = pictures.render(table, pictures.breakdowns_of(study.records), settings.get("budget_bytes") or 0,
-                           best.number if best else None, study.study_name)
+                           best.number if best else None, study.study_name,
+                           estimates=pictures.estimates_of(study.records, calibration, devices), devices=devices,
+                           calibrated_on=calibration.n_trials,
+                           top=[int(n) for n in top_configs(study, table)["number"]])
     paths = pictures.write(pngs, out_dir)
     exports = best_exports(best.config, settings, study_profile(study)) if best else {}
     paths["report.html"] = Path(out_dir) / "report.html"

@@ -11,10 +11,7 @@ import numpy as np
 import pandas as pd
 
 from autofit.core.config import TrainConfig
-from autofit.core.records import (
-    StudySnapshot,
-    TrialRecord,
-)
+from autofit.core.records import StudySnapshot, TrialRecord, trial_numbers
 from autofit.estimator.advice import nothing_fits
 from autofit.estimator.calibration import Calibration
 from autofit.report.tables import (
@@ -39,7 +36,9 @@ class SearchResult:
     - ``best``: the fastest config measured under the budget (ranked by each config's best sample:
       load only slows a trial); ``best_measured``: that sample's measurements (``samples_per_s``,
       ``peak_bytes``, ``step_time_s``, ...), with ``samples`` (how many) and ``median_samples_per_s``;
-      ``best_predicted``: what the estimate said before it ran.
+      ``best_predicted``: what the estimate said before it ran; ``best_trial``: that sample's number among
+      the study's real trials (1, 2, 3... in the order they started, as every table shows it),
+      ``best_number``: its number in the Optuna storage (``optuna.load_study(...).trials[best_number]``).
     - ``table``: every trial (:func:`trials_table`); ``n_configs``, ``n_pruned`` (configs the
       estimate pruned and that never ran), ``n_real`` (real trials: ok, oom, error, timeout).
     - ``stop_reason``, ``wall_s`` (this search command), ``calibration``.
@@ -71,6 +70,7 @@ class SearchResult:
     table: pd.DataFrame
     workload_source: str | None = None
     advice: tuple[str, ...] = ()  # when nothing ran under the budget: what would fit
+    best_number: int | None = None  # the best sample's number in the Optuna storage (best_trial: among real trials)
 
     def export(self, target: str):
         """The best config in ``target``'s form (:func:`autofit.report.exports.export`: ``hf``, ``accelerate``,
@@ -118,7 +118,8 @@ def search_result(study: StudySnapshot, out_dir: str | Path, wall_s: float | Non
         best=trial.config if trial else None,
         best_measured=_measured_with_samples(trial, best_samples(study)) if trial else None,
         best_predicted=dict(trial.prediction) if trial else None,
-        best_trial=trial.number if trial else None,
+        best_trial=trial_numbers(study.records)[trial.number] if trial else None,
+        best_number=trial.number if trial else None,
         n_configs=_n_configs(settings), n_pruned=c["pruned"], n_real=c["real"],
         pruned_by_reason=c["pruned_by_reason"], stop_reason=study.stop_reason or "running",
         wall_s=wall_seconds(study) if wall_s is None else wall_s, calibration=calibration_of(study), table=table,

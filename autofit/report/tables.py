@@ -1,6 +1,9 @@
 """Result tables of a search, always rebuilt from the study's storage (never edited by hand).
 
-- ``trials.csv``: one row per trial: number, status (a :class:`autofit.core.records.TrialStatus`:
+- ``trials.csv``: one row per trial: ``trial`` (real trials counted 1, 2, 3... in the order they
+  started, :func:`autofit.core.records.trial_numbers`, the number every table, picture and progress
+  line shows; empty for a pruned config), ``number`` (the trial's number in the Optuna storage,
+  which pruned configs use up too), status (a :class:`autofit.core.records.TrialStatus`:
   ``ok``, ``oom``, ``error``, ``timeout``, ``pruned``; ``running`` and ``interrupted`` for a
   study in progress or interrupted), why it was pruned, the five config fields, predicted and measured peak bytes, samples/s,
   step time, the prediction errors, what the timed steps got from the machine (``starved_steps``:
@@ -41,6 +44,7 @@ from autofit.core.records import (
     best_sample,
     config_samples,
     median_value,
+    trial_numbers,
 )
 from autofit.estimator.advice import nothing_fits
 from autofit.estimator.calibration import (
@@ -55,7 +59,7 @@ STATUSES = tuple(s.value for s in TrialStatus)
 WAITED_S = 0.5             # a device lock taken within this is not a wait worth a line
 RAN = tuple(s.value for s in TrialStatus if s.ran)  # real trials that finished
 COLUMNS = (
-    "number", "status", "sample", "reason_kind", "reason", *FIELDS,
+    "trial", "number", "status", "sample", "reason_kind", "reason", *FIELDS,
     "predicted_peak_bytes", "calibrated_peak_bytes", "measured_peak_bytes", "peak_error",
     "predicted_step_time_s", "step_time_s", "step_time_error", "prior_step_time_error",
     "predicted_samples_per_s", "samples_per_s", "objective", "basis", "tokens_per_s",
@@ -94,10 +98,11 @@ def trials_table(study: StudySnapshot) -> pd.DataFrame:
     """
     rows = []
     devices = int(settings_of(study).get("devices") or 1)
+    shown = trial_numbers(study.records)
     for r in study.records:
         predicted, measured, errors = r.prediction, r.measurement, r.errors
         rows.append({
-            "number": r.number, "status": r.status.value, "sample": r.sample,
+            "trial": shown.get(r.number), "number": r.number, "status": r.status.value, "sample": r.sample,
             "reason_kind": None if r.prune_reason is None else r.prune_reason.value, "reason": r.reason,
             **r.config.to_dict(),
             "predicted_peak_bytes": predicted.get("peak_bytes"),
@@ -124,7 +129,7 @@ def trials_table(study: StudySnapshot) -> pd.DataFrame:
             "started": _when(r.started), "finished": _when(r.finished),
         })
     table = pd.DataFrame(rows, columns=list(COLUMNS))
-    for name in ("predicted_peak_bytes", "calibrated_peak_bytes", "measured_peak_bytes"):
+    for name in ("trial", "predicted_peak_bytes", "calibrated_peak_bytes", "measured_peak_bytes"):
         table[name] = table[name].astype("Int64")
     return table
 
@@ -200,10 +205,12 @@ def best_record(study: StudySnapshot) -> dict:
     config = trial.config
     measured, predicted = dict(trial.measurement), dict(trial.prediction)
     samples = best_samples(study)
+    shown = trial_numbers(study.records)
     return {
-        **record, "trial": trial.number, "config": config.to_dict(), "short": config.short(),
-        "measured": measured, "predicted": predicted,
-        "samples": [{"trial": r.number, "objective": r.value,
+        # trial: its number among the real trials (as every table shows it); number: Optuna's, in the storage
+        **record, "trial": shown[trial.number], "number": trial.number, "config": config.to_dict(),
+        "short": config.short(), "measured": measured, "predicted": predicted,
+        "samples": [{"trial": shown[r.number], "objective": r.value,
                      "samples_per_s": r.measurement.get("samples_per_s")} for r in samples],
         "median_objective": median_value(samples),
         "median_samples_per_s": float(np.median([r.measurement.get("samples_per_s") or 0.0 for r in samples])),
@@ -254,14 +261,21 @@ def wall_seconds(study: StudySnapshot) -> float:
     return float(sum(run.get("wall_s", 0.0) for run in study.runs))
 
 
+def never_ran(table: pd.DataFrame) -> pd.DataFrame:
+    """The pruned rows of configs that never ran (nor are running), one per config (its last prune):
+    what the summary counts as pruned and the pictures draw as estimates."""
+    ran = table[table["status"].isin([*RAN, TrialStatus.RUNNING.value])]
+    ran_keys = set(map(tuple, ran[list(FIELDS)].astype(str).to_numpy()))
+    pruned = table[table["status"] == TrialStatus.PRUNED.value]
+    keys = pd.Series(list(map(tuple, pruned[list(FIELDS)].astype(str).to_numpy())), index=pruned.index, dtype=object)
+    keep = ~keys.isin(ran_keys) & ~keys.duplicated(keep="last")
+    return pruned[keep.to_numpy()]
+
+
 def counts(table: pd.DataFrame) -> dict:
     """Real trials by status, configs pruned (never ran) by reason, configs not tried."""
     by_status = table["status"].value_counts().to_dict()
-    ran = table[table["status"].isin([*RAN, TrialStatus.RUNNING.value])]
-    ran_keys = set(map(tuple, ran[list(FIELDS)].astype(str).to_numpy()))
-    pruned = table[table["status"] == TrialStatus.PRUNED.value].copy()
-    pruned["_key"] = list(map(tuple, pruned[list(FIELDS)].astype(str).to_numpy()))
-    pruned = pruned[~pruned["_key"].isin(ran_keys)].drop_duplicates("_key", keep="last")
+    pruned = never_ran(table)
     return {
         "real": int(sum(by_status.get(s, 0) for s in RAN)),
         "by_status": {s: int(by_status.get(s, 0)) for s in STATUSES if by_status.get(s)},
@@ -283,7 +297,7 @@ def split_mode_comparison(table: pd.DataFrame) -> pd.DataFrame:
         group = ok[kind == name]
         if not group.empty:
             best = group.loc[group["objective"].idxmax()]
-            rows.append({"mode": name, "trial": int(best["number"]), "objective": float(best["objective"]),
+            rows.append({"mode": name, "trial": int(best["trial"]), "objective": float(best["objective"]),
                          "basis": best["basis"],
                          "config": TrainConfig.from_dict({f: getattr(best[f], "item", lambda: best[f])()
                                                           for f in FIELDS}).short()})
@@ -369,7 +383,7 @@ def summary_markdown(study: StudySnapshot, table: pd.DataFrame | None = None, *,
     out.append(f"## Top {top} configs\n")
     ran = top_configs(study, table, top)
     out.append(_md_table(pd.DataFrame({
-        "trial": ran["number"], "config": [TrainConfig.from_dict({f: r[f] for f in FIELDS}).short()
+        "trial": ran["trial"], "config": [TrainConfig.from_dict({f: r[f] for f in FIELDS}).short()
                                            for _, r in ran.iterrows()],
         "samples/s": ran["samples_per_s"].map(lambda v: f"{v:.2f}"),
         "samples": ran["samples"], "spread": ran["spread"].map(lambda v: "" if _missing(v) else f"{100 * v:.1f}%"),
@@ -396,7 +410,7 @@ def summary_markdown(study: StudySnapshot, table: pd.DataFrame | None = None, *,
     out.append("## Prediction error of every real trial\n")
     real = table[table["status"].isin(RAN)]
     out.append(_md_table(pd.DataFrame({
-        "trial": real["number"], "status": real["status"],
+        "trial": real["trial"], "status": real["status"],
         "config": [TrainConfig.from_dict({f: r[f] for f in FIELDS}).short() for _, r in real.iterrows()],
         "predicted peak": real["predicted_peak_bytes"].map(_bytes), "measured peak": real["measured_peak_bytes"].map(_bytes),
         "peak error": real["peak_error"].map(_pct),
@@ -418,7 +432,7 @@ def _waited_lines(table: pd.DataFrame) -> list[str]:
     waited = table[pd.to_numeric(table["wait_s"], errors="coerce").fillna(0.0) >= WAITED_S]
     if waited.empty:
         return []
-    shown = ", ".join(f"{int(n)} ({v:.0f} s)" for n, v in zip(waited["number"], waited["wait_s"]))
+    shown = ", ".join(f"{int(n)} ({v:.0f} s)" for n, v in zip(waited["trial"], waited["wait_s"]))
     return [f"- waited for their device (another trial on this machine held it; wait_s in trials.csv, "
             f"not in their time): {len(waited)} trial(s): {shown}"]
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import optuna
 
 from autofit.core.errors import AutofitError, StudyError
+from autofit.core.records import trial_number
 from autofit.runtime import procs
 from autofit.study import storage
 from autofit.study.progress import ProgressCallback, progress_of
@@ -77,7 +78,8 @@ def _watch(children: list[procs.Child], study: optuna.Study, workers: int, emit:
         if snapshot != seen:
             seen = snapshot
             last = max((r for r in records if r.claimed), key=lambda r: r.number, default=None)
-            message = f"{workers} workers" if last is None else f"trial {last.number} {last.config.short()}: {last.status}"
+            message = (f"{workers} workers" if last is None
+                       else f"trial {trial_number(records, last.number)} {last.config.short()}: {last.status}")
             emit(progress_of(records, message, started))
 
 

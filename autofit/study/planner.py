@@ -93,6 +93,17 @@ class Step:
     stop_reason: StopReason | None = None
 
 
+def _remeasured_text(records: Sequence[TrialRecord], reason: StopReason) -> str:
+    """What the stop line adds about the re-measurements of the leaders that ran (empty when none did):
+    within the trial limit they are part of its count; otherwise they ran after the rule held."""
+    extra = sum(r.sample > 1 and r.status.ran for r in records)
+    if not extra:
+        return ""
+    if reason is StopReason.TRIAL_LIMIT:
+        return f", {extra} of them {'a re-measurement' if extra == 1 else 're-measurements'} of the leaders"
+    return f"; then {extra} {'re-measurement' if extra == 1 else 're-measurements'} of the leaders"
+
+
 def calibration_group(config: TrainConfig) -> tuple:
     """What one trial's calibration of the time model vouches for: its precision on its layout (one
     device, or a split of that many devices in that mode). Across precisions the prior's error
@@ -311,10 +322,8 @@ class Planner:
         if remeasure and under_limit and stop_reason is not StopReason.TIMEOUT:
             i, sample = remeasure[0]
             return Step(prunes, i, self.prediction(i, calibration, float(ratio[i])), None, calibration, sample)
-        extra = sum(r.sample > 1 and r.status.ran for r in records)
-        if extra:
-            stop += f"; then {extra} re-measurement(s) of the leaders"
-        return Step(prunes, None, None, stop, calibration, stop_reason=stop_reason)
+        return Step(prunes, None, None, stop + _remeasured_text(records, stop_reason), calibration,
+                    stop_reason=stop_reason)
 
     def _remeasure(self, records: Sequence[TrialRecord], by_config: dict) -> list[tuple[int, int]]:
         """The re-measurements still due before the best is crowned, as (config index, sample number):
@@ -427,12 +436,11 @@ class Planner:
         towards the trial limit (``reserve`` of it is left for them), not towards patience."""
         settings = self.settings
         if settings.deadline is not None and (now or time.time()) >= settings.deadline:
-            return StopReason.TIMEOUT, "timeout: no trial starts after the time limit"
+            return StopReason.TIMEOUT, "timeout: no new trial after the time limit"
         if not candidates:
-            return StopReason.EXHAUSTED, "exhausted: every config of the space ran or was pruned"
+            return StopReason.EXHAUSTED, "exhausted: every config ran or was pruned"
         if settings.trials is not None and len(finished) + running >= settings.trials - reserve:
-            return StopReason.TRIAL_LIMIT, f"trial limit: {settings.trials} real trials" + (
-                f", {reserve} of them left to re-measure the top configs" if reserve else "")
+            return StopReason.TRIAL_LIMIT, f"trial limit: {settings.trials} real trials"
         ordered = sorted((r for r in finished if r.sample == 1), key=lambda r: (r.finished is None, r.finished, r.number))
         best, since = None, 0
         for r in ordered:
@@ -444,14 +452,13 @@ class Planner:
                 if value is not None and value > best:
                     best = value
         if since >= settings.patience:
-            return StopReason.PATIENCE, (f"patience: {since} real trials in a row without improving the best by "
-                                         f"{settings.min_improvement:.0%}"
-                                         + ("" if best is not None else " (none fitted)"))
+            return StopReason.PATIENCE, (f"patience: {since} trials in a row without a {settings.min_improvement:.0%} "
+                                         "gain" + ("" if best is not None else " (none fitted the budget)"))
         if best_median is not None:
             top = max(sps[i] for i in candidates)
             if top < BOUND * best_median:
-                return StopReason.BOUND, (f"bound: the best remaining config is predicted at {top:.3g} samples/s, "
-                                          f"under {BOUND:.0%} of the best measured {best_median:.3g}")
+                return StopReason.BOUND, (f"bound: nothing left is predicted above {BOUND:.0%} of the best "
+                                          f"({top:.3g} against {best_median:.3g} samples/s)")
         return None
 
     def _choose(self, candidates: list[int], sps: np.ndarray, ratio: np.ndarray,

@@ -20,7 +20,7 @@ from optuna.samplers import BaseSampler
 
 from autofit.core.budget import format_bytes
 from autofit.core.config import TrainConfig
-from autofit.core.records import PruneReason, TrialRecord, TrialStatus
+from autofit.core.records import PruneReason, TrialRecord, TrialStatus, trial_number
 from autofit.estimator.calibration import relative_error
 from autofit.estimator.layer_prior import workload_prior
 from autofit.estimator.memory_model import needs_split_ends
@@ -216,14 +216,14 @@ def run_worker(settings: StudySettings, workload: Workload, *, profile: Profile 
         worker.study.set_user_attr("device_rates", rates.to_dict())
     while True:
         step, trial = worker.plan_and_claim()
-        if trial is None:
-            worker.emit(f"stopped: {step.stop}")
+        if trial is None:  # the caller says why it stopped, once (SearchProgress.stop_reason)
             return step.stop
         config = storage.config_of(trial.params)  # the planned config, or one someone enqueued by hand
-        duplicate = _claimed_elsewhere(storage.read_records(worker.study), trial.number, config, step.sample)
+        records = storage.read_records(worker.study)
+        duplicate = _claimed_elsewhere(records, trial.number, config, step.sample)
         if duplicate is not None:
-            storage.prune_claimed(worker.study, trial, PruneReason.DUPLICATE,
-                                  f"claimed at the same time by trial {duplicate} (another machine)")
+            storage.prune_claimed(worker.study, trial, PruneReason.DUPLICATE, f"claimed at the same time by trial "
+                                  f"{trial_number(records, duplicate)} (another machine)")
             continue
         worker.run(trial, config, step.prediction, workload if workload.source is None else workload.source, runner,
                    step.sample)
@@ -278,8 +278,9 @@ class _Worker:
     def run(self, trial: optuna.Trial, config: TrainConfig, prediction: dict, workload: Workload | str,
             runner: TrialRunner, sample: int = 1) -> None:
         """Run the claimed trial (with a heartbeat) and record its result; an interrupt marks it interrupted."""
+        shown = trial_number(storage.read_records(self.study), trial.number)  # real trials from 1, not Optuna's
         what = "running" if sample == 1 else f"measuring again (sample {sample}, before the best is crowned)"
-        self.emit(f"trial {trial.number} {config.short()}: {what} (predicted {prediction['samples_per_s']:.3g} "
+        self.emit(f"trial {shown} {config.short()}: {what} (predicted {prediction['samples_per_s']:.3g} "
                   f"samples/s, limit {prediction['trial_timeout_s']:.0f} s)")
         try:
             with _Heartbeat(trial):
@@ -293,4 +294,4 @@ class _Worker:
         data = result.to_dict()
         storage.tell_result(self.study, trial, result, prediction, {k: data.get(k) for k in MEASURED_KEYS},
                             _errors(prediction, result), self.settings.budget_bytes, self.settings.devices)
-        self.emit(_describe(trial.number, config, result))
+        self.emit(_describe(shown, config, result))

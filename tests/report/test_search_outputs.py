@@ -90,7 +90,7 @@ def test_optuna_dashboard_shows_every_trial_with_readable_attributes(finished, t
 
 def test_the_study_loads_in_optuna_itself(finished):
     study = open_study(finished.out_dir)
-    assert isinstance(study, optuna.Study) and study.best_trial.number == finished.best_trial
+    assert isinstance(study, optuna.Study) and study.best_trial.number == finished.best_number
     frame = study.trials_dataframe()
     assert {"params_precision", "params_micro_batch", "user_attrs_measured"} <= set(frame.columns)
 

@@ -283,7 +283,7 @@ def test_the_leaders_are_measured_again_and_the_best_is_the_highest_best_sample(
         trials.append(ran_trial(planner, order[-1], len(trials), samples_per_s=first.value - 1, sample=step.sample))
         step = planner.step(trials)
     assert order == [b]  # the leaders have two samples each; c is far below them: not worth a trial
-    assert "then 2 re-measurement(s) of the leaders" in step.stop
+    assert step.stop.endswith("; then 2 re-measurements of the leaders")
     assert best_of(trials).config == a and planner.step(trials).run is None  # resumed: nothing measured twice
     # a re-measurement that goes over the budget rules its config out
     trials.append(ran_trial(planner, a, len(trials), status="oom", sample=3))
@@ -319,7 +319,22 @@ def test_re_measurements_count_towards_the_trial_limit(tiny_profile, rates):
     assert planner.configs[step.run] == configs[0] and step.sample == 2
     trials.append(ran_trial(limited, configs[0], 3, samples_per_s=99.0, sample=2))
     step = limited.step(trials)
-    assert step.run is None and step.stop.startswith("trial limit: 4 real trials, 1 of them left")
+    # one short line: the re-measurement is one of the 4 (no "left to re-measure", no "then ...")
+    assert step.run is None and step.stop == "trial limit: 4 real trials, 1 of them a re-measurement of the leaders"
+
+
+def test_the_stop_line_says_the_re_measurements_in_a_few_words():
+    """One short line: within the trial limit the re-measurements are part of its count; after any
+    other rule they ran once the rule held."""
+    from autofit.study.planner import _remeasured_text
+
+    config = TrainConfig("fp32", 8, 1)
+    ran = [TrialRecord(number=n, config=config, status=TrialStatus.OK, value=1.0, sample=s)
+           for n, s in ((3, 1), (5, 2), (6, 3))]
+    assert _remeasured_text(ran[:1], StopReason.PATIENCE) == ""
+    assert _remeasured_text(ran[:2], StopReason.EXHAUSTED) == "; then 1 re-measurement of the leaders"
+    assert _remeasured_text(ran, StopReason.BOUND) == "; then 2 re-measurements of the leaders"
+    assert _remeasured_text(ran, StopReason.TRIAL_LIMIT) == ", 2 of them re-measurements of the leaders"
 
 
 def test_a_precision_the_calibrated_model_rules_out_is_dropped_after_its_own_trial(tiny_profile, rates):
@@ -770,7 +785,7 @@ def test_four_local_workers_on_the_journal_with_reports_while_they_run(tmp_path)
             if t.state == TrialState.COMPLETE]
     assert 1 <= len(real) == len(set(real)), "a measurement was taken twice"
     snapshot_best = next(r.config.to_dict() for r in load_snapshot(out).records
-                         if r.number == json.loads(text)["best_trial"])
+                         if r.number == json.loads(text)["best_number"])
     report = autofit("report", str(out), "--json")
     after = json.loads(report.communicate(timeout=120)[0])["best"]
     assert json.loads(text)["best"] == snapshot_best == after["config"]
