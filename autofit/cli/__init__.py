@@ -9,6 +9,7 @@ one line and exit 1. ``--debug`` (anywhere on the line) shows the traceback inst
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import logging
 import re
@@ -21,13 +22,57 @@ _COMMANDS = ("models", "estimate", "measure", "search", "size", "report", "expor
 
 
 class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (exit 2), no abbreviated options (``--budg`` is not ``--budget``),
+    and an unknown option named before any other complaint, with the close match when there is one."""
+
     def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
         # "--budget -1GB" is a (bad) value, not an option: no option of ours starts with a digit.
         self._negative_number_matcher = re.compile(r"^-\.?\d")
+        self._parsing: list[str] = []
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._parsing = list(sys.argv[1:] if args is None else args)
+        namespace, extras = super().parse_known_args(args, namespace)
+        unknown = self.unknown_option(extras)
+        if unknown is not None:  # a subcommand's own: said here, where its options are known
+            self.error(unknown)
+        return namespace, extras
+
+    def unknown_option(self, strings: list[str]) -> str | None:
+        """``unknown argument --budjet (did you mean --budget?)`` for the first option in ``strings``
+        that this parser does not have, else None. What follows ``--`` is positional; for the parser of
+        the subcommands, what follows the subcommand is the subcommand's."""
+        for text in strings:
+            if text == "--":
+                return None
+            if not text.startswith("-") or text == "-" or self._negative_number_matcher.match(text):
+                if self._subparsers is not None:
+                    return None
+                continue
+            name = text.split("=", 1)[0] if text.startswith("--") else text
+            if name in self._option_string_actions:
+                continue
+            known = sorted(o for o, a in self._option_string_actions.items()
+                           if o.startswith("--") and a.help is not argparse.SUPPRESS)
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+            return f"unknown argument {name}" + (f" (did you mean {close[0]}?)" if close else "")
+        return None
 
     def error(self, message: str) -> None:  # one line, exit 2, as for every user error
-        sys.stderr.write(f"autofit: error: {message}\n")
+        # An unknown option first: "--budjet 8GB" is a typo, not a missing --budget.
+        unknown = message if message.startswith("unknown argument ") else self.unknown_option(self._parsing)
+        if unknown is not None:
+            message = unknown
+        else:
+            choice = re.match(r"argument .*: invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+            if choice:
+                options = re.findall(r"'([^']*)'", choice.group(2))
+                close = difflib.get_close_matches(choice.group(1), options, n=1, cutoff=0.6)
+                if close:
+                    message += f"; did you mean {close[0]}?"
+        sys.stderr.write(f"autofit: error: {' '.join(message.split())}\n")
         raise SystemExit(2)
 
 
