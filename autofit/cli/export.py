@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from autofit.cli._args import BUDGET_HELP
 from autofit.core.errors import ConfigError
 from autofit.report.exports import TARGETS, export, export_study
 
@@ -24,7 +25,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--to", required=True, choices=TARGETS, help="the target")
     p.add_argument("--config", help="k=v,... over the study's best config, or the whole config without DIR")
     p.add_argument("--model", help="without DIR: the workload (to estimate peaks; needed by --to torchrun)")
-    p.add_argument("--budget", help="without DIR: memory per device, e.g. 8GB (to say whether a nearest setting fits)")
+    p.add_argument("--budget", help="without DIR: " + BUDGET_HELP + " (to say whether a nearest setting fits)")
     p.add_argument("--device", choices=("cuda", "cpu"), help="without DIR: where training runs (default: cuda if this torch sees a GPU, else cpu)")
     p.add_argument("--storage", help="the storage URL when the study is in a database")
     p.add_argument("--out", help="write to this file instead of stdout")

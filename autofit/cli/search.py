@@ -9,7 +9,13 @@ import shlex
 import sys
 
 from autofit.api.run_study import search
-from autofit.cli._args import MODEL_HELP, add_hf_options, model_spec, positive
+from autofit.cli._args import (
+    BUDGET_HELP,
+    MODEL_HELP,
+    add_hf_options,
+    model_spec,
+    positive,
+)
 from autofit.core.budget import format_budget, format_bytes
 from autofit.report.tables import RAN, duration_text
 from autofit.study import PATIENCE, TRIAL_TIMEOUT_S, SearchProgress
@@ -26,7 +32,7 @@ def add_parser(subparsers) -> None:
         epilog="Exit status: 0 when a config fits; 1 when no trial ran under the budget; 2 for a usage error; "
                "130 when interrupted (rerun the command to resume).",
     )
-    p.add_argument("--budget", required=True, help="memory per device, e.g. 8GB, 7.5GiB, 512MiB")
+    p.add_argument("--budget", required=True, help=BUDGET_HELP)
     p.add_argument("--model", default=DEFAULT_WORKLOAD, help=f"{MODEL_HELP} (default: {DEFAULT_WORKLOAD})")
     add_hf_options(p)
     p.add_argument("--space", help="search-space TOML file or a name in search_spaces/ (default: default)")

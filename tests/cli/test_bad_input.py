@@ -72,6 +72,7 @@ CASES: dict[str, Case] = {
     "budget-empty": Case(_estimate(budget=""), 2, ("''", "gb")),
     "budget-search": Case(_search(budget="lots"), 2, ("lots", "gb")),
     "budget-measure": Case(["measure", "--model", "tiny", "--budget", "8"], 2, ("'8'", "gb")),
+    "budget-shorthand-unknown": Case(_estimate(budget="8Gi"), 2, ("'8gi'", "8g = 8gb", "powers of 1024")),
     # configs
     "config-unknown-key": Case(_estimate("--config", "micro_btch=8"), 2, ("micro_btch", "micro_batch")),
     "config-wrong-type": Case(_estimate("--config", "micro_batch=eight"), 2, ("eight", "integer")),
@@ -253,6 +254,16 @@ def test_bad_input(outcomes, name):
     for needle in case.says:
         assert needle in lines[-1].lower(), (needle, lines[-1])
     assert "secret" not in done.stderr + done.stdout
+
+
+def test_budget_help_says_what_the_shorthand_means(capsys):
+    from autofit.cli import main
+
+    for command in ("search", "estimate", "measure", "size"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "8GB or 8G (decimal units: 8*10^9 bytes" in text and "GiB" in text, (command, text)
 
 
 def test_debug_shows_the_traceback(tmp_path):
