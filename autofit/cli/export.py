@@ -19,7 +19,8 @@ def add_parser(subparsers) -> None:
                     "and the data module's batch size, JSON), deepspeed (a DeepSpeed config, JSON), torchrun (the "
                     "command that runs autofit's pipeline runner for a split config), json (autofit's record). What a "
                     "target cannot say exactly is said on stderr and in the export's comment, with the nearest "
-                    "setting, its estimated peak and the code that does it exactly.",
+                    "setting, its estimated peak and the code that does it exactly; an export that changes the "
+                    "global batch, the precision or the optimizer says so first, with by how much.",
     )
     p.add_argument("dir", nargs="?", help="a study directory (autofit search --out); omit to export --config alone")
     p.add_argument("--to", required=True, choices=TARGETS, help="the target")
@@ -42,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
         exp = export_study(args.dir, args.to, storage=args.storage, override=args.config)
     else:
         exp = export(args.config, args.to, workload=args.model, budget=args.budget, device=args.device)
+    for change in exp.changes:  # first: the export trains differently from what was measured
+        sys.stderr.write(f"autofit: warning: this export changes the training: {change.text()}\n")
     for note in exp.notes:
         sys.stderr.write(f"autofit: note: {note.text()}\n")
     if args.out:

@@ -243,3 +243,12 @@ def test_summary_names_the_workload_in_the_cli_flags(study_dir):
     text = summary_markdown(dataclasses.replace(study, settings=settings))
     assert "`--model 'hf:gpt2?n_layer=2' --seq-len 64 --task causal-lm`" in text
     assert "- reproduce: `autofit measure --model 'hf:gpt2?n_layer=2' --seq-len 64 --task causal-lm --config " in text
+
+
+def test_an_export_overriding_the_best_says_how_it_changes_the_training(study_dir):
+    from autofit.report.exports import export_study
+
+    exp = export_study(study_dir, "json", override="micro_batch=4,precision=amp-bf16")  # best: fp32 mb=2 ga=2
+    assert [c.text().split(":")[0] for c in exp.changes] == ["global batch 4 -> 8 (x2)", "precision fp32 -> amp-bf16"]
+    assert json.loads(exp.text)["changes"] == exp.warnings()
+    assert not export_study(study_dir, "json", override="micro_batch=4,grad_accum=1").changes  # 4 samples a step still
