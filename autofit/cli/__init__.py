@@ -4,16 +4,25 @@ Each subcommand lives in its own module here with ``add_parser(subparsers)`` and
 ``run(args) -> int``. User errors (:class:`autofit.core.errors.AutofitError`) become one line
 on stderr and their exit status (2 for usage, 1 for a run-time failure); any other exception
 one line and exit 1. ``--debug`` (anywhere on the line) shows the traceback instead.
+
+Stopping: Ctrl-C (SIGINT) interrupts a command -- a search marks its running trials interrupted,
+writes its tables and exits 130 (rerun it to resume) -- and so does ``kill PID`` (SIGTERM), which
+exits 143. A process started with SIGINT ignored (a background job of a non-interactive shell:
+``cmd &`` in a script) cannot see Ctrl-C; a long command says so on start, with the kill to use.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import importlib
 import logging
+import os
 import re
+import signal
 import sys
+import threading
 import traceback
 
 from autofit.core.errors import AutofitError
@@ -106,14 +115,58 @@ def _warnings_to_stderr() -> None:
         logger.propagate = False
 
 
+_LONG_COMMANDS = ("search", "measure", "size", "bench")  # the commands one may want to stop
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill PID``): stops a command as Ctrl-C does (running trials marked interrupted, tables written)."""
+
+
+def _terminate(signum, frame) -> None:
+    if os.getpid() != _terminate.pid:  # a forked child inherited the handler: it dies of SIGTERM, as before
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    raise Terminated
+
+
+@contextlib.contextmanager
+def _stop_signals(command: str):
+    """SIGTERM interrupts the command as Ctrl-C does, while it runs (the handler as it was restored
+    after: ``main`` also runs inside other programs); a long command started with SIGINT ignored says
+    on start that Ctrl-C cannot stop it, and what can."""
+    if threading.current_thread() is not threading.main_thread():  # signal handlers belong to the main thread
+        yield
+        return
+    if command in _LONG_COMMANDS and signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        sys.stderr.write(f"autofit: warning: Ctrl-C is ignored in this process (SIGINT ignored: started in the "
+                         f"background by a script?); stop it with kill {os.getpid()} (SIGTERM), which interrupts it "
+                         "as Ctrl-C would\n")
+        sys.stderr.flush()
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous != signal.SIG_DFL:  # ignored, or someone's handler: theirs
+        yield
+        return
+    _terminate.pid = os.getpid()
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _warnings_to_stderr()
     try:
-        return int(args.run(args) or 0)
+        with _stop_signals(args.command):
+            return int(args.run(args) or 0)
     except AutofitError as exc:
         return _fail(args, str(exc), exc.exit_status)
+    except Terminated:
+        sys.stderr.write("autofit: terminated (SIGTERM)\n")
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         sys.stderr.write("autofit: interrupted\n")
         return 130
