@@ -6,16 +6,23 @@ message, ``{"stop_reason": ...}`` or, for a user error, ``{"error": ...}``. Its 
 ``<out>/worker-<i>.log``. Like every procs child it dies, with what it started, when the search
 process is gone; a trial it left running is marked interrupted by the next worker on the study
 (its process is gone) and planned again.
+
+A worker killed on its own (``kill -9``, the kernel's OOM killer) while another goes on is said
+(a progress line, then a warning) and the search goes on: its running trial is marked interrupted
+by the next planning step of another worker and runs again. Only when no worker finished the
+study, or a worker reported an error, does the search fail.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
 from pathlib import Path
 
 import optuna
 
-from autofit.core.errors import AutofitError, StudyError
+from autofit.core.errors import AutofitError, RunFailure, StudyError
 from autofit.runtime import procs
 from autofit.study import storage
 from autofit.study.progress import ProgressCallback, progress_of
@@ -23,6 +30,7 @@ from autofit.study.settings import StudySettings
 
 STOP_GRACE_S = 15.0        # after Ctrl-C, workers get this long to mark their trials before a kill
 POLL_S = 1.0               # how often progress is read from the storage
+log = logging.getLogger(__name__)
 
 
 def worker_env(settings: StudySettings, workers: int, gpus: list[str]) -> dict:
@@ -54,25 +62,47 @@ def run_workers(settings: StudySettings, workers: int, gpu_slices: list[list[str
     except BaseException:
         _stop(children)
         raise
-    errors = []
-    for child in children:
-        child.kill()  # reaps it (it is done)
+    errors, killed, finished, failure = [], [], 0, False
+    for w, child in enumerate(children):
+        status = child.kill()  # reaps it (it is done)
         message = child.last_message() or {}
         if "error" in message:
             errors.append(message["error"])
-        elif "stop_reason" not in message:
+            failure = failure or message.get("exit_status") == RunFailure.exit_status  # e.g. a full disk
+        elif "stop_reason" in message:
+            finished += 1
+        elif os.WIFSIGNALED(status) and os.WTERMSIG(status) != signal.SIGINT:
+            killed.append(f"worker {w} {child.failure()}")
+        else:
             errors.append(child.failure())
-    if errors:
-        raise StudyError(f"a worker failed: {errors[0]} (see {out_dir}/worker-*.log)")
+    if errors or not finished:
+        kind = RunFailure if failure or not errors else StudyError  # a full disk, or every worker killed: exit 1
+        raise kind(f"a worker failed: {(errors or killed)[0]} (see {out_dir}/worker-*.log)")
+    if killed:  # the others finished the study; a trial it left running ran again, unless they had stopped
+        from autofit.study.worker import fail_stale_trials
+
+        left = fail_stale_trials(study, storage.read_records(study))
+        log.warning("%s while the search ran (see %s/worker-*.log); the other workers finished the study, %s",
+                    "; ".join(killed), out_dir, "and the trial it was running was marked interrupted and ran again"
+                    if not left else f"and trial {', '.join(map(str, left))} it was running is marked interrupted: "
+                    "run the same search again to run it")
     return study.user_attrs.get("stop_reason") or "workers finished"
 
 
 def _watch(children: list[procs.Child], study: optuna.Study, workers: int, emit: ProgressCallback,
            started: float) -> None:
     seen = None
+    gone: set[int] = set()
     while not all(child.done for child in children):
         procs.pump(children, POLL_S)
         records = storage.read_records(study)
+        for w, child in enumerate(children):
+            if child.done and w not in gone:
+                gone.add(w)
+                message = child.last_message() or {}
+                if not ("stop_reason" in message or "error" in message) and not all(c.done for c in children):
+                    emit(progress_of(records, f"worker {w} died ({child.failure()}); the others go on, and the trial "
+                                     "it was running will run again", started))
         snapshot = tuple((r.number, r.status) for r in records)
         if snapshot != seen:
             seen = snapshot
@@ -100,4 +130,4 @@ def worker_entry(request: dict, send: procs.Send) -> dict:
     try:
         return {"stop_reason": run_worker(settings, load_workload(settings.workload_source))}
     except AutofitError as exc:
-        return {"error": str(exc)}
+        return {"error": str(exc), "exit_status": exc.exit_status}

@@ -351,3 +351,46 @@ def test_started_with_ctrl_c_ignored_it_says_so_and_sigterm_stops_it_as_ctrl_c_w
     table = pd.read_csv(out / "trials.csv")  # the tables were written on the way out
     assert list(table.loc[table["status"] != "pruned", "status"]) == ["interrupted"]
 
+
+def test_a_worker_killed_on_its_own_has_its_trial_run_again_while_the_other_goes_on(tmp_path, write_space):
+    from fault_workloads import FAULTS_ENV
+
+    from autofit.study import load_snapshot
+
+    pids = tmp_path / "pids"
+    space = write_space(tmp_path / "space.toml", precision=["fp32"], micro_batch=[5, 6, 7])
+    out = tmp_path / "study"
+    env = {**os.environ, "PYTHONPATH": str(REPO), FAULTS_ENV: "6:hang-once", "AUTOFIT_TEST_PIDFILE": str(pids)}
+    search = subprocess.Popen([sys.executable, "-m", "autofit", "search", "--model", FAULTY, "--budget", "1GB",
+                               "--space", str(space), "--device", "cpu", "--out", str(out), "--workers", "2"],
+                              env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 240
+        while not (pids.is_file() and pids.read_text().strip()) and search.poll() is None:
+            assert time.monotonic() < deadline, "no trial started"
+            time.sleep(0.2)
+        hung = int(pids.read_text().split()[0])
+        running = [r for r in load_snapshot(out).records if r.status is TrialStatus.RUNNING]
+        hanging = [r for r in running if r.config.micro_batch == 6]  # the other worker's waits for the device
+        assert len(hanging) == 1, running
+        victim = hanging[0].worker["pid"]
+        os.kill(victim, signal.SIGKILL)  # the worker alone, mid-trial (as the OOM killer would)
+        stdout, stderr = search.communicate(timeout=300)
+    finally:
+        if search.poll() is None:
+            search.kill()
+    assert search.returncode == 0, stderr[-3000:]
+    assert "Traceback" not in stderr and "error" not in stderr.lower(), stderr[-3000:]
+    died = [line for line in stderr.splitlines() if "died (killed by signal SIGKILL)" in line]
+    assert died and "the trial it was running will run again" in died[0], stderr[-3000:]
+    warning = [line for line in stderr.splitlines() if line.startswith("autofit: warning: worker ")]
+    assert len(warning) == 1 and "killed by signal SIGKILL while the search ran" in warning[0], stderr[-3000:]
+    assert _gone(hung), "the killed worker's trial outlived it"
+    records = [r for r in load_snapshot(out).records if r.status is not TrialStatus.PRUNED]
+    six = [(r.number, r.status.value, r.worker["pid"]) for r in records if r.config.micro_batch == 6 and r.sample == 1]
+    assert [s for _, s, _ in six] == ["interrupted", "ok"], six
+    assert six[0][2] == victim and six[1][2] != victim, "the other worker ran it again"
+    assert "running" not in {r.status.value for r in records}
+    assert {r.config.micro_batch for r in records if r.status.value == "ok"} == {5, 6, 7}
+
