@@ -394,3 +394,28 @@ def test_a_worker_killed_on_its_own_has_its_trial_run_again_while_the_other_goes
     assert "running" not in {r.status.value for r in records}
     assert {r.config.micro_batch for r in records if r.status.value == "ok"} == {5, 6, 7}
 
+
+def test_a_full_disk_while_the_journal_is_written_is_one_line_and_the_study_resumes(tmp_path):
+    out = tmp_path / "study"
+    _search(out, Replay(), trials=2)
+    journal = (out / "study.journal").read_bytes()
+
+    def search_on_a_full_disk() -> str:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead of killing us
+        limit = len(journal) + 3000  # a record or two more, then one cut off mid-write
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        _search(out, Replay(), trials=6)
+        return "no error"
+
+    status, text = _forked(search_on_a_full_disk)
+    assert os.WEXITSTATUS(status) == 1 and text.startswith("RunFailure: "), text
+    assert "\n" not in text and f"cannot write the study's journal {out / 'study.journal'} (File too large)" in text
+    assert "run the same search again to resume" in text, text
+    data = (out / "study.journal").read_bytes()
+    assert data.startswith(journal) and len(data) > len(journal) and data.endswith(b"\n"), "a record cut off mid-write"
+    assert not list(out.glob("study.journal.torn-*")), "the next start had a torn line to repair"
+    result = _search(out, Replay(), trials=6)  # resumes: every trial once, none left running
+    after = _ran(out)
+    finished = [c for c, s, _ in after.values() if s == "error"]
+    assert len(finished) == len(set(finished)) == 6 == result.n_real, after
+    assert "running" not in {s for _, s, _ in after.values()}
