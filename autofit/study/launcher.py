@@ -9,8 +9,9 @@ process is gone; a trial it left running is marked interrupted by the next worke
 
 A worker killed on its own (``kill -9``, the kernel's OOM killer) while another goes on is said
 (a progress line, then a warning) and the search goes on: its running trial is marked interrupted
-by the next planning step of another worker and runs again. Only when no worker finished the
-study, or a worker reported an error, does the search fail.
+by the next planning step of another worker and runs again (when the others had already stopped
+planning, workers start again for it). Only when no worker finished the study, or a worker
+reported an error, does the search fail.
 """
 
 from __future__ import annotations
@@ -27,9 +28,11 @@ from autofit.runtime import procs
 from autofit.study import storage
 from autofit.study.progress import ProgressCallback, progress_of
 from autofit.study.settings import StudySettings
+from autofit.study.worker import fail_stale_trials
 
 STOP_GRACE_S = 15.0        # after Ctrl-C, workers get this long to mark their trials before a kill
 POLL_S = 1.0               # how often progress is read from the storage
+RESTARTS = 2               # rounds of workers started again for trials that killed workers left
 log = logging.getLogger(__name__)
 
 
@@ -44,16 +47,43 @@ def run_workers(settings: StudySettings, workers: int, gpu_slices: list[list[str
                 emit: ProgressCallback, started: float, log_tag: str = "") -> str:
     """Start ``workers`` worker processes on the study, report progress from the storage, wait for them.
 
-    Returns the stop reason. A worker that fails makes this raise StudyError with its error
-    (after the others finished); KeyboardInterrupt interrupts the workers (they mark their
-    running trials) and propagates. Worker ``w`` logs to ``worker-<w><log_tag>.log`` (a search
-    that joined another on its directory tags its own).
+    Returns the stop reason. A worker that reports an error, or workers that all died, make this
+    raise (StudyError, or RunFailure for a failure of the surroundings such as a full disk) after
+    the others finished; KeyboardInterrupt interrupts the workers (they mark their running trials)
+    and propagates. A worker killed on its own while another finishes is a warning: its running
+    trial is marked interrupted and runs again -- on the others if they are still planning, else on
+    workers started again for it (at most RESTARTS times). Worker ``w`` logs to
+    ``worker-<w><log_tag>.log`` (a search that joined another on its directory tags its own; workers
+    started again add ``-<round>``).
     """
     out_dir = Path(settings.out_dir)
+    killed: list[str] = []
+    left: list[int] = []
+    for round_ in range(RESTARTS + 1):
+        suffix = log_tag + (f"-{round_}" if round_ else "")
+        killed_now = _run_round(settings, workers, gpu_slices, study, emit, started, out_dir, suffix)
+        killed += killed_now
+        # the trials the killed workers left running and no other worker took up (they had stopped planning)
+        left = fail_stale_trials(study, storage.read_records(study)) if killed_now else []
+        if not left or round_ == RESTARTS:
+            break
+        emit(progress_of(storage.read_records(study), f"trial {', '.join(map(str, left))} of a killed worker is "
+                         f"marked interrupted; {workers} workers start again to run it", started))
+    if killed:
+        log.warning("%s while the search ran (see %s/worker-*.log); the other workers finished the study, %s",
+                    "; ".join(killed), out_dir, "and the trial it was running was marked interrupted and ran again"
+                    if not left else f"and trial {', '.join(map(str, left))} it was running is marked interrupted: "
+                    "run the same search again to run it")
+    return study.user_attrs.get("stop_reason") or "workers finished"
+
+
+def _run_round(settings: StudySettings, workers: int, gpu_slices: list[list[str]], study: optuna.Study,
+               emit: ProgressCallback, started: float, out_dir: Path, log_suffix: str) -> list[str]:
+    """Start the workers and wait for them; which were killed on their own (``worker N killed by ...``)."""
     children = []
     try:
         for w in range(workers):
-            log_path = out_dir / f"worker-{w}{log_tag}.log"
+            log_path = out_dir / f"worker-{w}{log_suffix}.log"
             log_path.write_text("")  # this run's log only
             children.append(procs.spawn(
                 "autofit.study.launcher:worker_entry", {"settings": settings.to_json()},
@@ -78,15 +108,7 @@ def run_workers(settings: StudySettings, workers: int, gpu_slices: list[list[str
     if errors or not finished:
         kind = RunFailure if failure or not errors else StudyError  # a full disk, or every worker killed: exit 1
         raise kind(f"a worker failed: {(errors or killed)[0]} (see {out_dir}/worker-*.log)")
-    if killed:  # the others finished the study; a trial it left running ran again, unless they had stopped
-        from autofit.study.worker import fail_stale_trials
-
-        left = fail_stale_trials(study, storage.read_records(study))
-        log.warning("%s while the search ran (see %s/worker-*.log); the other workers finished the study, %s",
-                    "; ".join(killed), out_dir, "and the trial it was running was marked interrupted and ran again"
-                    if not left else f"and trial {', '.join(map(str, left))} it was running is marked interrupted: "
-                    "run the same search again to run it")
-    return study.user_attrs.get("stop_reason") or "workers finished"
+    return killed
 
 
 def _watch(children: list[procs.Child], study: optuna.Study, workers: int, emit: ProgressCallback,
@@ -100,9 +122,10 @@ def _watch(children: list[procs.Child], study: optuna.Study, workers: int, emit:
             if child.done and w not in gone:
                 gone.add(w)
                 message = child.last_message() or {}
-                if not ("stop_reason" in message or "error" in message) and not all(c.done for c in children):
-                    emit(progress_of(records, f"worker {w} died ({child.failure()}); the others go on, and the trial "
-                                     "it was running will run again", started))
+                if not ("stop_reason" in message or "error" in message):
+                    others = "; the others go on" if not all(c.done for c in children) else ""
+                    emit(progress_of(records, f"worker {w} died ({child.failure()}); the trial it was running will "
+                                     f"run again{others}", started))
         snapshot = tuple((r.number, r.status) for r in records)
         if snapshot != seen:
             seen = snapshot
