@@ -430,3 +430,27 @@ def test_a_full_disk_while_the_journal_is_written_is_one_line_and_the_study_resu
     assert len(finished) == len(set(finished)) == 6 == result.n_real, after
     assert "running" not in {s for _, s, _ in after.values()}
 
+
+def test_temporary_files_of_a_killed_write_are_removed_at_the_next_start(tmp_path):
+    from autofit.core.files import temp_path
+
+    out = tmp_path / "study"
+    _search(out, Replay(), trials=1)
+    # killed as it starts writing trials.csv: its temporary file is left, created and empty
+    status, text = _forked(lambda: (_kill_when_writing(out, "trials.csv"), _search(out, Replay(), trials=2))[1])
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, text
+    left = [p.name for p in out.iterdir() if p.name.startswith(".trials.csv.tmp")]
+    assert len(left) == 1, sorted(p.name for p in out.iterdir())
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # another process, alive
+    try:
+        live = out / temp_path(out / "best.json").name.replace(f"tmp{os.getpid()}@", f"tmp{writer.pid}@")
+        live.write_text("{")  # as a concurrent `autofit report` writing best.json would have it
+        (out / ".notes.tmp").write_text("not autofit's")
+        events = []
+        _search(out, Replay(), trials=2, progress=events.append)
+    finally:
+        writer.kill()
+        writer.wait()
+    names = {p.name for p in out.iterdir()}
+    assert left[0] not in names and live.name in names and ".notes.tmp" in names
+    assert any(f"removed 1 temporary file(s) a killed write left in {out}: {left[0]}" in e.message for e in events)
