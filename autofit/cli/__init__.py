@@ -138,12 +138,13 @@ def _stop_signals(command: str):
     if threading.current_thread() is not threading.main_thread():  # signal handlers belong to the main thread
         yield
         return
-    if command in _LONG_COMMANDS and signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
-        sys.stderr.write(f"autofit: warning: Ctrl-C is ignored in this process (SIGINT ignored: started in the "
-                         f"background by a script?); stop it with kill {os.getpid()} (SIGTERM), which interrupts it "
-                         "as Ctrl-C would\n")
-        sys.stderr.flush()
     previous = signal.getsignal(signal.SIGTERM)
+    if command in _LONG_COMMANDS and signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        how = (f"kill {os.getpid()} (SIGTERM), which interrupts it as Ctrl-C would" if previous != signal.SIG_IGN else
+               f"kill -KILL {os.getpid()} (SIGTERM is ignored too; the same command again resumes it)")
+        sys.stderr.write(f"autofit: warning: Ctrl-C is ignored in this process (SIGINT ignored: started in the "
+                         f"background by a script?); stop it with {how}\n")
+        sys.stderr.flush()
     if previous != signal.SIG_DFL:  # ignored, or someone's handler: theirs
         yield
         return

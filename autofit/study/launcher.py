@@ -150,6 +150,10 @@ def worker_entry(request: dict, send: procs.Send) -> dict:
     from autofit.workloads.load import load_workload
 
     settings = StudySettings.from_json(request["settings"])
+    # Our SIGINT (a stop, or the search gone) must reach run_worker as KeyboardInterrupt to mark its trial,
+    # even when the search was started with SIGINT ignored (which we inherit): a terminal's Ctrl-C never
+    # reaches us (our own session), only the search's signal does.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return {"stop_reason": run_worker(settings, load_workload(settings.workload_source))}
     except AutofitError as exc:
