@@ -67,6 +67,7 @@ def main() -> None:
         space={"precision": ["fp32", "amp-bf16"], "micro_batch": [4, 8, 16], "global_batch": 16,
                "checkpoint_every": [0, 2]},
         trials=3, out="results/launcher-example",
+        progress=True,  # the default: the lines `autofit search` prints, on stderr; False: silent
     )
     if result.best is None:
         raise SystemExit("nothing fits the budget")

@@ -37,7 +37,7 @@ def _row(label: str, result: TrialResult) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--model", default="gpt-tiny", help="a built-in name or path/file.py:function")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per trial")
     args = parser.parse_args()

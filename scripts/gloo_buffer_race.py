@@ -50,7 +50,7 @@ def _rank(rank: int, port: int, calls: int, op: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--op", choices=("all_gather", "all_gather_async", "reduce_scatter_async"), default="all_gather")
     args = parser.parse_args()

@@ -926,7 +926,7 @@ def run_part(name: str, func, rows: list[Row], clock: Clock) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--out", default=str(ROOT / "results/benchmarks/gpu"), help="output folder (default %(default)s)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="one tiny config per workload (the CPU plumbing test)")

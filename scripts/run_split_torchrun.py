@@ -45,7 +45,7 @@ from autofit.workloads.load import load_workload
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--model", required=True, help="built-in name, path/to/file.py:function or module:function")
     parser.add_argument("--config", default="", help="k=v,... e.g. precision=amp-bf16,micro_batch=8,grad_accum=4")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")

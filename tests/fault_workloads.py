@@ -6,6 +6,8 @@ called, so a test sets it in the environment the trial inherits:
 
 - ``segfault``: the process kills itself with SIGSEGV;
 - ``hang``: sleeps for ten minutes (it appends its pid to ``AUTOFIT_TEST_PIDFILE`` first);
+- ``hang-once``: as ``hang`` unless ``AUTOFIT_TEST_PIDFILE`` already names a process (a trial run
+  again after its worker was killed goes on);
 - ``hog``: asks for :data:`HOG_BYTES` without touching them, which only a memory limit refuses;
 - ``flood``: writes :data:`FLOOD_BYTES` to its stdout, then behaves.
 
@@ -47,6 +49,10 @@ def _misbehave(fault: str | None) -> None:
         faulthandler.disable()  # a forked copy of pytest would print its traceback to the terminal
         os.kill(os.getpid(), signal.SIGSEGV)
         time.sleep(60)
+    elif fault == "hang-once":
+        path = os.environ.get("AUTOFIT_TEST_PIDFILE")
+        if not (path and os.path.exists(path) and open(path).read().strip()):
+            _misbehave("hang")
     elif fault == "hang":
         path = os.environ.get("AUTOFIT_TEST_PIDFILE")
         if path:

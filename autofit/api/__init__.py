@@ -4,7 +4,7 @@ Example (a launcher script; ``examples/launcher.py`` is a runnable one)::
 
     import autofit
 
-    result = autofit.search("gpt-tiny", budget="8GB", trials=12)
+    result = autofit.search("gpt-tiny", budget="8GB", trials=12)  # progress lines on stderr
     print(result.best, result.best_measured["samples_per_s"])
     model = MyModel()
     optimizer = torch.optim.AdamW(model.parameters())
@@ -27,6 +27,7 @@ from autofit.api.run_study import default_device, resolve_space
 from autofit.api.run_study import search as study_search
 from autofit.core.budget import parse_budget
 from autofit.core.config import TrainConfig
+from autofit.core.errors import StudyError
 from autofit.core.space import SearchSpace
 from autofit.estimator.memory_model import MemoryEstimate
 from autofit.estimator.memory_model import estimate as estimate_one
@@ -39,6 +40,7 @@ from autofit.study import (
     PATIENCE,
     TRIAL_TIMEOUT_S,
     ProgressCallback,
+    ProgressPrinter,
     SearchProgress,
 )
 from autofit.trial.apply import TrainingPlan, TrainingRun
@@ -55,14 +57,20 @@ def search(workload: Workload | str, budget: str | int = "8GB", *,
            study: str | None = None, out: str | Path | None = None, device: str | None = None,
            devices: int | None = None, seed: int = 0, patience: int = PATIENCE,
            min_improvement: float = MIN_IMPROVEMENT, trial_timeout_s: float = TRIAL_TIMEOUT_S,
-           progress: ProgressCallback | None = None) -> SearchResult:
+           progress: ProgressCallback | bool | None = True) -> SearchResult:
     """Find the fastest config of ``workload`` whose measured peak fits ``budget`` (per device).
 
     The same search as ``autofit search`` (see :func:`autofit.study.search` for every argument):
     ``space`` is a SearchSpace, a TOML path or name, or a mapping like a TOML file;
     ``trials`` caps the real trials; ``storage`` is an Optuna URL for several machines; ``out``
     (default ``results/<study>``) holds the study and its tables, and running the same search
-    again resumes it. ``progress`` receives :class:`SearchProgress` events.
+    again resumes it.
+
+    ``progress``: ``True`` (the default) prints the lines ``autofit search`` prints, on stderr, from
+    the first second (profiling the workload, probing the device, each trial, the stop): one live
+    line on a terminal, a line per event otherwise (a notebook, a log file). ``False`` or ``None``:
+    silent. A function: called with each :class:`SearchProgress` event instead, nothing printed
+    (e.g. ``progress=lambda e: log.info("%s", e.message)`` to route them through ``logging``).
 
     A workload built in Python (no ``source``) runs its trials in forked children on one
     thread; load it with ``autofit.load_workload("path/to/file.py:function")`` so trials run in
@@ -71,10 +79,25 @@ def search(workload: Workload | str, budget: str | int = "8GB", *,
     Returns a :class:`SearchResult` (``.best``, ``.table``, ``.apply(model, optimizer)``).
     Raises BudgetError, SpaceError, WorkloadError or StudyError for bad input.
     """
-    return study_search(workload, budget, space=space, global_batch=global_batch, trials=trials, timeout_s=timeout_s,
-                   workers=workers, storage=storage, study_name=study, out_dir=out, device=device, devices=devices,
-                   seed=seed, patience=patience, min_improvement=min_improvement, trial_timeout_s=trial_timeout_s,
-                   progress=progress, command=None)
+    printer = ProgressPrinter() if progress is True else None
+    if progress is False or progress is None:
+        callback = None
+    elif printer is not None:
+        callback = printer
+    elif callable(progress):
+        callback = progress
+    else:
+        raise StudyError(f"progress must be True (print the progress lines), False or None (silent), or a function "
+                         f"of a SearchProgress event; got {progress!r}")
+    try:
+        return study_search(workload, budget, space=space, global_batch=global_batch, trials=trials,
+                            timeout_s=timeout_s, workers=workers, storage=storage, study_name=study, out_dir=out,
+                            device=device, devices=devices, seed=seed, patience=patience,
+                            min_improvement=min_improvement, trial_timeout_s=trial_timeout_s, progress=callback,
+                            command=None)
+    finally:
+        if printer is not None:
+            printer.close()
 
 
 def estimate(workload: Workload | str, config: TrainConfig | str | SearchSpace | Path | dict | None = None, *,

@@ -12,6 +12,7 @@ import optuna
 
 from autofit.core.budget import parse_budget
 from autofit.core.errors import RunFailure, StudyError
+from autofit.core.files import remove_stale_temp_files
 from autofit.core.space import SearchSpace, load_space, space_from_dict
 from autofit.estimator.layer_prior import workload_prior
 from autofit.estimator.memory_model import needs_split_ends
@@ -130,7 +131,8 @@ def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | 
       receive it.
 
     Returns a :class:`autofit.report.result.SearchResult`; the tables ``trials.csv``, ``best.json`` and
-    ``summary.md`` are written to ``out_dir``. Raises BudgetError, SpaceError, WorkloadError or
+    ``summary.md`` are written to ``out_dir`` (where temporary files that a killed write of them left are
+    removed first: :func:`autofit.core.files.remove_stale_temp_files`). Raises BudgetError, SpaceError, WorkloadError or
     StudyError for bad input (StudyError also when ``out_dir`` holds a study of another budget,
     workload, device or space); KeyboardInterrupt after marking running trials interrupted.
     """
@@ -159,6 +161,10 @@ def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | 
             min_improvement=min_improvement, trial_timeout_s=trial_timeout_s, command=redact(command),
         )
         emit = progress or (lambda event: None)
+        removed = remove_stale_temp_files(out)  # left by a killed write (write_atomic); never a live writer's
+        if removed:
+            emit(starting_progress(f"removed {len(removed)} temporary file(s) a killed write left in {out}: "
+                                   f"{', '.join(removed)}", started))
         profile = profile_workload(loaded, list(resolved.precision), device_type=device,  # user errors surface here
                                    split_ends=needs_split_ends(resolved.configs()),
                                    note=None if progress is None else lambda line: emit(starting_progress(line, started)))

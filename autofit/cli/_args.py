@@ -18,6 +18,8 @@ def positive(kind):
     return parse
 
 
+BUDGET_HELP = ("memory per device: 8GB or 8G (decimal units: 8*10^9 bytes; K, M, T likewise), 7.5GiB, 512MiB "
+               "(binary units: powers of 1024); a lowercase b is bytes too")
 MODEL_HELP = ("a built-in name (see `autofit models`), hf:SPEC (a Hugging Face config: hf:llama, "
               "'hf:gpt2?n_layer=4', hf:path/to/dir, hf:org/name), path/to/file.py:function or package.module:function")
 

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from autofit.cli._args import MODEL_HELP, add_hf_options, model_spec
+from autofit.cli._args import BUDGET_HELP, MODEL_HELP, add_hf_options, model_spec
 from autofit.core.budget import format_budget, format_bytes, parse_budget
 from autofit.core.config import TrainConfig
 from autofit.core.space import load_space
@@ -31,7 +31,7 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("--model", required=True, help=DEFAULT_MODEL_HELP)
     add_hf_options(p)
-    p.add_argument("--budget", required=True, help="memory per device, e.g. 8GB, 7.5GiB, 512MiB")
+    p.add_argument("--budget", required=True, help=BUDGET_HELP)
     p.add_argument("--config", help="one config as k=v,... e.g. precision=amp-bf16,micro_batch=8")
     p.add_argument("--space", help="search-space TOML file, or a built-in space by name: default (the default), tiny")
     p.add_argument("--global-batch", type=int, help="fix the global batch (grad_accum = global_batch / micro_batch)")

@@ -7,7 +7,13 @@ import contextlib
 import json
 import sys
 
-from autofit.cli._args import MODEL_HELP, add_hf_options, model_spec, positive
+from autofit.cli._args import (
+    BUDGET_HELP,
+    MODEL_HELP,
+    add_hf_options,
+    model_spec,
+    positive,
+)
 from autofit.core.budget import format_budget, format_bytes, parse_budget
 from autofit.core.config import TrainConfig
 from autofit.core.errors import AutofitError
@@ -28,7 +34,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--model", required=True, help=MODEL_HELP)
     add_hf_options(p)
     p.add_argument("--config", default="", help="k=v,... over the defaults, e.g. precision=amp-bf16,micro_batch=8")
-    p.add_argument("--budget", help="memory per device, e.g. 8GB, 7.5GiB, 512MiB (default: none)")
+    p.add_argument("--budget", help=BUDGET_HELP + " (default: none)")
     p.add_argument("--steps", type=positive(int), default=3, help="measured steps after the warm-up (default 3)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if available, else cpu")
     p.add_argument("--timeout", type=positive(float), default=300.0,

@@ -9,10 +9,16 @@ import shlex
 import sys
 
 from autofit.api.run_study import search
-from autofit.cli._args import MODEL_HELP, add_hf_options, model_spec, positive
+from autofit.cli._args import (
+    BUDGET_HELP,
+    MODEL_HELP,
+    add_hf_options,
+    model_spec,
+    positive,
+)
 from autofit.core.budget import format_budget, format_bytes
 from autofit.report.tables import RAN, duration_text
-from autofit.study import PATIENCE, TRIAL_TIMEOUT_S, SearchProgress
+from autofit.study import PATIENCE, TRIAL_TIMEOUT_S, ProgressPrinter
 from autofit.workloads import DEFAULT_WORKLOAD
 
 
@@ -26,7 +32,7 @@ def add_parser(subparsers) -> None:
         epilog="Exit status: 0 when a config fits; 1 when no trial ran under the budget; 2 for a usage error; "
                "130 when interrupted (rerun the command to resume).",
     )
-    p.add_argument("--budget", required=True, help="memory per device, e.g. 8GB, 7.5GiB, 512MiB")
+    p.add_argument("--budget", required=True, help=BUDGET_HELP)
     p.add_argument("--model", default=DEFAULT_WORKLOAD, help=f"{MODEL_HELP} (default: {DEFAULT_WORKLOAD})")
     add_hf_options(p)
     p.add_argument("--space", help="search-space TOML file or a name in search_spaces/ (default: default)")
@@ -51,38 +57,9 @@ def add_parser(subparsers) -> None:
     p.set_defaults(run=run)
 
 
-class _Progress:
-    """One live line on a terminal; plain lines otherwise (stderr either way)."""
-
-    def __init__(self, stream=None) -> None:
-        self.stream = stream or sys.stderr
-        self.tty = self.stream.isatty()
-        self.width = 0
-
-    def __call__(self, event: SearchProgress) -> None:
-        best = "-" if event.best_samples_per_s is None else f"{event.best_samples_per_s:,.2f} samples/s"
-        if self.tty:
-            counts = "" if event.starting else f"{event.real} real, {event.pruned} pruned, best {best} | "
-            line = f"[{event.elapsed_s:5.0f}s] {counts}{event.message}"[:160]
-            self.stream.write("\r" + line.ljust(self.width))
-            self.width = len(line)
-            if event.done:
-                self.stream.write("\n")
-                self.width = 0
-        else:
-            self.stream.write(f"[{event.elapsed_s:5.0f}s] {event.message}\n")
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.tty and self.width:
-            self.stream.write("\n")
-            self.stream.flush()
-            self.width = 0
-
-
 def run(args: argparse.Namespace) -> int:
     command = shlex.join(["autofit", *sys.argv[1:]]) if sys.argv and sys.argv[0] else None
-    progress = None if args.json else _Progress()
+    progress = None if args.json else ProgressPrinter()
     try:
         # A workload file that prints must not spoil --json's stdout.
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():

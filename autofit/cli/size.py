@@ -8,7 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from autofit.cli._args import positive
+from autofit.cli._args import BUDGET_HELP, positive
 from autofit.core.budget import format_budget, format_bytes
 
 
@@ -22,7 +22,7 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("--family", required=True, help="a built-in decoder preset as the base shape, e.g. gpt2, "
                                                      "gpt-tiny, llama-1b (see `autofit models`)")
-    p.add_argument("--budget", required=True, help="memory per device, e.g. 8GB, 7.5GiB, 512MiB")
+    p.add_argument("--budget", required=True, help=BUDGET_HELP)
     p.add_argument("--vary", action="append", metavar="FIELD=V1,V2,...",
                    help="values of one size field (repeatable; the grid is their product). Default: n_layer 2-48 "
                         "by n_embd of 2-64 heads at the base head size")

@@ -16,6 +16,13 @@ say, the nearest setting it can, that nearest setting's estimated peak (when the
 known), and the few lines of code that do it exactly. Notes travel in the export's ``comment``
 field (``#`` lines in YAML and shell) so that nothing is dropped silently.
 
+An export that trains differently from the config autofit measured -- another global batch
+(samples per optimizer step), precision or optimizer -- says so first: a :class:`Change` per
+difference, with by how much (``global batch 64 -> 8 (x0.125)``), at the top of the file
+(``changes``, or ``# WARNING: this export changes the training: ...`` lines) and first on
+stderr from ``autofit export``. Every target keeps the global batch where it can express it;
+only an Accelerate config file cannot (it holds no gradient accumulation: the code is given).
+
 Example::
 
     exp = autofit.export("precision=amp-bf16,micro_batch=8,grad_accum=4,checkpoint_every=1", "hf")
@@ -87,13 +94,52 @@ class Note:
 
 
 @dataclass(frozen=True)
+class Change:
+    """How the export as it is trains differently from the config: ``what`` (``global batch``,
+    ``precision``, ``optimizer``) goes from ``before`` to ``after`` (``factor``: after/before for a
+    number); ``why`` the target cannot say it, and ``keep``: the code that keeps it, if any."""
+
+    what: str
+    before: str
+    after: str
+    why: str
+    keep: str = ""
+    factor: float | None = None
+
+    def text(self) -> str:
+        """``global batch 64 -> 8 (x0.125): why; to keep it: code``."""
+        out = f"{self.what} {self.before} -> {self.after}"
+        if self.factor is not None:
+            out += f" (x{self.factor:.4g})"
+        out += f": {self.why}"
+        if self.keep:
+            out += f"; to keep {self.before}: {self.keep}"
+        return out
+
+    def to_dict(self) -> dict:
+        return {"what": self.what, "before": self.before, "after": self.after, "factor": self.factor,
+                "why": self.why, "keep": self.keep}
+
+
+def _batch_change(config: TrainConfig, after: int, why: str, keep: str = "") -> Change:
+    before = config.samples_per_step
+    return Change("global batch", str(before), str(after), why, keep, after / before)
+
+
+def _precision_change(config: TrainConfig, after: str, why: str, keep: str = "") -> Change:
+    return Change("precision", config.precision.value, after, why, keep)
+
+
+@dataclass(frozen=True)
 class Export:
     """A config in a target's own form.
 
     - ``kwargs``: what the target takes (``TrainingArguments(**kwargs)``, ``Trainer(**kwargs)``,
       the DeepSpeed dict, the Accelerate config dict, torchrun's argv, autofit's record);
     - ``extra``: what goes beside it (Lightning: ``{"datamodule": {"batch_size": ...}}``);
-    - ``notes``: what the target cannot say exactly; ``text``: the file or command as printed.
+    - ``notes``: what the target cannot say exactly; ``text``: the file or command as printed;
+    - ``changes``: how the export as it is trains differently (global batch, precision, optimizer),
+      said first in ``text`` (empty when it trains as measured).
     """
 
     target: str
@@ -102,10 +148,15 @@ class Export:
     extra: dict
     notes: tuple[Note, ...]
     text: str
+    changes: tuple[Change, ...] = ()
 
     def comment(self) -> list[str]:
         """The notes as lines (the export's ``comment`` field)."""
         return [note.text() for note in self.notes]
+
+    def warnings(self) -> list[str]:
+        """The changes as lines (the export's ``changes`` field, first in the file)."""
+        return [change.text() for change in self.changes]
 
     def write(self, path: str | Path) -> Path:
         path = Path(path)
@@ -124,8 +175,29 @@ class Context:
     profile: Any = None                    # the workload's Profile when known (a study's): no profiling
     extra: dict = dataclasses.field(default_factory=dict)  # json target: predicted/measured, study
 
+    def optimizer_name(self) -> str | None:
+        """The class name of the workload's optimizer (``AdamW``), from the profile or the workload;
+        None when no workload is known (or it cannot be loaded)."""
+        if self.profile is not None and getattr(self.profile, "optimizer", None):
+            return self.profile.optimizer
+        if self.workload is None and not self.model_spec:
+            return None
+        try:
+            import torch
 
-# --- per target: (kwargs, extra, notes without peaks) ---------------------------------------------
+            from autofit.workloads.load import load_workload
+
+            workload = self.workload if self.workload is not None else load_workload(self.model_spec)
+            return type(workload.optimizer([torch.nn.Parameter(torch.zeros(1))])).__name__
+        except Exception:  # noqa: BLE001 -- an optimizer that cannot be made here is not the export's concern
+            return None
+
+
+# --- per target: (kwargs, extra, notes without peaks, changes) -------------------------------------
+
+# The Trainer's TrainingArguments.optim for a workload's optimizer class: None, its default (AdamW;
+# Adam is AdamW without weight decay, the Trainer's default weight_decay=0.0); absent: it has none.
+_HF_OPTIM = {"AdamW": None, "Adam": None, "SGD": "sgd", "Adagrad": "adagrad", "RMSprop": "rmsprop"}
 
 
 def _ckpt_note(config: TrainConfig, target: str, nearest_every: int, nearest_text: str, why: str = "") -> Note:
@@ -175,7 +247,7 @@ def _checkpointing_names() -> tuple[str, str]:
     return old
 
 
-def _hf(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note]]:
+def _hf(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note], list[Change]]:
     p = config.precision
     kwargs: dict = {"per_device_train_batch_size": config.micro_batch,
                     "gradient_accumulation_steps": config.grad_accum,
@@ -183,11 +255,22 @@ def _hf(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note]]:
                     "bf16": p in (Precision.AMP_BF16, Precision.BF16), "fp16": p is Precision.AMP_FP16}
     if ctx.device_type == "cpu":
         kwargs["use_cpu"] = True
-    notes = []
+    notes, changes = [], []
     if p is Precision.BF16:
         notes.append(Note("precision=bf16", "TrainingArguments has no pure-bf16 mode (its bf16=True is autocast "
                           "over fp32 weights)", _BF16_CODE + ("# and set bf16=False: no autocast over bf16 weights",),
                           "bf16=True (precision=amp-bf16)", dataclasses.replace(config, precision=Precision.AMP_BF16)))
+        changes.append(_precision_change(config, "amp-bf16", "TrainingArguments has no pure-bf16 mode (bf16=True is "
+                                         "autocast over fp32 weights)",
+                                         "model.to(torch.bfloat16) before the Trainer, and bf16=False"))
+    optimizer = ctx.optimizer_name()
+    if optimizer is not None and optimizer in _HF_OPTIM:
+        if _HF_OPTIM[optimizer]:
+            kwargs["optim"] = _HF_OPTIM[optimizer]
+    elif optimizer is not None:
+        changes.append(Change("optimizer", optimizer, "AdamW", "the Trainer makes its own optimizer from "
+                              f"TrainingArguments.optim, which has no {optimizer}",
+                              "Trainer(..., optimizers=(optimizer, None))  # yours, over model.parameters()"))
     every = config.checkpoint_every
     flag, flag_kwargs = _checkpointing_names()
     if every:
@@ -205,10 +288,10 @@ def _hf(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note]]:
         notes.append(_launch_note(config, "torchrun --nproc-per-node {n} your_train.py"))
     elif config.device_split > 1:
         notes.append(_split_note(config, "the Trainer"))
-    return kwargs, {}, notes
+    return kwargs, {}, notes, changes
 
 
-def _accelerate(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note]]:
+def _accelerate(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note], list[Change]]:
     p = config.precision
     # pure bf16: its nearest, autocast bf16 (a note gives the exact code)
     mixed = {Precision.FP32: "no", Precision.AMP_FP16: "fp16", Precision.AMP_BF16: "bf16", Precision.BF16: "bf16"}[p]
@@ -218,7 +301,13 @@ def _accelerate(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note
     ga = config.grad_accum
     notes = [Note(f"micro_batch={config.micro_batch}", "an Accelerate config file has no batch size",
                   (f"DataLoader(dataset, batch_size={config.micro_batch})",))]
-    if ga > 1:
+    changes = []
+    if ga > 1:  # nowhere in the file (outside DeepSpeed): the script or the environment must say it
+        changes.append(_batch_change(config, config.micro_batch * config.data_parallel,
+                                     f"an Accelerate config file holds no gradient accumulation (grad_accum={ga} "
+                                     "becomes 1)", f"Accelerator(gradient_accumulation_steps={ga}) and "
+                                     "accelerator.accumulate(model) around each micro-batch, or "
+                                     f"ACCELERATE_GRADIENT_ACCUMULATION_STEPS={ga} accelerate launch ..."))
         notes.append(Note(f"grad_accum={ga}", "an Accelerate config file holds gradient_accumulation_steps only "
                           "for DeepSpeed", (f"accelerator = Accelerator(gradient_accumulation_steps={ga})",
                                              "with accelerator.accumulate(model): ...  # around each micro-batch",
@@ -229,6 +318,9 @@ def _accelerate(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note
                           "over fp32 weights)", _BF16_CODE + ("# and set mixed_precision: no",),
                           "mixed_precision: bf16 (precision=amp-bf16)",
                           dataclasses.replace(config, precision=Precision.AMP_BF16)))
+        changes.append(_precision_change(config, "amp-bf16", "Accelerate has no pure-bf16 mode (mixed_precision "
+                                         "bf16 is autocast over fp32 weights)", "model.to(torch.bfloat16) before "
+                                         "accelerator.prepare(...), and mixed_precision: no"))
     if config.checkpoint_every:
         notes.append(_ckpt_note(config, "Accelerate", 0, "no checkpointing"))
     if _fsdp(config):
@@ -239,18 +331,21 @@ def _accelerate(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note
                                    "fsdp_cpu_ram_efficient_loading": False, "fsdp_activation_checkpointing": False})
     elif config.device_split > 1:
         notes.append(_split_note(config, "Accelerate"))
-    return kwargs, {}, notes
+    return kwargs, {}, notes, changes
 
 
 LIGHTNING_PRECISION = {Precision.FP32: "32-true", Precision.AMP_FP16: "16-mixed",
                        Precision.AMP_BF16: "bf16-mixed", Precision.BF16: "bf16-true"}
 
 
-def _lightning(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note]]:
+def _lightning(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note], list[Change]]:
     kwargs = {"precision": LIGHTNING_PRECISION[config.precision], "accumulate_grad_batches": config.grad_accum,
               "accelerator": "cpu" if ctx.device_type == "cpu" else "gpu", "devices": 1}
-    notes = []
+    notes, changes = [], []
     if ctx.device_type == "cpu" and config.precision is Precision.AMP_FP16:
+        changes.append(_precision_change(config, "amp-bf16", "on the CPU Lightning replaces precision '16-mixed' "
+                                         "by 'bf16-mixed'", "Trainer(plugins=[MixedPrecision('16-mixed', 'cpu', "
+                                         "torch.amp.GradScaler('cpu'))]) instead of precision"))
         notes.append(Note("precision=amp-fp16", "on the CPU Lightning replaces 16-mixed by bf16-mixed",
                           ("from lightning.pytorch.plugins import MixedPrecision",
                            "Trainer(plugins=[MixedPrecision('16-mixed', 'cpu', torch.amp.GradScaler('cpu'))], ...)"
@@ -273,14 +368,14 @@ def _lightning(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note]
                           "strategy='fsdp'", config))
     elif config.device_split > 1:
         notes.append(_split_note(config, "Lightning"))
-    return kwargs, {"datamodule": {"batch_size": config.micro_batch}}, notes
+    return kwargs, {"datamodule": {"batch_size": config.micro_batch}}, notes, changes
 
 
-def _deepspeed(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note]]:
+def _deepspeed(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note], list[Change]]:
     p = config.precision
     ds: dict = {"train_micro_batch_size_per_gpu": config.micro_batch,
                 "gradient_accumulation_steps": config.grad_accum}
-    notes = []
+    notes, changes = [], []
     if p.is_amp:  # torch.autocast over fp32 weights, a GradScaler for fp16: what autofit measured
         ds["torch_autocast"] = {"enabled": True, "dtype": "bfloat16" if p is Precision.AMP_BF16 else "float16"}
     if p is Precision.BF16:
@@ -292,6 +387,10 @@ def _deepspeed(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note]
                            '"bf16_optimizer_states": true}, "zero_optimization": {"stage": 1}  # all in bf16 (ZeRO)',),
                           "bf16 enabled (close to precision=amp-bf16's model state)",
                           dataclasses.replace(config, precision=Precision.AMP_BF16)))
+        changes.append(_precision_change(config, "bf16 with fp32 master weights", "DeepSpeed's bf16 mode updates "
+                                         "fp32 master weights and gradients (the model computes in bf16)",
+                                         '"bf16_master_weights_and_grads": true, "bf16_optimizer_states": true '
+                                         'and "zero_optimization": {"stage": 1}'))
     every = config.checkpoint_every
     if _fsdp(config):
         ds["zero_optimization"] = {"stage": 3}
@@ -312,10 +411,10 @@ def _deepspeed(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note]
         notes.append(_ckpt_note(config, "DeepSpeed", 0, "no checkpointing",
                                 " (its activation_checkpointing section only configures deepspeed.checkpointing "
                                 "calls made by the model)"))
-    return ds, {}, notes
+    return ds, {}, notes, changes
 
 
-def _torchrun(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note]]:
+def _torchrun(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note], list[Change]]:
     if config.device_split < 2:
         raise ConfigError(f"--to torchrun: {config.short()} does not split over devices (device_split=1); "
                           "torchrun runs autofit's pipeline runner for device_split >= 2: use --to hf, accelerate, "
@@ -331,16 +430,16 @@ def _torchrun(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note]]
             "--config", ",".join(f"{k}={v}" for k, v in config.to_dict().items()), "--device", ctx.device_type]
     if ctx.budget_bytes:
         argv += ["--budget", f"{ctx.budget_bytes}B"]
-    return argv + ["--json"], {}, []
+    return argv + ["--json"], {}, [], []  # autofit's own runner: the config as measured
 
 
-def _json(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note]]:
+def _json(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note], list[Change]]:
     record = {"config": config.to_dict(), "short": config.short(), "device": ctx.device_type,
               "budget_bytes": ctx.budget_bytes, "model": ctx.model_spec, **ctx.extra}
-    return record, {}, []
+    return record, {}, [], []
 
 
-_BUILDERS: dict[str, Callable[[TrainConfig, Context], tuple[Any, dict, list[Note]]]] = {
+_BUILDERS: dict[str, Callable[[TrainConfig, Context], tuple[Any, dict, list[Note], list[Change]]]] = {
     "hf": _hf, "accelerate": _accelerate, "lightning": _lightning, "deepspeed": _deepspeed,
     "torchrun": _torchrun, "json": _json,
 }
@@ -361,17 +460,22 @@ def _yaml(data: dict, indent: int = 0) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _render(target: str, kwargs: Any, extra: dict, comment: list[str]) -> str:
-    if target == "accelerate":
-        return "".join(f"# {line}\n" for line in comment) + _yaml(kwargs)
-    if target == "torchrun":
-        return "".join(f"# {line}\n" for line in comment) + shlex.join(kwargs) + "\n"
+CHANGES_HEADER = "WARNING: this export changes the training: "
+
+
+def _render(target: str, kwargs: Any, extra: dict, comment: list[str], changes: list[str] = ()) -> str:
+    """The file: the changes first (``#`` lines, or a ``changes`` field when there are any), then the
+    notes, then the target's own settings."""
+    if target in ("accelerate", "torchrun"):
+        head = "".join(f"# {CHANGES_HEADER}{line}\n" for line in changes) + "".join(f"# {line}\n" for line in comment)
+        return head + (_yaml(kwargs) if target == "accelerate" else shlex.join(kwargs) + "\n")
+    first = {"changes": list(changes)} if changes else {}
     if target == "hf":
-        body = {"comment": comment, "training_arguments": kwargs}
+        body = {**first, "comment": comment, "training_arguments": kwargs}
     elif target == "lightning":
-        body = {"comment": comment, "trainer": kwargs, **extra}
+        body = {**first, "comment": comment, "trainer": kwargs, **extra}
     else:  # deepspeed ignores unknown top-level keys; json is autofit's own record
-        body = {"comment": comment, **kwargs}
+        body = {**first, "comment": comment, **kwargs}
     return json.dumps(body, indent=2) + "\n"
 
 
@@ -431,7 +535,8 @@ def profile_covers(profile: Any, precisions: list, split_ends: bool, device_type
 
 
 def export(config: TrainConfig | str | dict, target: str, *, workload: Any = None, budget: str | int | None = None,
-           device: str | None = None, extra: dict | None = None, profile: Any = None) -> Export:
+           device: str | None = None, extra: dict | None = None, profile: Any = None,
+           changes: tuple[Change, ...] = ()) -> Export:
     """``config`` in ``target``'s own form (one of :data:`TARGETS`).
 
     ``workload`` (a Workload or a ``--model`` spec) lets notes give the estimated peak of the
@@ -439,8 +544,12 @@ def export(config: TrainConfig | str | dict, target: str, *, workload: Any = Non
     training runs (``cuda`` or ``cpu``; default cuda when this torch sees a GPU). ``profile``: the
     workload's :class:`autofit.profiling.data.Profile` on that device when known (a study's,
     :func:`autofit.profiling.cache.study_profile`): the peaks come from it when it holds their
-    precisions, without profiling the workload. Raises ConfigError for an unknown target or config,
-    or a torchrun export of a config that does not split.
+    precisions, without profiling the workload. ``changes``: changes made before the export (a
+    study's best config overridden), said first with the target's own. Raises ConfigError for an
+    unknown target or config, or a torchrun export of a config that does not split.
+
+    The export's ``changes`` say how it trains differently from ``config`` (global batch,
+    precision, optimizer: the optimizer is known with a workload or profile), first in its text.
     """
     if target not in TARGETS:
         raise ConfigError(f"unknown export target {target!r}: expected one of {', '.join(TARGETS)}")
@@ -458,10 +567,12 @@ def export(config: TrainConfig | str | dict, target: str, *, workload: Any = Non
     ctx = Context(device_type=device, budget_bytes=parse_budget(budget) if budget is not None else None,
                   model_spec=spec, workload=None if isinstance(workload, str) else workload, extra=extra or {},
                   profile=profile)
-    kwargs, extra_out, notes = _BUILDERS[target](config, ctx)
+    kwargs, extra_out, notes, own_changes = _BUILDERS[target](config, ctx)
     notes = _peaks(notes + _together(config, notes), ctx)
+    all_changes = tuple(changes) + tuple(own_changes)
     comment = [n.text() for n in notes]
-    return Export(target, config, kwargs, extra_out, tuple(notes), _render(target, kwargs, extra_out, comment))
+    text = _render(target, kwargs, extra_out, comment, [c.text() for c in all_changes])
+    return Export(target, config, kwargs, extra_out, tuple(notes), text, all_changes)
 
 
 def export_study(out_dir: str | Path, target: str, *, storage: str | None = None,
@@ -487,5 +598,11 @@ def export_study(out_dir: str | Path, target: str, *, storage: str | None = None
     extra = {"study": study.study_name}
     if best.get("config") and config == base:  # what was measured belongs only to the config that ran
         extra.update(trial=best.get("trial"), measured=best.get("measured"), predicted=best.get("predicted"))
+    changes = []
+    if best.get("config") and config.samples_per_step != base.samples_per_step:
+        changes.append(_batch_change(base, config.samples_per_step, f"--config {override} over the study's best "
+                                     f"({base.short()})"))
+    if best.get("config") and config.precision != base.precision:
+        changes.append(_precision_change(base, config.precision.value, f"--config {override} over the study's best"))
     return export(config, target, workload=settings.get("workload_source"), budget=settings.get("budget_bytes"),
-                  device=settings.get("device_type"), extra=extra, profile=study_profile(study))
+                  device=settings.get("device_type"), extra=extra, profile=study_profile(study), changes=tuple(changes))

@@ -92,7 +92,8 @@ def _exports_html(exports: dict[str, str]) -> str:
     blocks = [f"<details{' open' if i == 0 else ''}><summary>{html.escape(target)}</summary>"
               f"<pre>{html.escape(text)}</pre></details>" for i, (target, text) in enumerate(exports.items())]
     return ("<h3>The best config in your trainer</h3><p>The same as <code>autofit export DIR --to TARGET</code>; "
-            "what a target cannot say exactly is in its comment.</p>" + "".join(blocks))
+            "what a target cannot say exactly is in its comment, and an export that changes the global batch, the "
+            "precision or the optimizer says so first.</p>" + "".join(blocks))
 
 
 def _pictures_html(pictures: dict[str, bytes]) -> str:

@@ -34,6 +34,7 @@ import pandas as pd
 
 from autofit.core.budget import format_budget, format_bytes
 from autofit.core.config import FIELDS, TrainConfig
+from autofit.core.errors import WorkloadError
 from autofit.core.objective import basis, objective
 from autofit.core.records import (
     PruneReason,
@@ -54,6 +55,7 @@ from autofit.estimator.calibration import (
     observations,
 )
 from autofit.study.planner import SLOW_FACTOR
+from autofit.workloads.hf.spec import source_flags
 
 STATUSES = tuple(s.value for s in TrialStatus)
 WAITED_S = 0.5             # a device lock taken within this is not a wait worth a line
@@ -179,11 +181,21 @@ def best_samples(study: StudySnapshot) -> list[TrialRecord]:
     return [] if best is None else config_samples(list(study.records))[best.config]
 
 
+def model_flags(source: str) -> list[str]:
+    """``--model`` as a user types it: an ``hf:`` source's ``#seq_len=64#task=...`` options as the
+    ``--seq-len`` and ``--task`` (and ``--lora``) flags; the source as it is when it cannot be split."""
+    try:
+        return source_flags(source)
+    except WorkloadError:
+        return ["--model", source]
+
+
 def measure_command(settings: dict, config: TrainConfig) -> str:
-    """The ``autofit measure`` command that runs ``config`` again under the study's budget."""
+    """The ``autofit measure`` command that runs ``config`` again under the study's budget (the
+    workload in the command line's own flags: :func:`model_flags`)."""
     model = settings.get("workload_source") or settings.get("workload_name")
     config_text = ",".join(f"{k}={v}" for k, v in config.to_dict().items())
-    parts = ["autofit", "measure", "--model", str(model), "--config", config_text,
+    parts = ["autofit", "measure", *model_flags(str(model)), "--config", config_text,
              "--budget", str(settings.get("budget_text") or f"{settings.get('budget_bytes')}B"),
              "--device", str(settings.get("device_type", "cpu"))]
     return shlex.join(parts)
@@ -341,7 +353,8 @@ def summary_markdown(study: StudySnapshot, table: pd.DataFrame | None = None, *,
         [*RAN, TrialStatus.RUNNING.value])][list(FIELDS)].astype(str).to_numpy()}))
     runs = study.runs
     out = [f"# Search summary: {study.study_name}\n"]
-    out.append(f"- workload: `{settings.get('workload_name')}` (`--model {settings.get('workload_source')}`)")
+    source = settings.get("workload_source")
+    out.append(f"- workload: `{settings.get('workload_name')}` (`{shlex.join(model_flags(source)) if source else '--model None'}`)")
     out.append(f"- budget: {format_budget(budget) if budget else '?'} per device")
     out.append(f"- device: {settings.get('device_type')}, {settings.get('devices')} per worker"
                + _rates_text(study.device_rates))

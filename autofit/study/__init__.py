@@ -96,7 +96,7 @@ _HOMES = {
                               "record_of", "snapshot"),
     "autofit.study.planner": ("BOUND", "TIE", "NOISE_MIN", "REMEASURE_SAMPLES", "REMEASURE_TOP", "SLOW_FACTOR",
                               "TRIAL_STARTUP_S", "Planner", "Prune", "Step", "StopReason"),
-    "autofit.study.progress": ("ProgressCallback", "SearchProgress", "progress_of"),
+    "autofit.study.progress": ("ProgressCallback", "ProgressPrinter", "SearchProgress", "progress_of"),
     "autofit.study.worker": ("HEARTBEAT_S", "ORPHAN_S", "STALE_S", "TrialRunner", "fail_stale_trials", "is_stale",
                              "process_start", "run_trial_isolated", "run_worker", "worker_identity"),
     "autofit.study.launcher": ("run_workers",),

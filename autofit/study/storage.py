@@ -75,6 +75,42 @@ class FlockLock:
             os.close(fd)
 
 
+class JournalFile(JournalFileBackend):
+    """Optuna's journal file, whose appends never leave part of a record behind: a write that fails
+    (a full disk, a quota, a file-size limit) is cut back to the last whole record, under the
+    journal's lock, and raised as one line (RunFailure): the study stays as it was before that
+    record, and running the same search again resumes it."""
+
+    def __init__(self, path: str, lock: FlockLock) -> None:
+        super().__init__(path, lock_obj=lock)
+        self._journal_path, self._journal_lock = path, lock
+
+    def append_logs(self, logs: list[dict]) -> None:
+        data = ("\n".join(json.dumps(log, separators=(",", ":")) for log in logs) + "\n").encode()
+        self._journal_lock.acquire()
+        try:
+            fd = os.open(self._journal_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                size = os.fstat(fd).st_size
+                try:
+                    view = memoryview(data)
+                    while view:  # a write may stop short at the limit; the next one fails
+                        view = view[os.write(fd, view):]
+                    os.fsync(fd)
+                except OSError as exc:
+                    try:
+                        os.ftruncate(fd, size)  # shrinking needs no room
+                    except OSError:
+                        pass  # the next start drops the torn line (repair_journal)
+                    raise RunFailure(f"cannot write the study's journal {self._journal_path} ({exc.strerror or exc}); "
+                                     "it holds every record before this one: make room, then run the same search "
+                                     "again to resume") from None
+            finally:
+                os.close(fd)
+        finally:
+            self._journal_lock.release()
+
+
 class ClaimLock:
     """Held around a planning step and its ask: local workers never pick the same config."""
 
@@ -177,7 +213,7 @@ def make_storage(out_dir: Path, storage: str | None):
     out_dir.mkdir(parents=True, exist_ok=True)
     lock = FlockLock(out_dir / JOURNAL_LOCK_NAME)
     repair_journal(out_dir / JOURNAL_NAME, lock)
-    return JournalStorage(JournalFileBackend(str(out_dir / JOURNAL_NAME), lock_obj=lock))
+    return JournalStorage(JournalFile(str(out_dir / JOURNAL_NAME), lock))
 
 
 def _rdb_storage(url: str, engine_kwargs: dict, attempts: int = 5):

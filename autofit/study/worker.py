@@ -86,11 +86,15 @@ class PlannedSampler(BaseSampler):
 
 
 def process_start(pid: int) -> str | None:
-    """The start time of process ``pid`` in clock ticks (``/proc``), or None when it is gone."""
+    """The start time of process ``pid`` in clock ticks (``/proc``), or None when it is gone -- or dead
+    and not reaped yet (a zombie: a worker killed under a search that reaps it only at the end)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
-        return stat[stat.rfind(b")") + 2:].split()[19].decode()  # field 22: start time in clock ticks
+        fields = stat[stat.rfind(b")") + 2:].split()  # from field 3, the state
+        if fields[0] in (b"Z", b"X"):
+            return None
+        return fields[19].decode()  # field 22: start time in clock ticks
     except (OSError, IndexError):
         return None
 

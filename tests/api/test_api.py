@@ -132,3 +132,23 @@ def test_readme_api_excerpt_is_taken_from_the_launcher_example():
         assert line in example[at:], f"README line not in examples/launcher.py (in order): {line!r}"
         at = example.index(line, at) + 1
     assert at > 0
+
+
+def test_search_prints_progress_by_default_and_is_silent_when_asked(tmp_path, capfd):
+    space = {"precision": ["fp32"], "micro_batch": [2]}
+    out = tmp_path / "study"
+    result = autofit.search(TINY, "64MB", space=space, trials=1, out=out, device="cpu")
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("[")]
+    assert result.n_real == 1 and lines, err[-2000:]  # the CLI's lines: "[    0s] profiling ...", each trial, the end
+    assert lines[-1].endswith("done") and any("trial 1 " in line for line in lines), err
+    assert any(f"study {result.study_name} in {out}" in line for line in lines), err
+    # resumed (its one trial done: no new trial), silent
+    for quiet in (False, None):
+        autofit.search(TINY, "64MB", space=space, trials=1, out=out, device="cpu", progress=quiet)
+        assert not [line for line in capfd.readouterr().err.splitlines() if line.startswith("[")]
+    events = []
+    autofit.search(TINY, "64MB", space=space, trials=1, out=out, device="cpu", progress=events.append)
+    assert events and events[-1].done and not capfd.readouterr().err.strip()
+    with pytest.raises(autofit.StudyError, match="progress must be True"):
+        autofit.search(TINY, "64MB", space=space, trials=1, out=out, device="cpu", progress="yes")

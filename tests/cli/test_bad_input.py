@@ -72,6 +72,7 @@ CASES: dict[str, Case] = {
     "budget-empty": Case(_estimate(budget=""), 2, ("''", "gb")),
     "budget-search": Case(_search(budget="lots"), 2, ("lots", "gb")),
     "budget-measure": Case(["measure", "--model", "tiny", "--budget", "8"], 2, ("'8'", "gb")),
+    "budget-shorthand-unknown": Case(_estimate(budget="8Gi"), 2, ("'8gi'", "8g = 8gb", "powers of 1024")),
     # configs
     "config-unknown-key": Case(_estimate("--config", "micro_btch=8"), 2, ("micro_btch", "micro_batch")),
     "config-wrong-type": Case(_estimate("--config", "micro_batch=eight"), 2, ("eight", "integer")),
@@ -151,7 +152,18 @@ CASES: dict[str, Case] = {
     "study-name-escapes": Case(_search("{d}/out", "--study", "../../x"), 2, ("../../x", "letters")),
     "study-name-absolute": Case(_search("{d}/out", "--study", "/tmp/x"), 2, ("/tmp/x", "letters")),
     # the command line itself
-    "unknown-command": Case(["serch"], 2, ("serch", "search"), process=True),
+    "unknown-command": Case(["serch"], 2, ("serch", "did you mean search?"), process=True),
+    # an unknown option is named first (not "--budget is required"), with the close match; no abbreviations
+    "unknown-option-before-missing": Case(["search", "--budjet", "8GB"], 2,
+                                          ("unknown argument --budjet", "did you mean --budget?")),
+    "unknown-option-equals": Case(_estimate("--confg=micro_batch=2"), 2, ("unknown argument --confg", "--config?")),
+    "unknown-option-before-bad-value": Case(_search("{d}/out", "--wrkers", "2", "--trials", "many"), 2,
+                                            ("unknown argument --wrkers", "--workers?")),
+    "unknown-option-no-match": Case(_estimate("--zzz"), 2, ("unknown argument --zzz",)),
+    "abbreviated-option": Case(["estimate", "--mod", "tiny", "--budget", "8GB"], 2,
+                               ("unknown argument --mod", "did you mean --model?")),
+    "unknown-option-before-command": Case(["--verbose", "search", "--budget", "8GB"], 2,
+                                          ("unknown argument --verbose",)),
     "unknown-device": Case(_estimate("--device", "tpu"), 2, ("tpu", "cuda")),
     "workers-zero": Case(_search("{d}/out", "--workers", "0"), 2, ("'0'", "positive")),
     "trials-not-a-number": Case(_search("{d}/out", "--trials", "many"), 2, ("many", "positive")),
@@ -242,6 +254,16 @@ def test_bad_input(outcomes, name):
     for needle in case.says:
         assert needle in lines[-1].lower(), (needle, lines[-1])
     assert "secret" not in done.stderr + done.stdout
+
+
+def test_budget_help_says_what_the_shorthand_means(capsys):
+    from autofit.cli import main
+
+    for command in ("search", "estimate", "measure", "size"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "8GB or 8G (decimal units: 8*10^9 bytes" in text and "GiB" in text, (command, text)
 
 
 def test_debug_shows_the_traceback(tmp_path):

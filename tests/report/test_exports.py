@@ -251,3 +251,104 @@ def test_cli_errors_are_one_line(argv, message, capsys):
 def test_unknown_target_is_refused():
     with pytest.raises(ConfigError, match="expected one of hf, accelerate"):
         export("micro_batch=8", "keras")
+
+
+# --- exports that change the training say so first ------------------------------------------------------
+
+
+def _trained_global_batch(exp, cfg: TrainConfig) -> int:
+    """Samples per optimizer step when the export is used as it is (the notes' code not applied)."""
+    k, ranks = exp.kwargs, cfg.device_split if cfg.split_mode.value == "fsdp" else 1
+    if exp.target == "hf":  # per rank; the launcher starts the ranks
+        return k["per_device_train_batch_size"] * k["gradient_accumulation_steps"] * ranks
+    if exp.target == "accelerate":  # no batch in the file (a note gives the DataLoader's), no accumulation
+        return cfg.micro_batch * k["num_processes"]
+    if exp.target == "lightning":
+        devices = k["devices"] if k.get("strategy") in ("fsdp", "ddp") else 1
+        return exp.extra["datamodule"]["batch_size"] * k["accumulate_grad_batches"] * devices
+    if exp.target == "deepspeed":
+        return k["train_micro_batch_size_per_gpu"] * k["gradient_accumulation_steps"] * ranks
+    if exp.target == "torchrun":
+        return TrainConfig.parse(k[k.index("--config") + 1]).samples_per_step
+    return TrainConfig.from_dict(k["config"]).samples_per_step
+
+
+@pytest.mark.parametrize("target", ("hf", "accelerate", "lightning", "deepspeed", "torchrun", "json"))
+@pytest.mark.parametrize("config", [
+    "precision=amp-bf16,micro_batch=8,grad_accum=8",
+    "precision=fp32,micro_batch=4,grad_accum=1,checkpoint_every=2",
+    "precision=amp-bf16,micro_batch=4,grad_accum=2,device_split=2,split_mode=fsdp",
+    "precision=fp32,micro_batch=2,grad_accum=4,device_split=2",
+])
+@pytest.mark.parametrize("device", ("cpu", "cuda"))
+def test_every_target_keeps_the_global_batch_where_it_can_and_says_so_first_where_not(target, config, device):
+    cfg = TrainConfig.parse(config)
+    try:
+        exp = export(cfg, target, workload="gpt-tiny" if target == "torchrun" else None, device=device)
+    except ConfigError:  # torchrun runs pipeline splits only
+        assert target == "torchrun"
+        return
+    before, trained = cfg.samples_per_step, _trained_global_batch(exp, cfg)
+    # only an Accelerate config file cannot hold the accumulation
+    assert (trained != before) == (target == "accelerate" and cfg.grad_accum > 1), (trained, before)
+    said = [c for c in exp.changes if c.what == "global batch"]
+    if trained == before:
+        assert not said
+        return
+    assert [(c.before, c.after) for c in said] == [(str(before), str(trained))]
+    assert said[0].factor == pytest.approx(trained / before)
+    line = f"global batch {before} -> {trained} (x{trained / before:.4g})"
+    assert exp.text.splitlines()[0] == f"# WARNING: this export changes the training: {said[0].text()}"
+    assert said[0].text().startswith(line) and f"gradient_accumulation_steps={cfg.grad_accum}" in said[0].text()
+
+
+@pytest.mark.parametrize("target,precision,device,after", [
+    ("hf", "bf16", "cuda", "amp-bf16"), ("accelerate", "bf16", "cuda", "amp-bf16"),
+    ("deepspeed", "bf16", "cuda", "bf16 with fp32 master weights"), ("lightning", "amp-fp16", "cpu", "amp-bf16"),
+    ("lightning", "amp-fp16", "cuda", None), ("lightning", "bf16", "cuda", None), ("hf", "amp-fp16", "cuda", None),
+    ("accelerate", "amp-bf16", "cuda", None), ("deepspeed", "amp-fp16", "cuda", None), ("json", "bf16", "cuda", None),
+])
+def test_a_precision_change_is_said_first(target, precision, device, after):
+    exp = export(f"precision={precision},micro_batch=4", target, device=device)
+    said = [c for c in exp.changes if c.what == "precision"]
+    body = None if target == "accelerate" else json.loads(exp.text)
+    if after is None:
+        assert not said and "WARNING" not in exp.text and (body is None or "changes" not in body)
+        return
+    assert [(c.before, c.after) for c in said] == [(precision, after)]
+    if body is not None:
+        assert list(body)[0] == "changes"  # the first key of the file
+    first = exp.text.splitlines()[0] if body is None else body["changes"][0]
+    assert f"precision {precision} -> {after}: " in first and f"to keep {precision}: " in first
+
+
+@pytest.mark.parametrize("optimizer,optim,changed", [
+    ("AdamW", None, False), ("Adam", None, False), ("SGD", "sgd", False), ("RMSprop", "rmsprop", False),
+    ("ASGD", None, True),
+])
+def test_hf_export_keeps_the_workloads_optimizer_or_says_it_changes(optimizer, optim, changed):
+    import dataclasses
+
+    import torch
+    from trial_workloads import tiny_lm
+
+    kind = getattr(torch.optim, optimizer)
+    workload = dataclasses.replace(tiny_lm(), optimizer=lambda params: kind(params, lr=0.01))
+    exp = export("precision=fp32,micro_batch=4", "hf", workload=workload, device="cpu")
+    assert exp.kwargs.get("optim") == optim
+    said = [c.text() for c in exp.changes if c.what == "optimizer"]
+    assert bool(said) == changed
+    if changed:
+        assert said[0].startswith("optimizer ASGD -> AdamW: ") and "optimizers=(optimizer, None)" in said[0]
+        assert json.loads(exp.text)["changes"] == said
+
+
+def test_cli_says_a_change_first_on_stderr_and_at_the_top_of_the_file(tmp_path, capsys):
+    out = tmp_path / "accelerate.yaml"
+    assert main(["export", "--to", "accelerate", "--config", "precision=amp-bf16,micro_batch=8,grad_accum=8",
+                 "--device", "cpu", "--out", str(out)]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("autofit: warning: this export changes the training: global batch 64 -> 8 (x0.125): ")
+    assert err[1].startswith("autofit: note: ")
+    said = err[0].removeprefix("autofit: warning: this export changes the training: ")
+    assert out.read_text().splitlines()[0] == f"# WARNING: this export changes the training: {said}"

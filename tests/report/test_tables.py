@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from pathlib import Path
@@ -214,3 +215,53 @@ def test_a_journal_written_by_autofit_0_1_reads_the_same(tmp_path):
     committed = pd.read_csv(example / "trials.csv")
     committed["status"] = committed["status"].replace({"complete": "ok", "failed": "interrupted"})  # 0.1's words
     pd.testing.assert_frame_equal(table[list(committed.columns)], committed, check_dtype=False)
+
+
+@pytest.mark.parametrize("source", [
+    "hf:gpt2?n_layer=2&n_embd=64&n_head=2&vocab_size=128#seq_len=16#task=causal-lm",
+    "hf:llama?num_hidden_layers=2#seq_len=32#task=causal-lm#lora=r=8,alpha=16,target=q_proj+v_proj",
+    "hf:bert#task=seq-cls",
+    "tiny.py:make",
+])
+def test_reproduce_command_is_in_the_cli_flags_and_parses_back_to_the_workload(source):
+    """hf: options are written as --seq-len/--task/--lora (the command line's own syntax), not as the
+    '#seq_len=...' source; parsed by `autofit measure`, the command gives the same source and config back."""
+    import shlex
+
+    from autofit.cli import build_parser
+    from autofit.cli._args import model_spec
+    from autofit.core.budget import parse_budget
+    from autofit.report.tables import measure_command
+
+    config = TrainConfig.parse("precision=amp-bf16,micro_batch=4,grad_accum=2,checkpoint_every=1")
+    command = measure_command({"workload_source": source, "budget_text": "8G", "device_type": "cpu"}, config)
+    argv = shlex.split(command)
+    assert argv[:2] == ["autofit", "measure"] and "#" not in command
+    for key, flag in (("seq_len", "--seq-len"), ("task", "--task"), ("lora", "--lora")):
+        assert (f"#{key}=" in source) == (flag in argv), command
+    args = build_parser().parse_args(argv[1:])
+    assert model_spec(args) == source
+    assert TrainConfig.parse(args.config) == config and parse_budget(args.budget) == 8 * 10**9
+    if source.startswith("hf:gpt2"):  # the same workload, loaded (transformers reads no weights)
+        pytest.importorskip("transformers")
+        from autofit.workloads.load import load_workload
+
+        loaded = load_workload(model_spec(args))
+        assert loaded.source == source and loaded.meta["seq_len"] == 16 and loaded.meta["task"] == "causal-lm"
+
+
+def test_summary_names_the_workload_in_the_cli_flags(study_dir):
+    study = load_snapshot(study_dir)
+    settings = dict(study.settings, workload_source="hf:gpt2?n_layer=2#seq_len=64#task=causal-lm")
+    text = summary_markdown(dataclasses.replace(study, settings=settings))
+    assert "`--model 'hf:gpt2?n_layer=2' --seq-len 64 --task causal-lm`" in text
+    assert "- reproduce: `autofit measure --model 'hf:gpt2?n_layer=2' --seq-len 64 --task causal-lm --config " in text
+
+
+def test_an_export_overriding_the_best_says_how_it_changes_the_training(study_dir):
+    from autofit.report.exports import export_study
+
+    exp = export_study(study_dir, "json", override="micro_batch=4,precision=amp-bf16")  # best: fp32 mb=2 ga=2
+    assert [c.text().split(":")[0] for c in exp.changes] == ["global batch 4 -> 8 (x2)", "precision fp32 -> amp-bf16"]
+    assert json.loads(exp.text)["changes"] == exp.warnings()
+    assert not export_study(study_dir, "json", override="micro_batch=4,grad_accum=1").changes  # 4 samples a step still

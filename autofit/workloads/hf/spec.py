@@ -35,6 +35,37 @@ def require_transformers():
     return transformers
 
 
+SOURCE_OPTIONS = ("seq_len", "task", "lora")  # a workload source's ``#`` options, in the order it writes them
+
+
+def split_source(source: str) -> tuple[str, dict[str, str]]:
+    """``"hf:gpt2?n_layer=2#seq_len=64#task=causal-lm"`` -> ``("hf:gpt2?n_layer=2", {"seq_len": "64",
+    "task": "causal-lm"})``: a workload source (what trials reload) as its ``--model`` and its options.
+    A source that is not ``hf:`` has no options. Raises WorkloadError for an unknown option."""
+    if not source.startswith(PREFIX):
+        return source, {}
+    model, *items = source.split("#")
+    options: dict[str, str] = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        if key not in SOURCE_OPTIONS:
+            raise WorkloadError(f"{source!r}: unknown option {key!r}: expected seq_len, task or lora")
+        options[key] = value
+    return model, options
+
+
+def source_flags(source: str) -> list[str]:
+    """The command-line flags that give ``source`` back: ``--model`` and, for an ``hf:`` source's ``#``
+    options, ``--seq-len``, ``--task`` and ``--lora`` (``autofit.cli._args.model_spec`` folds them in
+    again, in this order). E.g. ``["--model", "hf:gpt2?n_layer=2", "--seq-len", "64", "--task", "causal-lm"]``."""
+    model, options = split_source(source)
+    flags = ["--model", model]
+    for key in SOURCE_OPTIONS:
+        if key in options:
+            flags += ["--" + key.replace("_", "-"), options[key]]
+    return flags
+
+
 def split_spec(spec: str) -> tuple[str, dict[str, str]]:
     """``"llama?hidden_size=256&num_hidden_layers=4"`` -> ``("llama", {"hidden_size": "256", ...})``."""
     base, _, query = spec.partition("?")

@@ -30,6 +30,7 @@ from autofit.workloads.hf.spec import (
     parse_value,
     require_transformers,
     resolve_config,
+    split_source,
 )
 from autofit.workloads.hf.stages import cut_stage
 
@@ -299,14 +300,9 @@ def hf_workload(spec: str, *, seq_len: int | None = None, task: str | None = Non
 
 def load_hf_source(source: str) -> Workload:
     """Rebuild a workload from its ``source`` (``hf:SPEC#seq_len=128#task=causal-lm#lora=r=8``)."""
-    spec, *options = source.split("#")
-    values: dict[str, Any] = {}
-    for item in options:
-        key, _, value = item.partition("=")
-        if key not in ("seq_len", "task", "lora"):
-            raise WorkloadError(f"{source!r}: unknown option {key!r}: expected seq_len, task or lora")
-        values[key] = parse_value(value) if key == "seq_len" else value
-    return hf_workload(spec, **values)
+    model, options = split_source(source if source.startswith(PREFIX) else PREFIX + source)
+    values: dict[str, Any] = {k: parse_value(v) if k == "seq_len" else v for k, v in options.items()}
+    return hf_workload(model, **values)
 
 
 __all__ = ["TASKS", "HFBatch", "HFLoss", "HFModel", "default_seq_len", "default_task", "hf_workload",
