@@ -96,14 +96,15 @@ def test_one_short_stop_line_and_real_trials_numbered_from_one_everywhere(tmp_pa
     import pandas as pd
 
     from autofit.api.run_study import search
-    from autofit.cli.search import _Progress, _summary
+    from autofit.cli.search import _summary
+    from autofit.study.progress import ProgressPrinter
 
     space = {"precision": ["fp32", "amp-bf16"], "micro_batch": [1, 2, 4], "global_batch": 4,
              "checkpoint_every": [0, 1], "device_split": [1, 2]}  # the 2-device splits are pruned before the first trial
     out = tmp_path / "s"
     stream = io.StringIO()  # not a terminal: one line per event
     result = search(TINY, "64MB", space=space, out_dir=out, device="cpu", trials=2, trial_runner=_FakeRunner(),
-                    progress=_Progress(stream))
+                    progress=ProgressPrinter(stream))
     _summary(result)
     printed = capsys.readouterr().out
     terminal = stream.getvalue() + printed
@@ -130,7 +131,7 @@ def test_one_short_stop_line_and_real_trials_numbered_from_one_everywhere(tmp_pa
 
     stream = io.StringIO()  # resumed with one trial more: its number follows on
     again = search(TINY, "64MB", space=space, out_dir=out, device="cpu", trials=3, trial_runner=_FakeRunner(),
-                   progress=_Progress(stream))
+                   progress=ProgressPrinter(stream))
     assert re.findall(r"\] trial (\d+) ", stream.getvalue())[:1] == ["3"] and again.n_real == 3
     resumed = pd.read_csv(out / "trials.csv")
     assert resumed.loc[resumed["status"] != "pruned", "trial"].tolist() == [1, 2, 3]
