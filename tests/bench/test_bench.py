@@ -434,7 +434,7 @@ def test_tiny_search_and_accuracy_suites(tmp_path, monkeypatch):
     assert all(len(r.allocator_peak_bytes) == 1 and r.allocator_peak_bytes[0] >= 0.99 * r.measured_peak_bytes
                for r in acc.rows)
     md = (tmp_path / "accuracy.md").read_text()
-    assert "Issue 3 target" in md and "LLMem" in md and "Against an independent ground truth" in md
+    assert "Target, built-ins" in md and "LLMem" in md and "Against an independent ground truth" in md
 
 
 def test_search_plot_written_when_matplotlib_is_importable(tmp_path):

@@ -31,13 +31,13 @@ def test_per_device_where_the_job_cannot_run_here():
 
 
 def test_split_mode_comparison_names_the_winner_and_margin():
-    rows = [dict(number=0, status="ok", precision="fp32", micro_batch=2, grad_accum=4, checkpoint_every=0,
+    rows = [dict(number=0, trial=1, status="ok", precision="fp32", micro_batch=2, grad_accum=4, checkpoint_every=0,
                  device_split=1, split_mode="pipeline", objective=100.0, basis=JOB),
-            dict(number=1, status="ok", precision="fp32", micro_batch=2, grad_accum=2, checkpoint_every=0,
+            dict(number=1, trial=2, status="ok", precision="fp32", micro_batch=2, grad_accum=2, checkpoint_every=0,
                  device_split=2, split_mode="fsdp", objective=125.0, basis=JOB),
-            dict(number=2, status="ok", precision="fp32", micro_batch=2, grad_accum=4, checkpoint_every=0,
+            dict(number=2, trial=3, status="ok", precision="fp32", micro_batch=2, grad_accum=4, checkpoint_every=0,
                  device_split=2, split_mode="pipeline", objective=50.0, basis=JOB),
-            dict(number=3, status="oom", precision="fp32", micro_batch=8, grad_accum=1, checkpoint_every=0,
+            dict(number=3, trial=4, status="oom", precision="fp32", micro_batch=8, grad_accum=1, checkpoint_every=0,
                  device_split=2, split_mode="fsdp", objective=None, basis=JOB)]
     frame = split_mode_comparison(pd.DataFrame(rows))
     assert list(frame["mode"]) == ["fsdp", "one device", "pipeline"]

@@ -162,4 +162,4 @@ def test_the_summary_names_trials_that_waited():
     study = StudySnapshot("w", [record(0, 0.01), record(1, 42.0)], settings={"budget_bytes": 10**9, "devices": 1})
     assert list(trials_table(study)["wait_s"]) == [0.01, 42.0]
     lines = [line for line in summary_markdown(study).splitlines() if "waited" in line]
-    assert len(lines) == 1 and "1 trial(s): 1 (42 s)" in lines[0]
+    assert len(lines) == 1 and "1 trial(s): 2 (42 s)" in lines[0]  # real trials are numbered from 1
