@@ -137,7 +137,6 @@ def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | 
     workload, device or space); KeyboardInterrupt after marking running trials interrupted.
     """
     from autofit.report.result import search_result
-    from autofit.report.write import write_reports
 
     started_wall = time.time()
     started = time.monotonic()
@@ -189,20 +188,28 @@ def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | 
             _record_run(study, settings, started_wall, workers, stop)
             if note is not None:
                 note("writing the tables, the pictures and report.html...")
-            try:
-                write_reports(backend.snapshot(study), out, html=True)
-            except OSError as exc:  # a full disk: the tables are whole or old (written atomically), the study kept
-                if stop is not None:
-                    raise RunFailure(f"cannot write the tables in {out} ({exc.strerror or exc}); the study is intact "
-                                     f"in {redact(storage) or out / JOURNAL_NAME}: make room, then run "
-                                     f"`autofit report {out} --html` to write them") from None
-            except Exception:  # noqa: BLE001 -- never hide the search's own outcome behind a report error
-                if stop is not None:
-                    raise
+            _write_tables(study, out, storage, stop)
         result = search_result(backend.snapshot(study), out, wall_s=time.time() - started_wall)
         # the stop reason is said once, by whoever shows the result (the CLI's summary), not in this line
         emit(progress_of(backend.read_records(study), "done", started, done=True, stop_reason=result.stop_reason))
         return result
+
+
+def _write_tables(study: optuna.Study, out: Path, storage: str | None, stop: str | None) -> None:
+    """The tables, pictures and page from the study. A failure is raised only when the search itself
+    ended well (``stop``): never hide the search's own outcome behind a report error."""
+    from autofit.report.write import write_reports
+
+    try:
+        write_reports(backend.snapshot(study), out, html=True)
+    except OSError as exc:  # a full disk: the tables are whole or old (written atomically), the study kept
+        if stop is not None:
+            raise RunFailure(f"cannot write the tables in {out} ({exc.strerror or exc}); the study is intact "
+                             f"in {redact(storage) or out / JOURNAL_NAME}: make room, then run "
+                             f"`autofit report {out} --html` to write them") from None
+    except Exception:  # noqa: BLE001
+        if stop is not None:
+            raise
 
 
 def _record_run(study: optuna.Study, settings: StudySettings, started_wall: float, workers: int,
