@@ -136,6 +136,7 @@ def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | 
     StudyError for bad input (StudyError also when ``out_dir`` holds a study of another budget,
     workload, device or space); KeyboardInterrupt after marking running trials interrupted.
     """
+    # Long on purpose: its order is the contract (every check before profiling, the search lock around the study, the tables in `finally`), read top to bottom.
     from autofit.report.result import search_result
 
     started_wall = time.time()

@@ -122,6 +122,7 @@ def throughput_vs_peak(table: pd.DataFrame, budget_bytes: int, best: int | None,
     (:func:`estimates_of`): per pruned storage number, its calibrated peak and objective; without
     them the pruned configs are drawn at what was predicted when they were pruned.
     ``calibrated_on``: how many real trials that calibration learned from (said in the note)."""
+    # Long on purpose: one figure's layers in drawing order (ran, best, pruned by reason, the budget, the axes); split, each part would need them all.
     from autofit.report.tables import never_ran
 
     fig = _figure(WIDE, 4.8, right=RIGHT)

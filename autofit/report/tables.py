@@ -343,6 +343,7 @@ def split_modes_markdown(table: pd.DataFrame, devices: int) -> list[str]:
 
 def summary_markdown(study: StudySnapshot, table: pd.DataFrame | None = None, *, top: int = 10) -> str:
     """``summary.md``: best and top configs, pruning, calibration, prediction errors, environment."""
+    # Long on purpose: it is summary.md's layout, section by section in reading order; each section's figures come from helpers.
     table = trials_table(study) if table is None else table
     settings = settings_of(study)
     versions = study.versions
