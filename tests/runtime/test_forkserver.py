@@ -75,7 +75,7 @@ def test_exiting_while_the_zygote_starts_does_not_wait_for_it_and_leaves_none(se
     import subprocess
     import sys
 
-    code = ("import os, time; from autofit import forkserver; forkserver.start_server_soon(); time.sleep(0.2); "
+    code = ("import os, time; from autofit.runtime import forkserver; forkserver.start_server_soon(); time.sleep(0.2); "
             "forkserver._stop_at_exit(); print(forkserver._SERVER_LOCK.locked(), os.getpid())")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     starting, pid = done.stdout.split()
@@ -104,7 +104,7 @@ def test_importing_torch_dynamo_after_the_zygote_started_keeps_the_zygote(server
     import subprocess
     import sys
 
-    code = ("import os; os.environ.pop('TORCHINDUCTOR_CACHE_DIR', None); from autofit import forkserver; "
+    code = ("import os; os.environ.pop('TORCHINDUCTOR_CACHE_DIR', None); from autofit.runtime import forkserver; "
             "a = forkserver.ensure_server().zygote.pid; import torch._dynamo; "
             "assert 'TORCHINDUCTOR_CACHE_DIR' in os.environ; print(a == forkserver.ensure_server().zygote.pid)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
