@@ -28,7 +28,8 @@ def add_parser(subparsers) -> None:
                         "by n_embd of 2-64 heads at the base head size")
     p.add_argument("--devices", type=positive(int), help="most devices a config may split over (default: 1 on "
                                                          "the CPU, the visible GPUs on CUDA)")
-    p.add_argument("--space", help="search-space TOML file or a name in search_spaces/ (default: default)")
+    p.add_argument("--space", help="search-space TOML file or a built-in space by name: default (the default), tiny, "
+                                   "lean (adds the optimizer lever and selective checkpointing; changes the training)")
     p.add_argument("--global-batch", type=positive(int), help="fix the global batch (grad_accum = global_batch / "
                                                                "micro_batch)")
     p.add_argument("--min-tokens-per-s", type=positive(float), help="answer the largest shape predicted at least "
@@ -140,7 +141,9 @@ def _summary(result, top: int) -> list[str]:
     config = top_row["config"]
     print(f"answer: {top_row['spec']} ({int(top_row['param_count']):,} parameters) with {config.short()}, "
           f"predicted peak {format_bytes(top_row['peak_bytes'])}")
-    cfg = ",".join(f"{k}={v}" for k, v in config.to_dict().items())
+    if config.changes_optimizer:
+        print(f"  it changes the training: optimizer={config.optimizer.value} replaces the family's own optimizer")
+    cfg = config.to_text()
     print(f"  check it: autofit measure --model {shlex.quote(top_row['spec'])} --config {cfg} "
           f"--budget {result.budget_text}")
     return lines
