@@ -157,7 +157,8 @@ def explain_failure(name: str, exc: BaseException) -> str:
         why = (" (it reads a tensor's value, e.g. .item(), which fake tensors do not have)"
                if "_local_scalar_dense" in text or "data-dependent" in text.lower() else "")
         return (f"{name}: the optimizer's step ({optimizer}) cannot run on fake tensors{why}, so autofit cannot "
-                f"profile it ({type(exc).__name__}: {text}); use one that can, e.g. torch.optim.AdamW, SGD, RMSprop, Adagrad")
+                f"profile it ({type(exc).__name__}: {text}); use one that can, e.g. torch.optim.AdamW, Adafactor, SGD, RMSprop, "
+                "Adagrad")
     for needles, hint in _FAILURE_HINTS:
         if any(n in text for n in needles):
             return f"{name}: {hint} ({type(exc).__name__}: {text})"
