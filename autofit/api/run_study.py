@@ -14,7 +14,7 @@ from autofit.core.budget import parse_budget
 from autofit.core.errors import RunFailure, StudyError
 from autofit.core.space import SearchSpace, load_space, space_from_dict
 from autofit.estimator.layer_prior import workload_prior
-from autofit.estimator.memory_model import needs_split_ends
+from autofit.estimator.memory_model import needs_split_ends, optimizer_choices
 from autofit.estimator.time_model import OpCounts
 from autofit.probes.device_rates import DeviceRates, probe_rates
 from autofit.probes.links import with_links
@@ -161,6 +161,7 @@ def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | 
         emit = progress or (lambda event: None)
         profile = profile_workload(loaded, list(resolved.precision), device_type=device,  # user errors surface here
                                    split_ends=needs_split_ends(resolved.configs()),
+                                   optimizers=optimizer_choices(resolved.configs()),
                                    note=None if progress is None else lambda line: emit(starting_progress(line, started)))
         study = backend.create_or_load(settings)
         backend.record_profile(study, profile.key)
