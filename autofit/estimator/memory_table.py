@@ -173,8 +173,9 @@ def _structures(configs: list[TrainConfig]) -> dict[tuple, list[int]]:
 
 def lever_refusal(profile: Profile, choice: OptimizerChoice, policy: CheckpointPolicy, fsdp: bool) -> str | None:
     """Why a config with lever choice ``choice`` and checkpoint ``policy`` cannot run (None: it can): the
-    workload's optimizer is not one the lever replaces, its library is not installed, or FSDP ranks
-    (whose sharded parameters neither replacement nor the selective estimate handles)."""
+    workload's optimizer is not one the lever replaces, its library is not installed, a model that
+    selective checkpointing refuses (``Profile.selective_refusal``), or FSDP ranks (whose sharded
+    parameters neither replacement nor the selective estimate handles)."""
     if choice is not OptimizerChoice.AS_GIVEN:
         why = refusal(choice, profile.optimizer) or missing_library(choice)
         if why is not None:
@@ -182,6 +183,8 @@ def lever_refusal(profile: Profile, choice: OptimizerChoice, policy: CheckpointP
         if fsdp:
             return (f"optimizer={choice.value} with split_mode=fsdp: autofit does not run the replacement over "
                     "FSDP's sharded (DTensor) parameters; use one device or a pipeline split")
+    if policy is CheckpointPolicy.SELECTIVE and getattr(profile, "selective_refusal", None):
+        return profile.selective_refusal
     if policy is CheckpointPolicy.SELECTIVE and fsdp:
         return ("checkpoint_policy=selective with split_mode=fsdp: the FSDP rank's estimate does not model it; "
                 "use checkpoint_policy=full")

@@ -199,6 +199,7 @@ class Profile:
     profile_s: float
     precisions: dict[str, PrecisionProfile] = field(default_factory=dict)
     split_refusal: str | None = None  # why the model cannot be cut into pipeline stages (None: it can)
+    selective_refusal: str | None = None  # why it cannot be checkpointed selectively (None: it can)
 
     def for_precision(self, precision: Precision | str) -> PrecisionProfile:
         return self.precisions[Precision(precision).value]

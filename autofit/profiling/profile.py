@@ -32,6 +32,7 @@ from autofit.runtime.optimizers import missing_library, refusal
 from autofit.workloads.base import (
     Workload,
     explain_build_failure,
+    selective_caveat,
     training_cache_caveat,
 )
 
@@ -90,7 +91,7 @@ def profile_workload(workload: Workload, precisions: Iterable[Precision | str] =
     if (caveat := training_cache_caveat(workload.name, model)) is not None:
         logging.getLogger(__name__).warning(caveat)
     profile = Profile(
-        split_refusal=split_refusal(workload),
+        split_refusal=split_refusal(workload), selective_refusal=selective_caveat(workload.name, model),
         workload=workload.name, device_type=device_type, param_count=param_count, n_layers=n_layers,
         tokens_per_sample=workload.tokens_per_sample, optimizer=optimizer_name, key=key,
         profile_s=time.perf_counter() - started, precisions=found,

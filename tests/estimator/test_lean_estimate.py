@@ -62,3 +62,25 @@ def test_the_optimizer_lever_replaces_the_state_and_says_so(profile):
     assert lean.model_state_bytes == given.model_state_bytes - given.optimizer_bytes + lean.optimizer_bytes
     assert "optimizer=adafactor: Adafactor replaces the workload's AdamW (this changes the training)" in lean.notes
     assert optimizer_choices([config, TrainConfig(), config]) == ["adafactor"]
+
+
+def test_a_model_that_caches_keys_and_values_is_not_checkpointed_selectively():
+    import dataclasses
+    import types
+
+    from trial_workloads import mlp_workload
+
+    base = mlp_workload(name="caching-mlp")
+
+    def model():
+        m = base.model()
+        m.config = types.SimpleNamespace(use_cache=True)  # as a transformers model left with its default
+        return m
+
+    profile = profile_workload(dataclasses.replace(base, model=model), ["fp32"])
+    table = estimate_table(profile, [TrainConfig(checkpoint_every=1), TrainConfig(checkpoint_every=1,
+                                                                                  checkpoint_policy="selective")])
+    assert table["valid"].tolist() == [True, False]
+    assert table["reason"][1] == ("caching-mlp: config.use_cache is True, so each layer appends to a key/value cache "
+                                  "as it runs and a recomputation runs other operators than the forward, which "
+                                  "selective checkpointing refuses; set use_cache=False")
