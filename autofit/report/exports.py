@@ -14,7 +14,9 @@ A target that cannot say a setting exactly (checkpointing every k layers in the 
 bf16 weights in Accelerate, a pipeline split in Lightning) gets a :class:`Note`: what it cannot
 say, the nearest setting it can, that nearest setting's estimated peak (when the workload is
 known), and the few lines of code that do it exactly. Notes travel in the export's ``comment``
-field (``#`` lines in YAML and shell) so that nothing is dropped silently.
+field (``#`` lines in YAML and shell) so that nothing is dropped silently. A config whose
+``optimizer`` lever replaces the workload's optimizer changes the training: its note comes first,
+in every target (the Trainer's ``optim`` says it where it can: ``adamw_bnb_8bit``, ``adafactor``).
 
 Example::
 
@@ -35,7 +37,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from autofit.core.budget import format_budget, format_bytes, parse_budget
-from autofit.core.config import FIELDS, Precision, SplitMode, TrainConfig
+from autofit.core.config import (
+    FIELDS,
+    CheckpointPolicy,
+    OptimizerChoice,
+    Precision,
+    SplitMode,
+    TrainConfig,
+)
 from autofit.core.errors import AutofitError, ConfigError
 
 TARGETS = ("hf", "accelerate", "lightning", "deepspeed", "torchrun", "json")
@@ -43,7 +52,20 @@ TORCHRUN_SCRIPT = "scripts/run_split_torchrun.py"  # autofit's runner of one pro
 
 # The exact way to checkpoint runs of k layers (what autofit measured), for targets without it.
 _CKPT_CODE = ("from autofit.runtime.training import checkpoint_layers  # non-reentrant torch.utils.checkpoint",
-              "checkpoint_layers(model.model.layers, {k})  # your nn.ModuleList of repeated blocks")
+              "checkpoint_layers(model.model.layers, {k}{policy})  # your nn.ModuleList of repeated blocks")
+# The optimizer lever's replacements, made as autofit made them (the same groups and hyper-parameters).
+_OPTIMIZER_CODE = {
+    OptimizerChoice.ADAMW8BIT: ("import bitsandbytes as bnb  # pip install bitsandbytes",
+                                "optimizer = bnb.optim.AdamW8bit(model.parameters(), lr=lr, betas=betas, eps=eps, "
+                                "weight_decay=weight_decay)  # your AdamW's settings"),
+    OptimizerChoice.ADAFACTOR: ("optimizer = torch.optim.Adafactor(model.parameters(), lr=lr, "
+                                "weight_decay=weight_decay)  # lr: the relative step size cap",),
+}
+_OPTIMIZER_WORDS = {OptimizerChoice.ADAMW8BIT: "bitsandbytes' 8-bit AdamW (one byte per moment and element, "
+                                               "fp32 scales per block of 256)",
+                    OptimizerChoice.ADAFACTOR: "torch.optim.Adafactor (factored second moments, no first moment)"}
+# Hugging Face TrainingArguments' ``optim`` for each choice.
+HF_OPTIM = {OptimizerChoice.ADAMW8BIT: "adamw_bnb_8bit", OptimizerChoice.ADAFACTOR: "adafactor"}
 _BF16_CODE = ("model.to(torch.bfloat16)  # before the optimizer is made: weights, gradients and its state in bf16",)
 
 
@@ -130,10 +152,32 @@ class Context:
 
 def _ckpt_note(config: TrainConfig, target: str, nearest_every: int, nearest_text: str, why: str = "") -> Note:
     k = config.checkpoint_every
-    return Note(f"checkpoint_every={k}",
-                f"{target} cannot checkpoint runs of {k} layers as one segment{why}",
-                tuple(line.format(k=k) for line in _CKPT_CODE) + (f"# and leave {target}'s own checkpointing off",),
-                nearest_text, dataclasses.replace(config, checkpoint_every=nearest_every))
+    selective = config.checkpoint_policy is CheckpointPolicy.SELECTIVE
+    layers = "every layer" if k == 1 else f"runs of {k} layers"
+    what = f"selectively (matmul and attention outputs kept) in {layers}" if selective else \
+        f"runs of {k} layers as one segment"
+    return Note(f"checkpoint_every={k}" + (",checkpoint_policy=selective" if selective else ""),
+                f"{target} cannot checkpoint {what}{why}",
+                tuple(line.format(k=k, policy=', "selective"' if selective else "") for line in _CKPT_CODE)
+                + (f"# and leave {target}'s own checkpointing off",),
+                nearest_text, dataclasses.replace(config, checkpoint_every=nearest_every,
+                                                  checkpoint_policy=CheckpointPolicy.FULL))
+
+
+def _optimizer_note(config: TrainConfig, target: str, in_target: str | None = None, why: str = "") -> list[Note]:
+    """What a config that replaces the workload's optimizer says first: that this changes the training, what
+    replaces it, and how (``in_target``: the target's own setting for it, which makes it exact)."""
+    if not config.changes_optimizer:
+        return []
+    choice = config.optimizer
+    head = (f"this config changes the training: it replaces your Adam/AdamW with {_OPTIMIZER_WORDS[choice]}"
+            + (f"; {in_target}" if in_target else f"; {target} takes the optimizer from your code"))
+    code = () if in_target and not why else _OPTIMIZER_CODE[choice] + (
+        "# or, from the optimizer you have: from autofit.runtime.optimizers import replace_optimizer; "
+        f"optimizer = replace_optimizer({choice.value!r}, optimizer)",)
+    nearest = None if in_target and not why else "your own optimizer (optimizer=as-given)"
+    return [Note(f"optimizer={choice.value}", head + why, code, nearest,
+                 None if nearest is None else dataclasses.replace(config, optimizer=OptimizerChoice.AS_GIVEN))]
 
 
 def _split_note(config: TrainConfig, target: str) -> Note:
@@ -184,6 +228,13 @@ def _hf(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note]]:
     if ctx.device_type == "cpu":
         kwargs["use_cpu"] = True
     notes = []
+    if config.changes_optimizer:
+        kwargs["optim"] = HF_OPTIM[config.optimizer]
+        why = ("" if config.optimizer is OptimizerChoice.ADAMW8BIT else
+               " (the Trainer's adafactor is transformers' Adafactor, relative_step=False and scale_parameter=False: "
+               "the same factored state as torch.optim.Adafactor, which autofit measured; for that one exactly, pass "
+               "Trainer(optimizers=(optimizer, None)))")
+        notes += _optimizer_note(config, "the Trainer", f"optim={kwargs['optim']!r} says it", why)
     if p is Precision.BF16:
         notes.append(Note("precision=bf16", "TrainingArguments has no pure-bf16 mode (its bf16=True is autocast "
                           "over fp32 weights)", _BF16_CODE + ("# and set bf16=False: no autocast over bf16 weights",),
@@ -194,7 +245,11 @@ def _hf(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note]]:
         kwargs[flag] = every == 1
         if every == 1:
             kwargs[flag_kwargs] = {"use_reentrant": False}
-        else:
+        if every == 1 and config.checkpoint_policy is CheckpointPolicy.SELECTIVE:
+            notes.append(_ckpt_note(config, "TrainingArguments", 1,
+                                    f"{flag}=True, {flag_kwargs}={{'use_reentrant': False}} (full checkpointing "
+                                    "of every layer: more recomputation, less memory)"))
+        elif every > 1:
             notes.append(_ckpt_note(config, "TrainingArguments", 1,
                                     f"{flag}=True, {flag_kwargs}={{'use_reentrant': False}} "
                                     "(every layer: checkpoint_every=1)"))
@@ -216,7 +271,8 @@ def _accelerate(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note
               "num_processes": 1, "num_machines": 1, "machine_rank": 0, "use_cpu": ctx.device_type == "cpu",
               "debug": False}
     ga = config.grad_accum
-    notes = [Note(f"micro_batch={config.micro_batch}", "an Accelerate config file has no batch size",
+    notes = _optimizer_note(config, "Accelerate") + [
+             Note(f"micro_batch={config.micro_batch}", "an Accelerate config file has no batch size",
                   (f"DataLoader(dataset, batch_size={config.micro_batch})",))]
     if ga > 1:
         notes.append(Note(f"grad_accum={ga}", "an Accelerate config file holds gradient_accumulation_steps only "
@@ -249,7 +305,7 @@ LIGHTNING_PRECISION = {Precision.FP32: "32-true", Precision.AMP_FP16: "16-mixed"
 def _lightning(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note]]:
     kwargs = {"precision": LIGHTNING_PRECISION[config.precision], "accumulate_grad_batches": config.grad_accum,
               "accelerator": "cpu" if ctx.device_type == "cpu" else "gpu", "devices": 1}
-    notes = []
+    notes = _optimizer_note(config, "the Lightning Trainer (configure_optimizers)")
     if ctx.device_type == "cpu" and config.precision is Precision.AMP_FP16:
         notes.append(Note("precision=amp-fp16", "on the CPU Lightning replaces 16-mixed by bf16-mixed",
                           ("from lightning.pytorch.plugins import MixedPrecision",
@@ -280,7 +336,7 @@ def _deepspeed(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note]
     p = config.precision
     ds: dict = {"train_micro_batch_size_per_gpu": config.micro_batch,
                 "gradient_accumulation_steps": config.grad_accum}
-    notes = []
+    notes = _optimizer_note(config, "DeepSpeed (deepspeed.initialize(model=model, optimizer=optimizer, ...))")
     if p.is_amp:  # torch.autocast over fp32 weights, a GradScaler for fp16: what autofit measured
         ds["torch_autocast"] = {"enabled": True, "dtype": "bfloat16" if p is Precision.AMP_BF16 else "float16"}
     if p is Precision.BF16:
@@ -328,7 +384,7 @@ def _torchrun(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note]]
                           "or package.module:function)")
     # --standalone: a free local rendezvous port, not the fixed 29500 another job may hold
     argv = ["torchrun", "--standalone", "--nproc-per-node", str(config.device_split), TORCHRUN_SCRIPT, "--model", ctx.model_spec,
-            "--config", ",".join(f"{k}={v}" for k, v in config.to_dict().items()), "--device", ctx.device_type]
+            "--config", config.to_text(), "--device", ctx.device_type]
     if ctx.budget_bytes:
         argv += ["--budget", f"{ctx.budget_bytes}B"]
     return argv + ["--json"], {}, []
@@ -337,7 +393,7 @@ def _torchrun(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note]]
 def _json(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note]]:
     record = {"config": config.to_dict(), "short": config.short(), "device": ctx.device_type,
               "budget_bytes": ctx.budget_bytes, "model": ctx.model_spec, **ctx.extra}
-    return record, {}, []
+    return record, {}, _optimizer_note(config, "autofit", "its TrainingPlan (and autofit's runners) replaces it")
 
 
 _BUILDERS: dict[str, Callable[[TrainConfig, Context], tuple[Any, dict, list[Note]]]] = {
@@ -397,21 +453,24 @@ def _peaks(notes: list[Note], ctx: Context) -> list[Note]:
     wanted = [n.nearest_config for n in notes if n.nearest_config is not None]
     if not wanted or (ctx.workload is None and not ctx.model_spec and ctx.profile is None):
         return [dataclasses.replace(n, budget_bytes=ctx.budget_bytes) for n in notes]
-    from autofit.estimator.memory_model import needs_split_ends
+    from autofit.estimator.memory_model import needs_split_ends, optimizer_choices
     from autofit.estimator.memory_table import estimate_table
     from autofit.profiling.profile import profile_workload
     from autofit.workloads.load import load_workload
 
     precisions = sorted({c.precision for c in wanted}, key=str)
     split_ends = needs_split_ends(wanted)  # only where a note's config needs them (a search without splits skips them)
+    optimizers = optimizer_choices(wanted)
     try:
-        profile = ctx.profile if profile_covers(ctx.profile, precisions, split_ends, ctx.device_type) else None
+        profile = (ctx.profile if profile_covers(ctx.profile, precisions, split_ends, ctx.device_type, optimizers)
+                   else None)
         if profile is None:
             if ctx.workload is None and not ctx.model_spec:
                 raise ConfigError(f"the profile given lacks {', '.join(p.value for p in precisions)} on {ctx.device_type} "
                                   "and no workload was given to profile")
             workload = ctx.workload if ctx.workload is not None else load_workload(ctx.model_spec)
-            profile = profile_workload(workload, precisions, device_type=ctx.device_type, split_ends=split_ends)
+            profile = profile_workload(workload, precisions, device_type=ctx.device_type, split_ends=split_ends,
+                                       optimizers=optimizers)
     except AutofitError as exc:  # e.g. a cuda export on a CPU-only torch: the export itself still holds
         return [dataclasses.replace(n, budget_bytes=ctx.budget_bytes, no_peak_reason=str(exc)) for n in notes]
     table = estimate_table(profile, wanted, ctx.budget_bytes)
@@ -421,13 +480,16 @@ def _peaks(notes: list[Note], ctx: Context) -> list[Note]:
             for n in notes]
 
 
-def profile_covers(profile: Any, precisions: list, split_ends: bool, device_type: str) -> bool:
+def profile_covers(profile: Any, precisions: list, split_ends: bool, device_type: str,
+                   optimizers: list[str] = ()) -> bool:
     """Whether ``profile`` (a Profile or None) estimates every one of ``precisions`` (with the untied
-    ends a pipeline split needs when ``split_ends``) on ``device_type``."""
+    ends a pipeline split needs when ``split_ends``, and the ``optimizer`` lever's ``optimizers``) on
+    ``device_type``."""
     if profile is None or profile.device_type != device_type:
         return False
     held = [profile.precisions.get(Precision(p).value) for p in precisions]
-    return all(pp is not None and not (split_ends and pp.split_ends_skipped) for pp in held)
+    return all(pp is not None and not (split_ends and pp.split_ends_skipped)
+               and all(pp.optimizer_option(o) is not None for o in optimizers) for pp in held)
 
 
 def export(config: TrainConfig | str | dict, target: str, *, workload: Any = None, budget: str | int | None = None,
