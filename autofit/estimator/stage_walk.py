@@ -236,7 +236,8 @@ def stage_lines(pp: PrecisionProfile, start: int, end: int, first_stage: bool, l
                   + ([pp.pre_max_grad_tensor_bytes] if first_stage else [])
                   + ([pp.post_max_grad_tensor_bytes] if last_stage else []), default=0)
     overall = max([l.max_grad_tensor_bytes for l in pp.layers] + [pp.pre_max_grad_tensor_bytes, pp.post_max_grad_tensor_bytes])
-    per_tensor_loop = overall and pp.optimizer_peak_bytes <= 4 * overall
+    per_tensor_loop = (pp.optimizer_per_tensor if pp.optimizer_per_tensor is not None
+                       else overall and pp.optimizer_peak_bytes <= 4 * overall)
     opt_share = largest / overall if per_tensor_loop else share
     return StageLines(
         first=np.array(w1.peaks, dtype=np.float64), first_grads=np.array(w1.grads_at, dtype=np.float64),

@@ -127,14 +127,16 @@ def segment_freed_late(layers, s: int, e: int) -> Line:
 @dataclass(frozen=True)
 class OptimizerProfile:
     """One ``optimizer`` lever choice's step, profiled over the same parameters as the workload's own
-    (:mod:`autofit.profiling.optimizers`): its state after a step, and what its step holds beyond
-    weights + gradients + state (its temporaries; on the CPU, bitsandbytes' kernel's own too)."""
+    (:mod:`autofit.profiling.optimizers`): its state after a step, what its step holds beyond
+    weights + gradients + state as the timeline saw it (its temporaries), and what a kernel allocates
+    inside one operator for the largest tensor, unseen by the timeline (bitsandbytes' on the CPU)."""
 
     choice: str            # an OptimizerChoice value, e.g. "adamw8bit"
     optimizer: str         # the class that ran, e.g. "AdamW8bit"
     state_bytes: int
     peak_bytes: int
     library: str = ""      # what implements it, with its version ("bitsandbytes 0.50.2"): another is profiled again
+    kernel_bytes: int = 0  # one tensor at a time: it follows the largest tensor a stage holds
 
 
 @dataclass(frozen=True)
@@ -179,6 +181,10 @@ class PrecisionProfile:
     # The ``optimizer`` lever's choices profiled for this precision (profile_workload(optimizers=...)),
     # in place of the workload's own optimizer; () when none was asked for.
     optimizer_options: tuple[OptimizerProfile, ...] = ()
+    # Whether the optimizer step's temporaries are one tensor's at a time (they follow the largest
+    # tensor a stage holds) or all tensors' at once (they follow its share of the gradients); None:
+    # judged from their size (at most 4x the largest gradient: one at a time). with_optimizer sets it.
+    optimizer_per_tensor: bool | None = None
 
     def optimizer_option(self, choice: str) -> OptimizerProfile | None:
         """The profile of lever choice ``choice`` (an OptimizerChoice value), None when not profiled."""
@@ -218,13 +224,18 @@ def with_optimizer(pp: PrecisionProfile, option: OptimizerProfile) -> PrecisionP
     """``pp`` as it trains with ``option`` instead of the workload's optimizer: its state and its step's
     temporaries replaced. A device split's ends (``split_ends``: tied weights untied, one more copy's
     state) get the state in the same proportion to their own as the workload's optimizer has."""
+    largest = max([layer.max_grad_tensor_bytes for layer in pp.layers]
+                  + [pp.pre_max_grad_tensor_bytes, pp.post_max_grad_tensor_bytes])
+    # a kernel's own bytes are one tensor's at a time, so with temporaries that are too, the step's are
+    per_tensor = bool(largest) and option.peak_bytes <= 4 * largest
+    peak = option.peak_bytes + option.kernel_bytes
     ends = pp.split_ends
     if ends is not None:
         scale = ends.optimizer_bytes / pp.optimizer_bytes if pp.optimizer_bytes else 1.0
         ends = dataclasses.replace(ends, optimizer_bytes=int(round(option.state_bytes * scale)),
-                                   optimizer_peak_bytes=option.peak_bytes, optimizer_options=())
-    return dataclasses.replace(pp, optimizer_bytes=option.state_bytes, optimizer_peak_bytes=option.peak_bytes,
-                               split_ends=ends, optimizer_options=())
+                                   optimizer_peak_bytes=peak, optimizer_per_tensor=per_tensor, optimizer_options=())
+    return dataclasses.replace(pp, optimizer_bytes=option.state_bytes, optimizer_peak_bytes=peak,
+                               optimizer_per_tensor=per_tensor, split_ends=ends, optimizer_options=())
 
 
 def rows_from_json(rows) -> tuple[tuple[int, int], ...]:

@@ -93,5 +93,5 @@ def _profile_one(choice: OptimizerChoice, base: torch.optim.Optimizer, mode, hel
     if device_type == "cpu":  # bitsandbytes' CPU kernel: one tensor at a time, inside one operator
         kernel = max((cpu_kernel_bytes(choice, p.numel(), p.element_size()) for p in params), default=0)
     return OptimizerProfile(choice=choice.value, optimizer=type(optimizer).__name__,
-                            state_bytes=tensor_bytes(state, round_bytes),
-                            peak_bytes=max(0, timeline.peak - start) + kernel, library=option_library(choice))
+                            state_bytes=tensor_bytes(state, round_bytes), peak_bytes=max(0, timeline.peak - start),
+                            library=option_library(choice), kernel_bytes=kernel)

@@ -106,3 +106,19 @@ def test_fsdp_ranks_refuse_the_lean_levers(wide):
     assert not table["valid"].any()
     assert table["reason"][0].startswith("optimizer=adafactor with split_mode=fsdp: autofit does not run")
     assert table["reason"][1].startswith("checkpoint_policy=selective with split_mode=fsdp")
+
+
+@needs_bnb
+def test_a_pipeline_stage_pays_the_cpu_kernel_of_its_largest_tensor(wide):
+    # bitsandbytes' CPU kernel steps one tensor at a time: a stage holding a largest tensor pays all of it,
+    # not its share of the gradients
+    from autofit.estimator.memory_table import profile_for
+    from autofit.estimator.stage_walk import stage_lines
+
+    profile = profile_workload(wide, ["bf16"], optimizers=["adamw8bit"])
+    option = profile.for_precision("bf16").optimizer_option("adamw8bit")
+    pp = profile_for(profile, "bf16", "adamw8bit")
+    assert option.kernel_bytes == 4 * 6 * 128 * 128  # a bf16 128 x 128 weight: 6 fp32 copies
+    assert pp.optimizer_per_tensor and pp.optimizer_peak_bytes == option.peak_bytes + option.kernel_bytes
+    first_half = stage_lines(pp, 0, 2, True, False, 0)  # two of the four 128 x 128 blocks
+    assert first_half.optimizer_peak_bytes == pp.optimizer_peak_bytes
