@@ -23,10 +23,10 @@ optimizer (SGD with momentum, RMSprop, a user's own) would be swapped for a diff
 so its configs with another ``optimizer`` than ``as-given`` are refused (:func:`refusal`) and the
 estimate prunes them with that reason.
 
-bitsandbytes rather than torchao: both install from PyPI with this PyTorch, but torchao's
-``AdamW8bit``/``AdamW4bit`` compile their step with ``torch.compile`` on first use (47 s on this
-project's 2-core CPU machine for a 1M-parameter MLP: a cost every short trial would pay in its own
-process), and a compiled step cannot be traced on fake tensors. bitsandbytes' 8-bit step runs eagerly
+bitsandbytes rather than torchao: both install from PyPI with this PyTorch and both step on the
+CPU, but torchao's ``AdamW8bit``/``AdamW4bit`` compile their step with ``torch.compile`` on first
+use, a compilation every short trial would pay again in its own fresh process (most of a CPU trial's
+time), and a compiled step cannot be traced on fake tensors. bitsandbytes' 8-bit step runs eagerly
 on the CPU (its CPU backend) and on CUDA, registers fake kernels for its optimizer operators, so the
 profile runs it on fake tensors, and is the Hugging Face Trainer's ``adamw_bnb_8bit``. It has no
 4-bit optimizer, so there is no ``adamw4bit`` choice. It is the ``autofit[optim]`` extra; without it,
