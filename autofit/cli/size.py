@@ -114,11 +114,12 @@ def _summary(result, top: int) -> list[str]:
     print("")
     head = "  ".join(f"{f:>8}" for f in fields)
     extra = f"  {'measured peak':>13}  {'tok/s':>8}  status" if measured else ""
-    print(f"{head}  {'params':>13}  {'best predicted config':<34} {'peak':>10}  {'tok/s':>8}  frontier{extra}")
     shown = fits if top == 0 else fits.head(top)
+    width = max([34] + [len(c.short()) for c in shown["config"]])  # the lean levers make configs longer
+    print(f"{head}  {'params':>13}  {'best predicted config':<{width}} {'peak':>10}  {'tok/s':>8}  frontier{extra}")
     for row in shown.to_dict("records"):
         line = "  ".join(f"{row[f]:>8}" for f in fields)
-        line += (f"  {int(row['param_count']):>13,}  {row['config'].short():<34} {format_bytes(row['peak_bytes']):>10}"
+        line += (f"  {int(row['param_count']):>13,}  {row['config'].short():<{width}} {format_bytes(row['peak_bytes']):>10}"
                  f"  {_rate(row['tokens_per_s']):>8}  {'yes' if row['frontier'] else '':<8}")
         if measured and (row.get("measured_status") or row.get("measured_note")):
             peak = row.get("measured_peak_bytes")
