@@ -29,7 +29,7 @@ from autofit.core.budget import parse_budget
 from autofit.core.config import TrainConfig
 from autofit.core.errors import StudyError
 from autofit.core.space import SearchSpace
-from autofit.estimator.memory_model import MemoryEstimate
+from autofit.estimator.memory_model import MemoryEstimate, optimizer_choices
 from autofit.estimator.memory_model import estimate as estimate_one
 from autofit.estimator.memory_table import estimate_table
 from autofit.profiling.profile import profile_workload
@@ -121,11 +121,13 @@ def estimate(workload: Workload | str, config: TrainConfig | str | SearchSpace |
     if isinstance(config, str) and "=" in config:
         config = TrainConfig.parse(config)
     if isinstance(config, TrainConfig):
-        profile = profile_workload(loaded, [config.precision], device_type=device)
+        profile = profile_workload(loaded, [config.precision], device_type=device,
+                                   optimizers=optimizer_choices([config]))
         return estimate_one(profile, config, budget_bytes)
     space = resolve_space(config, global_batch)
-    profile = profile_workload(loaded, list(space.precision), device_type=device)
-    return estimate_table(profile, space.configs(), budget_bytes)
+    configs = space.configs()
+    profile = profile_workload(loaded, list(space.precision), device_type=device, optimizers=optimizer_choices(configs))
+    return estimate_table(profile, configs, budget_bytes)
 
 
 def measure(workload: Workload | str, config: TrainConfig | str, *, budget: str | int | None = None,

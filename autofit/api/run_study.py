@@ -15,13 +15,14 @@ from autofit.core.errors import RunFailure, StudyError
 from autofit.core.files import remove_stale_temp_files
 from autofit.core.space import SearchSpace, load_space, space_from_dict
 from autofit.estimator.layer_prior import workload_prior
-from autofit.estimator.memory_model import needs_split_ends
+from autofit.estimator.memory_model import needs_split_ends, optimizer_choices
 from autofit.estimator.time_model import OpCounts
 from autofit.probes.device_rates import DeviceRates, probe_rates
 from autofit.probes.links import with_links
 from autofit.profiling.profile import profile_workload
 from autofit.runtime import forkserver
 from autofit.runtime.devicelock import visible_gpus
+from autofit.study import locks
 from autofit.study import (
     storage as backend,  # the module; `storage` is search()'s URL argument
 )
@@ -152,7 +153,7 @@ def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | 
     out = Path(out_dir) if out_dir is not None else Path("results") / name
     backend.ensure_out_dir(out)
     backend.check_connection(storage, name)  # an unreachable database is said at once, not after profiling
-    with backend.SearchLock(out) as directory:  # a second search here joins the study
+    with locks.SearchLock(out) as directory:  # a second search here joins the study
         settings = StudySettings(
             workload_name=loaded.name, workload_source=loaded.source, budget_bytes=budget_bytes,
             budget_text=budget if isinstance(budget, str) else f"{budget}B", space=space_to_dict(resolved),
@@ -167,6 +168,7 @@ def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | 
                                    f"{', '.join(removed)}", started))
         profile = profile_workload(loaded, list(resolved.precision), device_type=device,  # user errors surface here
                                    split_ends=needs_split_ends(resolved.configs()),
+                                   optimizers=optimizer_choices(resolved.configs()),
                                    note=None if progress is None else lambda line: emit(starting_progress(line, started)))
         study = backend.create_or_load(settings)
         backend.record_profile(study, profile.key)
@@ -217,7 +219,7 @@ def _record_run(study: optuna.Study, settings: StudySettings, started_wall: floa
                 stop: str | None) -> None:
     """Append this invocation to the study's ``runs`` (wall time, workers, why it stopped)."""
     try:
-        with backend.ClaimLock(Path(settings.out_dir)):
+        with locks.ClaimLock(Path(settings.out_dir)):
             runs = list(study.user_attrs.get("runs", []))
             runs.append({"started": started_wall, "wall_s": time.time() - started_wall, "workers": workers,
                          "host": socket.gethostname(), "stop_reason": stop or "interrupted",

@@ -28,7 +28,8 @@ def add_parser(subparsers) -> None:
                         "by n_embd of 2-64 heads at the base head size")
     p.add_argument("--devices", type=positive(int), help="most devices a config may split over (default: 1 on "
                                                          "the CPU, the visible GPUs on CUDA)")
-    p.add_argument("--space", help="search-space TOML file or a name in search_spaces/ (default: default)")
+    p.add_argument("--space", help="search-space TOML file or a built-in space by name: default (the default), tiny, "
+                                   "lean (adds the optimizer lever and selective checkpointing; changes the training)")
     p.add_argument("--global-batch", type=positive(int), help="fix the global batch (grad_accum = global_batch / "
                                                                "micro_batch)")
     p.add_argument("--min-tokens-per-s", type=positive(float), help="answer the largest shape predicted at least "
@@ -113,11 +114,12 @@ def _summary(result, top: int) -> list[str]:
     print("")
     head = "  ".join(f"{f:>8}" for f in fields)
     extra = f"  {'measured peak':>13}  {'tok/s':>8}  status" if measured else ""
-    print(f"{head}  {'params':>13}  {'best predicted config':<34} {'peak':>10}  {'tok/s':>8}  frontier{extra}")
     shown = fits if top == 0 else fits.head(top)
+    width = max([34] + [len(c.short()) for c in shown["config"]])  # the lean levers make configs longer
+    print(f"{head}  {'params':>13}  {'best predicted config':<{width}} {'peak':>10}  {'tok/s':>8}  frontier{extra}")
     for row in shown.to_dict("records"):
         line = "  ".join(f"{row[f]:>8}" for f in fields)
-        line += (f"  {int(row['param_count']):>13,}  {row['config'].short():<34} {format_bytes(row['peak_bytes']):>10}"
+        line += (f"  {int(row['param_count']):>13,}  {row['config'].short():<{width}} {format_bytes(row['peak_bytes']):>10}"
                  f"  {_rate(row['tokens_per_s']):>8}  {'yes' if row['frontier'] else '':<8}")
         if measured and (row.get("measured_status") or row.get("measured_note")):
             peak = row.get("measured_peak_bytes")
@@ -140,7 +142,9 @@ def _summary(result, top: int) -> list[str]:
     config = top_row["config"]
     print(f"answer: {top_row['spec']} ({int(top_row['param_count']):,} parameters) with {config.short()}, "
           f"predicted peak {format_bytes(top_row['peak_bytes'])}")
-    cfg = ",".join(f"{k}={v}" for k, v in config.to_dict().items())
+    if config.changes_optimizer:
+        print(f"  it changes the training: optimizer={config.optimizer.value} replaces the family's own optimizer")
+    cfg = config.to_text()
     print(f"  check it: autofit measure --model {shlex.quote(top_row['spec'])} --config {cfg} "
           f"--budget {result.budget_text}")
     return lines

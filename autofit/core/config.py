@@ -68,9 +68,56 @@ class PipelineSchedule(str, enum.Enum):
         return None
 
 
-FIELDS = ("precision", "micro_batch", "grad_accum", "checkpoint_every", "device_split", "split_mode")
+class OptimizerChoice(str, enum.Enum):
+    """Which optimizer a config trains with (the ``optimizer`` lever).
+
+    ``as-given`` is the workload's own optimizer, whatever it is. The others replace it, so they
+    change the training and are opt-in (the ``lean`` space): ``adafactor`` is
+    ``torch.optim.Adafactor`` (factored second moments: a row and a column statistic per matrix);
+    ``adamw8bit`` is bitsandbytes' 8-bit blockwise Adam (``bnb.optim.AdamW8bit`` for an AdamW,
+    ``Adam8bit`` for an Adam; ``pip install 'autofit[optim]'``). Only a workload whose optimizer is
+    ``torch.optim.Adam`` or ``AdamW`` can be replaced (:mod:`autofit.runtime.optimizers`).
+    """
+
+    AS_GIVEN = "as-given"
+    ADAFACTOR = "adafactor"
+    ADAMW8BIT = "adamw8bit"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def _missing_(cls, value):
+        if isinstance(value, str):
+            for member in cls:
+                if member.value == value.lower().replace("_", "-"):
+                    return member
+        return None
+
+
+class CheckpointPolicy(str, enum.Enum):
+    """What a checkpointed segment keeps for backward (with ``checkpoint_every`` >= 1).
+
+    ``full`` keeps only the segment's input and recomputes its whole forward; ``selective`` also
+    keeps the outputs of the matrix multiplications and attention (torch's selective activation
+    checkpointing, ``create_selective_checkpoint_contexts``) and recomputes only the cheap
+    operators between them.
+    """
+
+    FULL = "full"
+    SELECTIVE = "selective"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+FIELDS = ("precision", "micro_batch", "grad_accum", "checkpoint_every", "device_split", "split_mode",
+          "optimizer", "checkpoint_policy")
 # Fields holding enums: parsed by value, written as strings.
-_ENUM_FIELDS = {"precision": Precision, "split_mode": SplitMode}
+# Fields added later, with their defaults: left out of the text form where they hold them.
+_LATER_DEFAULTS = {"optimizer": OptimizerChoice.AS_GIVEN.value, "checkpoint_policy": CheckpointPolicy.FULL.value}
+_ENUM_FIELDS = {"precision": Precision, "split_mode": SplitMode, "optimizer": OptimizerChoice,
+                "checkpoint_policy": CheckpointPolicy}
 
 
 @dataclass(frozen=True)
@@ -87,6 +134,11 @@ class TrainConfig:
       shard the model.
     - ``split_mode``: a :class:`SplitMode` (default ``pipeline``; JSON written before the
       field existed loads as ``pipeline``).
+    - ``optimizer``: an :class:`OptimizerChoice` (default ``as-given``, the workload's own; JSON
+      written before the field existed loads as ``as-given``).
+    - ``checkpoint_policy``: a :class:`CheckpointPolicy` (default ``full``; JSON written before the
+      field existed loads as ``full``). Without checkpointing (``checkpoint_every`` 0) there is no
+      segment to apply it to: it is always ``full`` there.
 
     Raises ConfigError on a bad value.
     """
@@ -97,6 +149,8 @@ class TrainConfig:
     checkpoint_every: int = 0
     device_split: int = 1
     split_mode: SplitMode = SplitMode.PIPELINE
+    optimizer: OptimizerChoice = OptimizerChoice.AS_GIVEN
+    checkpoint_policy: CheckpointPolicy = CheckpointPolicy.FULL
 
     def __post_init__(self) -> None:
         for name, kind in _ENUM_FIELDS.items():
@@ -111,6 +165,13 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ConfigError(f"invalid {name} {value!r}: expected an integer >= {minimum}")
+        if self.checkpoint_every == 0:  # nothing is checkpointed: one config, not two
+            object.__setattr__(self, "checkpoint_policy", CheckpointPolicy.FULL)
+
+    @property
+    def changes_optimizer(self) -> bool:
+        """Whether this config trains with another optimizer than the workload's own."""
+        return self.optimizer is not OptimizerChoice.AS_GIVEN
 
     @property
     def data_parallel(self) -> int:
@@ -126,13 +187,26 @@ class TrainConfig:
         """The public fields, JSON-ready (enums as their string values)."""
         return {f: (v.value if isinstance(v, enum.Enum) else v) for f in FIELDS for v in (getattr(self, f),)}
 
+    def to_text(self) -> str:
+        """The ``k=v,...`` form :meth:`parse` reads (``--config``), e.g. for a command that reproduces it; the
+        optimizer and checkpoint policy only where they are not the defaults, so such a command reads
+        as it did before they existed."""
+        return ",".join(f"{k}={v}" for k, v in self.to_dict().items() if _LATER_DEFAULTS.get(k) != v)
+
     @classmethod
     def from_dict(cls, data: dict) -> "TrainConfig":
-        """Build from a mapping of the public field names; unknown keys raise ConfigError."""
+        """Build from a mapping of the public field names; unknown keys raise ConfigError. A field
+        missing from the mapping (JSON written before it existed) takes its default."""
         unknown = set(data) - set(FIELDS)
         if unknown:
             raise ConfigError(f"unknown config key(s) {sorted(unknown)}: expected {', '.join(FIELDS)}")
         return cls(**data)
+
+    @classmethod
+    def from_row(cls, row) -> "TrainConfig":
+        """From a table row (a mapping or a pandas Series) holding the field columns it has (a table
+        from before a field existed lacks it: the default), numpy scalars as Python values."""
+        return cls.from_dict({f: getattr(row[f], "item", lambda f=f: row[f])() for f in FIELDS if f in row})
 
     @classmethod
     def parse(cls, text: str, base: "TrainConfig | None" = None) -> "TrainConfig":
@@ -155,13 +229,24 @@ class TrainConfig:
                 except ValueError:
                     raise ConfigError(f"invalid {key} {value!r}: expected an integer") from None
             values[key] = value
-        return dataclasses.replace(base or cls(), **values)
+        base = base or cls()
+        policy = str(values.get("checkpoint_policy", "full")).lower()
+        if policy != "full" and not values.get("checkpoint_every", base.checkpoint_every):
+            raise ConfigError(f"checkpoint_policy={policy} needs checkpoint_every >= 1 (the layers per "
+                              "checkpointed segment), e.g. checkpoint_every=1")
+        return dataclasses.replace(base, **values)
 
     def short(self) -> str:
-        """Compact one-line form, e.g. ``amp-bf16 mb=8 ga=4 ckpt=2 split=1`` (``fsdp=2`` for 2 FSDP ranks)."""
+        """Compact one-line form, e.g. ``amp-bf16 mb=8 ga=4 ckpt=2 split=1`` (``fsdp=2`` for 2 FSDP ranks).
+
+        The defaults of the later levers add nothing, so a config that uses none of them reads as it
+        always did; otherwise ``ckpt=2/sel`` for selective checkpointing and ``opt=adamw8bit`` at the end.
+        """
         split = f"fsdp={self.device_split}" if self.split_mode is SplitMode.FSDP else f"split={self.device_split}"
+        policy = "/sel" if self.checkpoint_policy is CheckpointPolicy.SELECTIVE else ""
+        optimizer = f" opt={self.optimizer.value}" if self.changes_optimizer else ""
         return (f"{self.precision.value} mb={self.micro_batch} ga={self.grad_accum} "
-                f"ckpt={self.checkpoint_every} {split}")
+                f"ckpt={self.checkpoint_every}{policy} {split}{optimizer}")
 
 
 def stage_bounds(n_layers: int, device_split: int) -> list[tuple[int, int]]:

@@ -12,7 +12,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from autofit.core.config import Precision, SplitMode, TrainConfig
+from autofit.core.config import (
+    CheckpointPolicy,
+    OptimizerChoice,
+    Precision,
+    SplitMode,
+    TrainConfig,
+)
 from autofit.core.errors import AutofitError, SpaceError
 
 if TYPE_CHECKING:
@@ -25,8 +31,10 @@ else:  # pragma: no cover
 
 DEFAULT_SPACE = "default"
 MAX_CONFIGS = 100_000  # the estimate scores this many in seconds; more is a typo or a space to narrow
-_DIMENSIONS = ("precision", "micro_batch", "grad_accum", "checkpoint_every", "device_split", "split_mode")
-_ENUMS = {"precision": Precision, "split_mode": SplitMode}
+_DIMENSIONS = ("precision", "micro_batch", "grad_accum", "checkpoint_every", "device_split", "split_mode",
+               "optimizer", "checkpoint_policy")
+_ENUMS = {"precision": Precision, "split_mode": SplitMode, "optimizer": OptimizerChoice,
+          "checkpoint_policy": CheckpointPolicy}
 _KEYS = set(_DIMENSIONS) | {"global_batch", "description"}
 
 
@@ -35,7 +43,9 @@ class SearchSpace:
     """The values of each dimension. With ``global_batch`` set, ``grad_accum`` is derived as
     ``global_batch / micro_batch`` (``global_batch / (micro_batch × device_split)`` under fsdp,
     where every rank runs a micro-batch) and only configs that divide it evenly are kept.
-    ``device_split = 1`` is one device whatever the split mode: it is listed once, as pipeline."""
+    ``device_split = 1`` is one device whatever the split mode: it is listed once, as pipeline;
+    likewise ``checkpoint_every = 0`` checkpoints nothing whatever the policy: listed once, as full.
+    ``optimizer`` values other than ``as-given`` change the training (opt-in: the ``lean`` space)."""
 
     precision: tuple[Precision, ...]
     micro_batch: tuple[int, ...]
@@ -43,15 +53,17 @@ class SearchSpace:
     checkpoint_every: tuple[int, ...] = (0,)
     device_split: tuple[int, ...] = (1,)
     split_mode: tuple[SplitMode, ...] = (SplitMode.PIPELINE,)
+    optimizer: tuple[OptimizerChoice, ...] = (OptimizerChoice.AS_GIVEN,)
+    checkpoint_policy: tuple[CheckpointPolicy, ...] = (CheckpointPolicy.FULL,)
     global_batch: int | None = None
     source: str = "<inline>"
 
     def configs(self) -> list[TrainConfig]:
         """Every config in the space, in a stable order."""
         out = []
-        for prec, mb, ga, ck, ds, mode in itertools.product(
+        for prec, mb, ga, ck, ds, mode, opt, policy in itertools.product(
             self.precision, self.micro_batch, self.grad_accum, self.checkpoint_every, self.device_split,
-            self.split_mode,
+            self.split_mode, self.optimizer, self.checkpoint_policy,
         ):
             mode = mode if ds > 1 else SplitMode.PIPELINE
             ranks = ds if mode is SplitMode.FSDP else 1
@@ -59,8 +71,9 @@ class SearchSpace:
                 if self.global_batch % (mb * ranks):
                     continue
                 ga = self.global_batch // (mb * ranks)
-            out.append(TrainConfig(prec, mb, ga, ck, ds, mode))
-        return list(dict.fromkeys(out))  # a fixed global batch collapses the grad_accum axis
+            out.append(TrainConfig(prec, mb, ga, ck, ds, mode, opt, policy))
+        # a fixed global batch collapses the grad_accum axis; no checkpointing, the policy axis
+        return list(dict.fromkeys(out))
 
     def with_global_batch(self, global_batch: int) -> "SearchSpace":
         """This space with a fixed global batch (validated as if it were in the file)."""
@@ -166,4 +179,6 @@ def configs_as_arrays(configs: list[TrainConfig]) -> dict[str, np.ndarray]:
         "checkpoint_every": np.array([c.checkpoint_every for c in configs], dtype=np.int64),
         "device_split": np.array([c.device_split for c in configs], dtype=np.int64),
         "split_mode": np.array([c.split_mode.value for c in configs]),
+        "optimizer": np.array([c.optimizer.value for c in configs]),
+        "checkpoint_policy": np.array([c.checkpoint_policy.value for c in configs]),
     }

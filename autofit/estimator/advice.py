@@ -1,4 +1,5 @@
-"""What would fit when nothing in the space does: the fewest devices, a precision, a checkpoint interval."""
+"""What would fit when nothing in the space does: the fewest devices, a precision, a checkpoint interval
+(and, given the ``lean`` space's levers, another optimizer or selective checkpointing, named as such)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,16 @@ from dataclasses import dataclass
 import pandas as pd
 
 from autofit.core.budget import format_bytes
-from autofit.core.config import Precision, SplitMode, TrainConfig
-from autofit.estimator.memory_table import estimate_table
+from autofit.core.config import (
+    CheckpointPolicy,
+    OptimizerChoice,
+    Precision,
+    SplitMode,
+    TrainConfig,
+)
+from autofit.estimator.memory_table import estimate_table, lever_refusal, profile_for
 from autofit.profiling.data import Profile
+from autofit.runtime.optimizers import REPLACEABLE
 
 
 @dataclass(frozen=True)
@@ -95,40 +103,80 @@ def fewest_devices_lines(profile: Profile, budget_bytes: int, precisions: list[P
     return lines
 
 
-def advise(profile: Profile, budget_bytes: int, precisions: list[Precision] | None = None) -> Advice:
+def lever_words(config: TrainConfig) -> str:
+    """How ``config`` checkpoints and with which optimizer, in words: ``checkpoint_every=2``, or with the
+    ``lean`` levers e.g. ``adamw8bit + selective checkpointing every 1 layer``."""
+    if config.checkpoint_policy is CheckpointPolicy.SELECTIVE:
+        every = config.checkpoint_every
+        ckpt = f"selective checkpointing every {every} layer{'s' if every > 1 else ''}"
+    else:
+        ckpt = f"checkpoint_every={config.checkpoint_every}"
+    return f"{config.optimizer.value} + {ckpt}" if config.changes_optimizer else ckpt
+
+
+def _least_change(group: pd.DataFrame, *then: str) -> pd.Series:
+    """The row of ``group`` that changes the training least (the workload's own optimizer first), then
+    recomputes least (no checkpointing, then selective, then full), then by ``then``."""
+    order = group.assign(_opt=[c.changes_optimizer for c in group.config],
+                         _ckpt=[0 if c.checkpoint_every == 0 else 1 if c.checkpoint_policy is CheckpointPolicy.SELECTIVE
+                                else 2 for c in group.config])
+    return order.sort_values(["_opt", "_ckpt", "checkpoint_every", *then], kind="stable").iloc[0]
+
+
+def advise(profile: Profile, budget_bytes: int, precisions: list[Precision] | None = None,
+           optimizers=(OptimizerChoice.AS_GIVEN,), policies=(CheckpointPolicy.FULL,)) -> Advice:
     """Search the extremes (micro-batch 1, every checkpoint interval, every power-of-two split)
-    for what would fit ``budget_bytes`` per device, and say it in a few lines."""
+    for what would fit ``budget_bytes`` per device, and say it in a few lines. ``optimizers`` and
+    ``policies``: the ``optimizer`` lever's choices and the checkpoint policies to try too (a space's:
+    the ``lean`` space's change the training, and each line that uses them names them); the profile
+    must hold those choices (``profile_workload(optimizers=...)``)."""
     precisions = [Precision(p) for p in (precisions or profile.precisions)]
-    candidates = [
-        TrainConfig(prec, 1, 1, every, split)
+    optimizers = [OptimizerChoice(o) for o in optimizers] or [OptimizerChoice.AS_GIVEN]
+    policies = [CheckpointPolicy(p) for p in policies] or [CheckpointPolicy.FULL]
+    candidates = list(dict.fromkeys(
+        TrainConfig(prec, 1, 1, every, split, optimizer=opt, checkpoint_policy=policy)
         for prec in precisions
+        for opt in optimizers
         for every in (0, 1, 2, 4)
+        for policy in policies
         for split in _splits(profile.n_layers)
-    ]
+    ))
     table = estimate_table(profile, candidates, budget_bytes)
     table["config"] = candidates
     lines = []
     for prec in precisions:
-        state = profile.for_precision(prec)
-        model_state = state.static_param_bytes + state.grad_bytes + state.optimizer_bytes
-        if model_state > budget_bytes:
-            lines.append(f"{prec.value}: weights + gradients + optimizer state alone are {format_bytes(model_state)}, "
-                         f"over the {format_bytes(budget_bytes)} budget on one device")
+        for opt in optimizers:
+            if lever_refusal(profile, opt, CheckpointPolicy.FULL, fsdp=False) is not None:
+                continue
+            state = profile_for(profile, prec, opt)
+            model_state = state.static_param_bytes + state.grad_bytes + state.optimizer_bytes
+            if model_state > budget_bytes:
+                with_opt = f" with {opt.value}" if opt is not OptimizerChoice.AS_GIVEN else ""
+                lines.append(f"{prec.value}{with_opt}: weights + gradients + optimizer state alone are "
+                             f"{format_bytes(model_state)}, over the {format_bytes(budget_bytes)} budget on one device")
+    for opt in optimizers:
+        why = lever_refusal(profile, opt, CheckpointPolicy.FULL, fsdp=False)
+        if why is not None:
+            lines.append(f"optimizer={opt.value} not tried: {why}")
     single = table[(table.device_split == 1) & table.fits]
     if single.empty:
-        lines.append("no single-device configuration fits, even at micro_batch=1 with checkpointing of every layer")
+        lines.append("no single-device configuration fits, even at micro_batch=1 with checkpointing of every layer"
+                     + (" and the levers given" if len(optimizers) > 1 or len(policies) > 1 else ""))
+        if optimizers == [OptimizerChoice.AS_GIVEN] and profile.optimizer in REPLACEABLE:
+            lines.append("the lean space (--space lean) also tries a smaller optimizer state (adafactor, adamw8bit) "
+                         "and selective checkpointing; they change the training")
     else:
         for prec, group in single.groupby("precision", sort=False):
-            best = group.sort_values(["checkpoint_every"]).iloc[0]  # least recomputation that fits
-            lines.append(f"fits on one device: {prec} with checkpoint_every={best.checkpoint_every} "
+            best = _least_change(group)
+            lines.append(f"fits on one device: {prec} with {lever_words(best.config)} "
                          f"at micro_batch=1 (peak {format_bytes(best.peak_bytes)})")
     fitting = table[table.fits]
     smallest = None
     if not fitting.empty:
         fewest = int(fitting.device_split.min())
         for prec, group in fitting[fitting.device_split == fewest].groupby("precision", sort=False):
-            best = group.sort_values(["checkpoint_every", "peak_bytes"]).iloc[0]
-            lines.append(f"fewest devices: {fewest} x {prec}, checkpoint_every={best.checkpoint_every}, "
+            best = _least_change(group, "peak_bytes")
+            lines.append(f"fewest devices: {fewest} x {prec}, {lever_words(best.config)}, "
                          f"micro_batch=1 (peak {format_bytes(best.peak_bytes)} per device)")
         smallest = fitting.sort_values(["device_split", "peak_bytes"]).iloc[0]["config"]
         for prec in precisions:

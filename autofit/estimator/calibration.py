@@ -73,6 +73,8 @@ class TimePoint:
     device_split: int
     ratio: float
     split_mode: str = "pipeline"   # calibration data written before the field existed: pipelines
+    optimizer: str = "as-given"    # ... before the optimizer lever: the workload's own
+    checkpoint_policy: str = "full"
 
 
 @dataclass(frozen=True)
@@ -110,16 +112,20 @@ class Calibration:
         return predicted_peak_bytes * self.peak_factor <= budget_bytes
 
     def time_ratios(self, table: pd.DataFrame) -> np.ndarray:
-        """Per row of ``table`` (with the five config columns): the ratio to apply to its predicted time.
+        """Per row of ``table`` (with the config columns): the ratio to apply to its predicted time.
 
-        ``log(ratio) = mu + a[precision] + b[micro_batch] + c * checkpointed + d[split_mode] * log2(split)``
+        ``log(ratio) = mu + a[precision] + b[micro_batch] + c * checkpointed + d[split_mode] * log2(split)
+        + e * selective + f[optimizer]``
         (accumulation is in the prior's step composition already), fitted by least squares to the measured ratios with a ridge
         penalty (an unseen precision gets the mean, ``a = 0``) and a smoothness penalty on ``b``
         over log2(micro_batch) (an unseen micro-batch is interpolated from its neighbours). So
         what one precision's trials show about micro-batches carries over to the others. Each
         split mode has its own split effect: a pipeline's and FSDP's coordination costs differ
         (the prior was 13-20% fast for a gpt-tiny pipeline and 55% fast for its FSDP), so once
-        both have run, neither's correction is the other's.
+        both have run, neither's correction is the other's. Selective checkpointing and each of the
+        ``optimizer`` lever's choices have a term of their own (their steps differ from what the
+        prior costs: selective recomputation is memory-bound, bitsandbytes' CPU step is Python), zero
+        until a trial of theirs runs.
         """
         n = len(table)
         if not self.time_points:
@@ -129,10 +135,11 @@ class Calibration:
         precisions = sorted(set(points["precision"]) | set(table["precision"]))
         levels = np.array(sorted(set(points["micro_batch"]) | set(table["micro_batch"])), dtype=np.float64)
         modes = sorted(set(points["split_mode"]) | set(_split_modes(table)))
+        optimizers = sorted((set(points["optimizer"]) | set(_column(table, "optimizer", "as-given"))) - {"as-given"})
 
         def design(frame: pd.DataFrame) -> np.ndarray:
             m = len(frame)
-            x = np.zeros((m, 1 + len(precisions) + len(levels) + 1 + len(modes)))
+            x = np.zeros((m, 1 + len(precisions) + len(levels) + 1 + len(modes) + 1 + len(optimizers)))
             x[:, 0] = 1.0
             prec = frame["precision"].to_numpy()
             for j, name in enumerate(precisions):
@@ -146,6 +153,11 @@ class Calibration:
             mode = _split_modes(frame)
             for j, name in enumerate(modes):
                 x[:, k + 1 + j] = splits * (mode == name)
+            k += 1 + len(modes)
+            x[:, k] = (frame["checkpoint_every"].to_numpy() > 0) & (_column(frame, "checkpoint_policy", "full") == "selective")
+            chosen = _column(frame, "optimizer", "as-given")
+            for j, name in enumerate(optimizers):
+                x[:, k + 1 + j] = chosen == name
             return x
 
         x = design(points)
@@ -176,6 +188,13 @@ class Calibration:
         data["peak_errors"] = tuple(data.get("peak_errors", ()))
         data["time_errors"] = tuple(data.get("time_errors", ()))
         return cls(**data)
+
+
+def _column(frame: pd.DataFrame, name: str, default: str) -> np.ndarray:
+    """Column ``name`` as string values (``default`` where a table from before the field lacks it)."""
+    if name not in frame.columns:
+        return np.full(len(frame), default, dtype=object)
+    return np.array([getattr(v, "value", v) for v in frame[name]], dtype=object)
 
 
 def _split_modes(frame: pd.DataFrame) -> np.ndarray:
@@ -237,7 +256,7 @@ def calibrate(observations: list[Observation], device_type: str = "cpu") -> Cali
             c = o.config
             points.append(TimePoint(c.precision.value, c.micro_batch, c.grad_accum, c.checkpoint_every,
                                     c.device_split, o.measured_step_time_s / o.predicted_step_time_s,
-                                    c.split_mode.value))
+                                    c.split_mode.value, c.optimizer.value, c.checkpoint_policy.value))
             time_errors.append(relative_error(o.predicted_step_time_s, o.measured_step_time_s))
     return Calibration(
         device_type=device_type, peak_ratio=peak_ratio, peak_margin=peak_margin, time_points=tuple(points),

@@ -5,7 +5,7 @@ are laid end to end again for any config, as PyTorch would run it:
 
 - gradients: set to None before the first micro-step and grown during its backward; later
   accumulation micro-steps start with all of them (``*_nongrad`` regions + all gradients);
-- checkpointing (non-reentrant, segments of k layers): the forward keeps only each segment's
+- checkpointing (non-reentrant, segments of k layers; selective: see below): the forward keeps only each segment's
   output, which the checkpoint of the next segment keeps as its input (one tensor, counted once)
   until that segment's backward is done, whether or not a layer saved it (so are its other
   arguments, e.g. an encoder's output each decoder layer takes, and an input whose last Python
@@ -13,6 +13,13 @@ are laid end to end again for any config, as PyTorch would run it:
   segment first recomputes its forward, stopping at the last tensor the segment saves (early
   stop: an output nothing saves is not made again), then runs its backward. A segment's first
   forward saves nothing, so its peak is the profile's ``checkpointed_forward``, not ``forward``;
+- selective checkpointing (``checkpoint_policy=selective``): a segment's forward also keeps the
+  outputs of its matmuls and attention (the profile's ``selective_forward`` and ``selective_kept``)
+  until its recomputation takes them from the policy's cache instead of computing them again; the
+  recomputation's peaks are counted as if it made them again (high by what the layer keeps), and the
+  last layer's kept outputs after its last saved tensor stay until the segment's backward is done;
+- the ``optimizer`` lever: the chosen optimizer's state and step temporaries, profiled over the
+  same parameters (``PrecisionProfile.optimizer_options``), replace the workload's optimizer's;
 - device split: stage s holds its layers (plus the embedding on the first stage and the head
   on the last), and under 1F1B up to ``min(grad_accum, p - s)`` micro-batches in flight
   (GPipe: all ``grad_accum``) during its forwards and first backward, one fewer once later
@@ -124,6 +131,12 @@ def needs_split_ends(configs: Iterable[TrainConfig]) -> bool:
     return any(c.device_split > 1 and c.split_mode is SplitMode.PIPELINE for c in configs)
 
 
+def optimizer_choices(configs: Iterable[TrainConfig]) -> list[str]:
+    """The ``optimizer`` lever's choices (other than ``as-given``) estimating ``configs`` needs profiled
+    (``profile_workload(optimizers=...)``)."""
+    return list(dict.fromkeys(c.optimizer.value for c in configs if c.changes_optimizer))
+
+
 def estimate(profile: Profile, config: TrainConfig, budget_bytes: int | None = None,
              schedule: PipelineSchedule | str = PipelineSchedule.ONE_F_ONE_B,
              overhead: CudaOverhead | None = None) -> MemoryEstimate:
@@ -142,6 +155,10 @@ def estimate(profile: Profile, config: TrainConfig, budget_bytes: int | None = N
         notes.append(f"checkpoint_every {config.checkpoint_every} > {profile.n_layers} layers: one segment of all layers")
     if profile.device_type == "cuda":
         notes.append((overhead or fallback_overhead()).note())
+    if config.changes_optimizer:
+        option = profile.for_precision(config.precision).optimizer_option(config.optimizer.value)
+        notes.append(f"optimizer={config.optimizer.value}: {option.optimizer if option else config.optimizer.value} "
+                     f"replaces the workload's {profile.optimizer} (this changes the training)")
     real_check = profile.for_precision(config.precision).real_check
     if real_check:  # what the profile's real steps found (autofit.profiling.real_check), corrections included
         notes.append(f"profile: {real_check}")

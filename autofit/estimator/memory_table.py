@@ -14,6 +14,8 @@ import pandas as pd
 
 from autofit.core.config import (
     FIELDS,
+    CheckpointPolicy,
+    OptimizerChoice,
     PipelineSchedule,
     Precision,
     SplitMode,
@@ -24,7 +26,8 @@ from autofit.core.errors import ProfileError
 from autofit.estimator.fsdp_memory import FSDP_EXTRA_COLUMNS, score_fsdp
 from autofit.estimator.stage_walk import stage_lines
 from autofit.probes.cuda_overhead import CudaOverhead, fallback_overhead
-from autofit.profiling.data import PrecisionProfile, Profile
+from autofit.profiling.data import PrecisionProfile, Profile, with_optimizer
+from autofit.runtime.optimizers import missing_library, refusal
 
 BREAKDOWN = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "temporary_bytes", "overhead_bytes")
 
@@ -94,13 +97,15 @@ def estimate_table(profile: Profile, configs: list[TrainConfig], budget_bytes: i
     ``overhead``: the CUDA device's measured context and workspace (``DeviceRates.memory_overhead()``);
     None on CUDA means the fallback constants (:func:`autofit.probes.cuda_overhead.fallback_overhead`).
 
-    Columns: the five config fields, the six breakdown categories (at the largest device's
+    Columns: the config fields, the six breakdown categories (at the largest device's
     peak), ``model_state_bytes``, ``peak_bytes``, ``per_device_peak_bytes`` (a tuple),
     ``peak_phase``, ``fits`` (None without a budget) and ``valid`` / ``reason`` (False with a
-    reason when the config cannot run at all, e.g. more stages than layers; its peak is NaN).
+    reason when the config cannot run at all, e.g. more stages than layers, or an ``optimizer`` the
+    workload's cannot be replaced with; its peak is NaN).
     Raises KeyError if the profile lacks a precision in ``configs``, ProfileError if it lacks the
     split ends a pipeline split of a model with tied weights needs
-    (:func:`autofit.estimator.memory_model.needs_split_ends`).
+    (:func:`autofit.estimator.memory_model.needs_split_ends`) or an ``optimizer`` choice a config asks
+    for (:func:`autofit.estimator.memory_model.optimizer_choices`).
     """
     n = len(configs)
     cols = {f: np.array([getattr(getattr(c, f), "value", getattr(c, f)) for c in configs]) for f in FIELDS}
@@ -110,21 +115,29 @@ def estimate_table(profile: Profile, configs: list[TrainConfig], budget_bytes: i
     valid = np.ones(n, dtype=bool)
     reason = np.full(n, "", dtype=object)
     extra = {name: np.full(n, np.nan) for name in FSDP_EXTRA_COLUMNS}
-    for (precision, every, split, mode), members in _structures(configs).items():
+    model_state = np.zeros(n, dtype=np.float64)
+    for (precision, every, split, mode, choice, policy), members in _structures(configs).items():
         idx = np.array(members, dtype=np.int64)
+        why = lever_refusal(profile, choice, policy, mode is SplitMode.FSDP and split > 1)
+        if why is None and mode is not SplitMode.FSDP and split > profile.n_layers:
+            why = (f"device_split {split} > {profile.n_layers} layers: each pipeline stage needs at least "
+                   f"one layer (device_split 1 to {profile.n_layers})")
+        if why is not None:
+            valid[idx] = False
+            reason[idx] = why
+            out["peak_bytes"][idx] = np.nan
+            per_device[idx] = [()] * len(idx)
+            as_given = profile.for_precision(precision)
+            model_state[idx] = as_given.static_param_bytes + as_given.grad_bytes + as_given.optimizer_bytes
+            continue
+        pp = profile_for(profile, precision, choice)
+        model_state[idx] = pp.static_param_bytes + pp.grad_bytes + pp.optimizer_bytes
+        selective = policy is CheckpointPolicy.SELECTIVE
         if mode is SplitMode.FSDP and split > 1:
-            _score_fsdp_group(profile, profile.for_precision(precision), overhead or fallback_overhead(), every, split,
+            _score_fsdp_group(profile, pp, overhead or fallback_overhead(), every, split,
                               cols["micro_batch"][idx].astype(np.float64), cols["grad_accum"][idx].astype(np.int64),
                               idx, out, extra, per_device, phase)
             continue
-        if split > profile.n_layers:
-            valid[idx] = False
-            reason[idx] = (f"device_split {split} > {profile.n_layers} layers: each pipeline stage needs at least "
-                           f"one layer (device_split 1 to {profile.n_layers})")
-            out["peak_bytes"][idx] = np.nan
-            per_device[idx] = [()] * len(idx)
-            continue
-        pp = profile.for_precision(precision)
         if split > 1 and pp.split_ends_skipped and not profile.split_refusal:
             raise ProfileError(
                 f"{profile.workload} {precision.value}: device_split {split} (pipeline) needs the profile's split ends "
@@ -132,14 +145,14 @@ def estimate_table(profile: Profile, configs: list[TrainConfig], budget_bytes: i
                 "with split_ends=False; profile with profile_workload(..., split_ends=True)")
         _score_group(profile, pp, overhead or fallback_overhead(), min(every, profile.n_layers), split,
                      cols["micro_batch"][idx].astype(np.float64), cols["grad_accum"][idx].astype(np.int64),
-                     schedule, idx, out, per_device, phase)
+                     schedule, idx, out, per_device, phase, selective)
     _refuse_splits(profile, configs, valid, reason)
     table = pd.DataFrame({f: cols[f] for f in FIELDS})
     for k in BREAKDOWN + ("peak_bytes",):
         table[k] = out[k]
     for name in FSDP_EXTRA_COLUMNS:  # fsdp rows only: all shards, and the whole weights at the peak
         table[name] = extra[name]
-    table["model_state_bytes"] = [_model_state(profile, p) for p in cols["precision"]] if n else []
+    table["model_state_bytes"] = model_state
     table["per_device_peak_bytes"] = per_device
     table["peak_phase"] = phase
     table["valid"] = valid
@@ -148,12 +161,49 @@ def estimate_table(profile: Profile, configs: list[TrainConfig], budget_bytes: i
     return table
 
 
-def _structures(configs: list[TrainConfig]) -> dict[tuple[Precision, int, int, SplitMode], list[int]]:
-    """Config indices grouped by what fixes the peak's lines: (precision, checkpoint interval, split, mode)."""
-    groups: dict[tuple[Precision, int, int, SplitMode], list[int]] = {}
+def _structures(configs: list[TrainConfig]) -> dict[tuple, list[int]]:
+    """Config indices grouped by what fixes the peak's lines: (precision, checkpoint interval, split, mode,
+    optimizer, checkpoint policy)."""
+    groups: dict[tuple, list[int]] = {}
     for i, c in enumerate(configs):
-        groups.setdefault((c.precision, c.checkpoint_every, c.device_split, c.split_mode), []).append(i)
+        groups.setdefault((c.precision, c.checkpoint_every, c.device_split, c.split_mode, c.optimizer,
+                           c.checkpoint_policy), []).append(i)
     return groups
+
+
+def lever_refusal(profile: Profile, choice: OptimizerChoice, policy: CheckpointPolicy, fsdp: bool) -> str | None:
+    """Why a config with lever choice ``choice`` and checkpoint ``policy`` cannot run (None: it can): the
+    workload's optimizer is not one the lever replaces, its library is not installed, a model that
+    selective checkpointing refuses (``Profile.selective_refusal``), or FSDP ranks (whose sharded
+    parameters neither replacement nor the selective estimate handles)."""
+    if choice is not OptimizerChoice.AS_GIVEN:
+        why = refusal(choice, profile.optimizer) or missing_library(choice)
+        if why is not None:
+            return why
+        if fsdp:
+            return (f"optimizer={choice.value} with split_mode=fsdp: autofit does not run the replacement over "
+                    "FSDP's sharded (DTensor) parameters; use one device or a pipeline split")
+    if policy is CheckpointPolicy.SELECTIVE and getattr(profile, "selective_refusal", None):
+        return profile.selective_refusal
+    if policy is CheckpointPolicy.SELECTIVE and fsdp:
+        return ("checkpoint_policy=selective with split_mode=fsdp: the FSDP rank's estimate does not model it; "
+                "use checkpoint_policy=full")
+    return None
+
+
+def profile_for(profile: Profile, precision: Precision | str, choice: OptimizerChoice | str) -> PrecisionProfile:
+    """``profile``'s precision as it trains with lever choice ``choice`` (the workload's own optimizer for
+    ``as-given``). Raises ProfileError when the profile was made without that choice."""
+    pp = profile.for_precision(precision)
+    choice = OptimizerChoice(choice)
+    if choice is OptimizerChoice.AS_GIVEN:
+        return pp
+    option = pp.optimizer_option(choice.value)
+    if option is None:
+        raise ProfileError(f"{profile.workload} {pp.precision}: optimizer={choice.value} needs the profile of that "
+                           f"optimizer, which this profile lacks; profile with profile_workload(..., "
+                           f"optimizers=[{choice.value!r}])")
+    return with_optimizer(pp, option)
 
 
 def _score_fsdp_group(profile: Profile, pp: PrecisionProfile, cuda_overhead: CudaOverhead, every: int, ranks: int,
@@ -182,14 +232,10 @@ def _refuse_splits(profile: Profile, configs: list[TrainConfig], valid: np.ndarr
             reason[i] = refusal
 
 
-def _model_state(profile: Profile, precision: str) -> int:
-    pp = profile.for_precision(precision)
-    return pp.static_param_bytes + pp.grad_bytes + pp.optimizer_bytes
-
-
 def _score_group(profile: Profile, pp: PrecisionProfile, cuda_overhead: CudaOverhead, every: int, split: int,
                  b: np.ndarray,
-                 k: np.ndarray, schedule: PipelineSchedule | str, idx: np.ndarray, out: dict, per_device, phase) -> None:
+                 k: np.ndarray, schedule: PipelineSchedule | str, idx: np.ndarray, out: dict, per_device, phase,
+                 selective: bool = False) -> None:
     cuda = profile.device_type == "cuda"
     n = len(idx)
     best = np.full(n, -np.inf)
@@ -198,7 +244,7 @@ def _score_group(profile: Profile, pp: PrecisionProfile, cuda_overhead: CudaOver
     stage_peaks = []
     ends = (pp.split_ends or pp) if split > 1 else pp  # a split holds its own copy of each tied weight
     for s, (start, end) in enumerate(stage_bounds(profile.n_layers, split)):
-        st = stage_lines(ends, start, end, s == 0, s == split - 1, every)
+        st = stage_lines(ends, start, end, s == 0, s == split - 1, every, selective)
         one = st.held[0] + st.held[1] * b                             # one micro-batch's activations
         kept, pending = _pipeline_buffers(ends, start, end, s, split, k, b, schedule)
         buffers = kept + pending

@@ -69,14 +69,16 @@ class _StageWalk(_Walk):
     """One micro-step of the stage of layers ``[start, end)``: :meth:`forward`, then :meth:`backward`.
 
     ``every``: the checkpoint interval (0: none); ``later``: a micro-step after the first, run
-    with every gradient already made (its regions counted without them).
+    with every gradient already made (its regions counted without them); ``selective``: the segments
+    keep what selective checkpointing saves (:meth:`_kept`).
     """
 
     def __init__(self, pp: PrecisionProfile, start: int, end: int, first_stage: bool, last_stage: bool,
-                 every: int, later: bool) -> None:
+                 every: int, later: bool, selective: bool = False) -> None:
         super().__init__()
         self.pp, self.layers = pp, pp.layers
         self.start, self.end, self.every, self.later = start, end, every, later
+        self.selective = bool(selective and every)
         self.first_stage, self.last_stage = first_stage, last_stage
         self.segments = [(s, min(s + every, end)) for s in range(start, end, every)] if every else []
         # Under autocast, the half-precision weight copies are cached until the autocast region
@@ -101,6 +103,15 @@ class _StageWalk(_Walk):
         # through the whole region instead over-estimates a Linear+ReLU stack by 8%.
         self.boundary = layers[end - 1].output if not last_stage else (0.0, 0.0)
 
+    def _kept(self, i: int, e: int) -> Line:
+        """What selective checkpointing keeps of layer ``i``'s forward in a segment ending at ``e``: the
+        outputs of the matmuls and attention (``selective_kept``), and its own output where it is one of
+        them and not the segment's (which the segment keeps anyway). Nothing under full checkpointing."""
+        if not self.selective:
+            return (0.0, 0.0)
+        layer = self.layers[i]
+        return _add(layer.selective_kept, layer.output, 1.0 if layer.selective_output_kept and i < e - 1 else 0.0)
+
     def _bwd(self, r: Region) -> tuple[tuple[Line, ...], Line]:
         return (r.peaks_nongrad, r.delta_nongrad) if self.later else (r.peaks, r.delta)
 
@@ -115,10 +126,13 @@ class _StageWalk(_Walk):
         if self.every:
             for s, e in self.segments:
                 for i in range(s, e):
-                    held_in_segment = layers[i - 1].output if i > s else (0.0, 0.0)
-                    self.region(layers[i].forward_checkpointed().peaks, (self.cache[i], 0.0), "forward",
-                                held=held_in_segment)
-                self.live = _add(self.live, layers[e - 1].output)  # only the segment's output survives
+                    # the previous layer's output is this one's input (unless selective keeps it: in ``live``)
+                    kept_before = self.selective and i > s and layers[i - 1].selective_output_kept
+                    held_in_segment = layers[i - 1].output if i > s and not kept_before else (0.0, 0.0)
+                    self.region(layers[i].forward_checkpointed(self.selective).peaks,
+                                _add((self.cache[i], 0.0), self._kept(i, e)), "forward", held=held_in_segment)
+                # the segment's output survives (and, selective, what the policy keeps)
+                self.live = _add(self.live, layers[e - 1].output)
         else:
             for i in range(start, end):
                 self.region(layers[i].forward.peaks, layers[i].forward.delta, "forward")
@@ -164,7 +178,11 @@ class _StageWalk(_Walk):
         if layers[e - 1].output_saved and not stage_output_kept:
             self.live = _add(self.live, layers[e - 1].output, -1.0)
         for i in range(s, e):  # recompute the segment's forward, saving its activations
+            # Selective: the policy's kept outputs are handed to the recomputation, not made again; its
+            # peak is counted as if they were (high by at most what the layer keeps: on the safe side).
             self.region(layers[i].recomputed(last=i == e - 1).peaks, layers[i].forward.delta, "backward")
+            if i < e - 1:  # the kept outputs are now the recomputation's own: counted once
+                self.live = _add(self.live, self._kept(i, e), -1.0)
             if i > s:  # the segment's input is the checkpoint's
                 self.live = _add(self.live, layers[i].after)
         self.live = _add(self.live, (-sum(self.cache[s:e]) + sum(self.saved[s:e]), 0.0))  # recompute's autocast exits
@@ -172,6 +190,10 @@ class _StageWalk(_Walk):
             self.live = _add(self.live, layers[e - 1].output, -1.0)
         for i in reversed(range(s, e)):  # the recomputed output is freed, the stage's own kept
             self._layer_backward(i, output_freed=False)
+        # The last layer's recomputation stops at the last tensor it saves (early stop), before the kept
+        # outputs of the operators after it are taken from the policy's cache: they stay until the
+        # checkpoint is done with, after the segment's backward.
+        self.live = _add(self.live, self._kept(e - 1, e), -1.0)
         # The checkpoint kept the segment's input until its backward is done; where no layer
         # saves it (linear(relu(x))), the profile's backward did not free it (its forward did,
         # in ``after``): free it now. A later stage's input stays in its receive buffer.
@@ -182,9 +204,9 @@ class _StageWalk(_Walk):
 
 
 def walk_stage(pp: PrecisionProfile, start: int, end: int, first_stage: bool, last_stage: bool,
-               every: int, later: bool) -> tuple[_Walk, Line]:
+               every: int, later: bool, selective: bool = False) -> tuple[_Walk, Line]:
     """Lay one micro-step of a stage end to end; returns the walk and the activations held after forward."""
-    w = _StageWalk(pp, start, end, first_stage, last_stage, every, later)
+    w = _StageWalk(pp, start, end, first_stage, last_stage, every, later, selective)
     held = w.forward()
     w.backward()
     return w, held
@@ -192,10 +214,11 @@ def walk_stage(pp: PrecisionProfile, start: int, end: int, first_stage: bool, la
 
 @lru_cache(maxsize=4096)
 def stage_lines(pp: PrecisionProfile, start: int, end: int, first_stage: bool, last_stage: bool,
-                every: int) -> StageLines:
-    """The lines of a stage's first and later micro-steps (cached across calls: one walk per structure)."""
-    w1, held = walk_stage(pp, start, end, first_stage, last_stage, every, later=False)
-    wn, _ = walk_stage(pp, start, end, first_stage, last_stage, every, later=True)
+                every: int, selective: bool = False) -> StageLines:
+    """The lines of a stage's first and later micro-steps (cached across calls: one walk per structure).
+    ``selective``: the checkpointed segments keep what selective checkpointing saves."""
+    w1, held = walk_stage(pp, start, end, first_stage, last_stage, every, later=False, selective=selective)
+    wn, _ = walk_stage(pp, start, end, first_stage, last_stage, every, later=True, selective=selective)
     params = sum(l.param_bytes for l in pp.layers[start:end])
     grads = sum(l.grad_bytes for l in pp.layers[start:end])
     whole = first_stage and last_stage
@@ -213,7 +236,8 @@ def stage_lines(pp: PrecisionProfile, start: int, end: int, first_stage: bool, l
                   + ([pp.pre_max_grad_tensor_bytes] if first_stage else [])
                   + ([pp.post_max_grad_tensor_bytes] if last_stage else []), default=0)
     overall = max([l.max_grad_tensor_bytes for l in pp.layers] + [pp.pre_max_grad_tensor_bytes, pp.post_max_grad_tensor_bytes])
-    per_tensor_loop = overall and pp.optimizer_peak_bytes <= 4 * overall
+    per_tensor_loop = (pp.optimizer_per_tensor if pp.optimizer_per_tensor is not None
+                       else overall and pp.optimizer_peak_bytes <= 4 * overall)
     opt_share = largest / overall if per_tensor_loop else share
     return StageLines(
         first=np.array(w1.peaks, dtype=np.float64), first_grads=np.array(w1.grads_at, dtype=np.float64),

@@ -11,6 +11,7 @@ For one micro-step of ``b`` samples on a stage (shapes: scalars per config, vect
 a table of configs)::
 
     flops   = forward(b) + backward(b) + recompute(b)       # recompute: the checkpointed layers' forward
+                                                            # (selective: less the matmuls and attention kept)
     bytes   = 4 * saved_activations(b) + 5 * weight_bytes   # write + read + gradient write + read; weights
                                                             # read by forward, dgrad, wgrad; grads written
     t_micro = flops / matmul_rate[dtype] + bytes / memory_rate + ops * op_latency
@@ -44,7 +45,7 @@ import numpy as np
 from autofit.core.config import FIELDS, Precision, TrainConfig, stage_bounds
 from autofit.estimator.comm_time import fsdp_micro_step_seconds, send_seconds
 from autofit.probes.device_rates import DeviceRates
-from autofit.profiling.data import Profile
+from autofit.profiling.data import Profile, with_optimizer
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -117,12 +118,19 @@ def layer_time_line(profile: Profile, precision: str, rates: DeviceRates,
 
 
 def _stage_terms(profile: Profile, precision: str, split: int, checkpointed: bool,
-                 counts: OpCounts | None = None) -> list[dict]:
+                 counts: OpCounts | None = None, optimizer: str = "as-given", selective: bool = False) -> list[dict]:
     """Per stage: FLOPs per sample (forward + backward + recompute), activation bytes per sample,
-    weight bytes, optimizer-step bytes, operator counts, boundary bytes per sample."""
+    weight bytes, optimizer-step bytes, operator counts, boundary bytes per sample. ``optimizer``: the
+    lever's choice (its state where the profile has it); ``selective``: checkpointed segments recompute
+    all but the operators selective checkpointing keeps."""
     pp = profile.for_precision(precision)
+    option = pp.optimizer_option(optimizer)
+    if option is not None:
+        pp = with_optimizer(pp, option)
     n = profile.n_layers
     layer_fwd = np.array([layer.forward_flops[1] for layer in pp.layers])
+    # what a checkpointed segment runs again: the whole forward, or (selective) all but the kept operators
+    layer_recompute = layer_fwd - (np.array([layer.selective_saved_flops[1] for layer in pp.layers]) if selective else 0.0)
     fwd_total = pp.forward_flops[1]
     bwd_total = pp.backward_flops[1]
     outside_fwd = max(fwd_total - layer_fwd.sum(), 0.0)
@@ -132,7 +140,7 @@ def _stage_terms(profile: Profile, precision: str, split: int, checkpointed: boo
         first, last = s == 0, s == split - 1
         fwd = layer_fwd[start:end].sum() + (outside_fwd if (first and last) else outside_fwd / 2 * (first + last))
         bwd = bwd_total * (fwd / fwd_total) if fwd_total else 0.0
-        recompute = layer_fwd[start:end].sum() if checkpointed else 0.0  # every layer sits in a segment
+        recompute = max(layer_recompute[start:end].sum(), 0.0) if checkpointed else 0.0  # every layer is in a segment
         saved = sum(max(pp.layers[i].forward.delta[1], 0.0) for i in range(start, end))
         if last:
             saved += max(pp.post_forward.delta[1], 0.0)
@@ -185,7 +193,7 @@ def predict_table(profile: Profile, configs: list[TrainConfig], rates: DeviceRat
                   counts: OpCounts | None = None) -> pd.DataFrame:
     """Predicted times of many configs. One row per config, in the given order.
 
-    Columns: the five config fields, ``micro_step_time_s`` (the slowest stage's micro-step),
+    Columns: the config fields, ``micro_step_time_s`` (the slowest stage's micro-step),
     ``optimizer_step_time_s``, ``step_time_s``, ``samples_per_s``, ``flops_per_step`` (all
     stages, recomputation included), ``recompute_flops_per_step`` and ``bubble_fraction``.
     ``counts`` (:func:`op_counts`) sizes the operator overhead; without it a transformer
@@ -198,11 +206,11 @@ def predict_table(profile: Profile, configs: list[TrainConfig], rates: DeviceRat
     cols = {f: np.array([getattr(getattr(c, f), "value", getattr(c, f)) for c in configs]) for f in FIELDS}
     out = {k: np.full(n, np.nan) for k in ("micro_step_time_s", "optimizer_step_time_s", "step_time_s",
                                             "flops_per_step", "recompute_flops_per_step", "bubble_fraction")}
-    keys = np.array([f"{c.precision.value}|{int(c.checkpoint_every > 0)}|{c.device_split}|{c.data_parallel}"
-                     for c in configs])
+    keys = np.array([f"{c.precision.value}|{int(c.checkpoint_every > 0)}|{c.device_split}|{c.data_parallel}|"
+                     f"{c.optimizer.value}|{c.checkpoint_policy.value}" for c in configs])
     for key in np.unique(keys) if n else []:
         idx = np.nonzero(keys == key)[0]
-        precision, checkpointed, split, ranks = key.split("|")
+        precision, checkpointed, split, ranks, optimizer, policy = key.split("|")
         split, ranks = int(split), int(ranks)
         links = rates.link(max(split, ranks))  # measured collectives (autofit.probes.links); None: not costed
         comm, dtensor_op_s = np.zeros(len(idx)), 0.0
@@ -227,7 +235,7 @@ def predict_table(profile: Profile, configs: list[TrainConfig], rates: DeviceRat
         stage_micro, stage_opt = [], []
         flops = np.zeros(len(idx))
         recompute = np.zeros(len(idx))
-        for t in _stage_terms(profile, precision, split, checkpointed == "1", counts):
+        for t in _stage_terms(profile, precision, split, checkpointed == "1", counts, optimizer, policy == "selective"):
             # A boundary's transfers: measured sends, on both of its stages (the receiver waits for them);
             # without the link probe, a copy at the memory rate on the sender.
             copied = 0.0 if links is not None else 2 * t["boundary_bytes_per_sample"]

@@ -59,6 +59,10 @@ def _layer(l1: RawLayer, l2: RawLayer) -> LayerProfile:
         input_freed_late=_line(l1.input_freed_late, l2.input_freed_late),
         args_freed_late=_line(l1.args_freed_late, l2.args_freed_late),
         forward_flops=_flops_line(l2.forward_flops),
+        selective_forward=_region_lines(l1.selective_forward, l2.selective_forward),
+        selective_kept=_line(l1.selective_kept, l2.selective_kept),
+        selective_output_kept=l1.selective_output_kept and l2.selective_output_kept,
+        selective_saved_flops=_flops_line(l2.selective_saved_flops),
     )
 
 

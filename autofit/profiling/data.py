@@ -5,15 +5,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 
 from autofit.core.config import Precision
 
-__all__ = ["OUTPUT_REGIONS", "PROFILE_BATCHES", "PROFILE_VERSION", "LayerProfile", "Line", "PrecisionProfile", "Profile", "Region", "precision_from_dict", "region_from_dict", "segment_freed_late"]
+__all__ = ["OUTPUT_REGIONS", "PROFILE_BATCHES", "PROFILE_VERSION", "LayerProfile", "Line", "OptimizerProfile",
+           "PrecisionProfile", "Profile", "Region", "precision_from_dict", "region_from_dict", "segment_freed_late",
+           "with_optimizer"]
 
 # The profile's format: a cache entry of another version is never read (autofit.profiling.cache).
-PROFILE_VERSION = 15
+PROFILE_VERSION = 16
 # Micro-batch sizes profiled; every per-sample quantity is fitted as a line through them.
 PROFILE_BATCHES = (2, 4)
 
@@ -88,14 +91,26 @@ class LayerProfile:
     # until the segment's backward is done: from the end of the forward to there, they are alive.
     input_freed_late: Line = (0.0, 0.0)
     args_freed_late: Line = (0.0, 0.0)
+    # The forward as a selectively checkpointed segment's first run runs it (checkpoint_policy=selective):
+    # the outputs of the operators the policy saves (matmuls, attention) are kept until the segment's
+    # recomputation takes them, the rest die as in ``checkpointed_forward``. ``selective_kept``: those
+    # outputs' bytes, beyond the layer's output; ``selective_output_kept``: the output is one of them;
+    # ``selective_saved_flops``: their operators' FLOPs, which the recomputation does not run again.
+    selective_forward: Region | None = None
+    selective_kept: Line = (0.0, 0.0)
+    selective_output_kept: bool = False
+    selective_saved_flops: Line = (0.0, 0.0)
 
     def recomputed(self, last: bool) -> Region:
         """This layer's forward as a checkpointed segment's recomputation runs it (``last``: the
         segment's last layer, which stops at the last tensor it saves)."""
         return self.recompute if last and self.recompute is not None else self.forward
 
-    def forward_checkpointed(self) -> Region:
-        """This layer's forward inside a checkpointed segment (its first run: nothing saved)."""
+    def forward_checkpointed(self, selective: bool = False) -> Region:
+        """This layer's forward inside a checkpointed segment (its first run: nothing saved, or with
+        ``selective`` only what the policy saves)."""
+        if selective:
+            return self.selective_forward if self.selective_forward is not None else self.forward
         return self.checkpointed_forward if self.checkpointed_forward is not None else self.forward
 
 
@@ -107,6 +122,21 @@ def segment_freed_late(layers, s: int, e: int) -> Line:
     for layer in layers[s:e]:
         c0, c1 = c0 + layer.args_freed_late[0], c1 + layer.args_freed_late[1]
     return (c0, c1)
+
+
+@dataclass(frozen=True)
+class OptimizerProfile:
+    """One ``optimizer`` lever choice's step, profiled over the same parameters as the workload's own
+    (:mod:`autofit.profiling.optimizers`): its state after a step, what its step holds beyond
+    weights + gradients + state as the timeline saw it (its temporaries), and what a kernel allocates
+    inside one operator for the largest tensor, unseen by the timeline (bitsandbytes' on the CPU)."""
+
+    choice: str            # an OptimizerChoice value, e.g. "adamw8bit"
+    optimizer: str         # the class that ran, e.g. "AdamW8bit"
+    state_bytes: int
+    peak_bytes: int
+    library: str = ""      # what implements it, with its version ("bitsandbytes 0.50.2"): another is profiled again
+    kernel_bytes: int = 0  # one tensor at a time: it follows the largest tensor a stage holds
 
 
 @dataclass(frozen=True)
@@ -148,6 +178,17 @@ class PrecisionProfile:
     # True: weights are tied across the ends but split_ends was not profiled (profile_workload's
     # split_ends=False, for a search without pipeline splits); a pipeline split's estimate refuses it.
     split_ends_skipped: bool = False
+    # The ``optimizer`` lever's choices profiled for this precision (profile_workload(optimizers=...)),
+    # in place of the workload's own optimizer; () when none was asked for.
+    optimizer_options: tuple[OptimizerProfile, ...] = ()
+    # Whether the optimizer step's temporaries are one tensor's at a time (they follow the largest
+    # tensor a stage holds) or all tensors' at once (they follow its share of the gradients); None:
+    # judged from their size (at most 4x the largest gradient: one at a time). with_optimizer sets it.
+    optimizer_per_tensor: bool | None = None
+
+    def optimizer_option(self, choice: str) -> OptimizerProfile | None:
+        """The profile of lever choice ``choice`` (an OptimizerChoice value), None when not profiled."""
+        return next((o for o in self.optimizer_options if o.choice == choice), None)
 
 
 @dataclass(frozen=True)
@@ -164,6 +205,7 @@ class Profile:
     profile_s: float
     precisions: dict[str, PrecisionProfile] = field(default_factory=dict)
     split_refusal: str | None = None  # why the model cannot be cut into pipeline stages (None: it can)
+    selective_refusal: str | None = None  # why it cannot be checkpointed selectively (None: it can)
 
     def for_precision(self, precision: Precision | str) -> PrecisionProfile:
         return self.precisions[Precision(precision).value]
@@ -176,6 +218,24 @@ class Profile:
         data = json.loads(text)
         precisions = {name: precision_from_dict(pp) for name, pp in data.pop("precisions").items()}
         return cls(**data, precisions=precisions)
+
+
+def with_optimizer(pp: PrecisionProfile, option: OptimizerProfile) -> PrecisionProfile:
+    """``pp`` as it trains with ``option`` instead of the workload's optimizer: its state and its step's
+    temporaries replaced. A device split's ends (``split_ends``: tied weights untied, one more copy's
+    state) get the state in the same proportion to their own as the workload's optimizer has."""
+    largest = max([layer.max_grad_tensor_bytes for layer in pp.layers]
+                  + [pp.pre_max_grad_tensor_bytes, pp.post_max_grad_tensor_bytes])
+    # a kernel's own bytes are one tensor's at a time, so with temporaries that are too, the step's are
+    per_tensor = bool(largest) and option.peak_bytes <= 4 * largest
+    peak = option.peak_bytes + option.kernel_bytes
+    ends = pp.split_ends
+    if ends is not None:
+        scale = ends.optimizer_bytes / pp.optimizer_bytes if pp.optimizer_bytes else 1.0
+        ends = dataclasses.replace(ends, optimizer_bytes=int(round(option.state_bytes * scale)),
+                                   optimizer_peak_bytes=peak, optimizer_per_tensor=per_tensor, optimizer_options=())
+    return dataclasses.replace(pp, optimizer_bytes=option.state_bytes, optimizer_peak_bytes=peak,
+                               optimizer_per_tensor=per_tensor, split_ends=ends, optimizer_options=())
 
 
 def rows_from_json(rows) -> tuple[tuple[int, int], ...]:
@@ -191,14 +251,16 @@ def precision_from_dict(pp: dict) -> PrecisionProfile:
     pp = dict(pp)
     layers = tuple(LayerProfile(**{**lp, "forward": region_from_dict(lp["forward"]), "backward": region_from_dict(lp["backward"]),
                                    **{k: region_from_dict(lp[k]) if lp.get(k) else None
-                                      for k in ("recompute", "checkpointed_forward")},
+                                      for k in ("recompute", "checkpointed_forward", "selective_forward")},
                                    "output": tuple(lp["output"]), "forward_flops": tuple(lp["forward_flops"]),
-                                   **{k: tuple(lp.get(k, (0.0, 0.0))) for k in ("after", "input_freed_late", "args_freed_late")},
+                                   **{k: tuple(lp.get(k, (0.0, 0.0))) for k in ("after", "input_freed_late", "args_freed_late",
+                                                                               "selective_kept", "selective_saved_flops")},
                                    "grad_rows": rows_from_json(lp.get("grad_rows", ()))})
                    for lp in pp.pop("layers"))
     regions = {k: region_from_dict(pp[k]) for k in ("pre_forward", "post_forward", "post_backward", "pre_backward")}
     regions.update({k: region_from_dict(pp[k]) for k in OUTPUT_REGIONS if pp.get(k) is not None})
     lines = {k: tuple(pp[k]) for k in ("input_bytes", "forward_flops", "backward_flops")}
     ends = pp.pop("split_ends", None)
+    options = tuple(OptimizerProfile(**o) for o in pp.pop("optimizer_options", ()))
     return PrecisionProfile(**{**pp, **regions, **lines, "layers": layers, "grad_rows": rows_from_json(pp.get("grad_rows", ())),
-                               "split_ends": precision_from_dict(ends) if ends else None})
+                               "split_ends": precision_from_dict(ends) if ends else None, "optimizer_options": options})

@@ -4,13 +4,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Callable, Iterable
 
 import torch
 
-from autofit.core.config import Precision
+from autofit.core.config import OptimizerChoice, Precision
 from autofit.core.errors import WorkloadError
 from autofit.core.files import write_atomic
 from autofit.profiling.cache import (
@@ -23,19 +24,23 @@ from autofit.profiling.data import (
     PrecisionProfile,
     Profile,
 )
+from autofit.profiling.optimizers import option_library, profile_options
 from autofit.profiling.precision import with_split_ends
 from autofit.profiling.workers import profile_many, surely_forks
 from autofit.runtime import forkserver
+from autofit.runtime.optimizers import missing_library, refusal
 from autofit.workloads.base import (
     Workload,
     explain_build_failure,
+    selective_caveat,
     training_cache_caveat,
 )
 
 
 def profile_workload(workload: Workload, precisions: Iterable[Precision | str] = tuple(Precision),
                      device_type: str = "cpu", use_cache: bool = True, split_ends: bool = True,
-                     note: Callable[[str], None] | None = None) -> Profile:
+                     note: Callable[[str], None] | None = None,
+                     optimizers: Iterable[OptimizerChoice | str] = ()) -> Profile:
     """Profile ``workload`` for each precision on fake tensors, using the on-disk cache.
 
     Returns a :class:`Profile`. Raises WorkloadError when the model cannot be built or
@@ -44,7 +49,9 @@ def profile_workload(workload: Workload, precisions: Iterable[Precision | str] =
     :func:`autofit.estimator.memory_model.needs_split_ends`) skips profiling the ends of a model with tied
     weights untied (about 40% of its profile); a cached profile without them is completed when
     they are asked for. ``note`` is called with a line for a user as profiling starts and ends
-    (read from the cache or traced).
+    (read from the cache or traced). ``optimizers``: the ``optimizer`` lever's choices to profile too
+    (:mod:`autofit.profiling.optimizers`; those the workload's optimizer or this environment rules out
+    are skipped, and the estimate says why), added to a cached profile that lacks them.
     """
     started = time.perf_counter()
     precisions = [Precision(p) for p in precisions]
@@ -72,19 +79,24 @@ def profile_workload(workload: Workload, precisions: Iterable[Precision | str] =
     found.update(profile_many(workload, missing, device_type, split_ends))
     ends = profile_many(workload, endless, device_type, ends_only=True) if endless else {}
     found.update({name: with_split_ends(found[name], pp) for name, pp in ends.items()})
-    note(cache_outcome(workload.name, precisions, missing, endless, time.perf_counter() - started, path))
     with torch.device("meta"):  # over the model's own parameters: a factory may pick some (only matrices)
         model = workload.model()
         optimizer_name = type(workload.optimizer(model.parameters())).__name__
+    options = _missing_options(found, precisions, optimizers, optimizer_name)
+    for name, choices in options.items():
+        kept = tuple(o for o in found[name].optimizer_options if o.choice not in choices)
+        found[name] = dataclasses.replace(
+            found[name], optimizer_options=kept + profile_options(workload, name, device_type, choices))
+    note(cache_outcome(workload.name, precisions, missing, endless, time.perf_counter() - started, path))
     if (caveat := training_cache_caveat(workload.name, model)) is not None:
         logging.getLogger(__name__).warning(caveat)
     profile = Profile(
-        split_refusal=split_refusal(workload),
+        split_refusal=split_refusal(workload), selective_refusal=selective_caveat(workload.name, model),
         workload=workload.name, device_type=device_type, param_count=param_count, n_layers=n_layers,
         tokens_per_sample=workload.tokens_per_sample, optimizer=optimizer_name, key=key,
         profile_s=time.perf_counter() - started, precisions=found,
     )
-    if use_cache and (missing or endless):  # else the file already holds every precision found
+    if use_cache and (missing or endless or options):  # else the file already holds every precision found
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(path, profile.to_json())  # a concurrent reader never sees half a file
@@ -92,3 +104,17 @@ def profile_workload(workload: Workload, precisions: Iterable[Precision | str] =
             pass  # a read-only cache only costs time
     return profile
 
+
+
+def _missing_options(found: dict[str, PrecisionProfile], precisions: list[Precision], optimizers,
+                     optimizer_name: str) -> dict[str, list[str]]:
+    """Per precision, the lever choices to profile: asked for, able to replace the workload's optimizer
+    here, and not in the profile yet (or profiled with another version of their library)."""
+    choices = [c.value for c in dict.fromkeys(OptimizerChoice(o) for o in optimizers)
+               if c is not OptimizerChoice.AS_GIVEN and refusal(c, optimizer_name) is None and missing_library(c) is None]
+    out = {}
+    for p in precisions:
+        have = {o.choice for o in found[p.value].optimizer_options if o.library == option_library(o.choice)}
+        if todo := [c for c in choices if c not in have]:
+            out[p.value] = todo
+    return out

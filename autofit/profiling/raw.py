@@ -43,6 +43,10 @@ class RawLayer:
     input_freed_late: int
     args_freed_late: int
     forward_flops: float
+    selective_forward: RawRegion
+    selective_kept: int
+    selective_output_kept: bool
+    selective_saved_flops: float
 
 
 @dataclass(frozen=True)

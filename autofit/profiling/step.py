@@ -25,6 +25,7 @@ from autofit.profiling.timeline import (
     tensor_bytes,
 )
 from autofit.profiling.trace import StepTrace
+from autofit.runtime.optimizers import scalar_stand_ins
 from autofit.runtime.training import Trainee, build_trainee, forward_backward, to_device
 from autofit.workloads.base import Workload
 
@@ -91,8 +92,9 @@ def _build(workload: Workload, precision: Precision, micro_batch: int, device_ty
                  buffers=list(model.buffers()), state=state_tensors(trainee.optimizer), batch=batch_tensors)
 
 
-def _trace(step: _Step, trace: StepTrace, tensor_mode, step_optimizer: bool) -> list[RawRegion]:
-    """Run ``step`` under ``trace``'s hooks and timeline, then the checkpointed forward (its regions)."""
+def _trace(step: _Step, trace: StepTrace, tensor_mode, step_optimizer: bool) -> list[tuple[RawRegion, tuple]]:
+    """Run ``step`` under ``trace``'s hooks and timeline, then the checkpointed forward and the selectively
+    checkpointed one (per layer: its region, and :meth:`StepTrace.selective_forwards`'s four values)."""
     trainee, timeline = step.trainee, trace.timeline
     trace.attach(trainee.model, step.layers, step.params)
     with tensor_mode:
@@ -105,14 +107,16 @@ def _trace(step: _Step, trace: StepTrace, tensor_mode, step_optimizer: bool) -> 
             forward_backward(trainee, step.inputs, step.targets, before_backward=trace.between_forward_and_backward)
             trace.backward_ends()
             if step_optimizer:
-                trainee.optimizer.step()
+                with scalar_stand_ins(trainee.optimizer):  # Adafactor's reads of its step and norms
+                    trainee.optimizer.step()
                 trace.optimizer_stepped()
     trace.detach()
     with tensor_mode, timeline:
-        return trace.checkpointed_forwards(trainee, step.layers, step.inputs)
+        checkpointed = trace.checkpointed_forwards(trainee, step.layers, step.inputs)
+        return list(zip(checkpointed, trace.selective_forwards(trainee, step.layers, step.inputs)))
 
 
-def _read(step: _Step, trace: StepTrace, checkpointed: list[RawRegion], layer_flops: list[float],
+def _read(step: _Step, trace: StepTrace, checkpointed: list[tuple[RawRegion, tuple]], layer_flops: list[float],
           fwd_flops: float, bwd_flops: float, step_optimizer: bool) -> RawRun:
     """The traced step's numbers."""
     weights = _weights(step.trainee.model, step.layers, step.params, step.buffers, trace.module_phase)
@@ -148,10 +152,11 @@ def _read(step: _Step, trace: StepTrace, checkpointed: list[RawRegion], layer_fl
     )
 
 
-def _raw_layer(trace: StepTrace, i: int, params: list, buffers: list, checkpointed: RawRegion,
+def _raw_layer(trace: StepTrace, i: int, params: list, buffers: list, forwards: tuple[RawRegion, tuple],
                flops: float) -> RawLayer:
     rb, last = trace.round_bytes, i == trace.n - 1
     trainable = [p for p in params if p.requires_grad]
+    checkpointed, (selective, selective_kept, selective_output_kept, selective_saved_flops) = forwards
     return RawLayer(
         param_bytes=tensor_bytes(params + buffers, rb),
         grad_bytes=tensor_bytes(trainable, rb),
@@ -162,6 +167,10 @@ def _raw_layer(trace: StepTrace, i: int, params: list, buffers: list, checkpoint
         forward=trace.region(f"f{i}", f"F{i}"),
         recompute=trace.recompute(i),
         checkpointed_forward=checkpointed,
+        selective_forward=selective,
+        selective_kept=selective_kept,
+        selective_output_kept=selective_output_kept,
+        selective_saved_flops=selective_saved_flops,
         # what dies before the next layer starts (the last: before the next operator):
         # this layer's input, when no backward keeps it
         after=trace.region(f"F{i}", "layers_done" if last else f"f{i + 1}").delta,

@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from autofit.profiling.raw import RawRegion
+from autofit.runtime.optimizers import scalar_stand_ins
 
 __all__ = ["Mark", "Recorder", "Timeline", "first_tensor", "init_optimizer_state", "max_tensor_bytes", "round_up",
            "state_tensors", "tensor_bytes", "watch_arguments", "freed_between"]
@@ -181,7 +182,8 @@ def init_optimizer_state(trainee) -> None:
     for p in trainee.model.parameters():
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
-    trainee.optimizer.step()
+    with scalar_stand_ins(trainee.optimizer):
+        trainee.optimizer.step()
     trainee.optimizer.zero_grad(set_to_none=True)
 
 

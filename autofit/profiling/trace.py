@@ -8,7 +8,8 @@ the run. Its marks, in the :class:`~autofit.profiling.timeline.Recorder`:
   (its backward); ``layers_done`` before the first operator after the last layer;
 - ``out`` and ``dout`` where the model's own forward ends and its output's gradient arrives;
 - ``loss`` between forward and backward, ``end`` after the backward, ``opt`` after the optimizer step;
-- ``c{i}`` and ``C{i}``: layer ``i``'s forward in one more forward, run as a checkpointed segment runs it.
+- ``c{i}`` and ``C{i}``: layer ``i``'s forward in one more forward, run as a checkpointed segment runs it;
+- ``s{i}`` and ``S{i}``: the same in another forward, run as a selectively checkpointed segment runs it.
 
 No tensor is kept on the trace: a reference held here would keep memory alive that the step frees.
 """
@@ -20,6 +21,7 @@ import functools
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from autofit.core.errors import WorkloadError
@@ -32,7 +34,7 @@ from autofit.profiling.timeline import (
     round_up,
     watch_arguments,
 )
-from autofit.runtime.training import Trainee, autocast_context
+from autofit.runtime.training import SELECTIVE_SAVE, Trainee, autocast_context
 
 __all__ = ["StepTrace"]
 
@@ -70,7 +72,7 @@ class StepTrace:
         self.module_phase: dict[int, str] = {}
         # Hooks go on each distinct layer module once and number the calls: a module listed several
         # times (weight sharing, ModuleList([block] * 4)) is layer i on its i-th call.
-        self.calls = {"pre": 0, "post": 0, "c": 0, "C": 0}
+        self.calls = {"pre": 0, "post": 0, "c": 0, "C": 0, "s": 0, "S": 0}
         self.input_grad: list[bool] = [True] * n
         self.output_grad: list[bool] = [True] * n
         # FLOPs for the time model: one counter over the forward, another over the backward.
@@ -204,6 +206,47 @@ class StepTrace:
                 h.remove()
         return [self.rec.region(f"c{i}", f"C{i}") for i in range(self.n)]
 
+    def selective_forwards(self, trainee: Trainee, layers, inputs) -> list[tuple[RawRegion, int, bool, float]]:
+        """Each layer's forward as a selectively checkpointed segment's forward runs it: as
+        :meth:`checkpointed_forwards`, but the outputs of the operators the policy saves
+        (:data:`~autofit.runtime.training.SELECTIVE_SAVE`) are kept, as the policy's cache keeps them
+        until the segment's recomputation takes them. Per layer: the region, the bytes it keeps beyond its
+        output, whether it keeps its output too, and the FLOPs of the operators it keeps (not recomputed)."""
+        unique = {id(layer): layer for layer in layers}.values()
+        cache = _PolicyCache(self.round_bytes, self.n)
+
+        def starts(module, args) -> None:
+            i = self._next_call("s")
+            if i is not None:
+                self.rec.mark(f"s{i}")
+                cache.layer = i
+
+        def ends(module, args, output) -> None:
+            i = self._next_call("S")
+            if i is not None:
+                self.rec.mark(f"S{i}")
+                cache.layer = None
+                out = first_tensor(output)
+                cache.output[i] = out.untyped_storage()._cdata if out is not None else None
+
+        handles = [layer.register_forward_pre_hook(starts) for layer in unique]
+        handles += [layer.register_forward_hook(ends) for layer in unique]
+        try:
+            with autocast_context(trainee.config.precision, trainee.device.type), \
+                    torch.autograd.graph.saved_tensors_hooks(lambda t: None, lambda saved: None), cache.mode:
+                trainee.model(inputs)
+        finally:
+            for h in handles:
+                h.remove()
+        out = []
+        for i in range(self.n):
+            kept = cache.bytes[i]
+            output_kept = cache.output[i] in kept
+            out.append((self.rec.region(f"s{i}", f"S{i}"), sum(b for k, b in kept.items() if k != cache.output[i]),
+                        output_kept, cache.flops[i]))
+        cache.kept.clear()
+        return out
+
     def _mark_call(self, key: str, module, *args) -> None:
         i = self._next_call(key)
         if i is not None:
@@ -259,3 +302,37 @@ class StepTrace:
         uses = {id(layer): sum(other is layer for other in layers) for layer in layers}  # a shared module counts all its calls
         return [float(sum(per_module.get(f"{root}.{fqn.get(id(layer), '')}", {}).values())) / uses[id(layer)]
                 for layer in layers]
+
+
+class _PolicyCache:
+    """Keeps the outputs of the operators selective checkpointing saves, made inside a layer's forward, as
+    its cache does (``torch.utils.checkpoint``'s ``_CachingTorchDispatchMode``): their storages' bytes per
+    layer, and the FLOPs of those operators."""
+
+    def __init__(self, round_bytes: int, n: int) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils.flop_counter import flop_registry
+
+        self.layer: int | None = None
+        self.kept: list = []
+        self.bytes: list[dict[int, int]] = [{} for _ in range(n)]
+        self.flops: list[float] = [0.0] * n
+        self.output: list[int | None] = [None] * n
+        cache = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                i = cache.layer
+                if i is not None and func in SELECTIVE_SAVE:
+                    cache.kept.append(out)
+                    for t in tree_leaves(out):
+                        if isinstance(t, torch.Tensor):
+                            storage = t.untyped_storage()
+                            cache.bytes[i][storage._cdata] = round_up(storage.nbytes(), round_bytes)
+                    formula = flop_registry.get(func._overloadpacket)
+                    if formula is not None:
+                        cache.flops[i] += float(formula(*args, **(kwargs or {}), out_val=out))
+                return out
+
+        self.mode = Mode()

@@ -14,7 +14,9 @@ A target that cannot say a setting exactly (checkpointing every k layers in the 
 bf16 weights in Accelerate, a pipeline split in Lightning) gets a :class:`Note`: what it cannot
 say, the nearest setting it can, that nearest setting's estimated peak (when the workload is
 known), and the few lines of code that do it exactly. Notes travel in the export's ``comment``
-field (``#`` lines in YAML and shell) so that nothing is dropped silently.
+field (``#`` lines in YAML and shell) so that nothing is dropped silently. A config whose
+``optimizer`` lever replaces the workload's optimizer changes the training: its note comes first,
+in every target (the Trainer's ``optim`` says it where it can: ``adamw_bnb_8bit``, ``adafactor``).
 
 An export that trains differently from the config autofit measured -- another global batch
 (samples per optimizer step), precision or optimizer -- says so first: a :class:`Change` per
@@ -32,411 +34,36 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib.metadata
 import json
-import re
 import shlex
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from autofit.core.budget import format_budget, format_bytes, parse_budget
-from autofit.core.config import FIELDS, Precision, SplitMode, TrainConfig
+from autofit.core.budget import parse_budget
+from autofit.core.config import (
+    FIELDS,
+    Precision,
+    TrainConfig,
+)
 from autofit.core.errors import AutofitError, ConfigError
+from autofit.report.export_notes import (
+    Change,
+    Context,
+    Export,
+    Note,
+    _batch_change,
+    _precision_change,
+)
+from autofit.report.export_targets import (
+    _accelerate,
+    _deepspeed,
+    _hf,
+    _json,
+    _lightning,
+    _torchrun,
+)
 
 TARGETS = ("hf", "accelerate", "lightning", "deepspeed", "torchrun", "json")
-TORCHRUN_SCRIPT = "scripts/run_split_torchrun.py"  # autofit's runner of one process per pipeline stage
-
-# The exact way to checkpoint runs of k layers (what autofit measured), for targets without it.
-_CKPT_CODE = ("from autofit.runtime.training import checkpoint_layers  # non-reentrant torch.utils.checkpoint",
-              "checkpoint_layers(model.model.layers, {k})  # your nn.ModuleList of repeated blocks")
-_BF16_CODE = ("model.to(torch.bfloat16)  # before the optimizer is made: weights, gradients and its state in bf16",)
-
-
-@dataclass(frozen=True)
-class Note:
-    """One setting the target cannot express exactly (or that belongs in the training script).
-
-    ``nearest_config`` is the config the target's own settings give without ``code``;
-    ``nearest_peak_bytes`` its estimated peak per device (None when no workload was given).
-    """
-
-    setting: str
-    why: str
-    code: tuple[str, ...] = ()
-    nearest: str | None = None
-    nearest_config: TrainConfig | None = None
-    nearest_peak_bytes: int | None = None
-    budget_bytes: int | None = None
-    no_peak_reason: str = "no workload given"
-
-    def text(self) -> str:
-        """One paragraph: the setting, why, the nearest setting and its peak, the exact code."""
-        out = f"{self.setting}: {self.why}"
-        if self.nearest:
-            out += f"; nearest: {self.nearest}"
-            if self.nearest_peak_bytes is not None:
-                out += f", estimated peak {format_bytes(self.nearest_peak_bytes)} per device"
-                if self.budget_bytes:
-                    verdict = "fits" if self.nearest_peak_bytes <= self.budget_bytes else "over"
-                    out += f" ({verdict} the {format_budget(self.budget_bytes)} budget)"
-            elif self.nearest_config is not None:
-                out += f" (peak not estimated: {self.no_peak_reason})"
-        if self.code:
-            out += "; exactly: " + " | ".join(self.code)
-        return out
-
-    def to_dict(self) -> dict:
-        return {"setting": self.setting, "why": self.why, "nearest": self.nearest,
-                "nearest_config": self.nearest_config.to_dict() if self.nearest_config else None,
-                "nearest_peak_bytes": self.nearest_peak_bytes, "code": list(self.code)}
-
-
-@dataclass(frozen=True)
-class Change:
-    """How the export as it is trains differently from the config: ``what`` (``global batch``,
-    ``precision``, ``optimizer``) goes from ``before`` to ``after`` (``factor``: after/before for a
-    number); ``why`` the target cannot say it, and ``keep``: the code that keeps it, if any."""
-
-    what: str
-    before: str
-    after: str
-    why: str
-    keep: str = ""
-    factor: float | None = None
-
-    def text(self) -> str:
-        """``global batch 64 -> 8 (x0.125): why; to keep it: code``."""
-        out = f"{self.what} {self.before} -> {self.after}"
-        if self.factor is not None:
-            out += f" (x{self.factor:.4g})"
-        out += f": {self.why}"
-        if self.keep:
-            out += f"; to keep {self.before}: {self.keep}"
-        return out
-
-    def to_dict(self) -> dict:
-        return {"what": self.what, "before": self.before, "after": self.after, "factor": self.factor,
-                "why": self.why, "keep": self.keep}
-
-
-def _batch_change(config: TrainConfig, after: int, why: str, keep: str = "") -> Change:
-    before = config.samples_per_step
-    return Change("global batch", str(before), str(after), why, keep, after / before)
-
-
-def _precision_change(config: TrainConfig, after: str, why: str, keep: str = "") -> Change:
-    return Change("precision", config.precision.value, after, why, keep)
-
-
-@dataclass(frozen=True)
-class Export:
-    """A config in a target's own form.
-
-    - ``kwargs``: what the target takes (``TrainingArguments(**kwargs)``, ``Trainer(**kwargs)``,
-      the DeepSpeed dict, the Accelerate config dict, torchrun's argv, autofit's record);
-    - ``extra``: what goes beside it (Lightning: ``{"datamodule": {"batch_size": ...}}``);
-    - ``notes``: what the target cannot say exactly; ``text``: the file or command as printed;
-    - ``changes``: how the export as it is trains differently (global batch, precision, optimizer),
-      said first in ``text`` (empty when it trains as measured).
-    """
-
-    target: str
-    config: TrainConfig
-    kwargs: Any
-    extra: dict
-    notes: tuple[Note, ...]
-    text: str
-    changes: tuple[Change, ...] = ()
-
-    def comment(self) -> list[str]:
-        """The notes as lines (the export's ``comment`` field)."""
-        return [note.text() for note in self.notes]
-
-    def warnings(self) -> list[str]:
-        """The changes as lines (the export's ``changes`` field, first in the file)."""
-        return [change.text() for change in self.changes]
-
-    def write(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.write_text(self.text)
-        return path
-
-
-@dataclass(frozen=True)
-class Context:
-    """What an export knows beyond the config: where it runs and, to estimate peaks, the workload."""
-
-    device_type: str = "cuda"
-    budget_bytes: int | None = None
-    model_spec: str | None = None          # a --model spec (for torchrun and the peaks)
-    workload: Any = None                   # a Workload, or None to load model_spec
-    profile: Any = None                    # the workload's Profile when known (a study's): no profiling
-    extra: dict = dataclasses.field(default_factory=dict)  # json target: predicted/measured, study
-
-    def optimizer_name(self) -> str | None:
-        """The class name of the workload's optimizer (``AdamW``), from the profile or the workload;
-        None when no workload is known (or it cannot be loaded)."""
-        if self.profile is not None and getattr(self.profile, "optimizer", None):
-            return self.profile.optimizer
-        if self.workload is None and not self.model_spec:
-            return None
-        try:
-            import torch
-
-            from autofit.workloads.load import load_workload
-
-            workload = self.workload if self.workload is not None else load_workload(self.model_spec)
-            return type(workload.optimizer([torch.nn.Parameter(torch.zeros(1))])).__name__
-        except Exception:  # noqa: BLE001 -- an optimizer that cannot be made here is not the export's concern
-            return None
-
-
-# --- per target: (kwargs, extra, notes without peaks, changes) -------------------------------------
-
-# The Trainer's TrainingArguments.optim for a workload's optimizer class: None, its default (AdamW;
-# Adam is AdamW without weight decay, the Trainer's default weight_decay=0.0); absent: it has none.
-_HF_OPTIM = {"AdamW": None, "Adam": None, "SGD": "sgd", "Adagrad": "adagrad", "RMSprop": "rmsprop"}
-
-
-def _ckpt_note(config: TrainConfig, target: str, nearest_every: int, nearest_text: str, why: str = "") -> Note:
-    k = config.checkpoint_every
-    return Note(f"checkpoint_every={k}",
-                f"{target} cannot checkpoint runs of {k} layers as one segment{why}",
-                tuple(line.format(k=k) for line in _CKPT_CODE) + (f"# and leave {target}'s own checkpointing off",),
-                nearest_text, dataclasses.replace(config, checkpoint_every=nearest_every))
-
-
-def _split_note(config: TrainConfig, target: str) -> Note:
-    p = config.device_split
-    return Note(f"device_split={p}", f"{target} has no pipeline split of the layers over {p} devices",
-                (f"autofit export DIR --to torchrun  # one process per stage: torchrun --nproc-per-node {p} "
-                 f"{TORCHRUN_SCRIPT} ...",
-                 "# or torch.distributed.pipelining: pipeline(model, mb_args, split_spec={'<layers>.<i>': "
-                 "SplitPoint.BEGINNING}) and Schedule1F1B(stage, n_microbatches=grad_accum, loss_fn=...)"),
-                "no split (one device)", dataclasses.replace(config, device_split=1))
-
-
-def _fsdp(config: TrainConfig) -> bool:
-    return config.device_split > 1 and config.split_mode is SplitMode.FSDP
-
-
-def _launch_note(config: TrainConfig, launcher: str) -> Note:
-    """FSDP ranks are processes: the launcher, not the arguments, says how many."""
-    n = config.device_split
-    return Note(f"device_split={n},split_mode=fsdp", f"the number of ranks is set by the launcher, not here "
-                f"(micro_batch={config.micro_batch} is per rank: {config.samples_per_step} samples per step)",
-                (f"{launcher.format(n=n)}",))
-
-
-@functools.cache
-def _checkpointing_names() -> tuple[str, str]:
-    """TrainingArguments' names for checkpointing in the installed transformers: 5.x renamed
-    ``gradient_checkpointing(_kwargs)`` to ``activation_checkpointing(_kwargs)`` (the old names warn,
-    and go in v6); older versions, or none installed, get the old names. Read from the installed
-    source, not imported: importing transformers costs seconds (and torch._dynamo) per export."""
-    old = ("gradient_checkpointing", "gradient_checkpointing_kwargs")
-    try:
-        source = importlib.metadata.distribution("transformers").locate_file("transformers/training_args.py")
-        text = Path(str(source)).read_text(encoding="utf-8")
-    except (importlib.metadata.PackageNotFoundError, OSError, UnicodeDecodeError):
-        return old
-    if re.search(r"^\s+activation_checkpointing\s*:", text, re.M):
-        return ("activation_checkpointing", "activation_checkpointing_kwargs")
-    return old
-
-
-def _hf(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note], list[Change]]:
-    p = config.precision
-    kwargs: dict = {"per_device_train_batch_size": config.micro_batch,
-                    "gradient_accumulation_steps": config.grad_accum,
-                    # pure bf16 has no flag here: its nearest, autocast bf16 (a note gives the exact code)
-                    "bf16": p in (Precision.AMP_BF16, Precision.BF16), "fp16": p is Precision.AMP_FP16}
-    if ctx.device_type == "cpu":
-        kwargs["use_cpu"] = True
-    notes, changes = [], []
-    if p is Precision.BF16:
-        notes.append(Note("precision=bf16", "TrainingArguments has no pure-bf16 mode (its bf16=True is autocast "
-                          "over fp32 weights)", _BF16_CODE + ("# and set bf16=False: no autocast over bf16 weights",),
-                          "bf16=True (precision=amp-bf16)", dataclasses.replace(config, precision=Precision.AMP_BF16)))
-        changes.append(_precision_change(config, "amp-bf16", "TrainingArguments has no pure-bf16 mode (bf16=True is "
-                                         "autocast over fp32 weights)",
-                                         "model.to(torch.bfloat16) before the Trainer, and bf16=False"))
-    optimizer = ctx.optimizer_name()
-    if optimizer is not None and optimizer in _HF_OPTIM:
-        if _HF_OPTIM[optimizer]:
-            kwargs["optim"] = _HF_OPTIM[optimizer]
-    elif optimizer is not None:
-        changes.append(Change("optimizer", optimizer, "AdamW", "the Trainer makes its own optimizer from "
-                              f"TrainingArguments.optim, which has no {optimizer}",
-                              "Trainer(..., optimizers=(optimizer, None))  # yours, over model.parameters()"))
-    every = config.checkpoint_every
-    flag, flag_kwargs = _checkpointing_names()
-    if every:
-        kwargs[flag] = every == 1
-        if every == 1:
-            kwargs[flag_kwargs] = {"use_reentrant": False}
-        else:
-            notes.append(_ckpt_note(config, "TrainingArguments", 1,
-                                    f"{flag}=True, {flag_kwargs}={{'use_reentrant': False}} "
-                                    "(every layer: checkpoint_every=1)"))
-    else:
-        kwargs[flag] = False
-    if _fsdp(config):  # FSDP2 with every decoder layer its own unit, as autofit shards
-        kwargs.update(fsdp=True, fsdp_config={"version": 2, "reshard_after_forward": True})
-        notes.append(_launch_note(config, "torchrun --nproc-per-node {n} your_train.py"))
-    elif config.device_split > 1:
-        notes.append(_split_note(config, "the Trainer"))
-    return kwargs, {}, notes, changes
-
-
-def _accelerate(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note], list[Change]]:
-    p = config.precision
-    # pure bf16: its nearest, autocast bf16 (a note gives the exact code)
-    mixed = {Precision.FP32: "no", Precision.AMP_FP16: "fp16", Precision.AMP_BF16: "bf16", Precision.BF16: "bf16"}[p]
-    kwargs = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "NO", "mixed_precision": mixed,
-              "num_processes": 1, "num_machines": 1, "machine_rank": 0, "use_cpu": ctx.device_type == "cpu",
-              "debug": False}
-    ga = config.grad_accum
-    notes = [Note(f"micro_batch={config.micro_batch}", "an Accelerate config file has no batch size",
-                  (f"DataLoader(dataset, batch_size={config.micro_batch})",))]
-    changes = []
-    if ga > 1:  # nowhere in the file (outside DeepSpeed): the script or the environment must say it
-        changes.append(_batch_change(config, config.micro_batch * config.data_parallel,
-                                     f"an Accelerate config file holds no gradient accumulation (grad_accum={ga} "
-                                     "becomes 1)", f"Accelerator(gradient_accumulation_steps={ga}) and "
-                                     "accelerator.accumulate(model) around each micro-batch, or "
-                                     f"ACCELERATE_GRADIENT_ACCUMULATION_STEPS={ga} accelerate launch ..."))
-        notes.append(Note(f"grad_accum={ga}", "an Accelerate config file holds gradient_accumulation_steps only "
-                          "for DeepSpeed", (f"accelerator = Accelerator(gradient_accumulation_steps={ga})",
-                                             "with accelerator.accumulate(model): ...  # around each micro-batch",
-                                             f"# or: ACCELERATE_GRADIENT_ACCUMULATION_STEPS={ga} accelerate launch ..."),
-                          "grad_accum=1", dataclasses.replace(config, grad_accum=1)))
-    if p is Precision.BF16:
-        notes.append(Note("precision=bf16", "Accelerate has no pure-bf16 mode (mixed_precision bf16 is autocast "
-                          "over fp32 weights)", _BF16_CODE + ("# and set mixed_precision: no",),
-                          "mixed_precision: bf16 (precision=amp-bf16)",
-                          dataclasses.replace(config, precision=Precision.AMP_BF16)))
-        changes.append(_precision_change(config, "amp-bf16", "Accelerate has no pure-bf16 mode (mixed_precision "
-                                         "bf16 is autocast over fp32 weights)", "model.to(torch.bfloat16) before "
-                                         "accelerator.prepare(...), and mixed_precision: no"))
-    if config.checkpoint_every:
-        notes.append(_ckpt_note(config, "Accelerate", 0, "no checkpointing"))
-    if _fsdp(config):
-        kwargs.update(distributed_type="FSDP", num_processes=config.device_split,
-                      fsdp_config={"fsdp_version": 2, "fsdp_reshard_after_forward": True,
-                                   "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-                                   "fsdp_state_dict_type": "SHARDED_STATE_DICT", "fsdp_offload_params": False,
-                                   "fsdp_cpu_ram_efficient_loading": False, "fsdp_activation_checkpointing": False})
-    elif config.device_split > 1:
-        notes.append(_split_note(config, "Accelerate"))
-    return kwargs, {}, notes, changes
-
-
-LIGHTNING_PRECISION = {Precision.FP32: "32-true", Precision.AMP_FP16: "16-mixed",
-                       Precision.AMP_BF16: "bf16-mixed", Precision.BF16: "bf16-true"}
-
-
-def _lightning(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note], list[Change]]:
-    kwargs = {"precision": LIGHTNING_PRECISION[config.precision], "accumulate_grad_batches": config.grad_accum,
-              "accelerator": "cpu" if ctx.device_type == "cpu" else "gpu", "devices": 1}
-    notes, changes = [], []
-    if ctx.device_type == "cpu" and config.precision is Precision.AMP_FP16:
-        changes.append(_precision_change(config, "amp-bf16", "on the CPU Lightning replaces precision '16-mixed' "
-                                         "by 'bf16-mixed'", "Trainer(plugins=[MixedPrecision('16-mixed', 'cpu', "
-                                         "torch.amp.GradScaler('cpu'))]) instead of precision"))
-        notes.append(Note("precision=amp-fp16", "on the CPU Lightning replaces 16-mixed by bf16-mixed",
-                          ("from lightning.pytorch.plugins import MixedPrecision",
-                           "Trainer(plugins=[MixedPrecision('16-mixed', 'cpu', torch.amp.GradScaler('cpu'))], ...)"
-                           "  # instead of precision='16-mixed'"),
-                          "bf16-mixed (precision=amp-bf16)", dataclasses.replace(config, precision=Precision.AMP_BF16)))
-    if config.checkpoint_every:
-        notes.append(_ckpt_note(config, "the Lightning Trainer", 0, "no checkpointing"))
-    if _fsdp(config) and ctx.device_type == "cpu":
-        kwargs.update(strategy="ddp", devices=config.device_split)
-        notes.append(Note("split_mode=fsdp", "Lightning's fsdp strategy needs GPUs", (
-            "# on GPUs: Trainer(strategy='fsdp', accelerator='gpu', devices=N, ...)",), "ddp: no sharding",
-            dataclasses.replace(config, device_split=1)))
-    elif _fsdp(config):
-        kwargs.update(strategy="fsdp", devices=config.device_split)
-        notes.append(Note("split_mode=fsdp", "Lightning's 'fsdp' strategy is FSDP1 (FullyShardedDataParallel), "
-                          "autofit measured FSDP2 (fully_shard): the same sharding of weights, gradients and state",
-                          ("from lightning.pytorch.strategies import ModelParallelStrategy  # FSDP2",
-                           "Trainer(strategy=ModelParallelStrategy(), ...) and in configure_model(): "
-                           "fully_shard(layer) for each layer, then fully_shard(self.model)"),
-                          "strategy='fsdp'", config))
-    elif config.device_split > 1:
-        notes.append(_split_note(config, "Lightning"))
-    return kwargs, {"datamodule": {"batch_size": config.micro_batch}}, notes, changes
-
-
-def _deepspeed(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note], list[Change]]:
-    p = config.precision
-    ds: dict = {"train_micro_batch_size_per_gpu": config.micro_batch,
-                "gradient_accumulation_steps": config.grad_accum}
-    notes, changes = [], []
-    if p.is_amp:  # torch.autocast over fp32 weights, a GradScaler for fp16: what autofit measured
-        ds["torch_autocast"] = {"enabled": True, "dtype": "bfloat16" if p is Precision.AMP_BF16 else "float16"}
-    if p is Precision.BF16:
-        ds["bf16"] = {"enabled": True}
-        notes.append(Note("precision=bf16", "DeepSpeed's bf16 mode keeps fp32 master weights and gradients beside "
-                          "the bf16 weights (about 2 more bytes per parameter than amp-bf16's weights, gradients "
-                          "and Adam state)",
-                          ('"bf16": {"enabled": true, "bf16_master_weights_and_grads": true, '
-                           '"bf16_optimizer_states": true}, "zero_optimization": {"stage": 1}  # all in bf16 (ZeRO)',),
-                          "bf16 enabled (close to precision=amp-bf16's model state)",
-                          dataclasses.replace(config, precision=Precision.AMP_BF16)))
-        changes.append(_precision_change(config, "bf16 with fp32 master weights", "DeepSpeed's bf16 mode updates "
-                                         "fp32 master weights and gradients (the model computes in bf16)",
-                                         '"bf16_master_weights_and_grads": true, "bf16_optimizer_states": true '
-                                         'and "zero_optimization": {"stage": 1}'))
-    every = config.checkpoint_every
-    if _fsdp(config):
-        ds["zero_optimization"] = {"stage": 3}
-        notes.append(Note("split_mode=fsdp", "DeepSpeed shards with its own ZeRO stage 3 (weights, gradients and "
-                          "optimizer state over the ranks, as FSDP2's fully_shard does), not FSDP2",
-                          (f"deepspeed --num_gpus {config.device_split} your_train.py  # micro_batch is per rank",),
-                          "zero_optimization stage 3", config))
-    if config.device_split > 1 and not _fsdp(config):
-        ds["pipeline"] = {"stages": config.device_split, "activation_checkpoint_interval": every}
-        notes.append(Note(f"device_split={config.device_split}", "DeepSpeed takes the stage count and checkpoint "
-                          "interval from PipelineModule in code; the 'pipeline' section alone does not split",
-                          (f"model = PipelineModule(layers=[...], num_stages={config.device_split}, "
-                           f"activation_checkpoint_interval={every}, loss_fn=loss_fn)",
-                           "engine, *_ = deepspeed.initialize(model=model, config='ds_config.json', ...)")))
-    if every and not (config.device_split > 1 and not _fsdp(config)):
-        ds["activation_checkpointing"] = {"partition_activations": False, "cpu_checkpointing": False,
-                                          "contiguous_memory_optimization": False}
-        notes.append(_ckpt_note(config, "DeepSpeed", 0, "no checkpointing",
-                                " (its activation_checkpointing section only configures deepspeed.checkpointing "
-                                "calls made by the model)"))
-    return ds, {}, notes, changes
-
-
-def _torchrun(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note], list[Change]]:
-    if config.device_split < 2:
-        raise ConfigError(f"--to torchrun: {config.short()} does not split over devices (device_split=1); "
-                          "torchrun runs autofit's pipeline runner for device_split >= 2: use --to hf, accelerate, "
-                          "lightning or deepspeed")
-    if _fsdp(config):
-        raise ConfigError(f"--to torchrun: autofit's torchrun runner ({TORCHRUN_SCRIPT}) runs pipeline splits; for "
-                          "split_mode=fsdp use --to hf, accelerate or deepspeed")
-    if not ctx.model_spec:
-        raise ConfigError("--to torchrun needs the workload as a --model spec (built-in name, path/to/file.py:function "
-                          "or package.module:function)")
-    # --standalone: a free local rendezvous port, not the fixed 29500 another job may hold
-    argv = ["torchrun", "--standalone", "--nproc-per-node", str(config.device_split), TORCHRUN_SCRIPT, "--model", ctx.model_spec,
-            "--config", ",".join(f"{k}={v}" for k, v in config.to_dict().items()), "--device", ctx.device_type]
-    if ctx.budget_bytes:
-        argv += ["--budget", f"{ctx.budget_bytes}B"]
-    return argv + ["--json"], {}, [], []  # autofit's own runner: the config as measured
-
-
-def _json(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note], list[Change]]:
-    record = {"config": config.to_dict(), "short": config.short(), "device": ctx.device_type,
-              "budget_bytes": ctx.budget_bytes, "model": ctx.model_spec, **ctx.extra}
-    return record, {}, [], []
 
 
 _BUILDERS: dict[str, Callable[[TrainConfig, Context], tuple[Any, dict, list[Note], list[Change]]]] = {
@@ -501,21 +128,24 @@ def _peaks(notes: list[Note], ctx: Context) -> list[Note]:
     wanted = [n.nearest_config for n in notes if n.nearest_config is not None]
     if not wanted or (ctx.workload is None and not ctx.model_spec and ctx.profile is None):
         return [dataclasses.replace(n, budget_bytes=ctx.budget_bytes) for n in notes]
-    from autofit.estimator.memory_model import needs_split_ends
+    from autofit.estimator.memory_model import needs_split_ends, optimizer_choices
     from autofit.estimator.memory_table import estimate_table
     from autofit.profiling.profile import profile_workload
     from autofit.workloads.load import load_workload
 
     precisions = sorted({c.precision for c in wanted}, key=str)
     split_ends = needs_split_ends(wanted)  # only where a note's config needs them (a search without splits skips them)
+    optimizers = optimizer_choices(wanted)
     try:
-        profile = ctx.profile if profile_covers(ctx.profile, precisions, split_ends, ctx.device_type) else None
+        profile = (ctx.profile if profile_covers(ctx.profile, precisions, split_ends, ctx.device_type, optimizers)
+                   else None)
         if profile is None:
             if ctx.workload is None and not ctx.model_spec:
                 raise ConfigError(f"the profile given lacks {', '.join(p.value for p in precisions)} on {ctx.device_type} "
                                   "and no workload was given to profile")
             workload = ctx.workload if ctx.workload is not None else load_workload(ctx.model_spec)
-            profile = profile_workload(workload, precisions, device_type=ctx.device_type, split_ends=split_ends)
+            profile = profile_workload(workload, precisions, device_type=ctx.device_type, split_ends=split_ends,
+                                       optimizers=optimizers)
     except AutofitError as exc:  # e.g. a cuda export on a CPU-only torch: the export itself still holds
         return [dataclasses.replace(n, budget_bytes=ctx.budget_bytes, no_peak_reason=str(exc)) for n in notes]
     table = estimate_table(profile, wanted, ctx.budget_bytes)
@@ -525,13 +155,16 @@ def _peaks(notes: list[Note], ctx: Context) -> list[Note]:
             for n in notes]
 
 
-def profile_covers(profile: Any, precisions: list, split_ends: bool, device_type: str) -> bool:
+def profile_covers(profile: Any, precisions: list, split_ends: bool, device_type: str,
+                   optimizers: list[str] = ()) -> bool:
     """Whether ``profile`` (a Profile or None) estimates every one of ``precisions`` (with the untied
-    ends a pipeline split needs when ``split_ends``) on ``device_type``."""
+    ends a pipeline split needs when ``split_ends``, and the ``optimizer`` lever's ``optimizers``) on
+    ``device_type``."""
     if profile is None or profile.device_type != device_type:
         return False
     held = [profile.precisions.get(Precision(p).value) for p in precisions]
-    return all(pp is not None and not (split_ends and pp.split_ends_skipped) for pp in held)
+    return all(pp is not None and not (split_ends and pp.split_ends_skipped)
+               and all(pp.optimizer_option(o) is not None for o in optimizers) for pp in held)
 
 
 def export(config: TrainConfig | str | dict, target: str, *, workload: Any = None, budget: str | int | None = None,

@@ -19,6 +19,7 @@ from autofit.report.tables import (
     best_samples,
     best_trial,
     calibration_of,
+    changes_training,
     counts,
     settings_of,
     trials_table,
@@ -71,6 +72,12 @@ class SearchResult:
     workload_source: str | None = None
     advice: tuple[str, ...] = ()  # when nothing ran under the budget: what would fit
     best_number: int | None = None  # the best sample's number in the Optuna storage (best_trial: among real trials)
+
+    @property
+    def changes_training(self) -> str | None:
+        """What ``best`` changes in the training, in words, for a launcher to print (None: nothing): the
+        ``optimizer`` lever's replacement of the workload's optimizer (the ``lean`` space's)."""
+        return None if self.best is None else changes_training(self.best)
 
     def export(self, target: str):
         """The best config in ``target``'s form (:func:`autofit.report.exports.export`: ``hf``, ``accelerate``,

@@ -33,7 +33,7 @@ import numpy as np
 import pandas as pd
 
 from autofit.core.budget import format_budget, format_bytes
-from autofit.core.config import FIELDS, TrainConfig
+from autofit.core.config import FIELDS, OptimizerChoice, TrainConfig
 from autofit.core.errors import WorkloadError
 from autofit.core.objective import basis, objective
 from autofit.core.records import (
@@ -58,6 +58,9 @@ from autofit.study.planner import SLOW_FACTOR
 from autofit.workloads.hf.spec import source_flags
 
 STATUSES = tuple(s.value for s in TrialStatus)
+# What trains in place of the workload's optimizer, per choice of the optimizer lever.
+OPTIMIZER_CLASSES = {OptimizerChoice.ADAFACTOR: "torch.optim.Adafactor",
+                     OptimizerChoice.ADAMW8BIT: "bitsandbytes' 8-bit AdamW"}
 WAITED_S = 0.5             # a device lock taken within this is not a wait worth a line
 RAN = tuple(s.value for s in TrialStatus if s.ran)  # real trials that finished
 COLUMNS = (
@@ -194,7 +197,7 @@ def measure_command(settings: dict, config: TrainConfig) -> str:
     """The ``autofit measure`` command that runs ``config`` again under the study's budget (the
     workload in the command line's own flags: :func:`model_flags`)."""
     model = settings.get("workload_source") or settings.get("workload_name")
-    config_text = ",".join(f"{k}={v}" for k, v in config.to_dict().items())
+    config_text = config.to_text()
     parts = ["autofit", "measure", *model_flags(str(model)), "--config", config_text,
              "--budget", str(settings.get("budget_text") or f"{settings.get('budget_bytes')}B"),
              "--device", str(settings.get("device_type", "cpu"))]
@@ -230,7 +233,17 @@ def best_record(study: StudySnapshot) -> dict:
         "sample_spread": (trial.value / median_value(samples) - 1.0) if median_value(samples) else None,
         "peak_fraction_of_budget": measured_peak(measured) / budget if budget and measured_peak(measured) else None,
         "reproduce": measure_command(settings, config),
+        "changes_training": changes_training(config),
     }
+
+
+def changes_training(config: TrainConfig) -> str | None:
+    """What the best config changes in the training, in words (None: nothing): the ``optimizer`` lever's
+    replacement of the workload's optimizer (the ``lean`` space's, opt-in)."""
+    if not config.changes_optimizer:
+        return None
+    return (f"it trains with optimizer={config.optimizer.value} ({OPTIMIZER_CLASSES[config.optimizer]}) in place of "
+            "the workload's own optimizer; its exports say so first")
 
 
 # --- summary.md ---------------------------------------------------------------------------------
@@ -311,8 +324,7 @@ def split_mode_comparison(table: pd.DataFrame) -> pd.DataFrame:
             best = group.loc[group["objective"].idxmax()]
             rows.append({"mode": name, "trial": int(best["trial"]), "objective": float(best["objective"]),
                          "basis": best["basis"],
-                         "config": TrainConfig.from_dict({f: getattr(best[f], "item", lambda: best[f])()
-                                                          for f in FIELDS}).short()})
+                         "config": TrainConfig.from_row(best).short()})
     frame = pd.DataFrame(rows, columns=["mode", "trial", "objective", "basis", "config"])
     frame = frame.sort_values("objective", ascending=False, kind="stable").reset_index(drop=True)
     if not frame.empty:
@@ -393,11 +405,13 @@ def summary_markdown(study: StudySnapshot, table: pd.DataFrame | None = None, *,
                        "process was running) and were taken again; the figure is from a step that did not wait")
         out.append(f"- measured peak: {_bytes(m.get('peak_bytes'))} = {100 * best['peak_fraction_of_budget']:.1f}% of "
                    f"the budget (predicted {_bytes(p.get('peak_bytes'))})")
+        if best.get("changes_training"):
+            out.append(f"- **changes the training**: {best['changes_training']}")
         out.append(f"- reproduce: `{best['reproduce']}`\n")
     out.append(f"## Top {top} configs\n")
     ran = top_configs(study, table, top)
     out.append(_md_table(pd.DataFrame({
-        "trial": ran["trial"], "config": [TrainConfig.from_dict({f: r[f] for f in FIELDS}).short()
+        "trial": ran["trial"], "config": [TrainConfig.from_row(r).short()
                                            for _, r in ran.iterrows()],
         "samples/s": ran["samples_per_s"].map(lambda v: f"{v:.2f}"),
         "samples": ran["samples"], "spread": ran["spread"].map(lambda v: "" if _missing(v) else f"{100 * v:.1f}%"),
@@ -425,7 +439,7 @@ def summary_markdown(study: StudySnapshot, table: pd.DataFrame | None = None, *,
     real = table[table["status"].isin(RAN)]
     out.append(_md_table(pd.DataFrame({
         "trial": real["trial"], "status": real["status"],
-        "config": [TrainConfig.from_dict({f: r[f] for f in FIELDS}).short() for _, r in real.iterrows()],
+        "config": [TrainConfig.from_row(r).short() for _, r in real.iterrows()],
         "predicted peak": real["predicted_peak_bytes"].map(_bytes), "measured peak": real["measured_peak_bytes"].map(_bytes),
         "peak error": real["peak_error"].map(_pct),
         "predicted step": real["predicted_step_time_s"].map(_seconds), "measured step": real["step_time_s"].map(_seconds),

@@ -9,8 +9,10 @@ the same code path. A config is applied in one fixed order, each step logged (lo
 1. precision: parameters cast to the parameter dtype (bf16 only for ``precision=bf16``) and
    moved to the device;
 2. checkpointing: every ``checkpoint_every`` layers one non-reentrant
-   ``torch.utils.checkpoint`` segment;
-3. the optimizer, made on the cast parameters;
+   ``torch.utils.checkpoint`` segment (``checkpoint_policy=selective``: saving the matmul and attention
+   outputs, :data:`SELECTIVE_SAVE`);
+3. the optimizer, made on the cast parameters (the workload's, or the ``optimizer`` lever's
+   replacement of it: :mod:`autofit.runtime.optimizers`);
 4. a ``torch.amp.GradScaler`` for ``amp-fp16``.
 
 Autocast (the amp precisions) is not a change to the model: :func:`autocast_context` wraps
@@ -30,8 +32,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from autofit.core.config import Precision, TrainConfig
+from autofit.core.config import CheckpointPolicy, Precision, TrainConfig
 from autofit.core.errors import AutofitError, WorkloadError
+from autofit.runtime.optimizers import replace_optimizer
 from autofit.workloads.base import Workload
 
 log = logging.getLogger(__name__)
@@ -83,16 +86,35 @@ def _first_tensor(output: Any) -> Any:
     return output[0] if isinstance(output, (tuple, list)) else output
 
 
-def checkpoint_layers(layers: nn.ModuleList, every: int) -> None:
+# What selective checkpointing saves in a segment's forward (``checkpoint_policy=selective``): the outputs
+# of matrix multiplications and of attention, the expensive operators; every other operator is
+# recomputed in the segment's backward, as torch's selective activation checkpointing does it
+# (``create_selective_checkpoint_contexts``).
+SELECTIVE_SAVE = tuple(getattr(torch.ops.aten, name).default for name in (
+    "mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+) if hasattr(torch.ops.aten, name))
+
+
+def selective_context():
+    """The ``context_fn`` of a selectively checkpointed segment: save :data:`SELECTIVE_SAVE`'s outputs."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(list(SELECTIVE_SAVE))
+
+
+def checkpoint_layers(layers: nn.ModuleList, every: int, policy: CheckpointPolicy = CheckpointPolicy.FULL) -> None:
     """Make each run of ``every`` consecutive layers one non-reentrant checkpoint segment.
 
     The first layer of a segment runs the whole segment under ``torch.utils.checkpoint``;
     the others become pass-throughs, so the model's own forward (``x = layer(x, ...)``) is
     unchanged and parameter names stay as they are. Layers must chain: each takes the
-    previous one's output (or its first element) as its first argument.
+    previous one's output (or its first element) as its first argument. ``policy`` selective:
+    the segment also saves the outputs of :data:`SELECTIVE_SAVE` and recomputes only the rest.
     """
     if every <= 0:
         return
+    extra = {"context_fn": selective_context} if CheckpointPolicy(policy) is CheckpointPolicy.SELECTIVE else {}
     originals = [layer.forward for layer in layers]
     roles: list[Callable] = list(originals)
     for start in range(0, len(layers), every):
@@ -106,7 +128,7 @@ def checkpoint_layers(layers: nn.ModuleList, every: int) -> None:
             return out
 
         def head_forward(x, *args, _run=run_segment, _state=state, **kwargs):
-            out = checkpoint(_run, x, *args, use_reentrant=False, **kwargs)
+            out = checkpoint(_run, x, *args, use_reentrant=False, **extra, **kwargs)
             _state["tail"] = tuple(out[1:]) if isinstance(out, tuple) else None
             first = _first_tensor(out)
             # a weak reference: holding the output itself would keep it alive past its use
@@ -166,9 +188,10 @@ def apply_config(model: nn.Module, config: TrainConfig, device: torch.device | s
 
     ``device``: where the model goes (None: where it is); ``layers``: the repeated blocks to
     checkpoint (needed when ``checkpoint_every > 0``); ``make_optimizer(parameters)``: the
-    optimizer factory (None: the caller keeps its own optimizer, which still holds the same
-    Parameter objects after the cast); ``scaler=False`` leaves the GradScaler out (fake tensors
-    cannot answer its ``found_inf.item()``). Raises WorkloadError when checkpointing has no layers.
+    optimizer factory, whose optimizer the config's ``optimizer`` lever may replace (None: the
+    caller keeps its own optimizer, which still holds the same Parameter objects after the cast); ``scaler=False`` leaves the GradScaler out (fake tensors
+    cannot answer its ``found_inf.item()``). Raises WorkloadError when checkpointing has no layers, or
+    when the lever cannot replace the workload's optimizer.
     """
     steps = []
     dtype = param_dtype(config.precision)
@@ -183,12 +206,18 @@ def apply_config(model: nn.Module, config: TrainConfig, device: torch.device | s
     if config.checkpoint_every:
         if layers is None:
             raise WorkloadError("checkpoint_every > 0 needs the model's layer list")
-        checkpoint_layers(layers, config.checkpoint_every)
-        steps.append(f"checkpoint: {len(layers)} layers in non-reentrant segments of {config.checkpoint_every}")
+        checkpoint_layers(layers, config.checkpoint_every, config.checkpoint_policy)
+        steps.append(f"checkpoint: {len(layers)} layers in non-reentrant segments of {config.checkpoint_every}"
+                     + (" (selective: matmul and attention outputs saved)"
+                        if config.checkpoint_policy is CheckpointPolicy.SELECTIVE else ""))
     optimizer = None
     if make_optimizer is not None:
         optimizer = make_optimizer(model.parameters())
-        steps.append(f"optimizer: {type(optimizer).__name__}")
+        given = type(optimizer).__name__
+        optimizer = replace_optimizer(config.optimizer, optimizer)
+        steps.append(f"optimizer: {type(optimizer).__name__}"
+                     + (f" (optimizer={config.optimizer.value}, replacing the workload's {given})"
+                        if config.changes_optimizer else ""))
     made_scaler = None
     if scaler and (made_scaler := grad_scaler(config.precision, _device_type(model, device))) is not None:
         steps.append("GradScaler for amp-fp16")

@@ -121,6 +121,11 @@ def deepen(pp: PrecisionProfile, n_layers: int) -> PrecisionProfile:
     grads = pp.grad_bytes + extra * layer.grad_bytes
     grow = grads / pp.grad_bytes if pp.grad_bytes else 1.0
     per_tensor, _ = _opt_peak_ratio(pp)
+    largest = _largest_grad_tensor(pp)
+    options = tuple(dataclasses.replace(  # the optimizer lever's choices grow as the workload's own
+        o, state_bytes=int(round(o.state_bytes * grow)),  # (a kernel's own bytes follow the largest tensor: kept)
+        peak_bytes=o.peak_bytes if largest and o.peak_bytes <= 4 * largest else int(round(o.peak_bytes * grow)))
+        for o in pp.optimizer_options)
     fwd = (pp.forward_flops[0], pp.forward_flops[1] + extra * layer.forward_flops[1])
     fwd_grow = fwd[1] / pp.forward_flops[1] if pp.forward_flops[1] else 1.0
     return dataclasses.replace(
@@ -129,6 +134,7 @@ def deepen(pp: PrecisionProfile, n_layers: int) -> PrecisionProfile:
         optimizer_peak_bytes=pp.optimizer_peak_bytes if per_tensor else int(round(pp.optimizer_peak_bytes * grow)),
         forward_flops=fwd, backward_flops=(pp.backward_flops[0], pp.backward_flops[1] * fwd_grow),
         split_ends=deepen(pp.split_ends, n_layers) if pp.split_ends is not None else None,
+        optimizer_options=options,
     )
 
 
@@ -153,11 +159,13 @@ def _meta_counts(workload: Workload) -> tuple[int, int]:
     return total, sum(p.numel() for p in layers[0].parameters())
 
 
-def _profile_base(family: Family, values: dict, precisions: list[Precision], device_type: str) -> _Base:
+def _profile_base(family: Family, values: dict, precisions: list[Precision], device_type: str,
+                  optimizers: tuple[str, ...] = ()) -> _Base:
     one = {**values, family.roles.depth: 1}
     workload = load_workload(family.spec(one))
     # In this process (no source): one warm-up for all anchors instead of worker processes per anchor.
-    profile = profile_workload(dataclasses.replace(workload, source=None), precisions, device_type=device_type)
+    profile = profile_workload(dataclasses.replace(workload, source=None), precisions, device_type=device_type,
+                               optimizers=optimizers)
     total, per_layer = _meta_counts(workload)
     return _Base(precisions={p.value: profile.for_precision(p) for p in precisions}, param_count=total,
                  layer_param_count=per_layer, counts=op_counts(workload), optimizer=profile.optimizer)
@@ -196,13 +204,13 @@ class ShapeProfile:
 
 
 def shape_profiles(family: Family, shapes: list[dict], axes: list[str], precisions: list[Precision],
-                   device_type: str = "cpu", progress: Callable[[str], None] | None = None
-                   ) -> tuple[list[ShapeProfile | None], dict]:
+                   device_type: str = "cpu", progress: Callable[[str], None] | None = None,
+                   optimizers: tuple[str, ...] = ()) -> tuple[list[ShapeProfile | None], dict]:
     """One :class:`ShapeProfile` per shape (None where the model cannot be built), and how they were made.
 
     ``shapes`` are resolved value dicts (:meth:`Family.resolve`); ``axes`` the varied fields
     other than depth (fields that follow the width are not axes). See the module docstring for
-    the method. The dict gives ``profiled`` (one-layer profiles run or read from the cache),
+    the method. ``optimizers``: the ``optimizer`` lever's choices to profile too. The dict gives ``profiled`` (one-layer profiles run or read from the cache),
     ``interpolated`` (non-depth shapes interpolated) and ``profile_s``.
     """
     started = time.perf_counter()
@@ -215,7 +223,8 @@ def shape_profiles(family: Family, shapes: list[dict], axes: list[str], precisio
     bases: dict[tuple, _Base | None] = {}
     direct = len(combos) >= len(keys) or not axes or any(c not in by_axes for c in combos)
     if not direct:
-        anchor_bases = [_try_base(family, dict(by_axes[c]), precisions, device_type, progress) for c in combos]
+        anchor_bases = [_try_base(family, dict(by_axes[c]), precisions, device_type, progress, optimizers)
+                        for c in combos]
         direct = any(b is None for b in anchor_bases)
         bases.update({by_axes[c]: b for c, b in zip(combos, anchor_bases)})
     interpolated = 0
@@ -223,7 +232,7 @@ def shape_profiles(family: Family, shapes: list[dict], axes: list[str], precisio
         if k in bases:
             continue
         if direct:
-            bases[k] = _try_base(family, dict(k), precisions, device_type, progress)
+            bases[k] = _try_base(family, dict(k), precisions, device_type, progress, optimizers)
             continue
         values = dict(k)
         try:
@@ -256,11 +265,11 @@ def _anchors(values: list[int]) -> list[int]:
 
 
 def _try_base(family: Family, values: dict, precisions: list[Precision], device_type: str,
-              progress: Callable[[str], None] | None) -> _Base | None:
+              progress: Callable[[str], None] | None, optimizers: tuple[str, ...] = ()) -> _Base | None:
     if progress:
         progress(f"profiling {family.spec({**values, family.roles.depth: 1})} on fake tensors")
     try:
-        return _profile_base(family, values, precisions, device_type)
+        return _profile_base(family, values, precisions, device_type, optimizers)
     except WorkloadError:  # a shape the model refuses (e.g. heads that do not divide the width)
         return None
 

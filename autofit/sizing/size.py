@@ -35,6 +35,7 @@ import pandas as pd
 from autofit.core.budget import format_budget, parse_budget
 from autofit.core.config import TrainConfig
 from autofit.core.space import SearchSpace, builtin_spaces, load_space
+from autofit.estimator.memory_model import optimizer_choices
 from autofit.estimator.memory_table import estimate_table
 from autofit.estimator.time_model import predict_table
 from autofit.probes.device_rates import probe_rates
@@ -120,8 +121,11 @@ def _grid(family: Family, vary: dict) -> tuple[list[dict], list[dict]]:
 
 
 def _state_floor(sp: ShapeProfile) -> float:
-    """Weights + gradients + optimizer state of the whole model, at its least-memory precision."""
-    return min(pp.static_param_bytes + pp.grad_bytes + pp.optimizer_bytes for pp in sp.profile.precisions.values())
+    """Weights + gradients + optimizer state of the whole model, at its least-memory precision (and
+    optimizer, where the lever's choices were profiled)."""
+    return min(pp.static_param_bytes + pp.grad_bytes + min([pp.optimizer_bytes]
+                                                           + [o.state_bytes for o in pp.optimizer_options])
+               for pp in sp.profile.precisions.values())
 
 
 def score_shape(sp: ShapeProfile, configs: list[TrainConfig], budget_bytes: int, devices: int, rates) -> dict:
@@ -201,7 +205,8 @@ def size(family: Family | str, budget: str | int = "8GB", *, vary: dict | list[s
     if not shapes:
         raise SizeError(f"no valid shape in the grid: {invalid[0]['reason']}")
     configs = resolved_space.configs()
-    profiles, info = shape_profiles(fam, shapes, list(grid), list(resolved_space.precision), device, progress)
+    profiles, info = shape_profiles(fam, shapes, list(grid), list(resolved_space.precision), device, progress,
+                                    tuple(optimizer_choices(configs)))
     try:
         rates = probe_rates(device)
     except RuntimeError as exc:  # e.g. --device cuda on a machine without a GPU: no rates to measure

@@ -4,29 +4,14 @@ never leaves a stale lock) and the journal file whose failed write is cut back t
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
-import logging
 import os
-import shutil
-import socket
-import time
 from pathlib import Path
 
-import optuna
-from optuna.distributions import CategoricalDistribution
-from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
-from optuna.trial import FrozenTrial, TrialState, create_trial
 
-from autofit.core.config import FIELDS, TrainConfig
-from autofit.core.errors import AutofitError, RunFailure, StudyError
-from autofit.core.files import write_atomic
-from autofit.core.objective import objective
-from autofit.core.records import PruneReason, StudySnapshot, TrialRecord, TrialStatus
-from autofit.core.space import SearchSpace
-from autofit.profiling.data import PROFILE_VERSION
-from autofit.study.settings import JOURNAL_NAME, StudySettings, redact
+from autofit.core.errors import RunFailure
+
 CLAIM_LOCK_NAME = ".autofit-claim.lock"
 JOURNAL_LOCK_NAME = ".autofit-journal.lock"
 SEARCH_LOCK_NAME = ".autofit-search.lock"

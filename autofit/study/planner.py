@@ -16,7 +16,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from autofit.core.budget import format_bytes
-from autofit.core.config import FIELDS, SplitMode, TrainConfig, stage_bounds
+from autofit.core.config import (
+    FIELDS,
+    CheckpointPolicy,
+    SplitMode,
+    TrainConfig,
+    stage_bounds,
+)
 from autofit.core.objective import objective
 from autofit.core.records import (
     PruneReason,
@@ -118,8 +124,9 @@ def vouch_key(config: TrainConfig) -> tuple:
     """What a trial's calibration vouches for within the time model's margin: its calibration
     group and whether it recomputes (checkpointing's cost is one shared term of the calibration,
     fitted from whichever side ran: a checkpointed trial says little about the same precision
-    without it; on the committed convnet-bn grid one did, and ruled out the optimum)."""
-    return (*calibration_group(config), config.checkpoint_every > 0)
+    without it; on the committed convnet-bn grid one did, and ruled out the optimum), which policy it
+    checkpoints with (selective recomputes less) and with which optimizer (the lever's own step)."""
+    return (*calibration_group(config), config.checkpoint_every > 0, config.checkpoint_policy, config.optimizer)
 
 
 def group_name(group: tuple) -> str:
@@ -412,7 +419,8 @@ class Planner:
         """Prune checkpointing that buys memory the budget does not need (see :mod:`autofit.study`)."""
         groups: dict[tuple, list[int]] = {}
         for i, c in enumerate(self.configs):
-            groups.setdefault((c.precision, c.micro_batch, c.grad_accum, c.device_split, c.split_mode), []).append(i)
+            groups.setdefault((c.precision, c.micro_batch, c.grad_accum, c.device_split, c.split_mode, c.optimizer),
+                              []).append(i)
         for members in groups.values():
             alive = [i for i in members if reasons[i] is None and not failed_run[i]]
             for b in alive:
@@ -426,8 +434,10 @@ class Planner:
                     if faster or same_time_less_memory:
                         ca = self.configs[a]
                         why = "predicted faster" if faster else "predicted as fast with less memory"
-                        reasons[b] = (PruneReason.DOMINATED, f"checkpoint_every {ca.checkpoint_every} with the same "
-                                                             f"precision, micro-batch and split fits and is {why}")
+                        policy = " (selective)" if ca.checkpoint_policy is CheckpointPolicy.SELECTIVE else ""
+                        reasons[b] = (PruneReason.DOMINATED, f"checkpoint_every {ca.checkpoint_every}{policy} with the "
+                                                             f"same precision, micro-batch, split and optimizer fits "
+                                                             f"and is {why}")
                         break
 
     def _stop(self, candidates: list[int], finished: list[TrialRecord], running: int, sps: np.ndarray,

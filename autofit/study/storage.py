@@ -1,6 +1,6 @@
 """Where a study lives: an Optuna storage (a journal file by default), its locks, and the record format.
 
-A trial is stored as an Optuna trial: its params are the five config fields (one categorical
+A trial is stored as an Optuna trial: its params are the config fields (one categorical
 each), its value the measured samples/s, its constraints the measured peak over the budget
 and whether it failed. The rest is in user attrs, read and written only here:
 
@@ -18,7 +18,7 @@ form the planner and the report see. Journals written by autofit 0.1 read the sa
 
 from __future__ import annotations
 
-import fcntl
+import enum
 import hashlib
 import json
 import logging
@@ -31,7 +31,6 @@ from pathlib import Path
 import optuna
 from optuna.distributions import CategoricalDistribution
 from optuna.storages import JournalStorage
-from optuna.storages.journal import JournalFileBackend
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
 from autofit.core.config import FIELDS, TrainConfig
@@ -42,13 +41,9 @@ from autofit.core.records import PruneReason, StudySnapshot, TrialRecord, TrialS
 from autofit.core.space import SearchSpace
 from autofit.profiling.data import PROFILE_VERSION
 from autofit.study.locks import (
-    CLAIM_LOCK_NAME,
     JOURNAL_LOCK_NAME,
-    SEARCH_LOCK_NAME,
-    ClaimLock,
     FlockLock,
     JournalFile,
-    SearchLock,
 )
 from autofit.study.settings import JOURNAL_NAME, StudySettings, redact
 
@@ -281,20 +276,25 @@ def distributions(space: SearchSpace) -> dict[str, CategoricalDistribution]:
     out = {}
     for name in FIELDS:
         values = list(dict.fromkeys(getattr(c, name) for c in configs))
-        if name in ("precision", "split_mode"):
+        if isinstance(values[0], enum.Enum):
             out[name] = CategoricalDistribution([v.value for v in values])
         else:
             out[name] = CategoricalDistribution(sorted(values))
     return out
 
 
+# Config fields added after studies were first stored: a stored trial without them is still a config.
+_LATER_FIELDS = {"split_mode", "optimizer", "checkpoint_policy"}
+
+
 def config_of(params: dict) -> TrainConfig | None:
     """The TrainConfig of a trial's params (None when they are not a config)."""
     missing = [f for f in FIELDS if f not in params]
-    if missing and missing != ["split_mode"]:  # not a config (a trial someone added by hand)
+    if not set(missing) <= _LATER_FIELDS:  # not a config (a trial someone added by hand)
         return None
     try:
-        # params from before split_mode existed lack it: TrainConfig's default (pipeline) applies
+        # params from before a later field existed lack it: TrainConfig's default applies (pipeline,
+        # the workload's own optimizer, full checkpointing)
         return TrainConfig.from_dict({f: params[f] for f in FIELDS if f in params})
     except (KeyError, AutofitError):
         return None

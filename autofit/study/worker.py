@@ -23,14 +23,14 @@ from autofit.core.config import TrainConfig
 from autofit.core.records import PruneReason, TrialRecord, TrialStatus, trial_number
 from autofit.estimator.calibration import relative_error
 from autofit.estimator.layer_prior import workload_prior
-from autofit.estimator.memory_model import needs_split_ends
+from autofit.estimator.memory_model import needs_split_ends, optimizer_choices
 from autofit.estimator.time_model import OpCounts
 from autofit.probes.device_rates import DeviceRates, probe_rates
 from autofit.probes.links import with_links
 from autofit.profiling.data import Profile
 from autofit.profiling.profile import profile_workload
 from autofit.runtime.schedule import DEFAULT_SCHEDULE
-from autofit.study import storage
+from autofit.study import locks, storage
 from autofit.study.planner import Planner
 from autofit.study.progress import ProgressCallback, progress_of
 from autofit.study.settings import StudySettings
@@ -207,7 +207,8 @@ def run_worker(settings: StudySettings, workload: Workload, *, profile: Profile 
     """
     space = settings.search_space()
     profile = profile or profile_workload(workload, list(space.precision), device_type=settings.device_type,
-                                          split_ends=needs_split_ends(space.configs()))
+                                          split_ends=needs_split_ends(space.configs()),
+                                          optimizers=optimizer_choices(space.configs()))
     rates = rates or probe_rates(settings.device_type)
     if rates.links is None:  # a worker started on its own: the splits' link costs, from the cache the search filled
         rates = with_links(rates, space.configs(), settings.devices)
@@ -246,7 +247,7 @@ class _Worker:
         storage.quiet_optuna()
         self.study = optuna.load_study(study_name=settings.study_name, sampler=self.sampler,
                                        storage=storage.make_storage(out_dir, settings.storage))
-        self.lock = storage.ClaimLock(out_dir)
+        self.lock = locks.ClaimLock(out_dir)
         self.progress = progress
         self.calibrated_on: int | None = None
 

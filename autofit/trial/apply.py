@@ -19,6 +19,10 @@ Example::
                 run.backward(loss)
             run.step()
 
+A config whose ``optimizer`` is not ``as-given`` trains with a replacement of your optimizer
+(:func:`TrainingPlan.optimizer`, the same one the trials measured): ``run.optimizer`` is the one
+stepped, so make a learning-rate scheduler on it, not on the optimizer you passed.
+
 Known limitations: ``device_split > 1`` (pipeline stages in several processes) cannot be
 applied to a model inside one loop: :meth:`TrainingPlan.prepare` raises ConfigError (see
 :mod:`autofit.trial.pipeline` and ``scripts/run_split_torchrun.py``). Leaving a run removes the
@@ -36,6 +40,7 @@ from torch import nn
 
 from autofit.core.config import Precision, TrainConfig
 from autofit.core.errors import ConfigError
+from autofit.runtime.optimizers import replace_optimizer
 from autofit.runtime.training import (
     apply_config,
     autocast_context,
@@ -101,6 +106,13 @@ class TrainingPlan:
                      layers=_layer_list(model, layers) if self.config.checkpoint_every else None)
         return model
 
+    def optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer to train with: ``optimizer`` itself, or for a config whose ``optimizer`` lever is set
+        (e.g. ``adamw8bit``) its replacement over the same parameter groups and hyper-parameters
+        (:func:`autofit.runtime.optimizers.replace_optimizer`). Raises WorkloadError when ``optimizer``
+        cannot be replaced (only torch.optim.Adam and AdamW are) or the replacement's library is missing."""
+        return replace_optimizer(self.config.optimizer, optimizer)
+
     def micro_batches(self, batch: Any, device: torch.device | str | None = None) -> list:
         """Cut a global batch (tensors, tuples, lists or dicts of them, samples along dim 0) into
         ``grad_accum`` micro-batches of ``micro_batch`` samples; floating tensors become bf16 under
@@ -120,7 +132,8 @@ class TrainingPlan:
         return [to_device(chunk, target, float_dtype) for chunk in chunks]
 
     def run(self, model: nn.Module, optimizer: torch.optim.Optimizer, layers: LayersArg = None) -> "TrainingRun":
-        """A :class:`TrainingRun` of ``model`` and ``optimizer`` under this plan (a context manager)."""
+        """A :class:`TrainingRun` of ``model`` and ``optimizer`` (replaced where the config's ``optimizer`` lever
+        says: :meth:`optimizer`) under this plan (a context manager)."""
         return TrainingRun(self, model, optimizer, layers)
 
 
@@ -136,7 +149,7 @@ class TrainingRun:
                  layers: LayersArg = None) -> None:
         self.plan = plan
         self.model = model
-        self.optimizer = optimizer
+        self.optimizer = plan.optimizer(optimizer)  # the lever's replacement, or ``optimizer`` itself
         self.scaler = plan.grad_scaler()
         self._layers = layers
         self._patched: list[nn.Module] = []

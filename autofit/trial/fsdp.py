@@ -91,7 +91,7 @@ def shard_model(model: nn.Module, layers: nn.ModuleList, config: TrainConfig, me
     from torch.distributed.fsdp import fully_shard
 
     if config.checkpoint_every and checkpoint:
-        checkpoint_layers(layers, config.checkpoint_every)
+        checkpoint_layers(layers, config.checkpoint_every, config.checkpoint_policy)
     # amp-*: no MixedPrecisionPolicy -- see the module docstring for why autocast over fp32 gathers.
     for start, end in fsdp_units(len(layers), config.checkpoint_every):
         unit = layers[start] if end - start == 1 else [layers[i] for i in range(start, end)]

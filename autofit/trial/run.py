@@ -122,7 +122,7 @@ class TrialResult:
         return self.status is TrialStatus.OK
 
     def to_dict(self) -> dict:
-        """JSON-ready: the field names above, ``config`` as its five fields, ``status`` as a string."""
+        """JSON-ready: the field names above, ``config`` as its fields, ``status`` as a string."""
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         data["config"] = self.config.to_dict()
         data["status"] = self.status.value

@@ -136,6 +136,17 @@ def training_cache_caveat(name: str, model: nn.Module) -> str | None:
             "checkpointing")
 
 
+def selective_caveat(name: str, model: nn.Module) -> str | None:
+    """Why ``model`` cannot be checkpointed selectively, if it cannot: a transformers model that caches keys
+    and values while it trains appends to its cache in each layer's forward, so a recomputation runs other
+    operators than the forward did, which torch's selective checkpointing refuses (it raises in backward)."""
+    if getattr(getattr(model, "config", None), "use_cache", None) is not True:
+        return None
+    return (f"{name}: config.use_cache is True, so each layer appends to a key/value cache as it runs and a "
+            "recomputation runs other operators than the forward, which selective checkpointing refuses; set "
+            "use_cache=False")
+
+
 def _failing_optimizer(exc: BaseException) -> str | None:
     """The class name of the optimizer whose ``step`` raised ``exc``, if one did."""
     for frame, _ in traceback.walk_tb(exc.__traceback__):
@@ -157,7 +168,8 @@ def explain_failure(name: str, exc: BaseException) -> str:
         why = (" (it reads a tensor's value, e.g. .item(), which fake tensors do not have)"
                if "_local_scalar_dense" in text or "data-dependent" in text.lower() else "")
         return (f"{name}: the optimizer's step ({optimizer}) cannot run on fake tensors{why}, so autofit cannot "
-                f"profile it ({type(exc).__name__}: {text}); use one that can, e.g. torch.optim.AdamW, SGD, RMSprop, Adagrad")
+                f"profile it ({type(exc).__name__}: {text}); use one that can, e.g. torch.optim.AdamW, Adafactor, SGD, RMSprop, "
+                "Adagrad")
     for needles, hint in _FAILURE_HINTS:
         if any(n in text for n in needles):
             return f"{name}: {hint} ({type(exc).__name__}: {text})"

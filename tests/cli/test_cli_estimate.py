@@ -24,7 +24,7 @@ def test_estimate_one_config_json():
     data = json.loads(proc.stdout)
     assert ESTIMATE_KEYS <= set(data)
     assert data["config"] == {"precision": "bf16", "micro_batch": 4, "grad_accum": 2, "checkpoint_every": 1, "device_split": 2,
-                              "split_mode": "pipeline"}
+                              "split_mode": "pipeline", "optimizer": "as-given", "checkpoint_policy": "full"}
     assert data["budget_bytes"] == 10**9 and data["fits"] is True
     assert len(data["per_device_peak_bytes"]) == 2 and data["peak_bytes"] == max(data["per_device_peak_bytes"])
     assert data["model_state_bytes"] == 8 * data["param_count"] + 4 * 52  # bf16 AdamW + an fp32 step per tensor (52 tensors)
@@ -141,3 +141,29 @@ def test_debug_shows_the_librarys_debug_lines(monkeypatch, capsys):
     cli._warnings_to_stderr(debug=False)
     logging.getLogger("autofit.probes").debug("hidden")
     assert "hidden" not in capsys.readouterr().err
+
+
+def test_estimate_lean_space_names_the_levers_and_what_cannot_run(trial_workload_spec, write_space, tmp_path, capsys,
+                                                                   monkeypatch):
+    import importlib.util
+
+    from autofit.runtime import optimizers
+
+    real = importlib.util.find_spec  # as where bitsandbytes is not installed
+    monkeypatch.setattr(optimizers.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    space = write_space(tmp_path / "s.toml", precision=["fp32"], micro_batch=[2], checkpoint_every=[0, 1],
+                        optimizer=["as-given", "adafactor", "adamw8bit"], checkpoint_policy=["full", "selective"])
+    assert main(["estimate", "--model", trial_workload_spec("tiny"), "--budget", "1GB", "--device", "cpu",
+                 "--space", str(space)]) == 0
+    out = capsys.readouterr().out
+    assert "9 configs, 6 predicted to fit" in out
+    assert "3 cannot run: optimizer=adamw8bit needs bitsandbytes, which is not installed: pip install 'autofit[optim]'" in out
+    assert " optimizer " in out and "adafactor" in out and " 1s " in out  # the optimizer column, ckpt 1s: selective
+    assert "note: 3 of the 6 configs that fit replace the workload's AdamW (adafactor): that changes the training" in out
+    assert main(["estimate", "--model", trial_workload_spec("tiny"), "--budget", "1GB", "--device", "cpu",
+                 "--space", str(space), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {c["optimizer"] for c in data["configs"]} == {"as-given", "adafactor"}
+    assert data["cannot_run"] == [{"reason": "optimizer=adamw8bit needs bitsandbytes, which is not installed: "
+                                             "pip install 'autofit[optim]'", "configs": 3}]

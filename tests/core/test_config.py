@@ -2,14 +2,22 @@ import json
 
 import pytest
 
-from autofit.core.config import Precision, SplitMode, TrainConfig, stage_bounds
+from autofit.core.config import (
+    CheckpointPolicy,
+    OptimizerChoice,
+    Precision,
+    SplitMode,
+    TrainConfig,
+    stage_bounds,
+)
 from autofit.core.errors import ConfigError
 
 
 def test_defaults_and_json_contract():
     cfg = TrainConfig()
     assert cfg.to_dict() == {"precision": "fp32", "micro_batch": 1, "grad_accum": 1, "checkpoint_every": 0,
-                             "device_split": 1, "split_mode": "pipeline"}
+                             "device_split": 1, "split_mode": "pipeline", "optimizer": "as-given",
+                             "checkpoint_policy": "full"}
     assert TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     fsdp = TrainConfig(micro_batch=2, device_split=4, split_mode="fsdp")
     assert TrainConfig.from_dict(json.loads(json.dumps(fsdp.to_dict()))) == fsdp
@@ -18,6 +26,38 @@ def test_defaults_and_json_contract():
 def test_json_from_before_split_mode_loads_as_pipeline():
     old = {"precision": "amp-bf16", "micro_batch": 4, "grad_accum": 2, "checkpoint_every": 1, "device_split": 2}
     assert TrainConfig.from_dict(old).split_mode is SplitMode.PIPELINE
+
+
+def test_json_from_before_the_lean_levers_loads_as_the_workloads_optimizer_and_full_checkpointing():
+    old = {"precision": "amp-bf16", "micro_batch": 4, "grad_accum": 2, "checkpoint_every": 1, "device_split": 1,
+           "split_mode": "pipeline"}
+    cfg = TrainConfig.from_dict(old)
+    assert cfg.optimizer is OptimizerChoice.AS_GIVEN and cfg.checkpoint_policy is CheckpointPolicy.FULL
+    assert not cfg.changes_optimizer
+    # the short form of a config that uses neither lever reads as it always did (study identities hash it)
+    assert cfg.short() == "amp-bf16 mb=4 ga=2 ckpt=1 split=1"
+    lean = TrainConfig.from_dict({**old, "optimizer": "adamw8bit", "checkpoint_policy": "selective"})
+    assert lean.short() == "amp-bf16 mb=4 ga=2 ckpt=1/sel split=1 opt=adamw8bit"
+    assert lean.changes_optimizer
+    assert TrainConfig.from_dict(json.loads(json.dumps(lean.to_dict()))) == lean
+
+
+def test_lean_levers_parse_and_name_their_choices():
+    cfg = TrainConfig.parse("checkpoint_every=2,checkpoint-policy=SELECTIVE,optimizer=Adafactor")
+    assert cfg.checkpoint_policy is CheckpointPolicy.SELECTIVE and cfg.optimizer is OptimizerChoice.ADAFACTOR
+    assert TrainConfig.parse("optimizer=as_given").optimizer is OptimizerChoice.AS_GIVEN
+    with pytest.raises(ConfigError, match="invalid optimizer 'sgd': expected one of as-given, adafactor, adamw8bit"):
+        TrainConfig.parse("optimizer=sgd")
+    with pytest.raises(ConfigError, match="invalid checkpoint_policy 'some': expected one of full, selective"):
+        TrainConfig.parse("checkpoint_every=1,checkpoint_policy=some")
+
+
+def test_selective_without_checkpointing_is_refused_when_asked_and_full_when_derived():
+    with pytest.raises(ConfigError, match="checkpoint_policy=selective needs checkpoint_every >= 1"):
+        TrainConfig.parse("checkpoint_policy=selective")
+    # built in code (e.g. a config with its checkpointing turned off): nothing to apply it to, so full
+    assert TrainConfig(checkpoint_every=0, checkpoint_policy="selective").checkpoint_policy is CheckpointPolicy.FULL
+    assert TrainConfig(checkpoint_every=0, checkpoint_policy="selective") == TrainConfig()
 
 
 def test_fsdp_ranks_each_run_a_micro_batch():

@@ -104,3 +104,27 @@ def test_fsdp_split_mode_divides_the_global_batch_over_ranks():
 def test_bad_split_mode_in_space_names_the_choices():
     with pytest.raises(SpaceError, match="'split_mode' has invalid values \\['zero'\\]; expected pipeline, fsdp"):
         space_from_dict({"precision": "fp32", "micro_batch": 1, "split_mode": "zero"})
+
+
+def test_lean_space_adds_the_optimizer_and_the_checkpoint_policy_to_the_default_levers():
+    from autofit.core.config import CheckpointPolicy, OptimizerChoice
+
+    default, lean = load_space("default"), load_space("lean")
+    for dim in ("precision", "micro_batch", "checkpoint_every", "device_split", "split_mode"):
+        assert getattr(lean, dim) == getattr(default, dim)
+    assert lean.global_batch == default.global_batch
+    assert set(lean.optimizer) == set(OptimizerChoice)
+    assert set(lean.checkpoint_policy) == set(CheckpointPolicy)
+    configs = lean.configs()
+    # no checkpointing is one config whatever the policy: 1 + 3 x 2 checkpoint settings, 3 optimizers
+    assert len(configs) == len(default.configs()) // 4 * 7 * 3
+    assert all(c.checkpoint_policy is CheckpointPolicy.FULL for c in configs if c.checkpoint_every == 0)
+    # the lever changes the training: the default space keeps the workload's own optimizer
+    assert {c.optimizer for c in default.configs()} == {OptimizerChoice.AS_GIVEN}
+
+
+def test_bad_optimizer_in_space_names_the_choices(tmp_path):
+    path = tmp_path / "s.toml"
+    path.write_text('precision = ["fp32"]\nmicro_batch = [1]\noptimizer = ["lion"]\n')
+    with pytest.raises(SpaceError, match="'optimizer' has invalid values.*as-given, adafactor, adamw8bit"):
+        load_space(path)

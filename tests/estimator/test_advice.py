@@ -59,3 +59,18 @@ def test_model_state_alone_answer():
     assert "fp32: weights + gradients + optimizer state alone are" in text
     assert "nothing fits even split across 4 devices: use a smaller model or a larger budget" in text
     assert advice.smallest_fit is None
+
+
+def test_lean_levers_answer_names_the_lever(profile):
+    # nothing fits one device with the workload's own AdamW; with Adafactor's factored state bf16 does, and the
+    # advice says which lever it takes
+    from autofit.estimator.advice import advise
+
+    lean = profile_workload(load_workload(MODEL), list(Precision), device_type="cpu", optimizers=["adafactor"])
+    budget = _peak(lean, "precision=bf16,checkpoint_every=1,optimizer=adafactor") + 2**20
+    assert _peak(lean, "precision=bf16,checkpoint_every=1") > budget
+    plain = "\n".join(advise(lean, budget, [Precision.BF16]).lines)
+    assert "no single-device configuration fits" in plain and "the lean space (--space lean)" in plain
+    text = "\n".join(advise(lean, budget, [Precision.BF16], ["as-given", "adafactor"], ["full", "selective"]).lines)
+    assert "fits on one device: bf16 with adafactor + checkpoint_every=" in text
+    assert "the lean space" not in text

@@ -27,29 +27,30 @@ CONFIGS = [TrainConfig(p, mb, ga, ck, ds) for p in PRECISIONS for mb in (1, 4) f
            for ck in (0, 1, 2) for ds in (1, 2, 3)]
 
 
-def _direct(spec: str):
+def _direct(spec: str, optimizers=()):
     workload = load_workload(spec)
-    return profile_workload(workload, PRECISIONS), op_counts(workload)
+    return profile_workload(workload, PRECISIONS, optimizers=optimizers), op_counts(workload)
 
 
-def _compare(family_spec: str, vary: dict, axes: list[str], check: list[dict], rtol: float = 0.01) -> None:
+def _compare(family_spec: str, vary: dict, axes: list[str], check: list[dict], rtol: float = 0.01,
+             configs=CONFIGS, optimizers=()) -> None:
     """Scaled profiles of ``check`` shapes against direct profiles: peaks, step times, parameters."""
     family = load_family(family_spec)
     shapes = [family.resolve(dict(zip(vary, combo))) for combo in itertools.product(*vary.values())]
-    scaled, info = shape_profiles(family, shapes, axes, PRECISIONS)
+    scaled, info = shape_profiles(family, shapes, axes, PRECISIONS, optimizers=optimizers)
     assert info["interpolated"] >= 1  # the shortcut was taken, not only direct profiles
     rates = probe_rates()
     for want in check:
         shape = family.resolve(want)
         sp = scaled[shapes.index(shape)]
-        direct, counts = _direct(family.spec(shape))
+        direct, counts = _direct(family.spec(shape), optimizers)
         assert sp.profile.param_count == direct.param_count
-        got = estimate_table(sp.profile, CONFIGS)["peak_bytes"].to_numpy()
-        ref = estimate_table(direct, CONFIGS)["peak_bytes"].to_numpy()
+        got = estimate_table(sp.profile, configs)["peak_bytes"].to_numpy()
+        ref = estimate_table(direct, configs)["peak_bytes"].to_numpy()
         ok = ~np.isnan(ref)
         np.testing.assert_allclose(got[ok], ref[ok], rtol=rtol, err_msg=family.spec(shape))
-        got_t = predict_table(sp.profile, CONFIGS, rates, sp.counts)["step_time_s"].to_numpy()
-        ref_t = predict_table(direct, CONFIGS, rates, counts)["step_time_s"].to_numpy()
+        got_t = predict_table(sp.profile, configs, rates, sp.counts)["step_time_s"].to_numpy()
+        ref_t = predict_table(direct, configs, rates, counts)["step_time_s"].to_numpy()
         np.testing.assert_allclose(got_t[ok], ref_t[ok], rtol=rtol, err_msg=family.spec(shape))
 
 
@@ -59,6 +60,17 @@ def test_scaled_profiles_match_direct_profiles_across_width_and_depth():
     _compare("gpt-tiny", vary, ["n_embd"], [{"n_layer": 3, "n_embd": 144, "seq_len": 32},
                                             {"n_layer": 3, "n_embd": 288, "seq_len": 32},
                                             {"n_layer": 3, "n_embd": 384, "seq_len": 32}])
+
+
+def test_scaled_profiles_match_direct_profiles_with_the_lean_levers():
+    # the optimizer lever's state and selective checkpointing's kept outputs scale with the shape too
+    lean = [TrainConfig(p, mb, 1, ck, ds, optimizer=opt, checkpoint_policy=policy)
+            for p in PRECISIONS for mb in (1, 4) for ck, policy in ((0, "full"), (1, "selective"), (2, "selective"))
+            for ds in (1, 2) for opt in ("as-given", "adafactor", "adamw8bit")]
+    vary = {"n_layer": [3], "n_embd": [96, 144, 192, 288, 384], "seq_len": [32]}
+    _compare("gpt-tiny", vary, ["n_embd"], [{"n_layer": 3, "n_embd": 144, "seq_len": 32},
+                                            {"n_layer": 3, "n_embd": 288, "seq_len": 32}],
+             configs=lean, optimizers=("adafactor", "adamw8bit"))
 
 
 def test_scaled_profiles_match_direct_profiles_across_sequence_length():

@@ -84,7 +84,8 @@ def test_ok_trial_measures_and_round_trips(trial_workload_spec, pidfile):
     assert result.tokens_per_s == pytest.approx(result.samples_per_s)  # tokens_per_sample=1
     data = json.loads(json.dumps(result.to_dict()))
     assert data["config"] == {"precision": "fp32", "micro_batch": 8, "grad_accum": 4, "checkpoint_every": 0,
-                              "device_split": 1, "split_mode": "pipeline"}
+                              "device_split": 1, "split_mode": "pipeline", "optimizer": "as-given",
+                              "checkpoint_policy": "full"}
     assert data["status"] == "ok"
     assert TrialResult.from_dict(data) == result
     _assert_gone(_recorded(pidfile))

@@ -1,0 +1,86 @@
+"""Selective checkpointing and the optimizer lever in the memory and time models, against real steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from autofit.core.config import TrainConfig
+from autofit.estimator.memory_model import estimate, optimizer_choices
+from autofit.estimator.memory_table import estimate_table
+from autofit.estimator.time_model import predict_table
+from autofit.probes.device_rates import DeviceRates
+from autofit.profiling.profile import profile_workload
+from autofit.trial.measure import measure_trial
+from autofit.workloads.load import load_workload
+
+# gpt-tiny: attention through SDPA, dropout, a tied head -- what the policy saves and what it recomputes
+MODEL = "gpt-tiny"
+
+
+@pytest.fixture(scope="module")
+def workload():
+    return load_workload(MODEL)
+
+
+@pytest.fixture(scope="module")
+def profile(workload):
+    return profile_workload(workload, ["fp32", "amp-bf16"], optimizers=["adafactor"])
+
+
+@pytest.mark.parametrize("config", [
+    TrainConfig("fp32", 1, 2, 1, checkpoint_policy="selective"),
+    TrainConfig("amp-bf16", 4, 2, 2, checkpoint_policy="selective", optimizer="adafactor"),
+    TrainConfig("fp32", 1, 2, 4, checkpoint_policy="selective"),  # one segment: the early stop's kept outputs
+], ids=lambda c: c.short())
+def test_selective_estimate_is_at_or_just_above_the_measured_peak(workload, profile, config):
+    predicted = estimate(profile, config).peak_bytes
+    measured = measure_trial(workload, config, warmup_steps=2, measure_steps=1)["peak_bytes"]
+    # 4 bytes a micro-step (its detached loss) are not estimated (docs/estimate.md); measured on this
+    # machine: exact for the first two, 1.6% high for the one segment of all four layers
+    assert measured - 16 <= predicted <= measured * 1.02
+
+
+def test_selective_keeps_more_than_full_and_less_than_none(profile):
+    configs = [TrainConfig("fp32", 8, 1, every, checkpoint_policy=policy)
+               for every, policy in ((0, "full"), (1, "selective"), (1, "full"))]
+    none, selective, full = estimate_table(profile, configs)["peak_bytes"]
+    assert full < selective < none
+
+
+def test_selective_recomputes_far_fewer_flops(profile):
+    rates = DeviceRates("cpu", "test", 2, {"float32": 1e11, "bfloat16": 5e10, "float16": 1e9}, 1e10, 5e-6, 0.0, "x")
+    configs = [TrainConfig("fp32", 8, 1, 1, checkpoint_policy=p) for p in ("full", "selective")]
+    full, selective = predict_table(profile, configs, rates)["recompute_flops_per_step"]
+    # gpt-tiny's layers are matmuls and attention, which the policy keeps: almost nothing is recomputed
+    assert 0 <= selective < 0.05 * full
+
+
+def test_the_optimizer_lever_replaces_the_state_and_says_so(profile):
+    config = TrainConfig("fp32", 2, optimizer="adafactor")
+    lean, given = estimate(profile, config), estimate(profile, TrainConfig("fp32", 2))
+    assert lean.optimizer_bytes < given.optimizer_bytes / 100  # factored rows and columns against two moments
+    assert lean.model_state_bytes == given.model_state_bytes - given.optimizer_bytes + lean.optimizer_bytes
+    assert "optimizer=adafactor: Adafactor replaces the workload's AdamW (this changes the training)" in lean.notes
+    assert optimizer_choices([config, TrainConfig(), config]) == ["adafactor"]
+
+
+def test_a_model_that_caches_keys_and_values_is_not_checkpointed_selectively():
+    import dataclasses
+    import types
+
+    from trial_workloads import mlp_workload
+
+    base = mlp_workload(name="caching-mlp")
+
+    def model():
+        m = base.model()
+        m.config = types.SimpleNamespace(use_cache=True)  # as a transformers model left with its default
+        return m
+
+    profile = profile_workload(dataclasses.replace(base, model=model), ["fp32"])
+    table = estimate_table(profile, [TrainConfig(checkpoint_every=1), TrainConfig(checkpoint_every=1,
+                                                                                  checkpoint_policy="selective")])
+    assert table["valid"].tolist() == [True, False]
+    assert table["reason"][1] == ("caching-mlp: config.use_cache is True, so each layer appends to a key/value cache "
+                                  "as it runs and a recomputation runs other operators than the forward, which "
+                                  "selective checkpointing refuses; set use_cache=False")

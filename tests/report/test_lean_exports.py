@@ -1,0 +1,76 @@
+"""Exports of the lean levers: the optimizer lever says first that it changes the training, in every target."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autofit.core.config import TrainConfig
+from autofit.report.export_notes import HF_OPTIM
+from autofit.report.exports import export
+from autofit.report.tables import changes_training
+
+LEAN = "precision=amp-bf16,micro_batch=4,grad_accum=2,checkpoint_every=1,checkpoint_policy=selective,optimizer={opt}"
+
+
+@pytest.mark.parametrize("opt,optim", [("adamw8bit", "adamw_bnb_8bit"), ("adafactor", "adafactor")])
+def test_hf_sets_optim_and_says_first_that_the_training_changes(opt, optim, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    exp = export(LEAN.format(opt=opt), "hf", device="cpu")
+    assert exp.kwargs["optim"] == optim == HF_OPTIM[TrainConfig(optimizer=opt).optimizer]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), **exp.kwargs)
+    assert str(getattr(args.optim, "value", args.optim)) == optim
+    first = exp.notes[0]
+    assert first.setting == f"optimizer={opt}" and "this config changes the training" in first.text()
+    assert json.loads(exp.text)["comment"][0] == first.text()
+    # selective checkpointing: the Trainer checkpoints every layer fully; the note gives autofit's exact code
+    ckpt = next(n for n in exp.notes if n.setting.startswith("checkpoint_every=1"))
+    assert ckpt.nearest_config.checkpoint_policy.value == "full"
+    assert 'checkpoint_layers(model.model.layers, 1, "selective")' in " ".join(ckpt.code)
+
+
+@pytest.mark.parametrize("target", ["accelerate", "lightning", "deepspeed", "json"])
+def test_every_target_says_it_first(target):
+    exp = export(LEAN.format(opt="adamw8bit"), target, device="cuda")
+    first = exp.notes[0]
+    assert first.setting == "optimizer=adamw8bit" and "this config changes the training" in first.text()
+    if target != "json":  # the optimizer comes from the user's code: the code that makes it
+        assert any("bnb.optim.AdamW8bit(" in line for line in first.code)
+        assert first.nearest_config == TrainConfig.parse(LEAN.format(opt="as-given"))
+    assert exp.comment()[0] == first.text()
+
+
+def test_a_config_without_the_lever_exports_as_before():
+    exp = export("precision=amp-bf16,micro_batch=4,checkpoint_every=1", "hf", device="cpu")
+    assert "optim" not in exp.kwargs and not exp.notes
+    assert changes_training(TrainConfig()) is None
+    assert changes_training(TrainConfig(optimizer="adafactor")).startswith(
+        "it trains with optimizer=adafactor (torch.optim.Adafactor) in place of the workload's own optimizer")
+
+
+def test_the_exact_selective_code_runs_on_a_transformers_model():
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from autofit.runtime.training import checkpoint_layers
+
+    torch.manual_seed(0)
+    # use_cache=False, as transformers' own checkpointing sets it: a layer that appends to a key/value cache
+    # runs other operators when recomputed, which selective checkpointing refuses
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
+                                   use_cache=False)
+    model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 64, (2, 16))
+
+    def step():
+        model.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    loss, grads = step()
+    checkpoint_layers(model.model.layers, 1, "selective")
+    sel_loss, sel_grads = step()
+    assert torch.allclose(loss, sel_loss) and all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, sel_grads))
