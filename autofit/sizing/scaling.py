@@ -167,8 +167,17 @@ def _profile_base(family: Family, values: dict, precisions: list[Precision], dev
     profile = profile_workload(dataclasses.replace(workload, source=None), precisions, device_type=device_type,
                                optimizers=optimizers)
     total, per_layer = _meta_counts(workload)
-    return _Base(precisions={p.value: profile.for_precision(p) for p in precisions}, param_count=total,
+    # Only the optimizer choices asked for: a cached profile may hold more (profiled by another
+    # command), and every anchor must have the same structure to be interpolated.
+    kept = {p.value: _only_options(profile.for_precision(p), optimizers) for p in precisions}
+    return _Base(precisions=kept, param_count=total,
                  layer_param_count=per_layer, counts=op_counts(workload), optimizer=profile.optimizer)
+
+
+def _only_options(pp, optimizers: tuple[str, ...]):
+    wanted = {str(getattr(o, "value", o)) for o in optimizers}
+    options = tuple(o for o in pp.optimizer_options if str(getattr(o.choice, "value", o.choice)) in wanted)
+    return pp if options == pp.optimizer_options else dataclasses.replace(pp, optimizer_options=options)
 
 
 def _interpolate(bases: list[_Base], weights: np.ndarray, exact: _Base) -> _Base:

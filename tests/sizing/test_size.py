@@ -246,3 +246,24 @@ def test_anchors_whose_real_check_notes_differ_still_interpolate(monkeypatch):
     scaled, info = shape_profiles(family, shapes, ["n_embd"], PRECISIONS)  # raised SizeError before
     assert info["interpolated"] >= 1 and len(calls) >= 3
     assert all(sp is not None and sp.profile.param_count > 0 for sp in scaled)
+
+
+def test_anchors_keep_only_the_optimizer_choices_asked_for():
+    """A cached one-layer profile may hold optimizer choices another command profiled: an anchor
+    keeps only those asked for, so anchors read from the cache and anchors traced now interpolate."""
+    import dataclasses
+
+    from autofit.sizing.scaling import _only_options
+
+    @dataclasses.dataclass(frozen=True)
+    class Option:
+        choice: str
+
+    @dataclasses.dataclass(frozen=True)
+    class Precision:
+        optimizer_options: tuple = ()
+
+    cached = Precision((Option("adafactor"), Option("adamw8bit")))
+    assert _only_options(cached, ()).optimizer_options == ()
+    assert _only_options(cached, ("adamw8bit",)).optimizer_options == (Option("adamw8bit"),)
+    assert _only_options(Precision(), ("adafactor",)) == Precision()
