@@ -9,6 +9,8 @@ import socket
 import time
 from pathlib import Path
 
+from autofit.core.procstat import GONE_STATES, stat_fields
+
 # ``.NAME.tmpPID@HOST``: write_atomic's temporary sibling of NAME (``.NAME.tmpPID`` before hosts were named).
 _TEMP_RE = re.compile(r"^\.(?P<name>.+)\.tmp(?P<pid>\d+)(?:@(?P<host>[A-Za-z0-9._-]+))?$")
 STALE_TEMP_S = 3600.0      # a temporary file this old is a killed write's, whoever wrote it (a write takes seconds)
@@ -50,12 +52,8 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:  # another user's process
         return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        return stat[stat.rfind(b")") + 2:].split()[0] not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return True  # no /proc: it answered the signal
+    fields = stat_fields(pid)
+    return not fields or fields[0] not in GONE_STATES  # no /proc: it answered the signal
 
 
 def stale_temp_files(directory: Path, now: float | None = None) -> list[Path]:

@@ -9,6 +9,8 @@ import threading
 import time
 from typing import Protocol
 
+from autofit.core.procstat import stat_fields
+
 REAP_GRACE_S = 2.0          # after SIGKILL, how long to wait for the group's members to go
 _PARENT_POLL_S = 0.5
 
@@ -97,12 +99,7 @@ def _group_alive(pgid: int) -> bool:
     for entry in entries:
         if not entry.isdigit():
             continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(b")") + 2:].split()  # after "pid (comm) ": state ppid pgrp ...
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b"Z":
+        fields = stat_fields(entry)  # state ppid pgrp ...
+        if fields and len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b"Z":
             return True
     return False

@@ -20,6 +20,7 @@ from optuna.samplers import BaseSampler
 
 from autofit.core.budget import format_bytes
 from autofit.core.config import TrainConfig
+from autofit.core.procstat import GONE_STATES, stat_fields
 from autofit.core.records import PruneReason, TrialRecord, TrialStatus, trial_number
 from autofit.estimator.calibration import relative_error
 from autofit.estimator.layer_prior import workload_prior
@@ -88,15 +89,10 @@ class PlannedSampler(BaseSampler):
 def process_start(pid: int) -> str | None:
     """The start time of process ``pid`` in clock ticks (``/proc``), or None when it is gone -- or dead
     and not reaped yet (a zombie: a worker killed under a search that reaps it only at the end)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        fields = stat[stat.rfind(b")") + 2:].split()  # from field 3, the state
-        if fields[0] in (b"Z", b"X"):
-            return None
-        return fields[19].decode()  # field 22: start time in clock ticks
-    except (OSError, IndexError):
+    fields = stat_fields(pid)
+    if not fields or fields[0] in GONE_STATES or len(fields) < 20:
         return None
+    return fields[19].decode()  # field 22: start time in clock ticks
 
 
 def worker_identity() -> dict:

@@ -3,8 +3,6 @@ run on the meta device (transformers' mask code, a user's value read), and says 
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
@@ -18,21 +16,6 @@ from autofit.workloads.load import load_workload
 HF_GPT2 = "hf:gpt2?n_layer=2&n_embd=64&n_head=2&vocab_size=512#seq_len=32"
 HF_LLAMA = ("hf:llama?num_hidden_layers=2&hidden_size=64&intermediate_size=128&num_attention_heads=2"
             "&num_key_value_heads=2&vocab_size=512#seq_len=32")
-
-
-@pytest.fixture
-def debug_lines():
-    """The DEBUG lines of logger ``autofit.probes`` while the test runs (whatever the CLI set up before)."""
-    lines: list[str] = []
-    handler = logging.Handler(logging.DEBUG)
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logger = logging.getLogger("autofit.probes")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    yield lines
-    logger.removeHandler(handler)
-    logger.setLevel(level)
 
 
 @pytest.mark.parametrize("spec", [HF_GPT2, HF_LLAMA])

@@ -3,8 +3,6 @@ traceback comes back from the child for --debug (autofit.probes.failures)."""
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 
 from autofit.probes import device_rates, links
@@ -32,20 +30,6 @@ class _Child:
 
     def stderr_tail(self):
         return self._tail
-
-
-@pytest.fixture
-def debug_lines():
-    lines: list[str] = []
-    handler = logging.Handler(logging.DEBUG)
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logger = logging.getLogger("autofit.probes")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    yield lines
-    logger.removeHandler(handler)
-    logger.setLevel(level)
 
 
 def _raise(exc):
