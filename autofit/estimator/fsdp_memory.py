@@ -22,7 +22,15 @@ those of one device at that micro-batch: the profile's regions, laid end to end 
   reduce-scatter buffer (whole size again) before keeping 1/N; FSDP2 keeps that buffer until the
   next unit's post-backward, through the next unit's gather, recomputation and backward; the
   root's whole gradients live from the loss's backward to the end of the backward;
-- **the optimizer step** runs on shards: its temporaries are 1/N of one device's.
+- **the optimizer step** runs on shards: its temporaries are 1/N of one device's;
+- **in flight**: a collective's buffer is released by the communication thread (gloo's worker,
+  or NCCL's stream) once the collective completes, which depends on when the other ranks reach
+  it. A rank that runs ahead of a slower one, or whose main thread allocates before that release,
+  holds one more buffer than the walk above. Measured on torch 2.13 with one rank slowed: the
+  extra was up to one unit's buffer at the peak and was seen on 1 run in 4 even on a quiet
+  machine. Every point counts the largest unit's (or the root's) buffer once more
+  (``in_flight_bytes``, in the temporaries), so the estimate bounds every rank's peak from above
+  by at most that much.
 
 Under amp, gathered weights are fp32 and autocast's half-precision weight copies are part of the
 activations, as on one device (see :mod:`autofit.trial.fsdp` for why no ``MixedPrecisionPolicy``).
@@ -82,6 +90,7 @@ class RankLines:
     later_phase: tuple
     shard_bytes: float          # params + grads + optimizer shards, and buffers
     optimizer_line: np.ndarray  # (4,) the optimizer step's constant parts
+    in_flight_bytes: float      # one collective buffer the communication thread may still hold
 
 
 class _Timeline:
@@ -142,8 +151,9 @@ class _RankWalk(_Timeline):
         shard_total = _shard_total(pp, n_ranks)
         self.root_s = shard_total - sum(self.ws)
         self.root_b = n_ranks * self.root_s
+        self.in_flight = max([*self.wb, self.root_b])
         super().__init__(np.array([shard_total + pp.static_param_bytes - grad_total, 0.0,
-                                   _optimizer_shard(pp, n_ranks), 0.0]))
+                                   _optimizer_shard(pp, n_ranks), self.in_flight]))
         self.pp, self.layers, self.units, self.every, self.later, self.cuda = pp, layers, units, every, later, cuda
         self.g_sh = shard_total if later else 0.0  # gradient shards (later micro-steps: all, accumulating)
         self.live: Line = (0.0, 0.0)
@@ -298,6 +308,7 @@ def rank_lines(pp: PrecisionProfile, n_ranks: int, every: int, cuda: bool) -> Ra
         later_consts=arr(later.consts), later_acts=arr(later.acts), later_gathered=arr(later.gathered),
         later_phase=tuple(f"later {p}" for p in later.phases),
         shard_bytes=float(first.base[_PARAMS] + first.base[_OPT] + _shard_total(pp, n_ranks)), optimizer_line=opt,
+        in_flight_bytes=first.in_flight,
     )
 
 

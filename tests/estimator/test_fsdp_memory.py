@@ -31,6 +31,16 @@ def fsdp(**kw) -> TrainConfig:
     return TrainConfig(split_mode="fsdp", **kw)
 
 
+def _assert_bounds(predicted: float, peaks: list[int], profile: Profile, config: TrainConfig, *,
+                   slack: float = 0.08) -> None:
+    """Every rank at or under the estimate, and the largest within ``slack`` of the estimate
+    without the collective buffer it allows for in flight (held or not, depending on timing)."""
+    in_flight = rank_lines(profile.for_precision(config.precision), config.device_split,
+                           config.checkpoint_every, False).in_flight_bytes
+    assert max(peaks) <= predicted, (peaks, predicted)
+    assert (predicted - in_flight - max(peaks)) / max(peaks) <= slack, (peaks, predicted, in_flight)
+
+
 def test_units_are_layers_or_checkpoint_segments():
     assert fsdp_units(5, 0) == fsdp_units(5, 1) == [(i, i + 1) for i in range(5)]
     assert fsdp_units(5, 2) == [(0, 2), (2, 4), (4, 5)]
@@ -44,7 +54,11 @@ def test_shards_are_one_nth_of_the_model_state(profile):
         expected = (pp.grad_bytes + pp.grad_bytes + pp.optimizer_bytes) / ranks + buffers
         assert lines.shard_bytes == pytest.approx(expected)
         # the optimizer step: shards of weights, gradients, state and the step's temporaries
-        assert lines.optimizer_line.sum() == pytest.approx(expected + pp.optimizer_peak_bytes / ranks)
+        # one more collective buffer: the largest unit's or the root's (rows divide evenly here)
+        layer_bytes = [layer.grad_bytes for layer in pp.layers]
+        in_flight = max(*layer_bytes, pp.grad_bytes - sum(layer_bytes))
+        assert lines.in_flight_bytes == pytest.approx(in_flight)
+        assert lines.optimizer_line.sum() == pytest.approx(expected + pp.optimizer_peak_bytes / ranks + in_flight)
 
 
 def test_more_ranks_less_memory_and_columns(profile):
@@ -70,8 +84,7 @@ def test_estimate_matches_each_ranks_measured_peak(profile, config):
     measured = measure_fsdp(SPEC, config, device_type="cpu", warmup_steps=2, measure_steps=1, timeout_s=120)
     assert measured["status"] == "ok", measured["error"]
     predicted = estimate_table(profile, [config]).iloc[0].peak_bytes
-    for peak in measured["per_device_peak_bytes"]:
-        assert abs(predicted - peak) / peak <= 0.08
+    _assert_bounds(predicted, measured["per_device_peak_bytes"], profile, config)
 
 
 def test_fewest_devices_per_split_mode_with_a_breakdown(profile):
@@ -118,8 +131,7 @@ def test_padded_estimate_matches_a_real_two_rank_peak(odd_profile):
     measured = measure_fsdp(ODD, config, device_type="cpu", warmup_steps=2, measure_steps=1, timeout_s=120)
     assert measured["status"] == "ok", measured["error"]
     predicted = estimate_table(odd_profile, [config]).iloc[0].peak_bytes
-    peak = max(measured["per_device_peak_bytes"])  # rank 0 holds the padded rows
-    assert abs(predicted - peak) / peak <= 0.03
+    _assert_bounds(predicted, measured["per_device_peak_bytes"], odd_profile, config, slack=0.03)
 
 
 def test_backward_holds_the_previous_units_reduce_scatter_input():
@@ -131,5 +143,5 @@ def test_backward_holds_the_previous_units_reduce_scatter_input():
     measured = measure_fsdp(RESNET, config, device_type="cpu", warmup_steps=2, measure_steps=1, timeout_s=120)
     assert measured["status"] == "ok", measured["error"]
     predicted = estimate_table(profile, [config]).iloc[0].peak_bytes
-    for peak in measured["per_device_peak_bytes"]:
-        assert abs(predicted - peak) / peak <= 0.01
+    _assert_bounds(predicted, measured["per_device_peak_bytes"], profile, config, slack=0.01)
+
