@@ -11,7 +11,8 @@ the late free spans the rank's peak moment, the peak carries one unit's gathered
 once (not caught in the act, but the size fits): ``convnet-bn amp-fp16 mb=1`` FSDP over 2 ranks,
 rank 1 920,064 bytes over rank 0, where the unit ``layers[4]``'s fp32 weights are 920,576 bytes;
 seven re-runs, and two by ``autofit measure``, gave both ranks 8,542,940 bytes. Such bytes are
-really held, so the count is not wrong; it is one draw.
+really held, so the count is not wrong; it is one draw, and the FSDP memory model counts one
+such buffer in flight (:mod:`autofit.estimator.fsdp_memory`), so the estimate stays above it.
 
 So a row whose first sample is off the estimate by more than :data:`REPEAT_ABOVE` is measured
 again with the same job, and a third time when the two samples differ by more than

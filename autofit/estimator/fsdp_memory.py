@@ -23,14 +23,15 @@ those of one device at that micro-batch: the profile's regions, laid end to end 
   next unit's post-backward, through the next unit's gather, recomputation and backward; the
   root's whole gradients live from the loss's backward to the end of the backward;
 - **the optimizer step** runs on shards: its temporaries are 1/N of one device's;
-- **in flight**: a collective's buffer is released by the communication thread (gloo's worker,
-  or NCCL's stream) once the collective completes, which depends on when the other ranks reach
-  it. A rank that runs ahead of a slower one, or whose main thread allocates before that release,
-  holds one more buffer than the walk above. Measured on torch 2.13 with one rank slowed: the
-  extra was up to one unit's buffer at the peak and was seen on 1 run in 4 even on a quiet
-  machine. Every point counts the largest unit's (or the root's) buffer once more
-  (``in_flight_bytes``, in the temporaries), so the estimate bounds every rank's peak from above
-  by at most that much.
+- **in flight**: gloo's worker thread marks a collective complete and only afterwards drops the
+  tensors it holds (``ProcessGroupGloo::runLoop``), so an all-gather buffer the rank has already
+  dropped can still be alive for a moment (``scripts/gloo_buffer_race.py``: after 24-53% of the
+  calls); on CUDA the caching allocator likewise reuses a buffer only once the collective's stream
+  has passed it. When such a late free straddles the
+  rank's peak, the rank holds one unit's gathered buffer more -- seen once in 4 runs on a quiet
+  machine, and with one rank slowed. Every point counts the largest unit's (or the root's)
+  buffer once more (``in_flight_bytes``, in the temporaries): the estimate bounds every rank's
+  peak from above, by at most that buffer.
 
 Under amp, gathered weights are fp32 and autocast's half-precision weight copies are part of the
 activations, as on one device (see :mod:`autofit.trial.fsdp` for why no ``MixedPrecisionPolicy``).
