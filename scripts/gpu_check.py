@@ -419,15 +419,14 @@ def estimates(spec: str, configs: list[str], device_type: str, overhead=None) ->
 
 
 def predicted_allocated(est, overhead) -> int:
-    """What the estimate says ``max_memory_allocated`` will be: its peak less the context and the
-    fragmentation term (the cuBLAS workspaces are allocated, so they stay)."""
+    """What the estimate says ``max_memory_allocated`` will be: its peak less its overhead (context,
+    workspace and the allocator's reserve), plus the workspace again (the cuBLAS workspaces are allocated)."""
     if est.device_type != "cuda":
         return int(est.peak_bytes - est.overhead_bytes)
     from autofit.probes.cuda_overhead import fallback_overhead
 
     o = overhead or fallback_overhead()
-    tensors = (est.peak_bytes - o.context_bytes - o.workspace_bytes) / (1 + o.fragmentation)
-    return int(round(tensors + o.workspace_bytes))
+    return int(round(est.peak_bytes - est.overhead_bytes + o.workspace_bytes))
 
 
 OVERHEAD_NOTE: dict = {}  # "cuda" -> the probe's note, for the table's header
@@ -887,10 +886,10 @@ def write_outputs(out_dir: Path, rows: list[Row], env: dict, verdict_line: str, 
         "",
         f"Command: `python3 scripts/gpu_check.py` (see its docstring). {verdict_line}",
         "",
-        "Predicted: autofit's estimate on fake tensors for device type cuda: tensors + the cuBLAS workspace + 10% "
-        "fragmentation + the context, the workspace and context measured on this device by autofit's probe child "
+        "Predicted: autofit's estimate on fake tensors for device type cuda: tensors + the cuBLAS workspace + the "
+        "allocator's reserve (autofit/estimator/reserved_model.py) + the context, the workspace and context measured on this device by autofit's probe child "
         f"({OVERHEAD_NOTE.get('cuda', 'not measured: CPU run')}); predicted allocated = that less its context and "
-        "fragmentation terms. Measured by autofit's `measure_trial` "
+        "reserve terms. Measured by autofit's `measure_trial` "
         "in a child process: allocated = `max_memory_allocated`, reserved = `max_memory_reserved` over the steps "
         "after two warm-up steps, context = the process's use of the card (NVML per process; else nvidia-smi less the "
         "card's use before the child) less the allocator's reserved bytes. Part b caps the allocator at 8 GB less the "
