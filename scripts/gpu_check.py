@@ -11,6 +11,8 @@ for part c)::
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:.
     PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py --out "$OUT/gpu"
     # a focused rerun (about 300 s): --parts a,b,c --workloads gpt-tiny,hf-gpt2,hf:llama,convnet-bn,lstm-lm,gpt-mini
+    # the CUDA profiles a CPU build cannot run (about 60 s): --parts a --workloads lstm-lm,hf:llama
+    #   (lstm-lm: cuDNN refuses fake tensors, profiled with cuDNN off; hf:llama: grouped-query attention)
     # (a Python without pip: unzip instead, for w in .whl/*.whl; do python3 -m zipfile -e $w /tmp/site; done)
 
 Parts, each in its own child processes, each failure recorded in the table and the run going on;
@@ -419,15 +421,14 @@ def estimates(spec: str, configs: list[str], device_type: str, overhead=None) ->
 
 
 def predicted_allocated(est, overhead) -> int:
-    """What the estimate says ``max_memory_allocated`` will be: its peak less the context and the
-    fragmentation term (the cuBLAS workspaces are allocated, so they stay)."""
+    """What the estimate says ``max_memory_allocated`` will be: its peak less its overhead (context,
+    workspace and the allocator's reserve), plus the workspace again (the cuBLAS workspaces are allocated)."""
     if est.device_type != "cuda":
         return int(est.peak_bytes - est.overhead_bytes)
     from autofit.probes.cuda_overhead import fallback_overhead
 
     o = overhead or fallback_overhead()
-    tensors = (est.peak_bytes - o.context_bytes - o.workspace_bytes) / (1 + o.fragmentation)
-    return int(round(tensors + o.workspace_bytes))
+    return int(round(est.peak_bytes - est.overhead_bytes + o.workspace_bytes))
 
 
 OVERHEAD_NOTE: dict = {}  # "cuda" -> the probe's note, for the table's header
@@ -823,6 +824,11 @@ def verdict(rows: list[Row], device: str) -> tuple[bool, str]:
     if broken:
         failures.append(f"{len(broken)} accuracy config(s) failed: "
                         + ", ".join(sorted({f"{r.workload} {r.status}" for r in broken})))
+    # A workload autofit cannot estimate for CUDA (its fake-tensor profile failed: cuDNN's RNN kernels,
+    # an attention FLOP formula) fails the check even where its steps ran and were measured.
+    unestimated = sorted({r.workload for r in rows if r.part == "a" and r.note.startswith("estimate failed")})
+    if unestimated:
+        failures.append(f"not estimated: {', '.join(unestimated)}")
     not_run = sum(r.part == "a" and r.status == "skipped" for r in rows)
     failures += [f"{r.part}:{r.config}: {r.check[6:]}" for r in rows if r.check.startswith("FAIL")]
     ok = not failures
@@ -887,10 +893,10 @@ def write_outputs(out_dir: Path, rows: list[Row], env: dict, verdict_line: str, 
         "",
         f"Command: `python3 scripts/gpu_check.py` (see its docstring). {verdict_line}",
         "",
-        "Predicted: autofit's estimate on fake tensors for device type cuda: tensors + the cuBLAS workspace + 10% "
-        "fragmentation + the context, the workspace and context measured on this device by autofit's probe child "
+        "Predicted: autofit's estimate on fake tensors for device type cuda: tensors + the cuBLAS workspace + the "
+        "allocator's reserve (autofit/estimator/reserved_model.py) + the context, the workspace and context measured on this device by autofit's probe child "
         f"({OVERHEAD_NOTE.get('cuda', 'not measured: CPU run')}); predicted allocated = that less its context and "
-        "fragmentation terms. Measured by autofit's `measure_trial` "
+        "reserve terms. Measured by autofit's `measure_trial` "
         "in a child process: allocated = `max_memory_allocated`, reserved = `max_memory_reserved` over the steps "
         "after two warm-up steps, context = the process's use of the card (NVML per process; else nvidia-smi less the "
         "card's use before the child) less the allocator's reserved bytes. Part b caps the allocator at 8 GB less the "

@@ -74,6 +74,16 @@ def test_verdict_fails_outside_the_targets_and_on_a_failed_check():
     assert not ok and "predicted over 8GB but ok" in line
 
 
+def test_a_workload_measured_but_not_estimated_fails_the_verdict():
+    ok_row = gc.fill_errors(gc.Row("a", "w", "c0", "ok", predicted_bytes=1000, predicted_allocated_bytes=500,
+                                   allocated_bytes=500, reserved_bytes=600, context_bytes=400))
+    child = [{"kind": "config", "status": "ok", "peak_bytes": 10, "peak_reserved_bytes": 20, "context_bytes": 5}]
+    lstm = gc.rows_from_child("a", "lstm-lm", ["c1"], {"c1": "estimate failed: WorkloadError: weight_buf"}, child, None)
+    assert lstm[0].status == "ok" and lstm[0].error_card is None
+    ok, line = gc.verdict([ok_row] + lstm, "cuda")
+    assert not ok and "not estimated: lstm-lm" in line
+
+
 def test_a_child_cut_short_leaves_its_configs_marked():
     child = [{"kind": "init"}, {"kind": "config", "status": "ok", "peak_bytes": 10, "peak_reserved_bytes": 20,
                                 "context_bytes": 5}]

@@ -34,7 +34,7 @@ from autofit.core.records import TrialRecord, TrialStatus
 # PRIOR_WEIGHT / (PRIOR_WEIGHT + trials) once trials run. The estimator is built from a profile
 # of the model in hand, not a formula (the formulas are 20-32% low,
 # docs/facts.md#formula-estimates-run-low); CUDA adds the allocator's fragmentation (5-30%,
-# docs/facts.md#allocator-fragmentation) the estimate models as a constant.
+# docs/facts.md#allocator-fragmentation), which the estimate models from small steps of one GPU.
 PRIOR_MARGIN = {"cpu": 0.05, "cuda": 0.10}
 PRIOR_WEIGHT = 3.0
 # Added to the largest observed under-prediction: measurement noise between runs.

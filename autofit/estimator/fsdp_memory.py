@@ -37,7 +37,7 @@ Under amp, gathered weights are fp32 and autocast's half-precision weight copies
 activations, as on one device (see :mod:`autofit.trial.fsdp` for why no ``MixedPrecisionPolicy``).
 
 Known limitations: profiles without ``grad_rows`` (before version 8) count shards as exactly 1/N;
-the optimizer state is scaled by the parameters' padding (state follows each parameter's shape). On CUDA the context and fragmentation are added as in
+the optimizer state is scaled by the parameters' padding (state follows each parameter's shape). On CUDA the context and the allocator's reserve are added as in
 :mod:`autofit.estimator.memory_model`.
 """
 
@@ -49,6 +49,7 @@ from functools import lru_cache
 import numpy as np
 
 from autofit.core.config import Precision
+from autofit.estimator.reserved_model import ReservedModel
 from autofit.profiling.data import Line, PrecisionProfile, Region, segment_freed_late
 
 # Columns of a line's constant parts: sharded+gathered params, shard+whole grads, optimizer state, buffers.
@@ -314,7 +315,7 @@ def rank_lines(pp: PrecisionProfile, n_ranks: int, every: int, cuda: bool) -> Ra
 
 
 def score_fsdp(pp: PrecisionProfile, n_ranks: int, every: int, b: np.ndarray, k: np.ndarray, *,
-               cuda: bool, context_bytes: float, fragmentation: float) -> dict[str, np.ndarray]:
+               cuda: bool, context_bytes: float, reserved: ReservedModel) -> dict[str, np.ndarray]:
     """Peak bytes of rank 0 for micro-batches ``b`` and accumulations ``k`` (arrays of one length).
 
     Returns arrays: ``peak_bytes``, the six breakdown categories (``params_bytes`` counts the
@@ -345,7 +346,7 @@ def score_fsdp(pp: PrecisionProfile, n_ranks: int, every: int, b: np.ndarray, k:
     acts = pick(lines.first_acts[a1, 0] + lines.first_acts[a1, 1] * b, lines.later_acts[an, 0] + lines.later_acts[an, 1] * b, 0.0)
     gathered = pick(lines.first_gathered[a1], lines.later_gathered[an], 0.0)
     input_bytes = (pp.input_bytes[0] + pp.input_bytes[1] * b) if cuda else np.zeros(m)
-    overhead = (context_bytes + fragmentation * (peak + input_bytes)) if cuda else np.zeros(m)
+    overhead = (context_bytes + reserved.extra_bytes(peak + input_bytes, every > 0)) if cuda else np.zeros(m)
     phase = pick(np.array(lines.first_phase, dtype=object)[a1], np.array(lines.later_phase, dtype=object)[an], "optimizer")
     return {
         "peak_bytes": peak + input_bytes + overhead,

@@ -31,10 +31,12 @@ are laid end to end again for any config, as PyTorch would run it:
   stage, each with its own gradient: the ends come from the profile of the untied model
   (``PrecisionProfile.split_ends``);
 - the optimizer step: weights + gradients + state + the step's own temporaries;
-- on CUDA: the cuBLAS workspaces (allocated, but no tensor of the model), the allocator's
-  fragmentation (reserved over allocated) and the context, which ``max_memory_reserved`` does not
-  see: the estimate is what the card holds, ``max_memory_reserved`` + context
-  (:class:`autofit.probes.cuda_overhead.CudaOverhead`, measured on the device where there is one).
+- on CUDA: the cuBLAS workspaces (allocated, but no tensor of the model), what the allocator
+  reserves beyond the tensors (:mod:`autofit.estimator.reserved_model`: a fixed part and shares of the
+  tensors' peak, a larger one when checkpointing, fitted on measured H200 steps) and the context,
+  which ``max_memory_reserved`` does not see: the estimate is what the card holds,
+  ``max_memory_reserved`` + context (:class:`autofit.probes.cuda_overhead.CudaOverhead`, measured on
+  the device where there is one).
 
 Every quantity is a line ``c0 + c1·b`` in the micro-batch b, so for one structure (precision,
 checkpoint interval, split) the peak is the upper envelope of a few dozen lines, evaluated for
@@ -51,7 +53,8 @@ FSDP ranks: :mod:`autofit.estimator.fsdp_memory`), and this module gives one con
 Known limitations: a region whose peak changes operator
 twice beyond the profiled sizes is under-estimated between the changes; pipeline runtime
 buffers are modelled as one received activation and one received gradient per micro-batch;
-the CUDA fragmentation is a constant share (10%) until a search calibrates it. The profile runs on
+the CUDA allocator's reserve is fitted on small steps (9-846 MiB of tensors) of one GPU and
+extrapolated beyond them until a search calibrates it. The profile runs on
 fake tensors, so a CPU kernel that keeps a larger storage than its meta kernel says is missed
 (``F.mse_loss`` on the CPU returns its 0-dim mean in the b x n buffer of the unreduced loss);
 each accumulation micro-step's detached loss (a few bytes) is not counted.
@@ -71,16 +74,14 @@ from autofit.estimator.memory_table import BREAKDOWN, estimate_table
 from autofit.estimator.stage_walk import stage_lines
 from autofit.probes.cuda_overhead import (
     FALLBACK_CONTEXT_BYTES,
-    FRAGMENTATION,
     CudaOverhead,
     fallback_overhead,
 )
 from autofit.profiling.data import Profile
 
-# Fallbacks, used only where the device cannot be measured (autofit.probes.cuda_overhead measures both on
-# the device in use: the device probe child, cached with its rates).
+# The fallback, used only where the device cannot be measured (autofit.probes.cuda_overhead measures the
+# context and the workspaces on the device in use: the device probe child, cached with its rates).
 CUDA_CONTEXT_BYTES = FALLBACK_CONTEXT_BYTES
-CUDA_FRAGMENTATION = FRAGMENTATION
 
 SCHEDULES = tuple(PipelineSchedule)  # the one enum, shared with autofit.trial.pipeline
 

@@ -24,6 +24,7 @@ from autofit.core.config import (
 )
 from autofit.core.errors import ProfileError
 from autofit.estimator.fsdp_memory import FSDP_EXTRA_COLUMNS, score_fsdp
+from autofit.estimator.reserved_model import FITTED as RESERVED
 from autofit.estimator.stage_walk import stage_lines
 from autofit.probes.cuda_overhead import CudaOverhead, fallback_overhead
 from autofit.profiling.data import PrecisionProfile, Profile, with_optimizer
@@ -212,7 +213,7 @@ def _score_fsdp_group(profile: Profile, pp: PrecisionProfile, cuda_overhead: Cud
     # cuBLAS workspace is a block of its own: it goes with the context, outside the fragmentation.
     scored = score_fsdp(pp, ranks, min(every, profile.n_layers), b, k, cuda=profile.device_type == "cuda",
                         context_bytes=cuda_overhead.context_bytes + cuda_overhead.workspace_bytes,
-                        fragmentation=cuda_overhead.fragmentation)
+                        reserved=RESERVED)
     for name in BREAKDOWN + ("peak_bytes",):
         out[name][idx] = scored[name]
     for name in FSDP_EXTRA_COLUMNS:
@@ -263,9 +264,10 @@ def _score_group(profile: Profile, pp: PrecisionProfile, cuda_overhead: CudaOver
         peak_opt = base + st.grads_bytes + st.optimizer_peak_bytes + kept  # receive buffers outlive the step
         stage_peak = np.maximum(np.maximum(peak1, peakn), peak_opt)
         input_bytes = (pp.input_bytes[0] + pp.input_bytes[1] * b) if (cuda and s == 0) else 0.0
-        # The workspaces are allocated blocks of their own (no fragmentation); the context is outside the allocator.
+        # The workspaces are allocated blocks of their own (no fragmentation); the context is outside the
+        # allocator; what the allocator reserves beyond the tensors grows when checkpointing re-makes them.
         overhead = (cuda_overhead.context_bytes + cuda_overhead.workspace_bytes
-                    + cuda_overhead.fragmentation * (stage_peak + input_bytes)) if cuda else np.zeros(n)
+                    + RESERVED.extra_bytes(stage_peak + input_bytes, every > 0)) if cuda else np.zeros(n)
         stage_total = stage_peak + input_bytes + overhead
         stage_peaks.append(stage_total)
         # Breakdown at this stage's peak.

@@ -19,16 +19,14 @@ constants below are used and every estimate says so.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 # Fallbacks only (no CUDA device here, or no NVML): the context with lazy module loading is about
 # 300-500 MB on CUDA 12 (pytorch #107667, docs/facts.md#cuda-context); measured 742-760 MiB on an H200 with CUDA 13
-# (results/benchmarks/gpu/run1-h200.md). The workspace is not assumed.
+# (results/benchmarks/gpu/run1-h200.md). The workspace is not assumed. What the allocator reserves
+# beyond its tensors is the estimate's own model (autofit.estimator.reserved_model), not the device's.
 FALLBACK_CONTEXT_BYTES = 450 * 2**20
 FALLBACK_WORKSPACE_BYTES = 0
-# Reserved exceeds allocated by fragmentation: 5-30% in the field, 2-20% measured on the H200
-# (docs/facts.md#allocator-fragmentation).
-FRAGMENTATION = 0.10
 
 
 @dataclass(frozen=True)
@@ -41,7 +39,6 @@ class CudaOverhead:
 
     context_bytes: int
     workspace_bytes: int
-    fragmentation: float = FRAGMENTATION
     measured: bool = False
     method: str = "assumed: not measured"
 
@@ -54,9 +51,15 @@ class CudaOverhead:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, data: dict) -> CudaOverhead:
+        """Read :meth:`to_dict`'s output; keys of older versions (a cached ``fragmentation``) are dropped."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
 
 def fallback_overhead(why: str = "no CUDA device here to measure it") -> CudaOverhead:
-    return CudaOverhead(FALLBACK_CONTEXT_BYTES, FALLBACK_WORKSPACE_BYTES, FRAGMENTATION, False, f"assumed: {why}")
+    return CudaOverhead(FALLBACK_CONTEXT_BYTES, FALLBACK_WORKSPACE_BYTES, False, f"assumed: {why}")
 
 
 def nvml_index() -> int:
@@ -127,6 +130,6 @@ def measure_overhead(device="cuda") -> CudaOverhead:
     workspace = int(torch.cuda.memory_allocated(device))
     context, method = context_bytes_now(device)
     if context is None:
-        return CudaOverhead(FALLBACK_CONTEXT_BYTES, workspace, FRAGMENTATION, False,
+        return CudaOverhead(FALLBACK_CONTEXT_BYTES, workspace, False,
                             f"workspace measured, context assumed: {method}")
-    return CudaOverhead(int(context), workspace, FRAGMENTATION, True, method)
+    return CudaOverhead(int(context), workspace, True, method)

@@ -75,7 +75,7 @@ class DeviceRates:
         """The measured :class:`autofit.probes.cuda_overhead.CudaOverhead` (None on the CPU or when not measured)."""
         from autofit.probes.cuda_overhead import CudaOverhead
 
-        return CudaOverhead(**self.cuda_overhead) if self.cuda_overhead else None
+        return CudaOverhead.from_dict(self.cuda_overhead) if self.cuda_overhead else None
 
     def flops_per_s(self, precision: Precision | str) -> float:
         """Matmul FLOP/s of the dtype ``precision`` computes in."""

@@ -29,7 +29,7 @@ from autofit.runtime.optimizers import scalar_stand_ins
 from autofit.runtime.training import Trainee, build_trainee, forward_backward, to_device
 from autofit.workloads.base import Workload
 
-__all__ = ["CUDA_BLOCK_BYTES", "param_rows", "run_fake", "run_step"]
+__all__ = ["CUDA_BLOCK_BYTES", "cudnn_refused", "param_rows", "run_fake", "run_step"]
 
 # The CUDA caching allocator rounds every block up to 512 bytes (docs/facts.md#cuda-caching-allocator).
 CUDA_BLOCK_BYTES = 512
@@ -211,11 +211,11 @@ def _weights(model: nn.Module, layers, params: list, buffers: list, module_phase
 
 def run_fake(workload: Workload, precision: Precision, micro_batch: int, device_type: str, real_batch) -> RawRun:
     """One profiled step on fake tensors. On CUDA, a model whose cuDNN kernels refuse fake tensors
-    (an RNN: ``flatten_parameters`` and ``_cudnn_rnn`` call cuDNN with fake pointers and fail with
-    CUDNN_STATUS_BAD_PARAM) is profiled again with cuDNN off: its native kernels have fake
-    implementations. They save each step's gates where cuDNN keeps a reserve buffer (which torch's
-    fake kernel sizes as 0 anyway), so the profile is that of the native kernels; the trials on the
-    device measure the real one and calibration corrects the estimate."""
+    (an RNN, :func:`cudnn_refused`) is profiled again with cuDNN off: its native kernels
+    (``_thnn_fused_lstm_cell``…) have fake implementations. They save each step's gates where cuDNN
+    keeps a reserve buffer (which torch's fake kernel sizes as 0 anyway), so the profile is that of
+    the native kernels; the trials on the device measure the real one and calibration corrects the
+    estimate (``scripts/gpu_check.py --workloads lstm-lm`` measures the gap on a GPU)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     # FLOPs and the optimizer step do not depend on the micro-batch: counted and run at the larger one only
@@ -225,10 +225,26 @@ def run_fake(workload: Workload, precision: Precision, micro_batch: int, device_
         with _quiet_fake_kernels():
             return run_step(workload, precision, micro_batch, device_type, FakeTensorMode(), real_batch, full, full)
     except Exception as exc:
-        if device_type != "cuda" or "cudnn" not in f"{type(exc).__name__} {exc}".lower():
+        if device_type != "cuda" or not cudnn_refused(exc):
             raise
     with torch.backends.cudnn.flags(enabled=False), _quiet_fake_kernels():
         return run_step(workload, precision, micro_batch, device_type, FakeTensorMode(), real_batch, full, full)
+
+
+def cudnn_refused(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is cuDNN refusing fake tensors. Which error
+    depends on the torch version: ``flatten_parameters`` calling cuDNN with fake pointers fails with
+    CUDNN_STATUS_BAD_PARAM (torch 2.11, results/benchmarks/gpu/run1-h200.md), and where the flat
+    weights were never made, ``_cudnn_rnn`` fails for its missing ``weight_buf`` argument, a message
+    that never names cuDNN (run2-h200-abc.md)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text = f"{type(exc).__name__} {exc}".lower()
+        if "cudnn" in text or "'weight_buf'" in text:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 @contextlib.contextmanager

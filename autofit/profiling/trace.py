@@ -22,9 +22,9 @@ import functools
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import FlopCounterMode
 
 from autofit.core.errors import WorkloadError
+from autofit.profiling.flops import flop_counter, flop_formulas
 from autofit.profiling.raw import RawRegion
 from autofit.profiling.timeline import (
     Recorder,
@@ -76,7 +76,7 @@ class StepTrace:
         self.input_grad: list[bool] = [True] * n
         self.output_grad: list[bool] = [True] * n
         # FLOPs for the time model: one counter over the forward, another over the backward.
-        self.fwd_counter, self.bwd_counter = FlopCounterMode(display=False), FlopCounterMode(display=False)
+        self.fwd_counter, self.bwd_counter = flop_counter(), flop_counter()
         if not count_flops:  # counting costs time; FLOPs are counted at one batch size only
             self.fwd_counter = self.bwd_counter = contextlib.nullcontext()
         self._handles: list = []
@@ -311,8 +311,8 @@ class _PolicyCache:
 
     def __init__(self, round_bytes: int, n: int) -> None:
         from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils.flop_counter import flop_registry
 
+        formulas = flop_formulas()
         self.layer: int | None = None
         self.kept: list = []
         self.bytes: list[dict[int, int]] = [{} for _ in range(n)]
@@ -330,7 +330,7 @@ class _PolicyCache:
                         if isinstance(t, torch.Tensor):
                             storage = t.untyped_storage()
                             cache.bytes[i][storage._cdata] = round_up(storage.nbytes(), round_bytes)
-                    formula = flop_registry.get(func._overloadpacket)
+                    formula = formulas.get(func._overloadpacket)
                     if formula is not None:
                         cache.flops[i] += float(formula(*args, **(kwargs or {}), out_val=out))
                 return out

@@ -17,6 +17,7 @@ from autofit.core.records import TrialStatus
 from autofit.estimator.calibration import measured_peak
 from autofit.estimator.memory_model import estimate
 from autofit.estimator.memory_table import estimate_table
+from autofit.estimator.reserved_model import FITTED
 from autofit.probes.cuda_overhead import (
     FALLBACK_CONTEXT_BYTES,
     CudaOverhead,
@@ -34,8 +35,7 @@ from autofit.trial.run import TrialResult, run_trial
 from autofit.workloads.load import load_workload
 
 MiB = 2**20
-MEASURED = CudaOverhead(context_bytes=760 * MiB, workspace_bytes=66 * MiB, fragmentation=0.10, measured=True,
-                        method="nvml per process")
+MEASURED = CudaOverhead(context_bytes=760 * MiB, workspace_bytes=66 * MiB, measured=True, method="nvml per process")
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +57,23 @@ def test_a_measured_context_and_workspace_replace_the_fallback(profiles):
     assert any("760 MiB" in n and "measured" in n and "ASSUMED" not in n for n in measured.notes)
     table = estimate_table(cuda, [config], budget_bytes=measured.peak_bytes - 1, overhead=MEASURED)
     assert not table.loc[0, "fits"]
+
+
+def test_the_allocators_reserve_follows_the_tensors_and_checkpointing(profiles):
+    _, cuda = profiles
+    for every in (0, 1):
+        config = TrainConfig(precision="fp32", micro_batch=4, checkpoint_every=every)
+        est = estimate(cuda, config, overhead=MEASURED)
+        tensors = est.peak_bytes - est.overhead_bytes
+        share = FITTED.fragmentation + (FITTED.checkpoint_fragmentation if every else 0.0)
+        expected = (MEASURED.context_bytes + MEASURED.workspace_bytes + FITTED.fixed_bytes + FITTED.margin_bytes
+                    + share * tensors)
+        assert est.overhead_bytes == pytest.approx(expected, abs=2)
+
+
+def test_a_cached_overhead_of_an_older_version_still_reads():
+    old = {**MEASURED.to_dict(), "fragmentation": 0.10}  # what caches written before the fitted reserve hold
+    assert CudaOverhead.from_dict(old) == MEASURED
 
 
 def test_the_cpu_estimate_ignores_any_cuda_overhead(profiles):
@@ -117,7 +134,7 @@ def test_gpu_check_predicts_allocated_as_tensors_plus_workspace():
     from test_gpu_check import gc
 
     tensors = 1000 * MiB
-    peak = tensors * 1.1 + MEASURED.context_bytes + MEASURED.workspace_bytes
+    peak = tensors * 1.3 + MEASURED.context_bytes + MEASURED.workspace_bytes
     est = SimpleNamespace(device_type="cuda", peak_bytes=peak, overhead_bytes=peak - tensors)
     assert gc.predicted_allocated(est, MEASURED) == pytest.approx(tensors + MEASURED.workspace_bytes, abs=1)
 
