@@ -188,7 +188,7 @@ class _RankWalk(_Timeline):
                     self.peaks(_plus(self.live, kept), layers[i].forward_checkpointed(), "forward", gathered=gathered,
                                grads=g_sh)
                     kept = layers[i].output
-                    self.live = _plus(self.live, (self.amp_cache[i], 0.0))
+                    self.live = _plus(self.live, _plus((self.amp_cache[i], 0.0), layers[i].retained))
                 self.live = _plus(self.live, layers[e - 1].output)
             else:
                 self.peaks(self.live, layers[s].forward, "forward", gathered=gathered, grads=g_sh)
@@ -346,12 +346,15 @@ def score_fsdp(pp: PrecisionProfile, n_ranks: int, every: int, b: np.ndarray, k:
     acts = pick(lines.first_acts[a1, 0] + lines.first_acts[a1, 1] * b, lines.later_acts[an, 0] + lines.later_acts[an, 1] * b, 0.0)
     gathered = pick(lines.first_gathered[a1], lines.later_gathered[an], 0.0)
     input_bytes = (pp.input_bytes[0] + pp.input_bytes[1] * b) if cuda else np.zeros(m)
+    # what a step leaves for the next (a hook's stash) is alive through all of it: with the activations
+    kept = pp.kept_bytes[0] + pp.kept_bytes[1] * b
+    peak = peak + kept
     overhead = (context_bytes + reserved.extra_bytes(peak + input_bytes, every > 0)) if cuda else np.zeros(m)
     phase = pick(np.array(lines.first_phase, dtype=object)[a1], np.array(lines.later_phase, dtype=object)[an], "optimizer")
     return {
         "peak_bytes": peak + input_bytes + overhead,
         "params_bytes": consts[:, _PARAMS], "grads_bytes": consts[:, _GRADS], "optimizer_bytes": consts[:, _OPT],
-        "activations_bytes": np.maximum(acts, 0.0) + input_bytes, "temporary_bytes": consts[:, _TEMP],
+        "activations_bytes": np.maximum(acts, 0.0) + kept + input_bytes, "temporary_bytes": consts[:, _TEMP],
         "overhead_bytes": overhead, "shard_bytes": np.full(m, lines.shard_bytes), "gathered_bytes": gathered,
         "phase": phase,
     }

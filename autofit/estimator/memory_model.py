@@ -30,6 +30,10 @@ are laid end to end again for any config, as PyTorch would run it:
   backward on); a weight tied across the model's ends (embedding and head) is one copy per end
   stage, each with its own gradient: the ends come from the profile of the untied model
   (``PrecisionProfile.split_ends``);
+- tensors kept beside autograd: what a checkpointed layer's forward leaves alive until the step's
+  output is dropped (``LayerProfile.retained``: a key/value cache the model returns) from that
+  forward on, and what a step leaves for the next (``PrecisionProfile.kept_bytes``: a hook's stash)
+  through the whole step, on every stage;
 - the optimizer step: weights + gradients + state + the step's own temporaries;
 - on CUDA: the cuBLAS workspaces (allocated, but no tensor of the model), what the allocator
   reserves beyond the tensors (:mod:`autofit.estimator.reserved_model`: a fixed part and shares of the
@@ -77,7 +81,7 @@ from autofit.probes.cuda_overhead import (
     CudaOverhead,
     fallback_overhead,
 )
-from autofit.profiling.data import Profile
+from autofit.profiling.data import Profile, retained_caveat
 
 # The fallback, used only where the device cannot be measured (autofit.probes.cuda_overhead measures the
 # context and the workspaces on the device in use: the device probe child, cached with its rates).
@@ -160,6 +164,8 @@ def estimate(profile: Profile, config: TrainConfig, budget_bytes: int | None = N
         option = profile.for_precision(config.precision).optimizer_option(config.optimizer.value)
         notes.append(f"optimizer={config.optimizer.value}: {option.optimizer if option else config.optimizer.value} "
                      f"replaces the workload's {profile.optimizer} (this changes the training)")
+    if config.checkpoint_every and (caveat := retained_caveat(profile.workload, [profile.for_precision(config.precision)])):
+        notes.append(caveat)
     real_check = profile.for_precision(config.precision).real_check
     if real_check:  # what the profile's real steps found (autofit.profiling.real_check), corrections included
         notes.append(f"profile: {real_check}")

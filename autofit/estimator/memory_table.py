@@ -252,6 +252,11 @@ def _score_group(profile: Profile, pp: PrecisionProfile, cuda_overhead: CudaOver
         # other micro-batches in flight: during the first micro-step, and during later ones
         held = one * (in_flight(s, split, k, schedule) - 1) + buffers
         held_later = one * (in_flight_later(s, split, k, schedule) - 1) + buffers
+        # What a step leaves for the next (a hook's stash, a replaced buffer) is alive through all of it,
+        # the optimizer step too. Which stage's layers made it is not profiled: every stage counts it all.
+        carried = pp.kept_bytes[0] + pp.kept_bytes[1] * b
+        kept = kept + carried
+        held, held_later = held + carried, held_later + carried
         base = st.params_bytes + st.optimizer_bytes
         v1 = st.first[:, 0][None, :] + st.first[:, 1][None, :] * b[:, None]        # (n, E)
         a1 = np.argmax(v1, axis=1)

@@ -129,8 +129,11 @@ class _StageWalk(_Walk):
                     # the previous layer's output is this one's input (unless selective keeps it: in ``live``)
                     kept_before = self.selective and i > s and layers[i - 1].selective_output_kept
                     held_in_segment = layers[i - 1].output if i > s and not kept_before else (0.0, 0.0)
+                    # what the layer leaves alive beyond autograd (a key/value cache) stays until the
+                    # model's output is dropped, where the profile saw it freed (its recomputation makes it again)
                     self.region(layers[i].forward_checkpointed(self.selective).peaks,
-                                _add((self.cache[i], 0.0), self._kept(i, e)), "forward", held=held_in_segment)
+                                _add(_add((self.cache[i], 0.0), self._kept(i, e)), layers[i].retained), "forward",
+                                held=held_in_segment)
                 # the segment's output survives (and, selective, what the policy keeps)
                 self.live = _add(self.live, layers[e - 1].output)
         else:

@@ -63,6 +63,7 @@ def _layer(l1: RawLayer, l2: RawLayer) -> LayerProfile:
         selective_kept=_line(l1.selective_kept, l2.selective_kept),
         selective_output_kept=l1.selective_output_kept and l2.selective_output_kept,
         selective_saved_flops=_flops_line(l2.selective_saved_flops),
+        retained=_line(l1.retained, l2.retained),
     )
 
 
@@ -91,6 +92,7 @@ def assemble(precision: Precision, runs: dict[int, RawRun], real_check: str = ""
         **_output_regions(r1, r2),
         pre_backward=_region_lines(r1.pre_backward, r2.pre_backward),
         input_bytes=_line(r1.input_bytes, r2.input_bytes),
+        kept_bytes=_line(r1.kept_bytes, r2.kept_bytes),
         layers=tuple(_layer(l1, l2) for l1, l2 in zip(r1.layers, r2.layers)),
         forward_flops=_flops_line(r2.forward_flops),
         backward_flops=_flops_line(r2.backward_flops),

@@ -12,11 +12,12 @@ from dataclasses import asdict, dataclass, field
 from autofit.core.config import Precision
 
 __all__ = ["OUTPUT_REGIONS", "PROFILE_BATCHES", "PROFILE_VERSION", "LayerProfile", "Line", "OptimizerProfile",
-           "PrecisionProfile", "Profile", "Region", "precision_from_dict", "region_from_dict", "segment_freed_late",
+           "PrecisionProfile", "Profile", "Region", "precision_from_dict", "region_from_dict", "retained_caveat",
+           "segment_freed_late",
            "with_optimizer"]
 
 # The profile's format: a cache entry of another version is never read (autofit.profiling.cache).
-PROFILE_VERSION = 16
+PROFILE_VERSION = 17
 # Micro-batch sizes profiled; every per-sample quantity is fitted as a line through them.
 PROFILE_BATCHES = (2, 4)
 
@@ -100,6 +101,11 @@ class LayerProfile:
     selective_kept: Line = (0.0, 0.0)
     selective_output_kept: bool = False
     selective_saved_flops: Line = (0.0, 0.0)
+    # What its forward leaves alive beyond its output where autograd keeps nothing (a checkpointed
+    # segment's forward), until the model's output is dropped: what something else holds, e.g. a
+    # key/value cache the model returns (``past_key_values``). Without checkpointing it is among the
+    # forward's saved bytes (``forward.delta``) and freed where the profile saw it freed.
+    retained: Line = (0.0, 0.0)
 
     def recomputed(self, last: bool) -> Region:
         """This layer's forward as a checkpointed segment's recomputation runs it (``last``: the
@@ -185,6 +191,10 @@ class PrecisionProfile:
     # tensor a stage holds) or all tensors' at once (they follow its share of the gradients); None:
     # judged from their size (at most 4x the largest gradient: one at a time). with_optimizer sets it.
     optimizer_per_tensor: bool | None = None
+    # What every step after the first starts with beyond weights, gradients and optimizer state: the
+    # tensors a step leaves alive for the next (a hook's stash, a buffer the forward replaces). The
+    # regions above are those of such a step, so this is alive under all of them, the optimizer step too.
+    kept_bytes: Line = (0.0, 0.0)
 
     def optimizer_option(self, choice: str) -> OptimizerProfile | None:
         """The profile of lever choice ``choice`` (an OptimizerChoice value), None when not profiled."""
@@ -238,6 +248,17 @@ def with_optimizer(pp: PrecisionProfile, option: OptimizerProfile) -> PrecisionP
                                optimizer_per_tensor=per_tensor, split_ends=ends, optimizer_options=())
 
 
+def retained_caveat(name: str, precisions) -> str | None:
+    """One line where the layers' forward leaves tensors alive beyond what backward needs until the model's
+    output is dropped (``LayerProfile.retained``: a key/value cache the model returns while it trains), if it does."""
+    per_sample = max((sum(layer.retained[1] for layer in pp.layers) for pp in precisions), default=0.0)
+    if per_sample <= 0:
+        return None
+    return (f"{name}: its layers keep {per_sample / 1024:,.1f} KiB per sample alive beside what backward needs, "
+            "until the step's output is dropped (a key/value cache the model returns: waste while training); "
+            "checkpointed configs recompute into it and may be estimated low; set use_cache=False")
+
+
 def rows_from_json(rows) -> tuple[tuple[int, int], ...]:
     return tuple(tuple(r) for r in rows)
 
@@ -254,12 +275,14 @@ def precision_from_dict(pp: dict) -> PrecisionProfile:
                                       for k in ("recompute", "checkpointed_forward", "selective_forward")},
                                    "output": tuple(lp["output"]), "forward_flops": tuple(lp["forward_flops"]),
                                    **{k: tuple(lp.get(k, (0.0, 0.0))) for k in ("after", "input_freed_late", "args_freed_late",
-                                                                               "selective_kept", "selective_saved_flops")},
+                                                                               "selective_kept", "selective_saved_flops",
+                                                                               "retained")},
                                    "grad_rows": rows_from_json(lp.get("grad_rows", ()))})
                    for lp in pp.pop("layers"))
     regions = {k: region_from_dict(pp[k]) for k in ("pre_forward", "post_forward", "post_backward", "pre_backward")}
     regions.update({k: region_from_dict(pp[k]) for k in OUTPUT_REGIONS if pp.get(k) is not None})
     lines = {k: tuple(pp[k]) for k in ("input_bytes", "forward_flops", "backward_flops")}
+    lines["kept_bytes"] = tuple(pp.get("kept_bytes", (0.0, 0.0)))
     ends = pp.pop("split_ends", None)
     options = tuple(OptimizerProfile(**o) for o in pp.pop("optimizer_options", ()))
     return PrecisionProfile(**{**pp, **regions, **lines, "layers": layers, "grad_rows": rows_from_json(pp.get("grad_rows", ())),

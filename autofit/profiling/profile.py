@@ -23,6 +23,7 @@ from autofit.profiling.cache import (
 from autofit.profiling.data import (
     PrecisionProfile,
     Profile,
+    retained_caveat,
 )
 from autofit.profiling.optimizers import option_library, profile_options
 from autofit.profiling.precision import with_split_ends
@@ -33,7 +34,6 @@ from autofit.workloads.base import (
     Workload,
     explain_build_failure,
     selective_caveat,
-    training_cache_caveat,
 )
 
 
@@ -88,7 +88,7 @@ def profile_workload(workload: Workload, precisions: Iterable[Precision | str] =
         found[name] = dataclasses.replace(
             found[name], optimizer_options=kept + profile_options(workload, name, device_type, choices))
     note(cache_outcome(workload.name, precisions, missing, endless, time.perf_counter() - started, path))
-    if (caveat := training_cache_caveat(workload.name, model)) is not None:
+    if (caveat := retained_caveat(workload.name, found.values())) is not None:
         logging.getLogger(__name__).warning(caveat)
     profile = Profile(
         split_refusal=split_refusal(workload), selective_refusal=selective_caveat(workload.name, model),

@@ -47,6 +47,9 @@ class RawLayer:
     selective_kept: int
     selective_output_kept: bool
     selective_saved_flops: float
+    # what its checkpointed forward left alive beyond its output once the model's forward returned
+    # (a key/value cache the model returns), net of what it replaced there
+    retained: int = 0
 
 
 @dataclass(frozen=True)
@@ -81,3 +84,6 @@ class RawRun:
     head_backward: RawRegion | None = None
     optimizer_bytes: int | None = None
     opt_region: RawRegion | None = None
+    # what the step before left alive for this one beyond weights, gradients and optimizer state (a hook's
+    # stash, a buffer the forward replaced); this step was traced with it alive from the start
+    kept_bytes: int = 0

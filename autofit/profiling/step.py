@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from autofit.core.config import Precision, TrainConfig
 from autofit.profiling.data import PROFILE_BATCHES
-from autofit.profiling.raw import RawLayer, RawRegion, RawRun
+from autofit.profiling.raw import RawLayer, RawRun
 from autofit.profiling.timeline import (
     init_optimizer_state,
     max_tensor_bytes,
@@ -67,12 +67,22 @@ def run_step(workload: Workload, precision: Precision, micro_batch: int, device_
     step = _build(workload, precision, micro_batch, device_type, tensor_mode, real_batch, step_optimizer)
     trace = StepTrace(len(step.layers), round_bytes, count_flops)
     checkpointed = _trace(step, trace, tensor_mode, step_optimizer)
+    grads = [p.grad for p in step.params if p.grad is not None]
+    left = trace.timeline.left_alive(step.params + step.buffers + step.state + grads)
+    del grads
+    kept_bytes = 0
+    if left:
+        # The step left tensors for the next one (a hook's stash, a buffer the forward replaced): every
+        # step after the first starts with them. Trace that step, on the same model, which now holds them.
+        kept_bytes = sum(trace.timeline.counted_bytes(s) for s in left)
+        trace = StepTrace(len(step.layers), round_bytes, count_flops)
+        checkpointed = _trace(step, trace, tensor_mode, step_optimizer, left)
     layer_flops, fwd_flops, bwd_flops = [0.0] * len(step.layers), 0.0, 0.0
     if count_flops:
         layer_flops = trace.layer_flops(step.trainee.model, step.layers)
         fwd_flops, bwd_flops = float(trace.fwd_counter.get_total_flops()), float(trace.bwd_counter.get_total_flops())
     trace.check_backward(workload.name)
-    return _read(step, trace, checkpointed, layer_flops, fwd_flops, bwd_flops, step_optimizer)
+    return _read(step, trace, checkpointed, layer_flops, fwd_flops, bwd_flops, step_optimizer, kept_bytes)
 
 
 def _build(workload: Workload, precision: Precision, micro_batch: int, device_type: str, tensor_mode,
@@ -92,14 +102,21 @@ def _build(workload: Workload, precision: Precision, micro_batch: int, device_ty
                  buffers=list(model.buffers()), state=state_tensors(trainee.optimizer), batch=batch_tensors)
 
 
-def _trace(step: _Step, trace: StepTrace, tensor_mode, step_optimizer: bool) -> list[tuple[RawRegion, tuple]]:
+def _trace(step: _Step, trace: StepTrace, tensor_mode, step_optimizer: bool,
+           carried: list | None = None) -> list[tuple[tuple, tuple]]:
     """Run ``step`` under ``trace``'s hooks and timeline, then the checkpointed forward and the selectively
-    checkpointed one (per layer: its region, and :meth:`StepTrace.selective_forwards`'s four values)."""
+    checkpointed one (per layer: :meth:`StepTrace.checkpointed_forwards`'s region and kept bytes, and
+    :meth:`StepTrace.selective_forwards`'s four values). ``carried``: storages a step before left alive,
+    counted from the start (the list is emptied: no reference here may keep them past their replacement)."""
     trainee, timeline = step.trainee, trace.timeline
     trace.attach(trainee.model, step.layers, step.params)
     with tensor_mode:
         timeline.register(step.params + step.buffers + step.state)
         timeline.register(step.batch, counted=False)
+        for storage in carried or ():
+            timeline.add_storage(storage)
+        if carried:
+            carried.clear()
         timeline.reset_peaks()
         trainee.optimizer.zero_grad(set_to_none=True)
         with timeline:
@@ -116,8 +133,8 @@ def _trace(step: _Step, trace: StepTrace, tensor_mode, step_optimizer: bool) -> 
         return list(zip(checkpointed, trace.selective_forwards(trainee, step.layers, step.inputs)))
 
 
-def _read(step: _Step, trace: StepTrace, checkpointed: list[tuple[RawRegion, tuple]], layer_flops: list[float],
-          fwd_flops: float, bwd_flops: float, step_optimizer: bool) -> RawRun:
+def _read(step: _Step, trace: StepTrace, checkpointed: list[tuple[tuple, tuple]], layer_flops: list[float],
+          fwd_flops: float, bwd_flops: float, step_optimizer: bool, kept_bytes: int) -> RawRun:
     """The traced step's numbers."""
     weights = _weights(step.trainee.model, step.layers, step.params, step.buffers, trace.module_phase)
     rb, n = trace.round_bytes, trace.n
@@ -146,17 +163,18 @@ def _read(step: _Step, trace: StepTrace, checkpointed: list[tuple[RawRegion, tup
         forward_flops=fwd_flops,
         backward_flops=bwd_flops,
         input_bytes=tensor_bytes(step.batch, rb),
+        kept_bytes=kept_bytes,
         step_peak_bytes=max((live for live, _ in trace.timeline.trace), default=0),
         layers=tuple(_raw_layer(trace, i, weights.layers[i], weights.layer_buffers[i], checkpointed[i], layer_flops[i])
                      for i in range(n)),
     )
 
 
-def _raw_layer(trace: StepTrace, i: int, params: list, buffers: list, forwards: tuple[RawRegion, tuple],
+def _raw_layer(trace: StepTrace, i: int, params: list, buffers: list, forwards: tuple[tuple, tuple],
                flops: float) -> RawLayer:
     rb, last = trace.round_bytes, i == trace.n - 1
     trainable = [p for p in params if p.requires_grad]
-    checkpointed, (selective, selective_kept, selective_output_kept, selective_saved_flops) = forwards
+    (checkpointed, retained), (selective, selective_kept, selective_output_kept, selective_saved_flops) = forwards
     return RawLayer(
         param_bytes=tensor_bytes(params + buffers, rb),
         grad_bytes=tensor_bytes(trainable, rb),
@@ -167,6 +185,7 @@ def _raw_layer(trace: StepTrace, i: int, params: list, buffers: list, forwards: 
         forward=trace.region(f"f{i}", f"F{i}"),
         recompute=trace.recompute(i),
         checkpointed_forward=checkpointed,
+        retained=retained,
         selective_forward=selective,
         selective_kept=selective_kept,
         selective_output_kept=selective_output_kept,

@@ -36,6 +36,9 @@ class Timeline(TorchDispatchMode):
         self._storages: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._grad_ids: dict[int, int] = {}  # id(storage) -> bytes, for gradients alive now
         self.before_next_op: Callable[[], None] | None = None  # called once, before the next operator runs
+        # Called with (id(storage), counted bytes) as a storage is first seen and as it dies, where set.
+        self.on_new: Callable[[int, int], None] | None = None
+        self.on_free: Callable[[int, int], None] | None = None
 
     def _nbytes(self, storage) -> int:
         n = storage.nbytes()
@@ -46,6 +49,10 @@ class Timeline(TorchDispatchMode):
         for t in tensors:
             self._add(t.untyped_storage(), counted)
 
+    def add_storage(self, storage) -> None:
+        """A storage alive before the timeline started, counted (a tensor an earlier step left)."""
+        self._add(storage)
+
     def _add(self, storage, counted: bool = True) -> None:
         if storage in self._storages:
             return
@@ -53,10 +60,23 @@ class Timeline(TorchDispatchMode):
         self._storages[storage] = nbytes
         self.live += nbytes
         weakref.finalize(storage, self._free, nbytes, id(storage))
+        if self.on_new is not None:
+            self.on_new(id(storage), nbytes)
 
     def _free(self, nbytes: int, storage_id: int) -> None:
         self.live -= nbytes
         self.grad_live -= self._grad_ids.pop(storage_id, 0)
+        if self.on_free is not None:
+            self.on_free(storage_id, nbytes)
+
+    def left_alive(self, known: Iterable[torch.Tensor]) -> list:
+        """The counted storages alive now other than ``known``'s (weights, gradients, optimizer state)."""
+        skip = {id(t.untyped_storage()) for t in known}
+        return [s for s, nbytes in list(self._storages.items()) if nbytes and id(s) not in skip]
+
+    def alive_ids(self) -> set[int]:
+        """``id`` of every storage seen and alive now."""
+        return {id(s) for s in list(self._storages.keys())}
 
     def counted_bytes(self, storage) -> int:
         """The bytes this timeline counts for ``storage`` (0 where not counted or not seen)."""

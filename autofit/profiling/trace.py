@@ -189,22 +189,57 @@ class StepTrace:
     def optimizer_stepped(self) -> None:
         self.rec.mark("opt")
 
-    def checkpointed_forwards(self, trainee: Trainee, layers, inputs) -> list[RawRegion]:
+    def checkpointed_forwards(self, trainee: Trainee, layers, inputs) -> list[tuple[RawRegion, int]]:
         """Each layer's forward as a checkpointed segment's forward runs it, as :meth:`Recorder.region`
         gives it: autograd keeps none of the tensors it saves (the checkpoint's pack hook stores no
         tensor), so each dies with its last Python reference. One more forward of the model, its output
-        dropped."""
+        dropped. Per layer also what its forward left alive once the model's forward returned (autocast
+        exited, the model's output still held), beyond its output: what something other than autograd
+        keeps, e.g. a key/value cache the model returns. A tensor the layer replaces (a stash of the
+        step before, a buffer) is taken off: the net growth. The step before ran first, so that is net."""
         unique = {id(layer): layer for layer in layers}.values()
-        handles = [layer.register_forward_pre_hook(functools.partial(self._mark_call, "c")) for layer in unique]
-        handles += [layer.register_forward_hook(functools.partial(self._mark_call, "C")) for layer in unique]
+        timeline, layer_now = self.timeline, [None]
+        before = timeline.alive_ids()  # the previous step's leftovers among them
+        born: dict[int, tuple[int, int]] = {}  # storage id -> (the layer that made it, bytes), while alive
+        replaced = [0] * self.n
+
+        def new(storage_id: int, nbytes: int) -> None:
+            if layer_now[0] is not None:
+                born[storage_id] = (layer_now[0], nbytes)
+
+        def freed(storage_id: int, nbytes: int) -> None:
+            born.pop(storage_id, None)
+            if storage_id in before:
+                before.discard(storage_id)  # its id may be a new storage's next
+                if layer_now[0] is not None:
+                    replaced[layer_now[0]] += nbytes
+
+        def mark(key: str, module, *args) -> None:
+            i = self._next_call(key)
+            if i is not None:
+                self.rec.mark(f"{key}{i}")
+                layer_now[0] = i if key == "c" else None
+
+        handles = [layer.register_forward_pre_hook(functools.partial(mark, "c")) for layer in unique]
+        handles += [layer.register_forward_hook(functools.partial(mark, "C")) for layer in unique]
+        timeline.on_new, timeline.on_free = new, freed
         try:
-            with autocast_context(trainee.config.precision, trainee.device.type), \
-                    torch.autograd.graph.saved_tensors_hooks(lambda t: None, lambda saved: None):
-                trainee.model(inputs)
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: None, lambda saved: None):
+                with autocast_context(trainee.config.precision, trainee.device.type):
+                    out = trainee.model(inputs)
+                main = first_tensor(out)
+                if main is not None:  # the model's output is the loss's, not kept by anything
+                    born.pop(id(main.untyped_storage()), None)
+                made = [0] * self.n
+                for i, nbytes in born.values():
+                    made[i] += nbytes
+                kept = [max(0, made[i] - replaced[i]) for i in range(self.n)]
+                del out, main
         finally:
+            timeline.on_new = timeline.on_free = None
             for h in handles:
                 h.remove()
-        return [self.rec.region(f"c{i}", f"C{i}") for i in range(self.n)]
+        return [(self.rec.region(f"c{i}", f"C{i}"), kept[i]) for i in range(self.n)]
 
     def selective_forwards(self, trainee: Trainee, layers, inputs) -> list[tuple[RawRegion, int, bool, float]]:
         """Each layer's forward as a selectively checkpointed segment's forward runs it: as
@@ -246,11 +281,6 @@ class StepTrace:
                         output_kept, cache.flops[i]))
         cache.kept.clear()
         return out
-
-    def _mark_call(self, key: str, module, *args) -> None:
-        i = self._next_call(key)
-        if i is not None:
-            self.rec.mark(f"{key}{i}")
 
     # -- reading the trace ---------------------------------------------------------------------
 

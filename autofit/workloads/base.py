@@ -126,16 +126,6 @@ def checked_batch(workload: Workload, n: int) -> tuple:
     return tuple(batch)
 
 
-def training_cache_caveat(name: str, model: nn.Module) -> str | None:
-    """Why the estimate of a transformers model that caches keys and values while it trains is low, if it does."""
-    if getattr(getattr(model, "config", None), "use_cache", None) is not True:
-        return None
-    return (f"{name}: config.use_cache is True, so the model keeps every layer's keys and values in a cache while "
-            "it trains, which a checkpointed segment cannot free: checkpointed configs are estimated low (9% for a "
-            "3-layer GPT-2 at checkpoint_every=1); set use_cache=False, as transformers does for its own gradient "
-            "checkpointing")
-
-
 def selective_caveat(name: str, model: nn.Module) -> str | None:
     """Why ``model`` cannot be checkpointed selectively, if it cannot: a transformers model that caches keys
     and values while it trains appends to its cache in each layer's forward, so a recomputation runs other

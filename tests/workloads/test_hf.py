@@ -218,8 +218,8 @@ def test_tied_embeddings_are_tied_in_the_profile_and_estimated_right(tie):
 
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_a_user_built_model_that_caches_keys_while_training_is_warned_about(use_cache, caplog):
-    """transformers' use_cache keeps every layer's keys and values alive through a checkpointed segment,
-    which the estimate cannot see: the profile says so (hf: workloads turn it off themselves)."""
+    """transformers' use_cache keeps every layer's keys and values alive beside what backward needs: the
+    profile sees it (the layers' retained bytes) and says so (hf: workloads turn it off themselves)."""
     from autofit import Workload
     from autofit.profiling.profile import profile_workload
 
@@ -232,5 +232,5 @@ def test_a_user_built_model_that_caches_keys_while_training_is_warned_about(use_
                         loss=lambda out, labels: torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), labels.flatten()),
                         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
     profile_workload(workload, ["fp32"], use_cache=False)
-    warned = [r for r in caplog.records if r.levelname == "WARNING" and "use_cache is True" in r.getMessage()]
+    warned = [r for r in caplog.records if r.levelname == "WARNING" and "set use_cache=False" in r.getMessage()]
     assert len(warned) == (1 if use_cache else 0)
