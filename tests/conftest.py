@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 
 TESTS_DIR = Path(__file__).resolve().parent
+
+# A suite started in the background by a script inherits SIGINT ignored; the CLI then warns that
+# Ctrl-C is ignored (a second stderr line the one-line error tests would count), and the Ctrl-C
+# tests could not interrupt anything. Take Ctrl-C back, as an interactive run has it; the
+# processes the tests start inherit it.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):

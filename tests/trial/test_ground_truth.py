@@ -51,7 +51,8 @@ def test_both_views_read_a_known_weight_and_its_gradient():
     assert measure_trial(workload, config, schedule=SCHEDULE)["peak_bytes"] == pytest.approx(allocator, rel=0.01)
     resident = resident_peak_bytes(workload, config, SCHEDULE)
     if resident is not None:  # Linux
-        assert 0.9 * known <= resident <= 2 * known
+        # pages of the weight the kernel has not faulted in yet are not resident: most, not all
+        assert 0.8 * known <= resident <= 2 * known
 
 
 class _TiedWeight(nn.Module):
