@@ -164,8 +164,8 @@ def estimate(profile: Profile, config: TrainConfig, budget_bytes: int | None = N
         option = profile.for_precision(config.precision).optimizer_option(config.optimizer.value)
         notes.append(f"optimizer={config.optimizer.value}: {option.optimizer if option else config.optimizer.value} "
                      f"replaces the workload's {profile.optimizer} (this changes the training)")
-    if config.checkpoint_every and (caveat := retained_caveat(profile.workload, [profile.for_precision(config.precision)])):
-        notes.append(caveat)
+    if caveat := retained_caveat(profile.workload, [profile.for_precision(config.precision)]):
+        notes.append(caveat)  # checkpointed configs of such a model are refused (memory_table.retained_refusal)
     real_check = profile.for_precision(config.precision).real_check
     if real_check:  # what the profile's real steps found (autofit.profiling.real_check), corrections included
         notes.append(f"profile: {real_check}")

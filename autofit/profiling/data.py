@@ -256,7 +256,7 @@ def retained_caveat(name: str, precisions) -> str | None:
         return None
     return (f"{name}: its layers keep {per_sample / 1024:,.1f} KiB per sample alive beside what backward needs, "
             "until the step's output is dropped (a key/value cache the model returns: waste while training); "
-            "checkpointed configs recompute into it and may be estimated low; set use_cache=False")
+            "checkpointed configs would recompute into it and are not estimated; set use_cache=False")
 
 
 def rows_from_json(rows) -> tuple[tuple[int, int], ...]:

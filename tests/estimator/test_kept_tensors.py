@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 
 from autofit.core.config import TrainConfig
+from autofit.core.errors import ConfigError
 from autofit.estimator.memory_model import estimate
+from autofit.estimator.memory_table import estimate_table
 from autofit.profiling.profile import profile_workload
 from autofit.trial.measure import measure_trial
 from autofit.workloads.load import load_workload
@@ -40,13 +42,15 @@ def test_a_cache_without_checkpointing_is_exact(name, one_thread):
     assert measured - 4 <= predicted <= measured * 1.01
 
 
-@pytest.mark.xfail(strict=True, reason="a checkpointed segment's recomputation appends to the cache the forward "
-                   "filled, which joins the first forward's graph to the backward: memory the regions do not see")
 @pytest.mark.parametrize("every", [1, 2])
 @pytest.mark.parametrize("name", ["llama_lm", "gpt2_lm"])
-def test_a_cache_with_checkpointing_is_not_under(name, every, one_thread):
-    predicted, measured = _estimated_and_measured(name, every)
-    assert measured <= predicted <= measured * 1.08
+def test_a_cache_with_checkpointing_is_refused_not_under_estimated(name, every):
+    # the recomputation appends to the cache the forward filled and joins the first forward's graph to
+    # the backward (measured 2.5-6.7% over the regions' estimate): invalid, naming the fix, never a false fit
+    profile = profile_workload(load_workload(SPEC + name), ["fp32"], use_cache=False, split_ends=False)
+    row = estimate_table(profile, [TrainConfig("fp32", 2, 1, every, 1)]).iloc[0]
+    assert not row.valid and "use_cache=False" in row.reason and row.fits is not True
+    assert estimate_table(profile, [TrainConfig("fp32", 2, 1, 0, 1)]).iloc[0].valid
 
 
 def test_the_profile_sees_what_is_kept_and_says_so(caplog):
@@ -57,8 +61,10 @@ def test_the_profile_sees_what_is_kept_and_says_so(caplog):
     assert llama.for_precision("fp32").kept_bytes == (0.0, 0.0)  # dropped with the step's output
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any("set use_cache=False" in line for line in warned), warned
-    note = estimate(llama, TrainConfig("fp32", 2, 1, 1, 1)).notes
+    note = estimate(llama, TrainConfig("fp32", 2, 1, 0, 1)).notes
     assert any("use_cache=False" in line for line in note)
+    with pytest.raises(ConfigError, match="use_cache=False"):  # checkpointed: refused
+        estimate(llama, TrainConfig("fp32", 2, 1, 1, 1))
     hooked = profile_workload(load_workload(SPEC + "hooked_mlp"), ["fp32"], use_cache=False, split_ends=False)
     pp = hooked.for_precision("fp32")
     assert pp.kept_bytes[1] == sum(layer.output[1] for layer in pp.layers) > 0  # each block's output, stashed
