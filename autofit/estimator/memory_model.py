@@ -159,6 +159,9 @@ def estimate(profile: Profile, config: TrainConfig, budget_bytes: int | None = N
         option = profile.for_precision(config.precision).optimizer_option(config.optimizer.value)
         notes.append(f"optimizer={config.optimizer.value}: {option.optimizer if option else config.optimizer.value} "
                      f"replaces the workload's {profile.optimizer} (this changes the training)")
+    routing = profile.for_precision(config.precision).routing
+    if routing:  # expert activations depend on routing: say which the estimate assumed
+        notes.append(routing)
     real_check = profile.for_precision(config.precision).real_check
     if real_check:  # what the profile's real steps found (autofit.profiling.real_check), corrections included
         notes.append(f"profile: {real_check}")

@@ -81,3 +81,4 @@ class RawRun:
     head_backward: RawRegion | None = None
     optimizer_bytes: int | None = None
     opt_region: RawRegion | None = None
+    routing: str = ""  # the routing assumption the step ran under (autofit.profiling.routing), "" without a top-k
