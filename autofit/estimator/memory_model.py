@@ -166,6 +166,9 @@ def estimate(profile: Profile, config: TrainConfig, budget_bytes: int | None = N
                      f"replaces the workload's {profile.optimizer} (this changes the training)")
     if caveat := retained_caveat(profile.workload, [profile.for_precision(config.precision)]):
         notes.append(caveat)  # checkpointed configs of such a model are refused (memory_table.retained_refusal)
+    routing = profile.for_precision(config.precision).routing
+    if routing:  # expert activations depend on routing: say which the estimate assumed
+        notes.append(routing)
     real_check = profile.for_precision(config.precision).real_check
     if real_check:  # what the profile's real steps found (autofit.profiling.real_check), corrections included
         notes.append(f"profile: {real_check}")

@@ -97,5 +97,6 @@ def assemble(precision: Precision, runs: dict[int, RawRun], real_check: str = ""
         forward_flops=_flops_line(r2.forward_flops),
         backward_flops=_flops_line(r2.backward_flops),
         optimizer_flops=0.0, real_check=real_check, real_extra_bytes_per_sample=real_extra_bytes_per_sample,
+        routing=r1.routing or r2.routing,
     )
 

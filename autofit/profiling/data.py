@@ -17,7 +17,7 @@ __all__ = ["OUTPUT_REGIONS", "PROFILE_BATCHES", "PROFILE_VERSION", "LayerProfile
            "with_optimizer"]
 
 # The profile's format: a cache entry of another version is never read (autofit.profiling.cache).
-PROFILE_VERSION = 17
+PROFILE_VERSION = 18
 # Micro-batch sizes profiled; every per-sample quantity is fitted as a line through them.
 PROFILE_BATCHES = (2, 4)
 
@@ -178,6 +178,8 @@ class PrecisionProfile:
     # autofit.profiling.real_check: what real steps found beside the fake runs (the regions above include it)
     real_check: str = ""
     real_extra_bytes_per_sample: float = 0.0
+    # autofit.profiling.routing: the routing the step assumed for a top-k router's experts ("": no top-k)
+    routing: str = ""
     # The model's ends as a device split's first and last stages hold them: weights tied across
     # the ends (an embedding and its head) untied, one copy a stage (None: nothing is tied).
     split_ends: "PrecisionProfile | None" = None

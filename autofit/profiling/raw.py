@@ -87,3 +87,4 @@ class RawRun:
     # what the step before left alive for this one beyond weights, gradients and optimizer state (a hook's
     # stash, a buffer the forward replaced); this step was traced with it alive from the start
     kept_bytes: int = 0
+    routing: str = ""  # the routing assumption the step ran under (autofit.profiling.routing), "" without a top-k

@@ -8,6 +8,7 @@ tensors (:func:`run_fake`) or, for the real check, on real ones, under a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from typing import Any, NamedTuple
 
@@ -17,7 +18,9 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from autofit.core.config import Precision, TrainConfig
 from autofit.profiling.data import PROFILE_BATCHES
+from autofit.profiling.fake_kernels import FakeKernels
 from autofit.profiling.raw import RawLayer, RawRun
+from autofit.profiling.routing import ROUTING_NOTE, Routing
 from autofit.profiling.timeline import (
     init_optimizer_state,
     max_tensor_bytes,
@@ -64,6 +67,7 @@ def run_step(workload: Workload, precision: Precision, micro_batch: int, device_
     :class:`~autofit.profiling.real_check.RealTensors`), plus the optimizer step (its state made first)
     when ``step_optimizer``. Raises WorkloadError where the backward pass cannot be followed."""
     round_bytes = CUDA_BLOCK_BYTES if device_type == "cuda" else 1
+    tensor_mode = _StepModes(tensor_mode)
     step = _build(workload, precision, micro_batch, device_type, tensor_mode, real_batch, step_optimizer)
     trace = StepTrace(len(step.layers), round_bytes, count_flops)
     checkpointed = _trace(step, trace, tensor_mode, step_optimizer)
@@ -82,7 +86,38 @@ def run_step(workload: Workload, precision: Precision, micro_batch: int, device_
         layer_flops = trace.layer_flops(step.trainee.model, step.layers)
         fwd_flops, bwd_flops = float(trace.fwd_counter.get_total_flops()), float(trace.bwd_counter.get_total_flops())
     trace.check_backward(workload.name)
-    return _read(step, trace, checkpointed, layer_flops, fwd_flops, bwd_flops, step_optimizer, kept_bytes)
+    run = _read(step, trace, checkpointed, layer_flops, fwd_flops, bwd_flops, step_optimizer, kept_bytes)
+    return dataclasses.replace(run, routing=ROUTING_NOTE) if tensor_mode.routing.routed else run
+
+
+class _StepModes:
+    """The step's tensor mode (``FakeTensorMode`` or the real check's real tensors) with the modes the
+    step runs under above it: the routing assumption (:mod:`autofit.profiling.routing`, real and fake
+    alike, so the real check runs the same step) and, on fake tensors, the kernels whose fake
+    implementation refuses a real step's inputs (:mod:`autofit.profiling.fake_kernels`)."""
+
+    def __init__(self, tensor_mode) -> None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        self.tensor_mode = tensor_mode
+        fake = isinstance(tensor_mode, FakeTensorMode)
+        self.routing = Routing(fake=fake)
+        self._above = [FakeKernels(), self.routing] if fake else [self.routing]
+        self._stacks: list[contextlib.ExitStack] = []
+
+    def from_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        return self.tensor_mode.from_tensor(t)
+
+    def __enter__(self):
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.tensor_mode)
+        for mode in self._above:
+            stack.enter_context(mode)
+        self._stacks.append(stack)
+        return self
+
+    def __exit__(self, *exc) -> bool | None:
+        return self._stacks.pop().__exit__(*exc)
 
 
 def _build(workload: Workload, precision: Precision, micro_batch: int, device_type: str, tensor_mode,

@@ -160,6 +160,10 @@ def explain_failure(name: str, exc: BaseException) -> str:
         return (f"{name}: the optimizer's step ({optimizer}) cannot run on fake tensors{why}, so autofit cannot "
                 f"profile it ({type(exc).__name__}: {text}); use one that can, e.g. torch.optim.AdamW, Adafactor, SGD, RMSprop, "
                 "Adagrad")
+    if type(exc).__name__ in ("DynamicOutputShapeException", "DataDependentOutputException"):
+        return (f"{name}: the step reads tensor values ({text}: an output size or a number that depends on data), "
+                "which fake tensors do not have; autofit knows them only for a router's torch.topk (mixture of "
+                "experts) and what is computed from its indices alone")
     for needles, hint in _FAILURE_HINTS:
         if any(n in text for n in needles):
             return f"{name}: {hint} ({type(exc).__name__}: {text})"
