@@ -63,7 +63,7 @@ def make_workload() -> autofit.Workload:
 def main() -> None:
     workload = autofit.load_workload(f"{Path(__file__).resolve()}:make_workload")
     result = autofit.search(
-        workload, budget="64MB",
+        workload, budget="4MB",
         space={"precision": ["fp32", "amp-bf16"], "micro_batch": [4, 8, 16], "global_batch": 16,
                "checkpoint_every": [0, 2]},
         trials=3, out="results/launcher-example",

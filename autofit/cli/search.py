@@ -17,6 +17,7 @@ from autofit.cli._args import (
     positive,
 )
 from autofit.core.budget import format_budget, format_bytes
+from autofit.report.exports import TARGETS
 from autofit.report.tables import RAN, duration_text
 from autofit.study import PATIENCE, TRIAL_TIMEOUT_S, ProgressPrinter
 from autofit.workloads import DEFAULT_WORKLOAD
@@ -118,4 +119,4 @@ def _summary(result) -> None:
     print(f"tables     {result.out_dir}/trials.csv, best.json, summary.md  (autofit report {result.out_dir})")
     print(f"report     {result.out_dir}/report.html (summary, exports, pictures, tables; the pictures also as *.png)")
     if result.best is not None:
-        print(f"export     autofit export {result.out_dir} --to hf|accelerate|lightning|deepspeed|json")
+        print(f"export     autofit export {result.out_dir} --to {'|'.join(TARGETS)}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +38,10 @@ def test_the_launcher_example_runs_as_written(tmp_path):
     assert "best: " in proc.stdout and "step 2: loss" in proc.stdout
     out = tmp_path / "results" / "launcher-example"
     assert (out / "best.json").is_file() and (out / "trials.csv").is_file() and (out / "summary.md").is_file()
+    # the example's budget decides: some configs are predicted over it, and the answer uses a third or more
+    assert "over_budget" in set(pd.read_csv(out / "trials.csv").reason_kind.dropna())
+    best = json.loads((out / "best.json").read_text())
+    assert best["measured"]["peak_bytes"] >= best["budget_bytes"] / 3
 
 
 def test_estimate_one_config_or_a_space():
