@@ -194,12 +194,13 @@ def test_a_study_cannot_be_resumed_with_another_budget(study_dir):
 
 
 def test_a_journal_written_by_autofit_0_1_reads_the_same(tmp_path):
-    """results/examples/gpt-tiny-8GB was written by autofit 0.1 (user attrs, no split_mode param)."""
+    """tests/data/journal-autofit-0.1 is a gpt-tiny 8 GB study written by autofit 0.1 (user attrs, no
+    split_mode param), with the tables that version wrote."""
     import shutil
 
     import pandas as pd
 
-    example = Path(__file__).resolve().parents[2] / "results" / "examples" / "gpt-tiny-8GB"
+    example = Path(__file__).resolve().parents[1] / "data" / "journal-autofit-0.1"
     shutil.copy(example / "study.journal", tmp_path / "study.journal")  # reading takes a lock file beside it
     shutil.copy(example / "study.json", tmp_path / "study.json")
     study = load_snapshot(tmp_path)
