@@ -70,3 +70,16 @@ def slow_tiny_decoder() -> Workload:
 
 def slow_small_resnet() -> Workload:
     return _slowed(load_workload(f"{_SIBLING}:small_resnet"), "slow-small-resnet")
+
+
+def slow_deeper_decoder() -> Workload:
+    """tiny_decoder with a fourth block: a pipeline over 4 stages needs 4 layers."""
+    decoder = load_workload(f"{_SIBLING}:tiny_decoder")
+    make = decoder.model
+
+    def model() -> nn.Module:
+        m = make()
+        m.blocks.append(type(m.blocks[0])())
+        return m
+
+    return _slowed(dataclasses.replace(decoder, name="deeper-decoder", model=model), "slow-deeper-decoder")

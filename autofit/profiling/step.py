@@ -145,6 +145,17 @@ def _trace(step: _Step, trace: StepTrace, tensor_mode, step_optimizer: bool,
     counted from the start (the list is emptied: no reference here may keep them past their replacement)."""
     trainee, timeline = step.trainee, trace.timeline
     trace.attach(trainee.model, step.layers, step.params)
+    try:
+        _traced_step(step, trace, tensor_mode, step_optimizer, carried)
+    finally:  # a step that raised must not leave its process-wide hooks behind
+        trace.detach()
+    with tensor_mode, timeline:
+        checkpointed = trace.checkpointed_forwards(trainee, step.layers, step.inputs)
+        return list(zip(checkpointed, trace.selective_forwards(trainee, step.layers, step.inputs)))
+
+
+def _traced_step(step: _Step, trace: StepTrace, tensor_mode, step_optimizer: bool, carried: list | None) -> None:
+    trainee, timeline = step.trainee, trace.timeline
     with tensor_mode:
         timeline.register(step.params + step.buffers + step.state)
         timeline.register(step.batch, counted=False)
@@ -162,10 +173,6 @@ def _trace(step: _Step, trace: StepTrace, tensor_mode, step_optimizer: bool,
                 with scalar_stand_ins(trainee.optimizer):  # Adafactor's reads of its step and norms
                     trainee.optimizer.step()
                 trace.optimizer_stepped()
-    trace.detach()
-    with tensor_mode, timeline:
-        checkpointed = trace.checkpointed_forwards(trainee, step.layers, step.inputs)
-        return list(zip(checkpointed, trace.selective_forwards(trainee, step.layers, step.inputs)))
 
 
 def _read(step: _Step, trace: StepTrace, checkpointed: list[tuple[tuple, tuple]], layer_flops: list[float],

@@ -60,6 +60,7 @@ class StepTrace:
         # checkpointed segment's recomputation stops there (non-reentrant early stop).
         self.last_saved: list[int | None] = [None] * n
         self._saving: torch.autograd.graph.saved_tensors_hooks | None = None  # the running layer's
+        self._counting = None  # the FLOP counter entered and not yet left
         # The storages each layer is called with (its input and any other tensor argument, e.g. an
         # encoder's output every decoder layer takes), each under the first layer that takes it, and
         # the timeline index at which each died: a checkpoint keeps its segment's arguments alive
@@ -98,9 +99,17 @@ class StepTrace:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._grad_accumulated))
 
     def detach(self) -> None:
+        """Remove the hooks, and leave what a step that raised left entered: a layer's saved-tensor
+        hooks are process-wide, and would keep every tensor autograd saves afterwards alive."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self._saving is not None:
+            self._saving.__exit__(None, None, None)
+            self._saving = None
+        if self._counting is not None:
+            self._counting.__exit__(None, None, None)
+            self._counting = None
 
     def _next_call(self, key: str) -> int | None:
         """The layer this call of a layer module is (None: a call outside the layer loop)."""
@@ -129,6 +138,7 @@ class StepTrace:
         if i is None:
             return
         self._saving.__exit__(None, None, None)
+        self._saving = None
         out = first_tensor(output)
         self.layer_out[i] = round_up(out.untyped_storage().nbytes(), self.round_bytes) if out is not None else 0
         self.output_saved[i] = out is not None and out.untyped_storage()._cdata in self.saved_ptrs[i]
@@ -167,11 +177,13 @@ class StepTrace:
     def forward_starts(self) -> None:
         self.rec.mark("start")
         self.fwd_counter.__enter__()
+        self._counting = self.fwd_counter
 
     def between_forward_and_backward(self) -> None:
         self.fwd_counter.__exit__(None, None, None)
         self.rec.mark("loss")
         self.bwd_counter.__enter__()
+        self._counting = self.bwd_counter
 
     def backward_ends(self) -> None:
         # Backward ends inside a layer whose input needs no gradient (the first layer fed the raw
@@ -184,6 +196,7 @@ class StepTrace:
             if f"B{i}" not in names and not (self.input_grad[i] and self.output_grad[i]):
                 self.rec.mark(f"B{i}")
         self.bwd_counter.__exit__(None, None, None)
+        self._counting = None
         self.rec.mark("end")
 
     def optimizer_stepped(self) -> None:

@@ -61,3 +61,18 @@ def test_pipeline_stages_stay_under_the_estimate(workload, profile, config, slow
         # 16 bytes: the last stage's scalars (loss, its scale) are counted to within a few bytes
         assert peak <= estimate + 16, (stage, peak, estimate)
         assert (estimate - peak) / peak <= 0.03, (stage, peak, estimate)
+
+
+def test_four_pipeline_stages_stay_under_the_estimate(monkeypatch):
+    spec = "tests/slow_rank_workloads.py:slow_deeper_decoder"
+    workload = load_workload(spec)
+    profile = profile_workload(workload, ["fp32"], use_cache=False)
+    config = TrainConfig(split_mode="pipeline", micro_batch=2, grad_accum=4, device_split=4)
+    monkeypatch.setenv("AUTOFIT_TEST_SLOW_RANK", "3")  # the last stage, through its loss
+    measured = measure_split(workload, config, device_type="cpu", budget_bytes=None, warmup_steps=2,
+                             measure_steps=2, timeout_s=180)
+    assert measured["status"] == "ok", measured.get("error")
+    predicted = estimate_table(profile, [config]).iloc[0].per_device_peak_bytes
+    for stage, (peak, estimate) in enumerate(zip(measured["per_device_peak_bytes"], predicted)):
+        assert peak <= estimate + 16, (stage, peak, estimate)
+        assert (estimate - peak) / peak <= 0.03, (stage, peak, estimate)

@@ -103,3 +103,6 @@ def test_a_size_read_from_values_without_a_router_is_a_one_line_error():
     message = str(info.value)
     assert "reads tensor values (aten.nonzero.default" in message and "torch.topk" in message
     assert "\n" not in message
+    # the failed step left no process-wide saved-tensor hooks behind (they kept every tensor autograd
+    # saved afterwards alive, in this process's later steps)
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
