@@ -45,16 +45,11 @@ def test_fsdp_ranks_stay_under_the_estimate(profile, config, slow_rank, monkeypa
     assert (predicted - in_flight - max(peaks)) / max(peaks) <= 0.08, (peaks, predicted, in_flight)
 
 
-@pytest.mark.parametrize(("config", "slow_rank"), [
-    (TrainConfig(split_mode="pipeline", micro_batch=2, grad_accum=2, device_split=2), 0),
-    (TrainConfig(split_mode="pipeline", micro_batch=2, grad_accum=3, device_split=3), 2),
-])
-def test_pipeline_stages_stay_under_the_estimate(workload, profile, config, slow_rank, monkeypatch):
-    # the first stage is slowed by its optimizer step, the last by its loss (stages are traced
-    # graphs: the layer hooks do not run there)
+def _assert_stages_under(workload, profile, config: TrainConfig, slow_rank: int, monkeypatch) -> None:
+    """Measure ``config`` with stage ``slow_rank`` slowed: each stage at or under its estimate."""
     monkeypatch.setenv("AUTOFIT_TEST_SLOW_RANK", str(slow_rank))
     measured = measure_split(workload, config, device_type="cpu", budget_bytes=None, warmup_steps=2,
-                             measure_steps=2, timeout_s=120)
+                             measure_steps=2, timeout_s=180)
     assert measured["status"] == "ok", measured.get("error")
     predicted = estimate_table(profile, [config]).iloc[0].per_device_peak_bytes
     for stage, (peak, estimate) in enumerate(zip(measured["per_device_peak_bytes"], predicted)):
@@ -63,16 +58,18 @@ def test_pipeline_stages_stay_under_the_estimate(workload, profile, config, slow
         assert (estimate - peak) / peak <= 0.03, (stage, peak, estimate)
 
 
+@pytest.mark.parametrize(("config", "slow_rank"), [
+    (TrainConfig(split_mode="pipeline", micro_batch=2, grad_accum=2, device_split=2), 0),
+    (TrainConfig(split_mode="pipeline", micro_batch=2, grad_accum=3, device_split=3), 2),
+])
+def test_pipeline_stages_stay_under_the_estimate(workload, profile, config, slow_rank, monkeypatch):
+    # the first stage is slowed by its optimizer step, the last by its loss (stages are traced
+    # graphs: the layer hooks do not run there)
+    _assert_stages_under(workload, profile, config, slow_rank, monkeypatch)
+
+
 def test_four_pipeline_stages_stay_under_the_estimate(monkeypatch):
-    spec = "tests/slow_rank_workloads.py:slow_deeper_decoder"
-    workload = load_workload(spec)
+    workload = load_workload("tests/slow_rank_workloads.py:slow_deeper_decoder")
     profile = profile_workload(workload, ["fp32"], use_cache=False)
     config = TrainConfig(split_mode="pipeline", micro_batch=2, grad_accum=4, device_split=4)
-    monkeypatch.setenv("AUTOFIT_TEST_SLOW_RANK", "3")  # the last stage, through its loss
-    measured = measure_split(workload, config, device_type="cpu", budget_bytes=None, warmup_steps=2,
-                             measure_steps=2, timeout_s=180)
-    assert measured["status"] == "ok", measured.get("error")
-    predicted = estimate_table(profile, [config]).iloc[0].per_device_peak_bytes
-    for stage, (peak, estimate) in enumerate(zip(measured["per_device_peak_bytes"], predicted)):
-        assert peak <= estimate + 16, (stage, peak, estimate)
-        assert (estimate - peak) / peak <= 0.03, (stage, peak, estimate)
+    _assert_stages_under(workload, profile, config, 3, monkeypatch)  # the last stage, through its loss
