@@ -133,9 +133,15 @@ class RunResult:
     history: list[OracleRecord] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     extra_s: float = 0.0             # charged for work done elsewhere (autofit's first use)
+    reached_98_at: int | None = None  # index in history of the trial after which the incumbent first reached 98%
 
     def __post_init__(self) -> None:
         self.mode = BenchMode(self.mode)
+
+    @property
+    def time_to_98_s(self) -> float | None:
+        """The strategy's clock when the config it would answer first reached 98% of the optimum (None: never)."""
+        return None if self.reached_98_at is None else self.history[self.reached_98_at].clock_s
 
     @property
     def trials_s(self) -> float:
@@ -147,7 +153,7 @@ class RunResult:
             "seed": self.seed, "mode": self.mode, "answer": self.answer.short() if self.answer else "",
             "fraction_of_optimum": self.fraction, "wall_s": self.wall_s, "trials": self.trials,
             "oom_trials": self.oom_trials, "failed_trials": self.failed_trials,
-            "time_to_95pct_s": self.time_to_target_s, "trials_s": self.trials_s, "charged_s": self.extra_s,
+            "time_to_95pct_s": self.time_to_target_s, "time_to_98pct_s": self.time_to_98_s, "trials_s": self.trials_s, "charged_s": self.extra_s,
             "own_work_s": self.wall_s - self.trials_s - self.extra_s if self.history or self.extra_s else None,
             "error": self.error or "",
             "trial_sequence": " ; ".join(f"{r.outcome.config.short()}={r.outcome.status}" for r in self.history),
