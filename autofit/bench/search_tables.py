@@ -1,4 +1,5 @@
-"""The search suite's tables: ``search.md``, ``search_grid.csv``, ``search_runs.csv`` and ``search.png``.
+"""The search suite's tables: ``search.md``, ``search_grid.csv``, ``search_runs.csv``, ``search_cells.csv``
+(:mod:`autofit.bench.search_regimes`) and ``search.png``.
 
 Reads the suite's results (:class:`autofit.bench.search_data.SearchResults`: grids and scored runs)
 and says, in plain sentences, every figure on which autofit is worse than a peer (:func:`losses`).
@@ -29,6 +30,12 @@ from autofit.bench.search_data import (
     MiB,
     RunResult,
     SearchResults,
+)
+from autofit.bench.search_regimes import (
+    cells_frame,
+    gpu_cost_section,
+    run_rows,
+    write_cells_csv,
 )
 from autofit.bench.strategies import Strategy, sweeps
 from autofit.bench.verdict import AUTOFIT_NAME, CHECKS, verdicts
@@ -160,10 +167,13 @@ def _after_table(stops: list[str], time_text: str) -> str:
 
 
 def write_search(out_dir: Path, env: dict, res: SearchResults, strategies: tuple[Strategy, ...]) -> list[Path]:
-    """Write ``search_grid.csv``, ``search_runs.csv``, ``search.md`` and (with matplotlib) ``search.png``."""
+    """Write ``search_grid.csv``, ``search_runs.csv``, ``search_cells.csv``, ``search.md`` and (with matplotlib)
+    ``search.png``."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    cells = cells_frame(run_rows(res.runs, res.grids, strategies))
     files = [write_csv(out_dir / "search_grid.csv", _grid_rows(res.grids)),
-             write_csv(out_dir / "search_runs.csv", [r.row() for r in res.runs])]
+             write_csv(out_dir / "search_runs.csv", [r.row() for r in res.runs]),
+             write_cells_csv(out_dir / "search_cells.csv", cells)]
     rep = Report("Search: autofit against its peers", env)
     for part in _method_sections(res, strategies):
         rep.add(part)
@@ -175,6 +185,7 @@ def write_search(out_dir: Path, env: dict, res: SearchResults, strategies: tuple
     if live:
         rep.add(live)
     rep.add(done_when_table(res.runs, strategies))
+    rep.add(gpu_cost_section(cells, strategies))
     lost = losses(res.runs, strategies)
     rep.add("## Where autofit loses\n\n" + ("\n".join(f"- {line}" for line in lost) if lost
                                              else "Nowhere: on every figure autofit's median is at least as good as each peer's."))
