@@ -4,7 +4,9 @@ A change to the search is judged in seconds this way, without measuring the grid
 grid (every config measured, two throughput samples each) is what ``autofit bench --suite search``
 wrote; the replay is the suite's own (:func:`autofit.bench.scoring.run_strategy` with a
 :class:`~autofit.bench.oracles.ReplayOracle`). ``python -m autofit.bench.replay`` prints
-autofit's figures per cell (``--help``).
+autofit's figures per cell (``--help``); with ``--out DIR`` it replays every strategy and writes
+``search_cells.csv`` (time to 98% in the cpu and gpu-cost regimes, :mod:`autofit.bench.search_regimes`)
+and ``search_replay.md`` (the regimes' section, the done-when table and the replay's medians) there.
 """
 
 from __future__ import annotations
@@ -13,14 +15,22 @@ import argparse
 import math
 import re
 import statistics
+import sys
 from pathlib import Path
 
 import pandas as pd
 
+from autofit.bench.common import Report, environment
 from autofit.bench.oracles import ReplayOracle
 from autofit.bench.own_search import STRATEGIES
 from autofit.bench.scoring import run_strategy
 from autofit.bench.search_data import BenchMode, Cell, Grid, GridPoint, MiB, RunResult
+from autofit.bench.search_regimes import (
+    cells_frame,
+    gpu_cost_section,
+    run_rows,
+    write_cells_csv,
+)
 from autofit.bench.search_tables import done_when_table
 from autofit.bench.strategies import Strategy, sweeps
 from autofit.core.config import Precision, SplitMode, TrainConfig
@@ -118,6 +128,20 @@ def table(runs: list[RunResult]) -> str:
     return "\n".join(lines)
 
 
+def write_replay(out_dir: Path, grid_csv: Path, grids: list[Grid], runs: list[RunResult],
+                 strategies: tuple[Strategy, ...], command: str) -> list[Path]:
+    """``search_cells.csv`` and ``search_replay.md`` from a replay of a committed grid."""
+    cells = cells_frame(run_rows(runs, grids, strategies))
+    rep = Report("Search: a replay of the measured grid", {**environment(command), "grid": str(grid_csv)})
+    rep.add(f"Every strategy replayed against `{grid_csv}` (no trial run): {max(r.seed for r in runs) + 1} seeds per "
+            "strategy and cell. The cpu clock charges each trial the grid's measured wall time, and times each "
+            "strategy's own work on this machine now.")
+    rep.add(gpu_cost_section(cells, strategies))
+    rep.add(done_when_table(runs, strategies))
+    rep.add("## Replayed medians, cpu clock\n\n" + table(runs))
+    return [write_cells_csv(out_dir / "search_cells.csv", cells), rep.write(out_dir / "search_replay.md")]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m autofit.bench.replay", description=__doc__.split("\n")[0])
     parser.add_argument("grid", type=Path, nargs="?", default=Path("results/benchmarks/search_grid.csv"))
@@ -127,12 +151,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="replay autofit, TPE and the finder sweeps and print the search suite's done-when table")
     parser.add_argument("--swap-samples", action="store_true",
                         help="answer each config's second grid sample first (the other draw of the noise)")
+    parser.add_argument("--out", type=Path,
+                        help="replay every strategy and write search_cells.csv and search_replay.md into this folder")
     args = parser.parse_args(argv)
     names = args.strategy or ["autofit"]
     if args.done_when:
         names += ["autofit", "optuna-tpe"] + [s.name for s in sweeps(STRATEGIES)]
+    if args.out:
+        names += [s.name for s in STRATEGIES]
     strategies = tuple(s for s in STRATEGIES if s.name in names)
-    runs = replay(load_grids(args.grid), strategies, args.seeds, int(args.swap_samples))
+    grids = load_grids(args.grid)
+    runs = replay(grids, strategies, args.seeds, int(args.swap_samples))
+    if args.out:
+        command = "python -m autofit.bench.replay " + " ".join(argv if argv is not None else sys.argv[1:])
+        for path in write_replay(args.out, args.grid, grids, runs, strategies, command.strip()):
+            print(f"wrote {path}")
     print(table(runs))
     if args.done_when:
         print(done_when_table(runs, strategies))

@@ -71,7 +71,10 @@ def cells_frame(rows: pd.DataFrame) -> pd.DataFrame:
     out = grouped.agg(best_found_pct=("best_found_pct", "median"), wall_s=("wall_s", "median"),
                       time_to_98_s=("time_to_98_s", _median_time), real_trials=("real_trials", "median"),
                       oom_trials=("oom_trials", "median")).reset_index()
-    return out[CELLS_COLUMNS]
+    # cell by cell, each regime's strategies together, all in the order the runs came
+    order = {key: {v: i for i, v in enumerate(dict.fromkeys(rows[key]))} for key in ("cell", "regime", "strategy")}
+    out = out.sort_values(["cell", "regime", "strategy"], key=lambda col: col.map(order[col.name]), kind="stable")
+    return out[CELLS_COLUMNS].reset_index(drop=True)
 
 
 def write_cells_csv(path: Path, cells: pd.DataFrame) -> Path:

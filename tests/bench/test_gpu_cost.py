@@ -211,3 +211,16 @@ def test_figures_are_the_committed_gpu_measurements_they_cite():
               for f in ("run3-h200-a.csv", "run4-h200-a.csv") for n in range(3, 13)]
     assert gc.IN_PROCESS_BUILD.value == pytest.approx(pd.Series(builds).median(), abs=0.001)
     assert not gc.OOM_STEPS.measured and not gc.STEP_SCALE.measured
+
+
+def test_replay_writes_the_cells_csv_and_its_page(tmp_path):
+    from autofit.bench.replay import write_replay
+
+    grid = _grid()
+    strategies = (_strategy("autofit", lambda p, o, s: o.run(grid.optimum(BUDGET).config).config), HALVING_SWEEP)
+    runs = [run_strategy(s, grid, BUDGET, 0, ReplayOracle(grid, BUDGET), BenchMode.REPLAY) for s in strategies]
+    paths = write_replay(tmp_path, Path("grid.csv"), [grid], runs, strategies, "python -m autofit.bench.replay --out x")
+    assert [p.name for p in paths] == ["search_cells.csv", "search_replay.md"]
+    assert pd.read_csv(paths[0]).columns.tolist() == CELLS_COLUMNS
+    text = paths[1].read_text()
+    assert "`python -m autofit.bench.replay --out x`" in text and "## GPU cost regime: time to 98%" in text
