@@ -29,6 +29,7 @@ from autofit.bench.search_regimes import (
     cells_frame,
     regime_verdicts,
     run_rows,
+    verdict_table,
 )
 from autofit.bench.search_tables import write_search
 from autofit.core.config import Precision, TrainConfig
@@ -193,6 +194,8 @@ def test_median_time_to_98_counts_never_and_verdict_checks_peers_and_single_prec
     slow = cells.assign(time_to_98_s=cells["time_to_98_s"].where(cells["strategy"] != "autofit", 13.0))
     [v] = regime_verdicts(slow, (_strategy("autofit"), HALVING_AT_ONE, HALVING_SWEEP), "gpu-cost")
     assert v.sooner and v.ratios[HALVING_AT_ONE.name] == pytest.approx(1.3) and not v.passed
+    v.answer_pct = 92.0   # passed 98% on the way, then answered less: the table says so
+    assert "| 13.0 (answer 92.0%) |" in verdict_table([v]) and "1.30× ✗" in verdict_table([v])
     assert run_rows([], [], ()).columns.tolist() == CELLS_COLUMNS
 
 
