@@ -132,7 +132,8 @@ def write_replay(out_dir: Path, grid_csv: Path, grids: list[Grid], runs: list[Ru
                  strategies: tuple[Strategy, ...], command: str) -> list[Path]:
     """``search_cells.csv`` and ``search_replay.md`` from a replay of a committed grid."""
     cells = cells_frame(run_rows(runs, grids, strategies))
-    rep = Report("Search: a replay of the measured grid", {**environment(command), "grid": str(grid_csv)})
+    rep = Report("Search: a replay of the measured grid", {**environment(command), "grid": str(grid_csv)},
+                 generator="python -m autofit.bench.replay")
     rep.add(f"Every strategy replayed against `{grid_csv}` (no trial run): {max(r.seed for r in runs) + 1} seeds per "
             "strategy and cell. The cpu clock charges each trial the grid's measured wall time, and times each "
             "strategy's own work on this machine now.")
