@@ -125,8 +125,10 @@ def vouch_key(config: TrainConfig) -> tuple:
     group and whether it recomputes (checkpointing's cost is one shared term of the calibration,
     fitted from whichever side ran: a checkpointed trial says little about the same precision
     without it; on the committed convnet-bn grid one did, and ruled out the optimum), which policy it
-    checkpoints with (selective recomputes less) and with which optimizer (the lever's own step)."""
-    return (*calibration_group(config), config.checkpoint_every > 0, config.checkpoint_policy, config.optimizer)
+    checkpoints with (selective recomputes less), with which optimizer (the lever's own step) and where
+    that optimizer steps (an offloaded one on the host, after copying the gradients there)."""
+    return (*calibration_group(config), config.checkpoint_every > 0, config.checkpoint_policy, config.optimizer,
+            config.offload)
 
 
 def group_name(group: tuple) -> str:

@@ -38,8 +38,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from autofit.core.config import Precision, TrainConfig
+from autofit.core.config import Offload, Precision, TrainConfig
 from autofit.core.errors import ConfigError
+from autofit.runtime.offload import offload_optimizer
 from autofit.runtime.optimizers import replace_optimizer
 from autofit.runtime.training import (
     apply_config,
@@ -110,8 +111,13 @@ class TrainingPlan:
         """The optimizer to train with: ``optimizer`` itself, or for a config whose ``optimizer`` lever is set
         (e.g. ``adamw8bit``) its replacement over the same parameter groups and hyper-parameters
         (:func:`autofit.runtime.optimizers.replace_optimizer`). Raises WorkloadError when ``optimizer``
-        cannot be replaced (only torch.optim.Adam and AdamW are) or the replacement's library is missing."""
-        return replace_optimizer(self.config.optimizer, optimizer)
+        cannot be replaced (only torch.optim.Adam and AdamW are) or the replacement's library is missing.
+        With ``offload=optimizer`` it is wrapped to keep its state and step on the host
+        (:func:`autofit.runtime.offload.offload_optimizer`; CUDA only): make it after ``apply``."""
+        optimizer = replace_optimizer(self.config.optimizer, optimizer)
+        if self.config.offload is Offload.OPTIMIZER:
+            optimizer = offload_optimizer(optimizer)
+        return optimizer
 
     def micro_batches(self, batch: Any, device: torch.device | str | None = None) -> list:
         """Cut a global batch (tensors, tuples, lists or dicts of them, samples along dim 0) into
