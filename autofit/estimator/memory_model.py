@@ -74,6 +74,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
+from autofit.core.budget import format_bytes
 from autofit.core.config import Offload, PipelineSchedule, SplitMode, TrainConfig
 from autofit.core.errors import ConfigError
 from autofit.estimator.fsdp_memory import FSDP_EXTRA_COLUMNS
@@ -171,9 +172,9 @@ def estimate(profile: Profile, config: TrainConfig, budget_bytes: int | None = N
                      f"replaces the workload's {profile.optimizer} (this changes the training)")
     if config.offload is Offload.OPTIMIZER:
         need = host_need(profile_for(profile, config.precision, config.optimizer))
-        notes.append(f"offload=optimizer: {need.host_bytes / 2**30:.2f} GiB on the host (pinned copies of the "
+        notes.append(f"offload=optimizer: {format_bytes(need.host_bytes)} on the host (pinned copies of the "
                      f"parameters of 4096 elements or more and their gradients, their optimizer state, one step); "
-                     f"{need.device_state_bytes / 2**20:.1f} MiB of state stays on the device")
+                     f"{format_bytes(need.device_state_bytes)} of state stays on the device")
     if caveat := retained_caveat(profile.workload, [profile.for_precision(config.precision)]):
         notes.append(caveat)  # checkpointed configs of such a model are refused (memory_table.retained_refusal)
     routing = profile.for_precision(config.precision).routing

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from autofit.core.budget import format_bytes
 from autofit.core.config import Offload, TrainConfig
 from autofit.profiling.data import PrecisionProfile, Profile
 from autofit.runtime.offload import MIN_OFFLOAD_NUMEL, refusal
@@ -103,7 +104,7 @@ def host_refusal(pp: PrecisionProfile, host_bytes: int | None = None) -> str | N
     need = host_need(pp)
     host_bytes = machine_memory_bytes() if host_bytes is None else host_bytes
     if need.host_bytes > host_bytes:
-        return (f"offload=optimizer needs {need.host_bytes / 2**30:.2f} GiB on the host (pinned copies "
-                f"{need.pinned_bytes / 2**30:.2f} GiB, optimizer state {need.state_bytes / 2**30:.2f} GiB, step "
-                f"{need.step_bytes / 2**30:.2f} GiB): more than this machine's {host_bytes / 2**30:.2f} GiB")
+        return (f"offload=optimizer needs {format_bytes(need.host_bytes)} on the host (pinned copies "
+                f"{format_bytes(need.pinned_bytes)}, optimizer state {format_bytes(need.state_bytes)}, step "
+                f"{format_bytes(need.step_bytes)}): more than this machine's {format_bytes(host_bytes)}")
     return None
