@@ -31,7 +31,7 @@ import torch
 from autofit.core.config import Offload, OptimizerChoice, Precision, SplitMode, TrainConfig
 from autofit.core.errors import WorkloadError
 
-__all__ = ["MIN_OFFLOAD_NUMEL", "OFFLOADABLE", "missing_library", "offload_optimizer", "refusal"]
+__all__ = ["MIN_OFFLOAD_NUMEL", "OFFLOADABLE", "apply_offload", "missing_library", "offload_optimizer", "refusal"]
 
 # torchao's ``minimal_size``: smaller parameters stay on the device, with their state (copying many
 # tiny tensors costs more than their state saves).
@@ -92,3 +92,15 @@ def offload_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
     # the fused CPU kernels step Adam and AdamW in one pass, with no temporaries the size of a parameter
     fused = {"fused": True} if kind in (torch.optim.Adam, torch.optim.AdamW) else {}
     return CPUOffloadOptimizer(groups, optimizer_class=kind, minimal_size=MIN_OFFLOAD_NUMEL, **fused)
+
+
+def apply_offload(config: TrainConfig, optimizer: torch.optim.Optimizer, device_type: str) -> torch.optim.Optimizer:
+    """The optimizer ``config`` trains with on ``device_type``: ``optimizer`` itself with ``offload=none``,
+    else offloaded (:func:`offload_optimizer`). Raises WorkloadError with the reason the estimate prunes
+    such a config for (:func:`refusal`), e.g. on the CPU."""
+    if config.offload is Offload.NONE:
+        return optimizer
+    why = refusal(config, type(optimizer).__name__, device_type)
+    if why is not None:
+        raise WorkloadError(why)
+    return offload_optimizer(optimizer)

@@ -35,7 +35,7 @@ from torch.utils.checkpoint import checkpoint
 
 from autofit.core.config import CheckpointPolicy, Offload, Precision, TrainConfig
 from autofit.core.errors import AutofitError, WorkloadError
-from autofit.runtime.offload import offload_optimizer
+from autofit.runtime.offload import apply_offload
 from autofit.runtime.optimizers import replace_optimizer
 from autofit.workloads.base import Workload
 
@@ -222,7 +222,7 @@ def apply_config(model: nn.Module, config: TrainConfig, device: torch.device | s
                         if config.changes_optimizer else ""))
         # A fake model is profiled on the device (no host to offload to): the estimate moves its state.
         if config.offload is Offload.OPTIMIZER and not _is_fake(model):
-            optimizer = offload_optimizer(optimizer)
+            optimizer = apply_offload(config, optimizer, _device_type(model, device))
             steps.append("offload: the state of parameters of 4096 elements or more, and its step, on the host")
     made_scaler = None
     if scaler and (made_scaler := grad_scaler(config.precision, _device_type(model, device))) is not None:

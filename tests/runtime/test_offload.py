@@ -37,3 +37,13 @@ def test_offloaded_steps_train_as_the_device_optimizer(kind):
             optimizer.step()
     for a, b in zip(models[0].parameters(), models[1].parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_offload_on_the_cpu_is_a_one_line_error_where_the_optimizer_is_made():
+    model = torch.nn.Linear(64, 64)
+    plan = TrainingPlan(TrainConfig("fp32", 4, offload="optimizer"), "cpu")
+    with pytest.raises(WorkloadError, match="^offload=optimizer keeps the optimizer's state on the host: on device cpu"):
+        plan.optimizer(torch.optim.AdamW(model.parameters()))
+    # offload=none leaves the optimizer as it is
+    optimizer = torch.optim.AdamW(model.parameters())
+    assert TrainingPlan(TrainConfig("fp32", 4), "cpu").optimizer(optimizer) is optimizer
