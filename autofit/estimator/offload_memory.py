@@ -7,9 +7,9 @@ the same parameters), and the profile's list of trainable tensors (``grad_rows``
 
 - the device keeps the weights, the gradients (accumulated there; the host copy is made as each is
   final) and the small parameters' state. That state is their share of the profiled state per
-  gradient byte, at least one byte per byte (a vector's Adafactor second moment is as large as the
-  vector, though its matrices' factored state is smaller); the step's temporaries shrink to the
-  small parameters' share. The copies back into the parameters are in place: no device buffer;
+  gradient byte, counted in the card's 512-byte blocks, at least one byte per byte (a vector's
+  Adafactor second moment is as large as the vector, though its matrices' factored state is
+  smaller); the step's temporaries shrink to the small parameters' share. The copies back into the parameters are in place: no device buffer;
 - the host keeps, per offloaded parameter, a pinned copy and a pinned gradient (torch's caching host
   allocator rounds each pinned block up to a power of two), the offloaded part of the state, and one
   parameter's step temporaries at a time (each has its own optimizer): counted as four times the
@@ -28,6 +28,7 @@ import os
 from autofit.core.budget import format_bytes
 from autofit.core.config import Offload, TrainConfig
 from autofit.profiling.data import PrecisionProfile, Profile
+from autofit.profiling.step import CUDA_BLOCK_BYTES
 from autofit.runtime.offload import MIN_OFFLOAD_NUMEL, refusal
 from autofit.runtime.training import param_dtype
 
@@ -60,14 +61,25 @@ def _pinned_block(nbytes: int) -> int:
     return 1 << max(nbytes - 1, 0).bit_length()
 
 
+def _device_block(nbytes: int) -> int:
+    return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
+
+
 def host_need(pp: PrecisionProfile) -> HostNeed:
     """What ``pp`` (as it trains: its optimizer's state in ``optimizer_bytes``) needs with ``offload=optimizer``."""
     small_limit = MIN_OFFLOAD_NUMEL * param_dtype(pp.precision).itemsize
     large = [nbytes for _, nbytes in pp.grad_rows if nbytes >= small_limit]
+    # On the card each state tensor is a block of its own (512-byte multiples): a small tensor's share
+    # of the state is counted over its blocks, so rounding never puts the kept state under the card's.
+    blocks = sum(_device_block(nbytes) for _, nbytes in pp.grad_rows)
+    small_blocks = sum(_device_block(nbytes) for _, nbytes in pp.grad_rows if nbytes < small_limit)
+    per_block_byte = pp.optimizer_bytes / blocks if blocks else 0.0
+    kept = min(pp.optimizer_bytes, int(round(small_blocks * max(per_block_byte, 1.0))))
+    # the host's copy is not rounded: its share is counted per byte
     small_bytes = sum(nbytes for _, nbytes in pp.grad_rows if nbytes < small_limit)
     per_grad_byte = pp.optimizer_bytes / pp.grad_bytes if pp.grad_bytes else 0.0
-    kept = min(pp.optimizer_bytes, int(round(small_bytes * max(per_grad_byte, 1.0))))
-    return HostNeed(pinned_bytes=2 * sum(_pinned_block(n) for n in large), state_bytes=pp.optimizer_bytes - kept,
+    host_state = pp.optimizer_bytes - min(pp.optimizer_bytes, int(round(small_bytes * max(per_grad_byte, 1.0))))
+    return HostNeed(pinned_bytes=2 * sum(_pinned_block(n) for n in large), state_bytes=host_state,
                     step_bytes=HOST_STEP_FACTOR * max(large, default=0), device_state_bytes=kept)
 
 

@@ -65,11 +65,12 @@ def test_the_device_keeps_only_the_small_parameters_state(workload, cuda_profile
     given = estimate(cuda_profile, TrainConfig("fp32", 4), host_bytes=LARGE_HOST)
     offloaded = estimate(cuda_profile, TrainConfig("fp32", 4, offload="optimizer"), host_bytes=LARGE_HOST)
     large, small = _real_state_bytes(workload, True), _real_state_bytes(workload, False)
-    # the profile's state is the real one's; what stays is the small tensors' share (their step counters are
-    # counted per byte of gradient: a few bytes off)
+    # the profile's state is the real one's; what stays is the small tensors' share, counted in the card's
+    # 512-byte blocks (this CPU profile's state is not rounded: the kept state is high by their rounding)
     assert given.optimizer_bytes == large + small
-    assert abs(offloaded.optimizer_bytes - small) <= 4 * 10
-    assert abs((given.optimizer_bytes - offloaded.optimizer_bytes) - large) <= 4 * 10
+    small_tensors = 6  # four block biases, the head's weight and bias
+    assert small <= offloaded.optimizer_bytes <= small + 2 * 512 * small_tensors
+    assert large - 2 * 512 * small_tensors <= given.optimizer_bytes - offloaded.optimizer_bytes <= large
     assert offloaded.params_bytes == given.params_bytes
     assert offloaded.model_state_bytes == given.model_state_bytes  # the whole state, wherever it lives
     assert offloaded.peak_bytes < given.peak_bytes
@@ -80,6 +81,7 @@ def test_the_host_holds_pinned_copies_and_the_offloaded_state(workload, cuda_pro
     need = host_need(cuda_profile.for_precision("fp32"))
     block = 256 * 256 * 4  # a power of two already: pinned blocks round up to one
     assert need.pinned_bytes == 2 * 4 * block  # each block's weight and its gradient
+    # counted per byte on the host: its step counters are shared out by gradient bytes, a few bytes off
     assert abs(need.state_bytes - _real_state_bytes(workload, True)) <= 4 * 10
     assert need.step_bytes == 4 * block
     assert need.host_bytes == need.pinned_bytes + need.state_bytes + need.step_bytes
