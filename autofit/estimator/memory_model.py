@@ -171,7 +171,7 @@ def estimate(profile: Profile, config: TrainConfig, budget_bytes: int | None = N
         notes.append(f"optimizer={config.optimizer.value}: {option.optimizer if option else config.optimizer.value} "
                      f"replaces the workload's {profile.optimizer} (this changes the training)")
     if config.offload is Offload.OPTIMIZER:
-        need = host_need(profile_for(profile, config.precision, config.optimizer))
+        need = host_need(profile_for(profile, config.precision, config.optimizer), fused=not config.changes_optimizer)
         notes.append(f"offload=optimizer: {format_bytes(need.host_bytes)} on the host (pinned copies of the "
                      f"parameters of 4096 elements or more and their gradients, their optimizer state, one step); "
                      f"{format_bytes(need.device_state_bytes)} of state stays on the device")

@@ -144,8 +144,8 @@ def estimate_table(profile: Profile, configs: list[TrainConfig], budget_bytes: i
             continue
         pp = profile_for(profile, precision, choice)
         model_state[idx] = pp.static_param_bytes + pp.grad_bytes + pp.optimizer_bytes
-        if offload is Offload.OPTIMIZER:
-            pp = offloaded(pp)
+        if offload is Offload.OPTIMIZER:  # the workload's Adam or AdamW is made fused, Adafactor is not
+            pp = offloaded(pp, fused=choice is OptimizerChoice.AS_GIVEN)
         selective = policy is CheckpointPolicy.SELECTIVE
         if mode is SplitMode.FSDP and split > 1:
             _score_fsdp_group(profile, pp, overhead or fallback_overhead(), every, split,

@@ -65,8 +65,9 @@ def _device_block(nbytes: int) -> int:
     return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
 
 
-def host_need(pp: PrecisionProfile) -> HostNeed:
-    """What ``pp`` (as it trains: its optimizer's state in ``optimizer_bytes``) needs with ``offload=optimizer``."""
+def host_need(pp: PrecisionProfile, fused: bool = False) -> HostNeed:
+    """What ``pp`` (as it trains: its optimizer's state in ``optimizer_bytes``) needs with ``offload=optimizer``.
+    ``fused``: the optimizer is an Adam or AdamW, which :mod:`autofit.runtime.offload` makes fused."""
     small_limit = MIN_OFFLOAD_NUMEL * param_dtype(pp.precision).itemsize
     large = [nbytes for _, nbytes in pp.grad_rows if nbytes >= small_limit]
     # On the card each state tensor is a block of its own (512-byte multiples): a small tensor's share
@@ -74,7 +75,9 @@ def host_need(pp: PrecisionProfile) -> HostNeed:
     blocks = sum(_device_block(nbytes) for _, nbytes in pp.grad_rows)
     small_blocks = sum(_device_block(nbytes) for _, nbytes in pp.grad_rows if nbytes < small_limit)
     per_block_byte = pp.optimizer_bytes / blocks if blocks else 0.0
-    kept = min(pp.optimizer_bytes, int(round(small_blocks * max(per_block_byte, 1.0))))
+    # a fused Adam keeps its step counters on the card, a block each (the profiled one kept them on the host)
+    counters = CUDA_BLOCK_BYTES * sum(1 for _, nbytes in pp.grad_rows if nbytes < small_limit) if fused else 0
+    kept = min(pp.optimizer_bytes, int(round(small_blocks * max(per_block_byte, 1.0)))) + counters
     # the host's copy is not rounded: its share is counted per byte
     small_bytes = sum(nbytes for _, nbytes in pp.grad_rows if nbytes < small_limit)
     per_grad_byte = pp.optimizer_bytes / pp.grad_bytes if pp.grad_bytes else 0.0
@@ -83,14 +86,14 @@ def host_need(pp: PrecisionProfile) -> HostNeed:
                     step_bytes=HOST_STEP_FACTOR * max(large, default=0), device_state_bytes=kept)
 
 
-def offloaded(pp: PrecisionProfile) -> PrecisionProfile:
+def offloaded(pp: PrecisionProfile, fused: bool = False) -> PrecisionProfile:
     """``pp`` as the device sees it with ``offload=optimizer``: only the small parameters' state, and their
-    step's temporaries (a device split's ends likewise)."""
-    need = host_need(pp)
-    share = need.device_state_bytes / pp.optimizer_bytes if pp.optimizer_bytes else 0.0
+    step's temporaries (a device split's ends likewise; ``fused``: as in :func:`host_need`)."""
+    need = host_need(pp, fused)
+    share = min(1.0, need.device_state_bytes / pp.optimizer_bytes) if pp.optimizer_bytes else 0.0
     ends = pp.split_ends
     if ends is not None:
-        ends = offloaded(ends) if ends.grad_rows else dataclasses.replace(
+        ends = offloaded(ends, fused) if ends.grad_rows else dataclasses.replace(
             ends, optimizer_bytes=int(round(ends.optimizer_bytes * share)),
             optimizer_peak_bytes=int(round(ends.optimizer_peak_bytes * share)), optimizer_per_tensor=False)
     return dataclasses.replace(pp, optimizer_bytes=need.device_state_bytes,

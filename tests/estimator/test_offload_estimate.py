@@ -69,8 +69,9 @@ def test_the_device_keeps_only_the_small_parameters_state(workload, cuda_profile
     # 512-byte blocks (this CPU profile's state is not rounded: the kept state is high by their rounding)
     assert given.optimizer_bytes == large + small
     small_tensors = 6  # four block biases, the head's weight and bias
-    assert small <= offloaded.optimizer_bytes <= small + 2 * 512 * small_tensors
-    assert large - 2 * 512 * small_tensors <= given.optimizer_bytes - offloaded.optimizer_bytes <= large
+    # (and a fused step counter on the card each)
+    assert small <= offloaded.optimizer_bytes <= small + 3 * 512 * small_tensors
+    assert large - 3 * 512 * small_tensors <= given.optimizer_bytes - offloaded.optimizer_bytes <= large
     assert offloaded.params_bytes == given.params_bytes
     assert offloaded.model_state_bytes == given.model_state_bytes  # the whole state, wherever it lives
     assert offloaded.peak_bytes < given.peak_bytes
