@@ -99,3 +99,12 @@ def test_other_targets_give_the_code_that_offloads(target):
 def test_a_config_without_offload_has_no_offload_note():
     exp = export("precision=amp-bf16,micro_batch=4", "deepspeed", device="cuda")
     assert "zero_optimization" not in exp.kwargs and not exp.notes
+
+
+def test_deepspeeds_parser_reads_the_offload():
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    parsed = DeepSpeedConfig(json.loads(export(OFFLOAD, "deepspeed", device="cuda").text))
+    assert parsed.zero_optimization_stage == 1
+    assert parsed.zero_config.offload_optimizer.device == "cpu" and parsed.zero_config.offload_optimizer.pin_memory
