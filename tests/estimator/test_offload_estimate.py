@@ -129,3 +129,15 @@ def test_offload_with_adafactor_moves_adafactors_state(cuda_profile):
     lean = estimate(cuda_profile, config, host_bytes=LARGE_HOST)
     offloaded = estimate(cuda_profile, dataclasses.replace(config, offload="optimizer"), host_bytes=LARGE_HOST)
     assert 0 < offloaded.optimizer_bytes < lean.optimizer_bytes
+
+
+def test_advice_says_when_offload_would_fit_one_device(cuda_profile, cpu_profile):
+    from autofit.estimator.advice import advise
+
+    given = estimate(cuda_profile, TrainConfig("fp32", 1), host_bytes=LARGE_HOST)
+    offloaded = estimate(cuda_profile, TrainConfig("fp32", 1, offload="optimizer"), host_bytes=LARGE_HOST)
+    budget = (given.peak_bytes + offloaded.peak_bytes) // 2  # fits only with the state on the host
+    lines = advise(cuda_profile, budget, ["fp32"]).lines
+    assert any(line.startswith("with offload=optimizer (the optimizer state on the host; it does not change the "
+                               "training): fp32 with checkpoint_every=") for line in lines)
+    assert not any("offload" in line for line in advise(cpu_profile, 10**5, ["fp32"]).lines)  # not on the CPU
