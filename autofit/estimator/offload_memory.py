@@ -9,7 +9,9 @@ the same parameters), and the profile's list of trainable tensors (``grad_rows``
   final) and the small parameters' state. That state is their share of the profiled state per
   gradient byte, counted in the card's 512-byte blocks, at least one byte per byte (a vector's
   Adafactor second moment is as large as the vector, though its matrices' factored state is
-  smaller); the step's temporaries shrink to the small parameters' share. The copies back into the parameters are in place: no device buffer;
+  smaller), plus the step counters of the fused Adam that steps them there; the step's temporaries
+  shrink to the small parameters' share. The copies back into the parameters are in place: no
+  device buffer;
 - the host keeps, per offloaded parameter, a pinned copy and a pinned gradient (torch's caching host
   allocator rounds each pinned block up to a power of two), the offloaded part of the state, and one
   parameter's step temporaries at a time (each has its own optimizer): counted as four times the
@@ -17,7 +19,7 @@ the same parameters), and the profile's list of trainable tensors (``grad_rows``
 
 The host's total must fit in the machine's physical memory (pinned pages cannot be swapped out):
 otherwise the config is pruned, saying how much it needs. The step's time on the host and the copies
-are not in the time model: trials measure them.
+are not in the time model: trials measure them, and the calibration gives offload a term of its own.
 """
 
 from __future__ import annotations
