@@ -22,7 +22,8 @@ a. accuracy on CUDA: for the built-ins ``gpt-tiny``, ``gpt-mini``, ``convnet-bn`
    Hugging Face models built from local configs (4 layers, d=256, seq 128): Llama through
    autofit's own ``hf:`` spec, and GPT-2 and Llama through a wrapper a user would write
    (:func:`hf_gpt2_workload`, :func:`hf_llama_workload`; the Llama one last, if time is left), over fp32, amp-bf16, bf16, amp-fp16,
-   checkpointing on and off, micro-batch 2-8: autofit's estimate (``profile_workload`` on fake
+   checkpointing on and off, micro-batch 2-8, and on ``gpt-tiny`` and ``hf-gpt2`` two configs with
+   ``offload=optimizer`` (where torchao is installed; its wheel is in ``.whl/``): autofit's estimate (``profile_workload`` on fake
    tensors, ``memory_model.estimate``, device type cuda) against ``max_memory_allocated``,
    ``max_memory_reserved`` and reserved + the CUDA context, measured by autofit's own trial code
    (:func:`autofit.trial.measure.measure_trial`) in a child process. The context is the process's use
@@ -51,6 +52,7 @@ The wheels, downloaded once into ``.whl/`` (ignored by git) for Python 3.12 on x
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \\
         -d .whl optuna==5.0.0 alembic==1.20.1 sqlalchemy==2.1.9 colorlog==6.12.0 Mako==1.4.3 \\
         MarkupSafe==3.0.4 typing_extensions==4.16.0 nvidia-ml-py==13.580.82
+    python3 -m pip download --no-deps --only-binary=:all: -d .whl torchao==0.18.0  # offload=optimizer (abi3)
 
 (numpy, packaging, tqdm and PyYAML come with transformers).
 """
@@ -66,6 +68,7 @@ import copy
 import csv
 import datetime as dt
 import gc
+import importlib.util
 import json
 import math
 import os
@@ -109,6 +112,11 @@ A_CONFIGS = [
     "precision=amp-fp16,micro_batch=8,checkpoint_every=1",
 ]
 QUICK_CONFIGS = ["precision=fp32,micro_batch=2"]
+# offload=optimizer (torchao's CPUOffloadOptimizer: the large parameters' AdamW state on the host), on
+# workloads whose optimizer is an AdamW, where torchao is installed: the device peak without that state.
+OFFLOAD_CONFIGS = ["precision=fp32,micro_batch=4,offload=optimizer",
+                   "precision=amp-bf16,micro_batch=4,grad_accum=2,offload=optimizer"]
+OFFLOAD_WORKLOADS = ("gpt-tiny", "hf-gpt2")
 # autofit's own hf: support for Llama; a user-written wrapper (this file) for GPT-2.
 HF_LLAMA_SPEC = ("hf:llama?num_hidden_layers=4&hidden_size=256&intermediate_size=688&num_attention_heads=4"
                  f"&num_key_value_heads=2&vocab_size={HF_VOCAB}&max_position_embeddings={HF_SEQ}")
@@ -524,9 +532,8 @@ def rows_from_child(part: str, workload: str, configs: list[str], predicted: dic
 
 def plan(args) -> dict[str, tuple[str, list[str]]]:
     """name -> (spec, configs) of every estimate the run needs (part a's workloads, part b's candidates)."""
-    configs = QUICK_CONFIGS if args.quick else A_CONFIGS
     names = args.workloads.split(",") if args.workloads else (QUICK_WORKLOADS if args.quick else A_WORKLOADS)
-    jobs = {name: (workload_spec(name), configs) for name in names} if "a" in args.parts else {}
+    jobs = {name: (workload_spec(name), a_configs(name, args)) for name in names} if "a" in args.parts else {}
     if "b" in args.parts and args.device == "cuda" and not args.quick:
         # Profiling all four precisions also fills the profile cache for part c's search.
         jobs["b:" + B_MODEL] = (B_MODEL, B_CANDIDATES + ["precision=amp-bf16,micro_batch=1",
@@ -575,11 +582,20 @@ def late_estimate(name: str, configs: list[str], timeout_s: float) -> dict:
         return dict.fromkeys(configs, f"estimate failed: {_first_line(exc) or 'time guard'}")
 
 
+def a_configs(name: str, args) -> list[str]:
+    """Part a's configs for workload ``name``: the offload ones too where they can run (CUDA, torchao)."""
+    if args.quick:
+        return QUICK_CONFIGS
+    offload = (name in OFFLOAD_WORKLOADS and args.device == "cuda"
+               and importlib.util.find_spec("torchao") is not None)
+    return A_CONFIGS + (OFFLOAD_CONFIGS if offload else [])
+
+
 def part_a(args, clock: Clock, device: str, predicted_all: dict) -> list[Row]:
-    configs = QUICK_CONFIGS if args.quick else A_CONFIGS
     names = args.workloads.split(",") if args.workloads else (QUICK_WORKLOADS if args.quick else A_WORKLOADS)
     rows: list[Row] = []
     for n, name in enumerate(names):
+        configs = a_configs(name, args)
         left = clock.left("a")
         if left < 15:
             rows += [Row("a", name, c, "skipped", note="time guard") for c in configs]

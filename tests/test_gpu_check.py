@@ -164,3 +164,16 @@ def test_parts_may_be_given_with_commas():
     out = subprocess.run([sys.executable, str(SCRIPT), "--parts", "a,x", "--device", "cpu"], capture_output=True,
                          text=True, cwd=ROOT)
     assert out.returncode == 2 and "--parts" in out.stderr
+
+
+def test_offload_configs_run_on_cuda_for_adamw_workloads_where_torchao_is(monkeypatch):
+    from types import SimpleNamespace
+
+    cuda = SimpleNamespace(quick=False, device="cuda")
+    monkeypatch.setattr(gc.importlib.util, "find_spec", lambda name: object())
+    assert gc.a_configs("gpt-tiny", cuda) == gc.A_CONFIGS + gc.OFFLOAD_CONFIGS
+    assert gc.a_configs("convnet-bn", cuda) == gc.A_CONFIGS
+    assert gc.a_configs("gpt-tiny", SimpleNamespace(quick=False, device="cpu")) == gc.A_CONFIGS  # pruned there
+    assert gc.a_configs("gpt-tiny", SimpleNamespace(quick=True, device="cuda")) == gc.QUICK_CONFIGS
+    monkeypatch.setattr(gc.importlib.util, "find_spec", lambda name: None)
+    assert gc.a_configs("gpt-tiny", cuda) == gc.A_CONFIGS

@@ -8,7 +8,7 @@ import sys
 
 from autofit.cli._args import BUDGET_HELP, MODEL_HELP, add_hf_options, model_spec
 from autofit.core.budget import format_budget, format_bytes, parse_budget
-from autofit.core.config import FIELDS, CheckpointPolicy, OptimizerChoice, TrainConfig
+from autofit.core.config import FIELDS, CheckpointPolicy, Offload, OptimizerChoice, TrainConfig
 from autofit.core.space import load_space
 from autofit.estimator.advice import advise
 from autofit.estimator.memory_model import estimate, optimizer_choices
@@ -129,12 +129,15 @@ def _space(profile, space, budget_bytes: int, args) -> int:
     print()
     shown = table if args.top == 0 else table.head(args.top)
     lean = any(c.changes_optimizer or c.checkpoint_policy is CheckpointPolicy.SELECTIVE for c in configs)
+    offload = any(c.offload is not Offload.NONE for c in configs)
     print(f"{'precision':<9} {'micro':>5} {'accum':>5} {'ckpt':>4} {'split':>5} {'mode':>8}"
-          + (f" {'optimizer':>9}" if lean else "") + f" {'peak/device':>12}  fits")
+          + (f" {'optimizer':>9}" if lean else "") + (f" {'offload':>9}" if offload else "")
+          + f" {'peak/device':>12}  fits")
     for row in shown.itertuples():
         ckpt = f"{row.checkpoint_every}{'s' if row.checkpoint_policy == 'selective' else ''}"
         print(f"{row.precision:<9} {row.micro_batch:>5} {row.grad_accum:>5} {ckpt:>4} "
               f"{row.device_split:>5} {row.split_mode:>8}" + (f" {row.optimizer:>9}" if lean else "")
+              + (f" {row.offload:>9}" if offload else "")
               + f" {format_bytes(row.peak_bytes):>12}  {'yes' if row.fits else 'no'}")
     if len(shown) < len(table):
         print(f"... {len(table) - len(shown)} more (--top 0 shows all)")

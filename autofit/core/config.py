@@ -111,13 +111,30 @@ class CheckpointPolicy(str, enum.Enum):
         return self.value
 
 
+class Offload(str, enum.Enum):
+    """Where the optimizer's state lives (the ``offload`` lever, CUDA only).
+
+    ``none`` keeps it on the device; ``optimizer`` keeps the state of every parameter of 4096 elements
+    or more on the host, where its step runs, with pinned host copies of those parameters and their
+    gradients (torchao's ``CPUOffloadOptimizer``; :mod:`autofit.runtime.offload`). The device keeps
+    the weights, the gradients, and the smaller parameters' state.
+    """
+
+    NONE = "none"
+    OPTIMIZER = "optimizer"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 FIELDS = ("precision", "micro_batch", "grad_accum", "checkpoint_every", "device_split", "split_mode",
-          "optimizer", "checkpoint_policy")
+          "optimizer", "checkpoint_policy", "offload")
 # Fields holding enums: parsed by value, written as strings.
 # Fields added later, with their defaults: left out of the text form where they hold them.
-_LATER_DEFAULTS = {"optimizer": OptimizerChoice.AS_GIVEN.value, "checkpoint_policy": CheckpointPolicy.FULL.value}
+_LATER_DEFAULTS = {"optimizer": OptimizerChoice.AS_GIVEN.value, "checkpoint_policy": CheckpointPolicy.FULL.value,
+                   "offload": Offload.NONE.value}
 _ENUM_FIELDS = {"precision": Precision, "split_mode": SplitMode, "optimizer": OptimizerChoice,
-                "checkpoint_policy": CheckpointPolicy}
+                "checkpoint_policy": CheckpointPolicy, "offload": Offload}
 
 
 @dataclass(frozen=True)
@@ -139,6 +156,8 @@ class TrainConfig:
     - ``checkpoint_policy``: a :class:`CheckpointPolicy` (default ``full``; JSON written before the
       field existed loads as ``full``). Without checkpointing (``checkpoint_every`` 0) there is no
       segment to apply it to: it is always ``full`` there.
+    - ``offload``: an :class:`Offload` (default ``none``; JSON written before the field existed loads
+      as ``none``).
 
     Raises ConfigError on a bad value.
     """
@@ -151,6 +170,7 @@ class TrainConfig:
     split_mode: SplitMode = SplitMode.PIPELINE
     optimizer: OptimizerChoice = OptimizerChoice.AS_GIVEN
     checkpoint_policy: CheckpointPolicy = CheckpointPolicy.FULL
+    offload: Offload = Offload.NONE
 
     def __post_init__(self) -> None:
         for name, kind in _ENUM_FIELDS.items():
@@ -189,7 +209,7 @@ class TrainConfig:
 
     def to_text(self) -> str:
         """The ``k=v,...`` form :meth:`parse` reads (``--config``), e.g. for a command that reproduces it; the
-        optimizer and checkpoint policy only where they are not the defaults, so such a command reads
+        optimizer, checkpoint policy and offload only where they are not the defaults, so such a command reads
         as it did before they existed."""
         return ",".join(f"{k}={v}" for k, v in self.to_dict().items() if _LATER_DEFAULTS.get(k) != v)
 
@@ -240,13 +260,15 @@ class TrainConfig:
         """Compact one-line form, e.g. ``amp-bf16 mb=8 ga=4 ckpt=2 split=1`` (``fsdp=2`` for 2 FSDP ranks).
 
         The defaults of the later levers add nothing, so a config that uses none of them reads as it
-        always did; otherwise ``ckpt=2/sel`` for selective checkpointing and ``opt=adamw8bit`` at the end.
+        always did; otherwise ``ckpt=2/sel`` for selective checkpointing, then ``opt=adamw8bit`` and
+        ``offload=opt`` at the end.
         """
         split = f"fsdp={self.device_split}" if self.split_mode is SplitMode.FSDP else f"split={self.device_split}"
         policy = "/sel" if self.checkpoint_policy is CheckpointPolicy.SELECTIVE else ""
         optimizer = f" opt={self.optimizer.value}" if self.changes_optimizer else ""
+        offload = " offload=opt" if self.offload is Offload.OPTIMIZER else ""
         return (f"{self.precision.value} mb={self.micro_batch} ga={self.grad_accum} "
-                f"ckpt={self.checkpoint_every}{policy} {split}{optimizer}")
+                f"ckpt={self.checkpoint_every}{policy} {split}{optimizer}{offload}")
 
 
 def stage_bounds(n_layers: int, device_split: int) -> list[tuple[int, int]]:

@@ -14,6 +14,7 @@ import numpy as np
 
 from autofit.core.config import (
     CheckpointPolicy,
+    Offload,
     OptimizerChoice,
     Precision,
     SplitMode,
@@ -32,9 +33,9 @@ else:  # pragma: no cover
 DEFAULT_SPACE = "default"
 MAX_CONFIGS = 100_000  # the estimate scores this many in seconds; more is a typo or a space to narrow
 _DIMENSIONS = ("precision", "micro_batch", "grad_accum", "checkpoint_every", "device_split", "split_mode",
-               "optimizer", "checkpoint_policy")
+               "optimizer", "checkpoint_policy", "offload")
 _ENUMS = {"precision": Precision, "split_mode": SplitMode, "optimizer": OptimizerChoice,
-          "checkpoint_policy": CheckpointPolicy}
+          "checkpoint_policy": CheckpointPolicy, "offload": Offload}
 _KEYS = set(_DIMENSIONS) | {"global_batch", "description"}
 
 
@@ -55,15 +56,16 @@ class SearchSpace:
     split_mode: tuple[SplitMode, ...] = (SplitMode.PIPELINE,)
     optimizer: tuple[OptimizerChoice, ...] = (OptimizerChoice.AS_GIVEN,)
     checkpoint_policy: tuple[CheckpointPolicy, ...] = (CheckpointPolicy.FULL,)
+    offload: tuple[Offload, ...] = (Offload.NONE,)
     global_batch: int | None = None
     source: str = "<inline>"
 
     def configs(self) -> list[TrainConfig]:
         """Every config in the space, in a stable order."""
         out = []
-        for prec, mb, ga, ck, ds, mode, opt, policy in itertools.product(
+        for prec, mb, ga, ck, ds, mode, opt, policy, offload in itertools.product(
             self.precision, self.micro_batch, self.grad_accum, self.checkpoint_every, self.device_split,
-            self.split_mode, self.optimizer, self.checkpoint_policy,
+            self.split_mode, self.optimizer, self.checkpoint_policy, self.offload,
         ):
             mode = mode if ds > 1 else SplitMode.PIPELINE
             ranks = ds if mode is SplitMode.FSDP else 1
@@ -71,7 +73,7 @@ class SearchSpace:
                 if self.global_batch % (mb * ranks):
                     continue
                 ga = self.global_batch // (mb * ranks)
-            out.append(TrainConfig(prec, mb, ga, ck, ds, mode, opt, policy))
+            out.append(TrainConfig(prec, mb, ga, ck, ds, mode, opt, policy, offload))
         # a fixed global batch collapses the grad_accum axis; no checkpointing, the policy axis
         return list(dict.fromkeys(out))
 

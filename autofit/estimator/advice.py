@@ -10,12 +10,14 @@ import pandas as pd
 from autofit.core.budget import format_bytes
 from autofit.core.config import (
     CheckpointPolicy,
+    Offload,
     OptimizerChoice,
     Precision,
     SplitMode,
     TrainConfig,
 )
 from autofit.estimator.memory_table import estimate_table, lever_refusal, profile_for
+from autofit.estimator.offload_memory import offload_refusal
 from autofit.profiling.data import Profile
 from autofit.runtime.optimizers import REPLACEABLE
 
@@ -165,6 +167,7 @@ def advise(profile: Profile, budget_bytes: int, precisions: list[Precision] | No
         if optimizers == [OptimizerChoice.AS_GIVEN] and profile.optimizer in REPLACEABLE:
             lines.append("the lean space (--space lean) also tries a smaller optimizer state (adafactor, adamw8bit) "
                          "and selective checkpointing; they change the training")
+        lines.extend(_offload_lines(profile, budget_bytes, precisions))
     else:
         for prec, group in single.groupby("precision", sort=False):
             best = _least_change(group)
@@ -191,6 +194,22 @@ def advise(profile: Profile, budget_bytes: int, precisions: list[Precision] | No
     lines.append("fewest devices per split mode (pipeline stages, or FSDP ranks sharding the model state):")
     lines.extend(f"  {line}" for line in fewest_devices_lines(profile, budget_bytes, precisions))
     return Advice(tuple(lines), smallest)
+
+
+def _offload_lines(profile: Profile, budget_bytes: int, precisions: list[Precision]) -> list[str]:
+    """On CUDA, where nothing fits one device: whether keeping the optimizer state on the host would."""
+    candidates = [TrainConfig(prec, 1, 1, every, offload=Offload.OPTIMIZER)
+                  for prec in precisions if prec is not Precision.AMP_FP16 for every in (0, 1, 2, 4)]
+    if not candidates or profile.device_type != "cuda" or offload_refusal(profile, candidates[0]) is not None:
+        return []
+    table = estimate_table(profile, candidates, budget_bytes)
+    fitting = table[table.fits]
+    if fitting.empty:
+        return []
+    best = fitting.sort_values("peak_bytes").iloc[0]
+    return [f"with offload=optimizer (the optimizer state on the host; it does not change the training): "
+            f"{best.precision} with checkpoint_every={best.checkpoint_every} fits one device at micro_batch=1 "
+            f"(peak {format_bytes(best.peak_bytes)})"]
 
 
 def fitting_summary(table: pd.DataFrame) -> dict:

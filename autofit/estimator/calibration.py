@@ -75,6 +75,7 @@ class TimePoint:
     split_mode: str = "pipeline"   # calibration data written before the field existed: pipelines
     optimizer: str = "as-given"    # ... before the optimizer lever: the workload's own
     checkpoint_policy: str = "full"
+    offload: str = "none"          # ... before the offload lever: on the device
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ class Calibration:
         """Per row of ``table`` (with the config columns): the ratio to apply to its predicted time.
 
         ``log(ratio) = mu + a[precision] + b[micro_batch] + c * checkpointed + d[split_mode] * log2(split)
-        + e * selective + f[optimizer]``
+        + e * selective + f[optimizer] + g * offloaded``
         (accumulation is in the prior's step composition already), fitted by least squares to the measured ratios with a ridge
         penalty (an unseen precision gets the mean, ``a = 0``) and a smoothness penalty on ``b``
         over log2(micro_batch) (an unseen micro-batch is interpolated from its neighbours). So
@@ -124,8 +125,9 @@ class Calibration:
         (the prior was 13-20% fast for a gpt-tiny pipeline and 55% fast for its FSDP), so once
         both have run, neither's correction is the other's. Selective checkpointing and each of the
         ``optimizer`` lever's choices have a term of their own (their steps differ from what the
-        prior costs: selective recomputation is memory-bound, bitsandbytes' CPU step is Python), zero
-        until a trial of theirs runs.
+        prior costs: selective recomputation is memory-bound, bitsandbytes' CPU step is Python), and so
+        has ``offload=optimizer`` (a host step and copies the prior does not cost), zero until a trial
+        of theirs runs.
         """
         n = len(table)
         if not self.time_points:
@@ -139,7 +141,7 @@ class Calibration:
 
         def design(frame: pd.DataFrame) -> np.ndarray:
             m = len(frame)
-            x = np.zeros((m, 1 + len(precisions) + len(levels) + 1 + len(modes) + 1 + len(optimizers)))
+            x = np.zeros((m, 1 + len(precisions) + len(levels) + 1 + len(modes) + 1 + len(optimizers) + 1))
             x[:, 0] = 1.0
             prec = frame["precision"].to_numpy()
             for j, name in enumerate(precisions):
@@ -158,6 +160,7 @@ class Calibration:
             chosen = _column(frame, "optimizer", "as-given")
             for j, name in enumerate(optimizers):
                 x[:, k + 1 + j] = chosen == name
+            x[:, -1] = _column(frame, "offload", "none") == "optimizer"
             return x
 
         x = design(points)
@@ -256,7 +259,8 @@ def calibrate(observations: list[Observation], device_type: str = "cpu") -> Cali
             c = o.config
             points.append(TimePoint(c.precision.value, c.micro_batch, c.grad_accum, c.checkpoint_every,
                                     c.device_split, o.measured_step_time_s / o.predicted_step_time_s,
-                                    c.split_mode.value, c.optimizer.value, c.checkpoint_policy.value))
+                                    c.split_mode.value, c.optimizer.value, c.checkpoint_policy.value,
+                                    c.offload.value))
             time_errors.append(relative_error(o.predicted_step_time_s, o.measured_step_time_s))
     return Calibration(
         device_type=device_type, peak_ratio=peak_ratio, peak_margin=peak_margin, time_points=tuple(points),

@@ -20,6 +20,9 @@ are laid end to end again for any config, as PyTorch would run it:
   last layer's kept outputs after its last saved tensor stay until the segment's backward is done;
 - the ``optimizer`` lever: the chosen optimizer's state and step temporaries, profiled over the
   same parameters (``PrecisionProfile.optimizer_options``), replace the workload's optimizer's;
+- the ``offload`` lever: only the state of parameters under 4096 elements, and their step's
+  temporaries, stay on the device; the host must hold the rest, with pinned copies of the offloaded
+  parameters and gradients (:mod:`autofit.estimator.offload_memory`);
 - device split: stage s holds its layers (plus the embedding on the first stage and the head
   on the last), and under 1F1B up to ``min(grad_accum, p - s)`` micro-batches in flight
   (GPipe: all ``grad_accum``) during its forwards and first backward, one fewer once later
@@ -71,10 +74,12 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from autofit.core.config import PipelineSchedule, SplitMode, TrainConfig
+from autofit.core.budget import format_bytes
+from autofit.core.config import Offload, PipelineSchedule, SplitMode, TrainConfig
 from autofit.core.errors import ConfigError
 from autofit.estimator.fsdp_memory import FSDP_EXTRA_COLUMNS
-from autofit.estimator.memory_table import BREAKDOWN, estimate_table
+from autofit.estimator.memory_table import BREAKDOWN, estimate_table, profile_for
+from autofit.estimator.offload_memory import host_need
 from autofit.estimator.stage_walk import stage_lines
 from autofit.probes.cuda_overhead import (
     FALLBACK_CONTEXT_BYTES,
@@ -144,15 +149,16 @@ def optimizer_choices(configs: Iterable[TrainConfig]) -> list[str]:
 
 def estimate(profile: Profile, config: TrainConfig, budget_bytes: int | None = None,
              schedule: PipelineSchedule | str = PipelineSchedule.ONE_F_ONE_B,
-             overhead: CudaOverhead | None = None) -> MemoryEstimate:
-    """The predicted memory of one config.
+             overhead: CudaOverhead | None = None, host_bytes: int | None = None) -> MemoryEstimate:
+    """The predicted memory of one config (``host_bytes``: the host an offloaded optimizer must fit in;
+    None: this machine's).
 
     >>> est = estimate(profile, TrainConfig(precision="amp-bf16", micro_batch=8))  # doctest: +SKIP
     >>> est.peak_bytes, est.fits                                                   # doctest: +SKIP
 
     Raises ConfigError when the config cannot run (e.g. more stages than layers).
     """
-    row = estimate_table(profile, [config], budget_bytes, schedule, overhead).iloc[0]
+    row = estimate_table(profile, [config], budget_bytes, schedule, overhead, host_bytes).iloc[0]
     if not row["valid"]:
         raise ConfigError(f"{config.short()}: {row['reason']}")
     notes = []
@@ -164,6 +170,11 @@ def estimate(profile: Profile, config: TrainConfig, budget_bytes: int | None = N
         option = profile.for_precision(config.precision).optimizer_option(config.optimizer.value)
         notes.append(f"optimizer={config.optimizer.value}: {option.optimizer if option else config.optimizer.value} "
                      f"replaces the workload's {profile.optimizer} (this changes the training)")
+    if config.offload is Offload.OPTIMIZER:
+        need = host_need(profile_for(profile, config.precision, config.optimizer), fused=not config.changes_optimizer)
+        notes.append(f"offload=optimizer: {format_bytes(need.host_bytes)} on the host (pinned copies of the "
+                     f"parameters of 4096 elements or more and their gradients, their optimizer state, one step); "
+                     f"{format_bytes(need.device_state_bytes)} of state stays on the device")
     if caveat := retained_caveat(profile.workload, [profile.for_precision(config.precision)]):
         notes.append(caveat)  # checkpointed configs of such a model are refused (memory_table.retained_refusal)
     routing = profile.for_precision(config.precision).routing

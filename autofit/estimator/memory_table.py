@@ -15,6 +15,7 @@ import pandas as pd
 from autofit.core.config import (
     FIELDS,
     CheckpointPolicy,
+    Offload,
     OptimizerChoice,
     PipelineSchedule,
     Precision,
@@ -24,6 +25,7 @@ from autofit.core.config import (
 )
 from autofit.core.errors import ProfileError
 from autofit.estimator.fsdp_memory import FSDP_EXTRA_COLUMNS, score_fsdp
+from autofit.estimator.offload_memory import host_refusal, offload_refusal, offloaded
 from autofit.estimator.reserved_model import FITTED as RESERVED
 from autofit.estimator.stage_walk import stage_lines
 from autofit.probes.cuda_overhead import CudaOverhead, fallback_overhead
@@ -92,17 +94,21 @@ def in_flight_later(stage: int, device_split: int, grad_accum: np.ndarray,
 
 def estimate_table(profile: Profile, configs: list[TrainConfig], budget_bytes: int | None = None,
                    schedule: PipelineSchedule | str = PipelineSchedule.ONE_F_ONE_B,
-                   overhead: CudaOverhead | None = None) -> pd.DataFrame:
+                   overhead: CudaOverhead | None = None, host_bytes: int | None = None) -> pd.DataFrame:
     """Score many configs at once. One row per config, in the given order.
 
     ``overhead``: the CUDA device's measured context and workspace (``DeviceRates.memory_overhead()``);
     None on CUDA means the fallback constants (:func:`autofit.probes.cuda_overhead.fallback_overhead`).
+    ``host_bytes``: the host memory ``offload=optimizer`` configs must fit in (None: this machine's;
+    :mod:`autofit.estimator.offload_memory`).
 
     Columns: the config fields, the six breakdown categories (at the largest device's
     peak), ``model_state_bytes``, ``peak_bytes``, ``per_device_peak_bytes`` (a tuple),
     ``peak_phase``, ``fits`` (None without a budget) and ``valid`` / ``reason`` (False with a
-    reason when the config cannot run at all, e.g. more stages than layers, or an ``optimizer`` the
-    workload's cannot be replaced with; its peak is NaN).
+    reason when the config cannot run at all, e.g. more stages than layers, an ``optimizer`` the
+    workload's cannot be replaced with, or ``offload=optimizer`` on the CPU; its peak is NaN).
+    With ``offload=optimizer`` the breakdown's ``optimizer_bytes`` is the state left on the device;
+    ``model_state_bytes`` is always the whole state, wherever it lives.
     Raises KeyError if the profile lacks a precision in ``configs``, ProfileError if it lacks the
     split ends a pipeline split of a model with tied weights needs
     (:func:`autofit.estimator.memory_model.needs_split_ends`) or an ``optimizer`` choice a config asks
@@ -117,9 +123,12 @@ def estimate_table(profile: Profile, configs: list[TrainConfig], budget_bytes: i
     reason = np.full(n, "", dtype=object)
     extra = {name: np.full(n, np.nan) for name in FSDP_EXTRA_COLUMNS}
     model_state = np.zeros(n, dtype=np.float64)
-    for (precision, every, split, mode, choice, policy), members in _structures(configs).items():
+    for (precision, every, split, mode, choice, policy, offload), members in _structures(configs).items():
         idx = np.array(members, dtype=np.int64)
         why = lever_refusal(profile, choice, policy, mode is SplitMode.FSDP and split > 1)
+        if why is None and offload is Offload.OPTIMIZER:
+            why = (offload_refusal(profile, configs[members[0]])
+                   or host_refusal(profile_for(profile, precision, choice), host_bytes))
         if why is None and every > 0:
             why = retained_refusal(profile.for_precision(precision))
         if why is None and mode is not SplitMode.FSDP and split > profile.n_layers:
@@ -135,6 +144,8 @@ def estimate_table(profile: Profile, configs: list[TrainConfig], budget_bytes: i
             continue
         pp = profile_for(profile, precision, choice)
         model_state[idx] = pp.static_param_bytes + pp.grad_bytes + pp.optimizer_bytes
+        if offload is Offload.OPTIMIZER:  # the workload's Adam or AdamW is made fused, Adafactor is not
+            pp = offloaded(pp, fused=choice is OptimizerChoice.AS_GIVEN)
         selective = policy is CheckpointPolicy.SELECTIVE
         if mode is SplitMode.FSDP and split > 1:
             _score_fsdp_group(profile, pp, overhead or fallback_overhead(), every, split,
@@ -166,11 +177,11 @@ def estimate_table(profile: Profile, configs: list[TrainConfig], budget_bytes: i
 
 def _structures(configs: list[TrainConfig]) -> dict[tuple, list[int]]:
     """Config indices grouped by what fixes the peak's lines: (precision, checkpoint interval, split, mode,
-    optimizer, checkpoint policy)."""
+    optimizer, checkpoint policy, offload)."""
     groups: dict[tuple, list[int]] = {}
     for i, c in enumerate(configs):
         groups.setdefault((c.precision, c.checkpoint_every, c.device_split, c.split_mode, c.optimizer,
-                           c.checkpoint_policy), []).append(i)
+                           c.checkpoint_policy, c.offload), []).append(i)
     return groups
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from autofit.core.budget import format_budget, format_bytes
 from autofit.core.config import (
     CheckpointPolicy,
+    Offload,
     OptimizerChoice,
     SplitMode,
     TrainConfig,
@@ -214,6 +215,26 @@ def _optimizer_note(config: TrainConfig, target: str, in_target: str | None = No
     nearest = None if in_target and not why else "your own optimizer (optimizer=as-given)"
     return [Note(f"optimizer={choice.value}", head + why, code, nearest,
                  None if nearest is None else dataclasses.replace(config, optimizer=OptimizerChoice.AS_GIVEN))]
+
+
+# offload=optimizer as autofit runs it: torchao's CPUOffloadOptimizer over the optimizer's class and settings.
+_OFFLOAD_CODE = ("from torchao.optim import CPUOffloadOptimizer  # pip install torchao",
+                 "optimizer = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=lr, "
+                 "weight_decay=weight_decay)  # your optimizer's class and settings",
+                 "# or, from the optimizer you have: from autofit.runtime.offload import offload_optimizer; "
+                 "optimizer = offload_optimizer(optimizer)")
+
+
+def _offload_note(config: TrainConfig, target: str, in_target: str | None = None) -> list[Note]:
+    """What a config with ``offload=optimizer`` says: where the state goes, and how the target gets it
+    (``in_target``: the target's own setting, which is close but not the same optimizer)."""
+    if config.offload is Offload.NONE:
+        return []
+    what = ("offload=optimizer: autofit measured torchao's CPUOffloadOptimizer (the state of parameters of "
+            "4096 elements or more, and their step, on the host; pinned copies of them and their gradients)")
+    why = f"; {in_target}" if in_target else f"; {target} has no such setting: make the optimizer in your code"
+    return [Note("offload=optimizer", what + why, _OFFLOAD_CODE, "no offload (offload=none)",
+                 dataclasses.replace(config, offload=Offload.NONE))]
 
 
 def _split_note(config: TrainConfig, target: str) -> Note:

@@ -7,6 +7,7 @@ from typing import Any
 
 from autofit.core.config import (
     CheckpointPolicy,
+    Offload,
     OptimizerChoice,
     Precision,
     TrainConfig,
@@ -25,6 +26,7 @@ from autofit.report.export_notes import (
     _ckpt_note,
     _fsdp,
     _launch_note,
+    _offload_note,
     _optimizer_note,
     _precision_change,
     _split_note,
@@ -54,6 +56,9 @@ def _hf(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note], list[
         changes.append(_precision_change(config, "amp-bf16", "TrainingArguments has no pure-bf16 mode (bf16=True is "
                                          "autocast over fp32 weights)",
                                          "model.to(torch.bfloat16) before the Trainer, and bf16=False"))
+    notes += _offload_note(config, "TrainingArguments", "its deepspeed argument can offload too "
+                           "(autofit export --to deepspeed: zero_optimization.offload_optimizer), with DeepSpeed's own "
+                           "CPU Adam; for the one autofit measured, pass Trainer(optimizers=(optimizer, None))")
     optimizer = ctx.optimizer_name()
     if optimizer is not None and optimizer in _HF_OPTIM:
         if _HF_OPTIM[optimizer]:
@@ -117,6 +122,8 @@ def _accelerate(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note
         changes.append(_precision_change(config, "amp-bf16", "Accelerate has no pure-bf16 mode (mixed_precision "
                                          "bf16 is autocast over fp32 weights)", "model.to(torch.bfloat16) before "
                                          "accelerator.prepare(...), and mixed_precision: no"))
+    notes += _offload_note(config, "Accelerate", "outside DeepSpeed its config file offloads only FSDP's parameters "
+                           "(fsdp_offload_params), not an optimizer's state alone")
     if config.checkpoint_every:
         notes.append(_ckpt_note(config, "Accelerate", 0, "no checkpointing"))
     if _fsdp(config):
@@ -138,7 +145,8 @@ def _lightning(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note]
     kwargs = {"precision": LIGHTNING_PRECISION[config.precision], "accumulate_grad_batches": config.grad_accum,
               "accelerator": "cpu" if ctx.device_type == "cpu" else "gpu", "devices": 1}
     changes = []
-    notes = _optimizer_note(config, "the Lightning Trainer (configure_optimizers)")
+    notes = (_optimizer_note(config, "the Lightning Trainer (configure_optimizers)")
+             + _offload_note(config, "the Lightning Trainer", "return the wrapped optimizer from configure_optimizers"))
     if ctx.device_type == "cpu" and config.precision is Precision.AMP_FP16:
         changes.append(_precision_change(config, "amp-bf16", "on the CPU Lightning replaces precision '16-mixed' "
                                          "by 'bf16-mixed'", "Trainer(plugins=[MixedPrecision('16-mixed', 'cpu', "
@@ -190,8 +198,13 @@ def _deepspeed(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note]
                                          '"bf16_master_weights_and_grads": true, "bf16_optimizer_states": true '
                                          'and "zero_optimization": {"stage": 1}'))
     every = config.checkpoint_every
+    if config.offload is Offload.OPTIMIZER:
+        # ZeRO-Offload needs a ZeRO stage: stage 1 on one GPU shards nothing
+        ds["zero_optimization"] = {"stage": 1, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+        notes += _offload_note(config, "DeepSpeed", "zero_optimization.offload_optimizer says it, stepped by "
+                               "DeepSpeed's own CPU Adam (DeepSpeedCPUAdam, a compiled extension) over all parameters")
     if _fsdp(config):
-        ds["zero_optimization"] = {"stage": 3}
+        ds["zero_optimization"] = {**ds.get("zero_optimization", {}), "stage": 3}
         notes.append(Note("split_mode=fsdp", "DeepSpeed shards with its own ZeRO stage 3 (weights, gradients and "
                           "optimizer state over the ranks, as FSDP2's fully_shard does), not FSDP2",
                           (f"deepspeed --num_gpus {config.device_split} your_train.py  # micro_batch is per rank",),
@@ -234,5 +247,7 @@ def _torchrun(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note],
 def _json(config: TrainConfig, ctx: Context) -> tuple[Any, dict, list[Note], list[Change]]:
     record = {"config": config.to_dict(), "short": config.short(), "device": ctx.device_type,
               "budget_bytes": ctx.budget_bytes, "model": ctx.model_spec, **ctx.extra}
-    return record, {}, _optimizer_note(config, "autofit", "its TrainingPlan (and autofit's runners) replaces it"), []
+    return record, {}, (_optimizer_note(config, "autofit", "its TrainingPlan (and autofit's runners) replaces it")
+                        + _offload_note(config, "autofit", "its TrainingPlan.optimizer (and autofit's runners) "
+                                        "wraps it")), []
 

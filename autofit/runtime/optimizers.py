@@ -29,7 +29,8 @@ use, a compilation every short trial would pay again in its own fresh process (m
 time), and a compiled step cannot be traced on fake tensors. bitsandbytes' 8-bit step runs eagerly
 on the CPU (its CPU backend) and on CUDA, registers fake kernels for its optimizer operators, so the
 profile runs it on fake tensors, and is the Hugging Face Trainer's ``adamw_bnb_8bit``. It has no
-4-bit optimizer, so there is no ``adamw4bit`` choice. It is the ``autofit[optim]`` extra; without it,
+4-bit optimizer, and torchao's ``AdamW4bit`` cannot step on fake tensors, so there is no ``adamw4bit``
+choice (docs/facts.md#4-bit-optimizers). It is the ``autofit[optim]`` extra; without it,
 ``adamw8bit`` configs are pruned, saying so (:func:`missing_library`).
 """
 

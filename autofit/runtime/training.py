@@ -12,7 +12,8 @@ the same code path. A config is applied in one fixed order, each step logged (lo
    ``torch.utils.checkpoint`` segment (``checkpoint_policy=selective``: saving the matmul and attention
    outputs, :data:`SELECTIVE_SAVE`);
 3. the optimizer, made on the cast parameters (the workload's, or the ``optimizer`` lever's
-   replacement of it: :mod:`autofit.runtime.optimizers`);
+   replacement of it: :mod:`autofit.runtime.optimizers`), wrapped to step on the host with
+   ``offload=optimizer`` (CUDA: :mod:`autofit.runtime.offload`);
 4. a ``torch.amp.GradScaler`` for ``amp-fp16``.
 
 Autocast (the amp precisions) is not a change to the model: :func:`autocast_context` wraps
@@ -32,8 +33,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from autofit.core.config import CheckpointPolicy, Precision, TrainConfig
+from autofit.core.config import CheckpointPolicy, Offload, Precision, TrainConfig
 from autofit.core.errors import AutofitError, WorkloadError
+from autofit.runtime.offload import apply_offload
 from autofit.runtime.optimizers import replace_optimizer
 from autofit.workloads.base import Workload
 
@@ -218,6 +220,10 @@ def apply_config(model: nn.Module, config: TrainConfig, device: torch.device | s
         steps.append(f"optimizer: {type(optimizer).__name__}"
                      + (f" (optimizer={config.optimizer.value}, replacing the workload's {given})"
                         if config.changes_optimizer else ""))
+        # A fake model is profiled on the device (no host to offload to): the estimate moves its state.
+        if config.offload is Offload.OPTIMIZER and not _is_fake(model):
+            optimizer = apply_offload(config, optimizer, _device_type(model, device))
+            steps.append("offload: the state of parameters of 4096 elements or more, and its step, on the host")
     made_scaler = None
     if scaler and (made_scaler := grad_scaler(config.precision, _device_type(model, device))) is not None:
         steps.append("GradScaler for amp-fp16")

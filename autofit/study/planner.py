@@ -125,8 +125,10 @@ def vouch_key(config: TrainConfig) -> tuple:
     group and whether it recomputes (checkpointing's cost is one shared term of the calibration,
     fitted from whichever side ran: a checkpointed trial says little about the same precision
     without it; on the committed convnet-bn grid one did, and ruled out the optimum), which policy it
-    checkpoints with (selective recomputes less) and with which optimizer (the lever's own step)."""
-    return (*calibration_group(config), config.checkpoint_every > 0, config.checkpoint_policy, config.optimizer)
+    checkpoints with (selective recomputes less), with which optimizer (the lever's own step) and where
+    that optimizer steps (an offloaded one on the host, after copying the gradients there)."""
+    return (*calibration_group(config), config.checkpoint_every > 0, config.checkpoint_policy, config.optimizer,
+            config.offload)
 
 
 def group_name(group: tuple) -> str:
@@ -416,11 +418,12 @@ class Planner:
                                   f"{self.settings.min_improvement:.0%}")
 
     def _dominance(self, reasons, step_s, peak, failed_run) -> None:
-        """Prune checkpointing that buys memory the budget does not need (see :mod:`autofit.study`)."""
+        """Prune checkpointing that buys memory the budget does not need (see :mod:`autofit.study`). Offload is
+        part of the group: the time model does not cost its host step, so it must not look as fast for less."""
         groups: dict[tuple, list[int]] = {}
         for i, c in enumerate(self.configs):
-            groups.setdefault((c.precision, c.micro_batch, c.grad_accum, c.device_split, c.split_mode, c.optimizer),
-                              []).append(i)
+            groups.setdefault((c.precision, c.micro_batch, c.grad_accum, c.device_split, c.split_mode, c.optimizer,
+                               c.offload), []).append(i)
         for members in groups.values():
             alive = [i for i in members if reasons[i] is None and not failed_run[i]]
             for b in alive:

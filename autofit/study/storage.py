@@ -284,7 +284,7 @@ def distributions(space: SearchSpace) -> dict[str, CategoricalDistribution]:
 
 
 # Config fields added after studies were first stored: a stored trial without them is still a config.
-_LATER_FIELDS = {"split_mode", "optimizer", "checkpoint_policy"}
+_LATER_FIELDS = {"split_mode", "optimizer", "checkpoint_policy", "offload"}
 
 
 def config_of(params: dict) -> TrainConfig | None:

@@ -40,6 +40,7 @@ from torch import nn
 
 from autofit.core.config import Precision, TrainConfig
 from autofit.core.errors import ConfigError
+from autofit.runtime.offload import apply_offload
 from autofit.runtime.optimizers import replace_optimizer
 from autofit.runtime.training import (
     apply_config,
@@ -110,8 +111,11 @@ class TrainingPlan:
         """The optimizer to train with: ``optimizer`` itself, or for a config whose ``optimizer`` lever is set
         (e.g. ``adamw8bit``) its replacement over the same parameter groups and hyper-parameters
         (:func:`autofit.runtime.optimizers.replace_optimizer`). Raises WorkloadError when ``optimizer``
-        cannot be replaced (only torch.optim.Adam and AdamW are) or the replacement's library is missing."""
-        return replace_optimizer(self.config.optimizer, optimizer)
+        cannot be replaced (only torch.optim.Adam and AdamW are) or the replacement's library is missing.
+        With ``offload=optimizer`` it is wrapped to keep its state and step on the host
+        (:func:`autofit.runtime.offload.offload_optimizer`; CUDA only, else WorkloadError): make it after
+        ``apply``."""
+        return apply_offload(self.config, replace_optimizer(self.config.optimizer, optimizer), self.device_type)
 
     def micro_batches(self, batch: Any, device: torch.device | str | None = None) -> list:
         """Cut a global batch (tensors, tuples, lists or dicts of them, samples along dim 0) into

@@ -24,7 +24,8 @@ def test_estimate_one_config_json():
     data = json.loads(proc.stdout)
     assert ESTIMATE_KEYS <= set(data)
     assert data["config"] == {"precision": "bf16", "micro_batch": 4, "grad_accum": 2, "checkpoint_every": 1, "device_split": 2,
-                              "split_mode": "pipeline", "optimizer": "as-given", "checkpoint_policy": "full"}
+                              "split_mode": "pipeline", "optimizer": "as-given", "checkpoint_policy": "full",
+                              "offload": "none"}
     assert data["budget_bytes"] == 10**9 and data["fits"] is True
     assert len(data["per_device_peak_bytes"]) == 2 and data["peak_bytes"] == max(data["per_device_peak_bytes"])
     assert data["model_state_bytes"] == 8 * data["param_count"] + 4 * 52  # bf16 AdamW + an fp32 step per tensor (52 tensors)

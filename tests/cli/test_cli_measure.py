@@ -38,7 +38,7 @@ def test_json_contract(trial_workload_spec):
     assert data["workload"] == "noisy"
     assert data["config"] == {"precision": "fp32", "micro_batch": 4, "grad_accum": 1, "checkpoint_every": 0,
                               "device_split": 1, "split_mode": "pipeline", "optimizer": "as-given",
-                              "checkpoint_policy": "full"}
+                              "checkpoint_policy": "full", "offload": "none"}
     assert set(data["breakdown"]) == set(CATEGORIES)
     assert data["peak_bytes"] == sum(data["breakdown"].values()) and data["per_device_peak_bytes"] == [data["peak_bytes"]]
     assert data["samples_per_s"] > 0 and data["step_time_s"] > 0

@@ -4,6 +4,7 @@ import pytest
 
 from autofit.core.config import (
     CheckpointPolicy,
+    Offload,
     OptimizerChoice,
     Precision,
     SplitMode,
@@ -17,7 +18,7 @@ def test_defaults_and_json_contract():
     cfg = TrainConfig()
     assert cfg.to_dict() == {"precision": "fp32", "micro_batch": 1, "grad_accum": 1, "checkpoint_every": 0,
                              "device_split": 1, "split_mode": "pipeline", "optimizer": "as-given",
-                             "checkpoint_policy": "full"}
+                             "checkpoint_policy": "full", "offload": "none"}
     assert TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     fsdp = TrainConfig(micro_batch=2, device_split=4, split_mode="fsdp")
     assert TrainConfig.from_dict(json.loads(json.dumps(fsdp.to_dict()))) == fsdp
@@ -40,6 +41,22 @@ def test_json_from_before_the_lean_levers_loads_as_the_workloads_optimizer_and_f
     assert lean.short() == "amp-bf16 mb=4 ga=2 ckpt=1/sel split=1 opt=adamw8bit"
     assert lean.changes_optimizer
     assert TrainConfig.from_dict(json.loads(json.dumps(lean.to_dict()))) == lean
+
+
+def test_offload_round_trips_and_json_from_before_it_loads_as_none():
+    old = {"precision": "amp-bf16", "micro_batch": 4, "grad_accum": 2, "checkpoint_every": 1, "device_split": 1,
+           "split_mode": "pipeline", "optimizer": "as-given", "checkpoint_policy": "full"}
+    cfg = TrainConfig.from_dict(old)
+    assert cfg.offload is Offload.NONE and cfg.short() == "amp-bf16 mb=4 ga=2 ckpt=1 split=1"
+    assert "offload" not in cfg.to_text()  # a command from before the lever reads as it did
+    off = TrainConfig.from_dict({**old, "offload": "optimizer"})
+    assert off.offload is Offload.OPTIMIZER
+    assert off.short() == "amp-bf16 mb=4 ga=2 ckpt=1 split=1 offload=opt"
+    assert TrainConfig.from_dict(json.loads(json.dumps(off.to_dict()))) == off
+    assert TrainConfig.parse(off.to_text()) == off and "offload=optimizer" in off.to_text()
+    assert TrainConfig.parse("offload=OPTIMIZER").offload is Offload.OPTIMIZER
+    with pytest.raises(ConfigError, match="invalid offload 'gpu': expected one of none, optimizer"):
+        TrainConfig.parse("offload=gpu")
 
 
 def test_lean_levers_parse_and_name_their_choices():

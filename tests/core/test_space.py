@@ -128,3 +128,15 @@ def test_bad_optimizer_in_space_names_the_choices(tmp_path):
     path.write_text('precision = ["fp32"]\nmicro_batch = [1]\noptimizer = ["lion"]\n')
     with pytest.raises(SpaceError, match="'optimizer' has invalid values.*as-given, adafactor, adamw8bit"):
         load_space(path)
+
+
+def test_offload_is_a_dimension_a_space_can_list():
+    from autofit.core.config import Offload
+
+    space = space_from_dict({"precision": "fp32", "micro_batch": [1, 2], "offload": ["none", "optimizer"]})
+    assert [(c.micro_batch, c.offload) for c in space.configs()] == [
+        (1, Offload.NONE), (1, Offload.OPTIMIZER), (2, Offload.NONE), (2, Offload.OPTIMIZER)]
+    # the built-in spaces leave it out: it means something only on CUDA (pruned on the CPU, saying why)
+    assert {c.offload for c in load_space("lean").configs()} == {Offload.NONE}
+    with pytest.raises(SpaceError, match="'offload' has invalid values \\['params'\\]; expected none, optimizer"):
+        space_from_dict({"precision": "fp32", "micro_batch": 1, "offload": ["params"]})

@@ -74,3 +74,37 @@ def test_the_exact_selective_code_runs_on_a_transformers_model():
     checkpoint_layers(model.model.layers, 1, "selective")
     sel_loss, sel_grads = step()
     assert torch.allclose(loss, sel_loss) and all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, sel_grads))
+
+
+OFFLOAD = "precision=amp-bf16,micro_batch=4,grad_accum=2,offload=optimizer"
+
+
+def test_deepspeed_offloads_the_optimizer_in_its_own_setting():
+    exp = export(OFFLOAD, "deepspeed", device="cuda")
+    assert exp.kwargs["zero_optimization"] == {"stage": 1, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    note = next(n for n in exp.notes if n.setting == "offload=optimizer")
+    assert "zero_optimization.offload_optimizer says it" in note.why
+    assert note.nearest_config == TrainConfig.parse(OFFLOAD.replace("optimizer", "none"))
+
+
+@pytest.mark.parametrize("target", ["hf", "accelerate", "lightning", "json"])
+def test_other_targets_give_the_code_that_offloads(target):
+    exp = export(OFFLOAD, target, device="cuda")
+    note = next(n for n in exp.notes if n.setting == "offload=optimizer")
+    assert note.why.startswith("offload=optimizer: autofit measured torchao's CPUOffloadOptimizer")
+    assert any("CPUOffloadOptimizer(model.parameters()" in line for line in note.code)
+    assert "zero_optimization" not in json.dumps(exp.kwargs)
+
+
+def test_a_config_without_offload_has_no_offload_note():
+    exp = export("precision=amp-bf16,micro_batch=4", "deepspeed", device="cuda")
+    assert "zero_optimization" not in exp.kwargs and not exp.notes
+
+
+def test_deepspeeds_parser_reads_the_offload():
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    parsed = DeepSpeedConfig(json.loads(export(OFFLOAD, "deepspeed", device="cuda").text))
+    assert parsed.zero_optimization_stage == 1
+    assert parsed.zero_config.offload_optimizer.device == "cpu" and parsed.zero_config.offload_optimizer.pin_memory

@@ -70,3 +70,18 @@ def test_trials_stored_before_the_lean_levers_read_as_configs():
     dists = distributions(space_from_dict(SPACE))
     assert list(dists["optimizer"].choices) == ["as-given", "adafactor", "adamw8bit"]
     assert list(dists["checkpoint_policy"].choices) == ["full", "selective"]
+
+
+def test_offload_on_the_cpu_is_pruned_as_invalid_with_its_reason(rates):
+    space = space_from_dict({"precision": ["fp32"], "micro_batch": [2, 4], "offload": ["none", "optimizer"]})
+    settings = StudySettings(workload_name="tiny-lm", workload_source=TINY_LM, budget_bytes=10**9,
+                             budget_text="1GB", space=space_to_dict(space), device_type="cpu", devices=1,
+                             study_name="t", out_dir="/nonexistent")
+    planner = Planner(settings, profile_workload(load_workload(TINY_LM), ["fp32"]), rates)
+    invalid = {planner.configs[p.index]: p.text for p in planner.step([]).prunes if p.reason is PruneReason.INVALID}
+    assert set(invalid) == {c for c in planner.configs if c.offload.value == "optimizer"}
+    assert all(why.startswith("cannot run: offload=optimizer keeps the optimizer's state on the host: on device cpu")
+               for why in invalid.values())
+    assert config_of({"precision": "fp32", "micro_batch": 2, "grad_accum": 1, "checkpoint_every": 0,
+                      "device_split": 1}).offload.value == "none"  # a trial stored before the lever
+    assert distributions(space)["offload"].choices == ("none", "optimizer")

@@ -498,6 +498,24 @@ def test_time_calibration_keeps_each_split_modes_own_correction():
     assert Calibration.from_dict(old).time_points[0].split_mode == "pipeline"
 
 
+def test_an_offloaded_trials_time_corrects_offloaded_configs_only():
+    import pandas as pd
+
+    # the prior does not cost the host step: offloaded trials ran 3x slower than predicted, the others as predicted
+    points = tuple(TimePoint("fp32", m, 1, 0, 1, r, offload=o) for m in (2, 4)
+                   for o, r in (("none", 1.0), ("optimizer", 3.0)))
+    rows = [{"precision": "fp32", "micro_batch": 2, "grad_accum": 1, "checkpoint_every": 0, "device_split": 1,
+             "offload": o} for o in ("none", "optimizer")]
+    plain, offloaded = Calibration(time_points=points).time_ratios(pd.DataFrame(rows))
+    assert plain == pytest.approx(1.0, rel=0.05) and offloaded == pytest.approx(3.0, rel=0.05)
+    # a table, or calibration data, from before the lever: on the device
+    assert Calibration(time_points=points).time_ratios(pd.DataFrame(rows[:1]).drop(columns="offload"))[0] == \
+        pytest.approx(plain)
+    assert Calibration.from_dict({"time_points": [{"precision": "fp32", "micro_batch": 1, "grad_accum": 1,
+                                                   "checkpoint_every": 0, "device_split": 1, "ratio": 1.0}]}
+                                 ).time_points[0].offload == "none"
+
+
 def test_calibration_round_trips_and_relative_error():
     cal = calibrate([_obs(pred=100, meas=110, pred_t=1.0, meas_t=3.0)])
     again = Calibration.from_dict(cal.to_dict())

@@ -85,7 +85,7 @@ def test_ok_trial_measures_and_round_trips(trial_workload_spec, pidfile):
     data = json.loads(json.dumps(result.to_dict()))
     assert data["config"] == {"precision": "fp32", "micro_batch": 8, "grad_accum": 4, "checkpoint_every": 0,
                               "device_split": 1, "split_mode": "pipeline", "optimizer": "as-given",
-                              "checkpoint_policy": "full"}
+                              "checkpoint_policy": "full", "offload": "none"}
     assert data["status"] == "ok"
     assert TrialResult.from_dict(data) == result
     _assert_gone(_recorded(pidfile))
