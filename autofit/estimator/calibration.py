@@ -36,7 +36,11 @@ from autofit.core.records import TrialRecord, TrialStatus
 # docs/facts.md#formula-estimates-run-low); CUDA adds the allocator's fragmentation (5-30%,
 # docs/facts.md#allocator-fragmentation), which the estimate models from small steps of one GPU.
 PRIOR_MARGIN = {"cpu": 0.05, "cuda": 0.10}
-PRIOR_WEIGHT = 3.0
+# The prior counts as one trial's evidence: on the CPU, once two trials have measured the model's error on this
+# workload, that error (plus MARGIN_SLACK) governs. With three, a best config within 3% of the
+# budget stayed pruned on an estimate exact to the byte until a third trial had run, and the
+# search could end before it (gpt-tiny at 64 MiB in results/benchmarks/search_grid.csv).
+PRIOR_WEIGHT = 1.0
 # Added to the largest observed under-prediction: measurement noise between runs.
 MARGIN_SLACK = 0.02
 # Penalties of the step-time model (in log space): RIDGE shrinks effects towards none (weak: a
