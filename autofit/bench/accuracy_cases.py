@@ -9,13 +9,19 @@ from autofit.core.errors import ConfigError
 
 MAIN_WORKLOADS = ("gpt-tiny", "convnet-bn")
 EXTRA_WORKLOADS = ("lstm-lm",)
-# Tiny configs of four Hugging Face families (three decoders, one vision encoder),
-# built from their transformers config classes; the hf extra must be installed.
+# Tiny configs of six Hugging Face families (five decoders, one vision encoder), built from their
+# transformers config classes; the hf extra must be installed. Beside GPT-2, Llama and Qwen3: Phi
+# (attention and MLP in parallel off one LayerNorm, rotary on half of each head, biased GELU MLP)
+# and Gemma (GeGLU, one key-value head, an embedding that scales itself, tied to the head).
 HF_WORKLOADS = (
     "hf:gpt2?n_layer=4&n_embd=128&n_head=4&vocab_size=2048#seq_len=64",
     "hf:llama?num_hidden_layers=4&hidden_size=128&intermediate_size=344&num_attention_heads=4&num_key_value_heads=2"
     "&vocab_size=2048#seq_len=64",
     "hf:qwen3?num_hidden_layers=4&hidden_size=128&intermediate_size=344&num_attention_heads=4&num_key_value_heads=2"
+    "&head_dim=32&vocab_size=2048#seq_len=64",
+    "hf:phi?num_hidden_layers=4&hidden_size=128&intermediate_size=512&num_attention_heads=4&vocab_size=2048"
+    "#seq_len=64",
+    "hf:gemma?num_hidden_layers=4&hidden_size=128&intermediate_size=344&num_attention_heads=4&num_key_value_heads=1"
     "&head_dim=32&vocab_size=2048#seq_len=64",
     "hf:vit?num_hidden_layers=4&hidden_size=128&num_attention_heads=4&intermediate_size=512&image_size=64&patch_size=8",
 )

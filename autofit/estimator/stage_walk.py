@@ -123,6 +123,8 @@ class _StageWalk(_Walk):
         layers, start, end = self.layers, self.start, self.end
         if self.first_stage:  # a later stage's input lives in the pipeline's receive buffers
             self.region(self.pp.pre_forward.peaks, self.pp.pre_forward.delta, "forward")
+        else:  # it makes its layers' other arguments (rotary tables) itself, kept through its backward
+            self.region((self.pp.layer_args,), self.pp.layer_args, "forward")
         if self.every:
             for s, e in self.segments:
                 for i in range(s, e):

@@ -93,6 +93,7 @@ def assemble(precision: Precision, runs: dict[int, RawRun], real_check: str = ""
         pre_backward=_region_lines(r1.pre_backward, r2.pre_backward),
         input_bytes=_line(r1.input_bytes, r2.input_bytes),
         kept_bytes=_line(r1.kept_bytes, r2.kept_bytes),
+        layer_args=_line(r1.layer_args, r2.layer_args),
         layers=tuple(_layer(l1, l2) for l1, l2 in zip(r1.layers, r2.layers)),
         forward_flops=_flops_line(r2.forward_flops),
         backward_flops=_flops_line(r2.backward_flops),

@@ -17,7 +17,7 @@ __all__ = ["OUTPUT_REGIONS", "PROFILE_BATCHES", "PROFILE_VERSION", "LayerProfile
            "with_optimizer"]
 
 # The profile's format: a cache entry of another version is never read (autofit.profiling.cache).
-PROFILE_VERSION = 18
+PROFILE_VERSION = 19
 # Micro-batch sizes profiled; every per-sample quantity is fitted as a line through them.
 PROFILE_BATCHES = (2, 4)
 
@@ -197,6 +197,11 @@ class PrecisionProfile:
     # tensors a step leaves alive for the next (a hook's stash, a buffer the forward replaces). The
     # regions above are those of such a step, so this is alive under all of them, the optimizer step too.
     kept_bytes: Line = (0.0, 0.0)
+    # What the first layer is called with beyond its input, made before the layers and neither a weight
+    # nor a buffer: rotary tables, position ids. A pipeline stage after the first makes its own for each
+    # micro-batch (Hugging Face stages do, autofit.workloads.hf.stages) and keeps them through that
+    # micro-batch's backward, as the unsplit model keeps them in ``pre_forward``'s bytes.
+    layer_args: Line = (0.0, 0.0)
 
     def optimizer_option(self, choice: str) -> OptimizerProfile | None:
         """The profile of lever choice ``choice`` (an OptimizerChoice value), None when not profiled."""
@@ -284,7 +289,7 @@ def precision_from_dict(pp: dict) -> PrecisionProfile:
     regions = {k: region_from_dict(pp[k]) for k in ("pre_forward", "post_forward", "post_backward", "pre_backward")}
     regions.update({k: region_from_dict(pp[k]) for k in OUTPUT_REGIONS if pp.get(k) is not None})
     lines = {k: tuple(pp[k]) for k in ("input_bytes", "forward_flops", "backward_flops")}
-    lines["kept_bytes"] = tuple(pp.get("kept_bytes", (0.0, 0.0)))
+    lines.update({k: tuple(pp.get(k, (0.0, 0.0))) for k in ("kept_bytes", "layer_args")})
     ends = pp.pop("split_ends", None)
     options = tuple(OptimizerProfile(**o) for o in pp.pop("optimizer_options", ()))
     return PrecisionProfile(**{**pp, **regions, **lines, "layers": layers, "grad_rows": rows_from_json(pp.get("grad_rows", ())),

@@ -87,4 +87,7 @@ class RawRun:
     # what the step before left alive for this one beyond weights, gradients and optimizer state (a hook's
     # stash, a buffer the forward replaced); this step was traced with it alive from the start
     kept_bytes: int = 0
+    # what the first layer is called with beyond its input that is neither a weight nor a buffer (rotary
+    # tables, position ids): made before the layers, and made again by each later pipeline stage
+    layer_args: int = 0
     routing: str = ""  # the routing assumption the step ran under (autofit.profiling.routing), "" without a top-k

@@ -198,6 +198,7 @@ def _read(step: _Step, trace: StepTrace, checkpointed: list[tuple[tuple, tuple]]
         pre_max_grad_tensor_bytes=max_tensor_bytes(pre_grads, rb),
         post_max_grad_tensor_bytes=max_tensor_bytes(post_grads, rb),
         pre_forward=trace.region("start", "f0"),
+        layer_args=trace.layer_args(0, {t.untyped_storage()._cdata for t in step.params + step.buffers}),
         post_forward=trace.region("layers_done", "loss"),
         post_backward=trace.region("loss", f"b{n - 1}"),
         **trace.output_regions(),

@@ -332,6 +332,11 @@ class StepTrace:
         return {"head_forward": self.region("layers_done", "out"), "loss_forward": self.region("out", "loss"),
                 "loss_backward": self.region("loss", "dout"), "head_backward": self.region("dout", f"b{self.n - 1}")}
 
+    def layer_args(self, i: int, weights: set[int]) -> int:
+        """Bytes of layer ``i``'s tensor arguments beyond its input, first taken there, that are not among
+        ``weights`` (storage keys of the model's parameters and buffers)."""
+        return sum(nbytes for key, (is_first, nbytes) in self.arg_bytes[i].items() if not is_first and key not in weights)
+
     def freed_late(self, i: int, first: bool) -> int:
         """Bytes of layer ``i``'s first argument (``first``) or of its others that died after the layers,
         as the model's forward returned (:func:`~autofit.profiling.timeline.freed_between`)."""

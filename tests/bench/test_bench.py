@@ -644,7 +644,7 @@ def test_accuracy_workloads_are_selected_by_parts_of_their_names():
     assert select_workloads(("user_models",)) == USER_WORKLOADS
     assert select_workloads(("hf:gpt2", "mixer")) == (HF_WORKLOADS[0], USER_WORKLOADS[1])
     # Every selected HF decoder and user model is measured at a 2-stage split too.
-    for name in select_workloads(("hf:gpt2", "hf:llama", "hf:qwen3", "user_models")):
+    for name in select_workloads(("hf:gpt2", "hf:llama", "hf:qwen3", "hf:phi", "hf:gemma", "user_models")):
         assert any(c.device_split == 2 for c in cases(workloads=(name,))[name]), name
     with pytest.raises(ConfigError, match="'nope' matches none"):
         select_workloads(("gpt-tiny", "nope"))

@@ -158,6 +158,50 @@ def test_a_model_that_cannot_be_cut_is_refused_with_the_reason():
         cut_stage(bert.model(), [(0, 1), (1, 2)], 0, torch.zeros(1, 8, dtype=torch.long))
 
 
+# Decoders whose base names its parts otherwise than Llama does: Phi (final_layernorm, embed_dropout),
+# GPT-NeoX (gpt_neox.embed_in, emb_dropout, final_layer_norm) and Gemma (an embedding that scales
+# itself, tied to the head).
+OTHER_LAYOUTS = {
+    "phi": "phi?num_hidden_layers=2&hidden_size=32&intermediate_size=64&num_attention_heads=2&vocab_size=64",
+    "gpt_neox": "gpt_neox?num_hidden_layers=2&hidden_size=32&intermediate_size=64&num_attention_heads=2&vocab_size=64",
+    "gemma": "gemma?num_hidden_layers=2&hidden_size=32&intermediate_size=64&num_attention_heads=2"
+             "&num_key_value_heads=1&head_dim=16&vocab_size=64",
+}
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_LAYOUTS))
+def test_stages_of_other_rotary_layouts_reproduce_the_unsplit_logits(name):
+    from autofit.workloads.hf.stages import cut_stage
+
+    w = hf_workload(OTHER_LAYOUTS[name], seq_len=8)
+    example = torch.randint(0, 64, (2, 8))
+    torch.manual_seed(0)
+    full = w.model().eval()
+    with torch.no_grad():
+        expected = full(example).logits
+    stages = []
+    for rank in (0, 1):
+        torch.manual_seed(0)  # the same weights in every stage
+        stage, replicated = cut_stage(w.model().eval(), [(0, 1), (1, 2)], rank, example)
+        stages.append(stage)
+    with torch.no_grad():
+        staged = stages[1](stages[0](example))
+    torch.testing.assert_close(staged, expected)
+    prefix = "gpt_neox.embed_in" if name == "gpt_neox" else "model.embed_tokens"
+    assert replicated == ([{0: f"{prefix}.weight", 1: "lm_head.weight"}] if name == "gemma" else [])
+    embedding = prefix.split(".")[1]
+    assert stages[0].lm_head is None and getattr(getattr(stages[1], prefix.split(".")[0]), embedding) is None
+
+
+def test_a_model_whose_layers_need_more_than_the_stages_give_is_refused_with_the_reason():
+    from autofit.workloads.hf.stages import cut_stage
+
+    # rotary (alibi=false), but its layers still take an alibi argument
+    falcon = hf_workload("falcon?num_hidden_layers=2&hidden_size=32&num_attention_heads=2&vocab_size=64", seq_len=8)
+    with pytest.raises(WorkloadError, match="FalconForCausalLM cannot be split: its layers take more"):
+        cut_stage(falcon.model(), [(0, 1), (1, 2)], 0, torch.zeros(1, 8, dtype=torch.long))
+
+
 def test_builtin_llama_7b_and_default_hf_llama_agree():
     """Same parameter count, weights, gradients and AdamW state (bf16, built on the meta device);
     AdamW's only difference is its 4-byte ``step`` per tensor (the built-in fuses q, k, v)."""
