@@ -296,15 +296,17 @@ def test_a_leader_alone_is_not_measured_again(tiny_profile, rates):
 
     planner = make_planner(tiny_profile, rates, precision=["fp32"], micro_batch=[1, 2, 4, 8], global_batch=8)
     a, b, c, d = (TrainConfig("fp32", m, 8 // m) for m in (8, 4, 2, 1))
-    first = [ran_trial(planner, a, 0, samples_per_s=100.0), ran_trial(planner, b, 1, samples_per_s=85.0),
-             ran_trial(planner, c, 2, samples_per_s=60.0), ran_trial(planner, d, 3, samples_per_s=40.0)]
+    beyond_floor = 0.95 * 100.0 / (1 + NOISE_MIN)  # b's best, just beyond the noise floor of a's 100
+    first = [ran_trial(planner, a, 0, samples_per_s=100.0), ran_trial(planner, b, 1, samples_per_s=beyond_floor),
+             ran_trial(planner, c, 2, samples_per_s=0.5 * beyond_floor),
+             ran_trial(planner, d, 3, samples_per_s=0.3 * beyond_floor)]
     assert sample_noise(config_samples(first)) == NOISE_MIN  # no config has two samples yet
-    # b, 15% below a, is beyond the noise floor: nothing within the noise could overtake a
+    # nothing within the noise could overtake a
     step = planner.step(first)
     assert step.run is None and "re-measurement" not in step.stop
-    # a's samples differ by 25%: b (85) is within that noise of a's best (100), so b is measured again
-    noisy = first + [ran_trial(planner, a, 4, samples_per_s=80.0, sample=2)]
-    assert sample_noise(config_samples(noisy)) == pytest.approx(0.25)
+    # a's samples differ by more than the floor: b is within that noise of a's best, so it is measured again
+    noisy = first + [ran_trial(planner, a, 4, samples_per_s=100.0 / (1 + 2 * NOISE_MIN), sample=2)]
+    assert sample_noise(config_samples(noisy)) == pytest.approx(2 * NOISE_MIN)
     step = planner.step(noisy)
     assert planner.configs[step.run] == b and step.sample == 2
 
