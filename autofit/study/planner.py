@@ -47,14 +47,15 @@ MIN_TRIAL_TIMEOUT_S = 60.0
 TRIAL_TIMEOUT_FACTOR = 4.0  # a trial may take this many times its (calibrated) prediction
 TRIAL_STARTUP_S = 8.0      # interpreter start + imports of a trial child (and of each extra stage)
 # Before the best is crowned, the leaders are measured again: one throughput sample is noisy. On
-# the committed CPU grid (results/benchmarks/search_grid.csv, two samples of each of 89 configs)
-# two samples of one config differ by 13% in the median, 21% at the 75th percentile and 30% at the
-# 90th, so a slow first sample of the true best can leave it third or fourth among the leaders:
+# the committed CPU grid (results/benchmarks/search_grid.csv, two samples of each of 120 configs)
+# two samples of one config differ by 9.5% in the median, 16% at the 75th percentile and 25% at the
+# 90th (docs/facts.md#throughput-noise), so a slow first sample of the true best can leave it third
+# or fourth among the leaders:
 REMEASURE_TOP = 4          # the configs with the highest best sample that may be re-measured...
 REMEASURE_SAMPLES = 2      # ...each brought to this many samples; the best is the highest best sample
 NOISE_MIN = 0.25           # a leader is re-measured if its best sample, raised by the noise, reaches the best's;
 #                            the noise: the largest spread between two samples of a config so far, at
-#                            least this (about the 75th-80th percentile of the grid's two-sample spread)
+#                            least this (the grid's two-sample spread at its 90th percentile)
 REMEASURE_MAX = 2 * REMEASURE_TOP * (REMEASURE_SAMPLES - 1)  # re-measurements in a study at most
 TIME_MARGIN_MIN = 0.10     # the time model's error margin is never taken below two samples' median spread
 # For configs no trial vouches for (another precision or layout, or the other side of checkpointing),
