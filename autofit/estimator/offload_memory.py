@@ -28,7 +28,7 @@ import dataclasses
 import os
 
 from autofit.core.budget import format_bytes
-from autofit.core.config import Offload, TrainConfig
+from autofit.core.config import TrainConfig
 from autofit.profiling.data import PrecisionProfile, Profile
 from autofit.profiling.step import CUDA_BLOCK_BYTES
 from autofit.runtime.offload import MIN_OFFLOAD_NUMEL, refusal
@@ -107,8 +107,6 @@ def offload_refusal(profile: Profile, config: TrainConfig) -> str | None:
     """Why ``config``'s offload cannot run, before any memory is counted (None: it can, or offloads
     nothing): the lever's own refusals (:func:`autofit.runtime.offload.refusal`: the CPU device, FSDP,
     amp-fp16, adamw8bit, an optimizer it does not wrap, torchao missing)."""
-    if config.offload is Offload.NONE:
-        return None
     return refusal(config, profile.optimizer, profile.device_type)
 
 
