@@ -38,11 +38,12 @@ class BenchResults:
 
 def run_bench(suites: Sequence[str] = SUITES, *, out_dir: Path = DEFAULT_OUT, quick: bool = False,
               command: str = "autofit bench", progress: Callable[[str], None] = lambda _m: None,
-              workloads: Sequence[str] | None = None) -> BenchResults:
+              workloads: Sequence[str] | None = None, lean_only: bool = False) -> BenchResults:
     """Run ``suites`` in order and write their tables to ``out_dir``.
 
     ``workloads``: parts of the accuracy suite's workload names; only those workloads are
-    measured (:func:`autofit.bench.accuracy_cases.select_workloads`).
+    measured (:func:`autofit.bench.accuracy_cases.select_workloads`). ``lean_only``: the accuracy suite
+    measures only the configs that use a lean lever (another optimizer, selective checkpointing).
     Returns a :class:`BenchResults`. Raises ValueError for an unknown suite name, ConfigError
     for a ``workloads`` part that names none. Every real training step runs in a child process
     with ``OMP_WAIT_POLICY=PASSIVE`` (set here).
@@ -65,7 +66,7 @@ def run_bench(suites: Sequence[str] = SUITES, *, out_dir: Path = DEFAULT_OUT, qu
         if name == "accuracy":
             from autofit.bench.accuracy import run_accuracy
 
-            res = run_accuracy(out_dir, env, quick=quick, workloads=selected, progress=progress)
+            res = run_accuracy(out_dir, env, quick=quick, workloads=selected, progress=progress, lean_only=lean_only)
         elif name == "search":
             from autofit.bench.search import run_search_suite
 

@@ -4,7 +4,7 @@ picks some of them by parts of their names (``autofit bench --workloads``)."""
 
 from __future__ import annotations
 
-from autofit.core.config import Precision, TrainConfig
+from autofit.core.config import CheckpointPolicy, Precision, TrainConfig
 from autofit.core.errors import ConfigError
 
 MAIN_WORKLOADS = ("gpt-tiny", "convnet-bn")
@@ -32,8 +32,28 @@ USER_WORKLOADS = ("autofit.bench.user_models.vit:workload", "autofit.bench.user_
 
 
 def _c(precision: str, micro_batch: int, grad_accum: int = 1, checkpoint_every: int = 0,
-       device_split: int = 1, split_mode: str = "pipeline") -> TrainConfig:
-    return TrainConfig(Precision(precision), micro_batch, grad_accum, checkpoint_every, device_split, split_mode)
+       device_split: int = 1, split_mode: str = "pipeline", optimizer: str = "as-given",
+       checkpoint_policy: str = "full") -> TrainConfig:
+    return TrainConfig(Precision(precision), micro_batch, grad_accum, checkpoint_every, device_split, split_mode,
+                       optimizer, checkpoint_policy)
+
+
+def _lean(micro_batch: int) -> list[tuple]:
+    """The lean levers (``--space lean``): each replacement optimizer alone and with accumulation and
+    checkpointing, selective checkpointing at 1 and 2 layers a segment, both levers together, and a
+    pipeline split of each. ``offload`` is not here: it means nothing on the CPU, where this suite runs."""
+    half = max(1, micro_batch // 2)
+    return [("fp32", micro_batch, 1, 0, 1, "pipeline", "adafactor"),
+            ("bf16", micro_batch, 1, 0, 1, "pipeline", "adafactor"),
+            ("amp-bf16", half, 2, 1, 1, "pipeline", "adafactor"),
+            ("fp32", micro_batch, 1, 0, 1, "pipeline", "adamw8bit"),
+            ("amp-bf16", micro_batch, 1, 0, 1, "pipeline", "adamw8bit"),
+            ("bf16", half, 2, 2, 1, "pipeline", "adamw8bit"),
+            ("fp32", micro_batch, 1, 1, 1, "pipeline", "as-given", "selective"),
+            ("amp-bf16", micro_batch, 1, 2, 1, "pipeline", "as-given", "selective"),
+            ("bf16", micro_batch, 1, 1, 1, "pipeline", "adamw8bit", "selective"),
+            ("fp32", half, 2, 0, 2, "pipeline", "adafactor"),
+            ("amp-bf16", half, 2, 1, 2, "pipeline", "adamw8bit", "selective")]
 
 
 def _fsdp_cases(micro_batch: int) -> list[tuple]:
@@ -83,20 +103,35 @@ _USER_CASES = [("fp32", 16), ("fp32", 16, 1, 1), ("fp32", 16, 1, 2), ("fp32", 8,
                ("amp-bf16", 16, 1, 1), ("bf16", 16), ("bf16", 8, 2, 2), ("amp-fp16", 4),
                ("fp32", 8, 2, 0, 2), ("amp-bf16", 8, 4, 1, 2), ("bf16", 8, 2, 2, 2), ("amp-fp16", 2, 2, 0, 2)]
 _CASES.update({w: _USER_CASES for w in USER_WORKLOADS})
+# The lean levers on a GPT built-in, a Llama-style hf: model and a model from a user's file (the ViT,
+# whose optimizer is AdamW; the MLP-Mixer's RMSprop is one the optimizer lever does not replace).
+LEAN_WORKLOADS = ("gpt-tiny", HF_WORKLOADS[1], USER_WORKLOADS[0])
+for _w, _mb in zip(LEAN_WORKLOADS, (4, 4, 8)):
+    _CASES[_w] = _CASES[_w] + _lean(_mb)
 
 _QUICK_CASES = {
-    "gpt-tiny": [("fp32", 4), ("amp-bf16", 4, 2, 1), ("bf16", 4), ("amp-fp16", 1), ("fp32", 2, 2, 0, 2)],
+    "gpt-tiny": [("fp32", 4), ("amp-bf16", 4, 2, 1), ("bf16", 4), ("amp-fp16", 1), ("fp32", 2, 2, 0, 2),
+                 ("bf16", 4, 1, 1, 1, "pipeline", "adamw8bit", "selective")],
     "convnet-bn": [("fp32", 16, 1, 1), ("amp-bf16", 16, 2), ("bf16", 16)],
     "lstm-lm": [("fp32", 8)],
     USER_WORKLOADS[1]: [("amp-bf16", 8, 2, 0, 2)],
 }
 
 
-def cases(quick: bool = False, workloads: tuple[str, ...] | None = None) -> dict[str, list[TrainConfig]]:
-    """The configs measured per workload."""
+def cases(quick: bool = False, workloads: tuple[str, ...] | None = None,
+          lean_only: bool = False) -> dict[str, list[TrainConfig]]:
+    """The configs measured per workload (``lean_only``: only those using a lean lever, on the workloads that have some)."""
     table = _QUICK_CASES if quick else _CASES
     names = workloads or tuple(w for w in table if not w.startswith("hf:") or _has_transformers())
-    return {w: [_c(*args) for args in table[w]] for w in names}
+    out = {w: [_c(*args) for args in table[w]] for w in names}
+    if lean_only:
+        out = {w: [c for c in configs if is_lean(c)] for w, configs in out.items()}
+    return {w: configs for w, configs in out.items() if configs}
+
+
+def is_lean(config: TrainConfig) -> bool:
+    """Whether ``config`` uses a lean lever (another optimizer, selective checkpointing)."""
+    return config.changes_optimizer or config.checkpoint_policy is CheckpointPolicy.SELECTIVE
 
 
 def select_workloads(selectors: tuple[str, ...], quick: bool = False) -> tuple[str, ...]:

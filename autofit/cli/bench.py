@@ -28,6 +28,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--workloads", metavar="PART[,PART...]",
                    help="accuracy suite only: measure just the workloads whose name contains one of these parts, "
                         "e.g. --workloads hf:,user_models (default: all)")
+    p.add_argument("--lean", action="store_true",
+                   help="accuracy suite only: measure just the configs that use the lean space's levers "
+                        "(adafactor, adamw8bit, selective checkpointing; default folder results/benchmarks/lean)")
     p.set_defaults(run=run)
 
 
@@ -42,6 +45,7 @@ def _restart_with_bench_env(args: argparse.Namespace) -> None:
     argv += ["--quick"] if args.quick else []
     argv += ["--out", str(args.out)] if args.out else []
     argv += ["--workloads", args.workloads] if args.workloads else []
+    argv += ["--lean"] if args.lean else []
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, argv, {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
@@ -59,10 +63,16 @@ def _workload_parts(args: argparse.Namespace) -> tuple[str, ...]:
     return parts
 
 
+def _check_lean(args: argparse.Namespace) -> None:
+    if args.lean and args.suite != "accuracy":
+        raise ConfigError("--lean selects the accuracy suite's lean-lever configs: use it with --suite accuracy")
+
+
 def run(args: argparse.Namespace) -> int:
     from autofit.bench import DEFAULT_OUT, SUITES, run_bench
 
     workloads = _workload_parts(args)  # checked before the restart: a bad one is one line, exit 2
+    _check_lean(args)
     if "OMP_WAIT_POLICY" not in os.environ:  # a policy the user chose is kept
         _restart_with_bench_env(args)
     from autofit.bench.readme import update_readme
@@ -70,15 +80,17 @@ def run(args: argparse.Namespace) -> int:
 
     suites = SUITES if args.suite == "all" else (args.suite,)
     # A run of some workloads never overwrites the committed tables of all of them.
-    out = args.out or (DEFAULT_OUT / "selected" if workloads else DEFAULT_OUT / "quick" if args.quick else DEFAULT_OUT)
+    out = args.out or (DEFAULT_OUT / "selected" if workloads else DEFAULT_OUT / "lean" if args.lean
+                       else DEFAULT_OUT / "quick" if args.quick else DEFAULT_OUT)
     command = "autofit bench" + (f" --suite {args.suite}" if args.suite != "all" else "") + \
               (" --quick" if args.quick else "") + (f" --out {args.out}" if args.out else "") + \
-              (f" --workloads {args.workloads}" if workloads else "")
+              (f" --workloads {args.workloads}" if workloads else "") + (" --lean" if args.lean else "")
 
     def progress(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
-    results = run_bench(suites, out_dir=out, quick=args.quick, command=command, progress=progress, workloads=workloads)
+    results = run_bench(suites, out_dir=out, quick=args.quick, command=command, progress=progress, workloads=workloads,
+                        lean_only=args.lean)
     summary = write_summary(out, results, command, complete=args.suite == "all")
     print(summary.read_text() if summary else "\n".join(f"- {line}" for line in headline(results)))
     written = results.files + ([summary] if summary else [])
