@@ -17,6 +17,7 @@ from autofit.cli._args import (
 from autofit.core.budget import format_budget, format_bytes, parse_budget
 from autofit.core.config import TrainConfig
 from autofit.core.errors import AutofitError
+from autofit.runtime.schedule import MIN_TIMED_STEPS, MeasureSchedule
 from autofit.runtime.tracker import CATEGORIES
 from autofit.trial.run import TrialResult, run_trial
 from autofit.workloads.load import load_workload
@@ -36,6 +37,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--config", default="", help="k=v,... over the defaults, e.g. precision=amp-bf16,micro_batch=8")
     p.add_argument("--budget", help=BUDGET_HELP + " (default: none)")
     p.add_argument("--steps", type=positive(int), default=3, help="measured steps after the warm-up (default 3)")
+    p.add_argument("--timed-steps", type=positive(int),
+                   help=f"untracked steps whose median time is the throughput (default: --steps, at least "
+                        f"{MIN_TIMED_STEPS}; 1 saves "
+                        "minutes where a step takes minutes, e.g. a billion-parameter model on a CPU)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if available, else cpu")
     p.add_argument("--timeout", type=positive(float), default=300.0,
                    help="wall-clock limit in seconds for the whole trial, process start included (default 300)")
@@ -61,7 +66,9 @@ def run(args: argparse.Namespace) -> int:
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
         workload = load_workload(model_spec(args))
     device = _device(args.device)
-    result = run_trial(workload, config, device=device, budget_bytes=budget_bytes, measure_steps=args.steps,
+    schedule = MeasureSchedule(measured_steps=args.steps,
+                               timed_steps=args.timed_steps or max(MIN_TIMED_STEPS, args.steps))
+    result = run_trial(workload, config, device=device, budget_bytes=budget_bytes, schedule=schedule,
                        timeout_s=args.timeout)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))

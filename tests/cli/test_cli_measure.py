@@ -66,6 +66,7 @@ IN_PROCESS_BAD_INPUTS = {
     "unknown config key": ["--model", "gpt-tiny", "--config", "batch=8"],
     "unknown model": ["--model", "no-such-model"],
     "bad timeout": ["--model", "gpt-tiny", "--timeout", "-1"],
+    "bad timed steps": ["--model", "gpt-tiny", "--timed-steps", "0"],
     "bad device": ["--model", "gpt-tiny", "--device", "tpu"],
     "no model": [],
 }
@@ -105,3 +106,22 @@ def test_cuda_json():
     assert code == 0, stderr
     data = json.loads(stdout)
     assert data["device"] == "cuda" and data["peak_reserved_bytes"] >= data["peak_bytes"] > 0
+
+
+@pytest.mark.parametrize(("argv", "measured", "timed"), [
+    ([], 3, 3), (["--steps", "1"], 1, 3), (["--steps", "5"], 5, 5), (["--steps", "1", "--timed-steps", "1"], 1, 1),
+])
+def test_steps_and_timed_steps_set_the_trials_schedule(monkeypatch, argv, measured, timed):
+    import autofit.cli.measure as measure_cli
+    from autofit.trial.run import TrialResult
+
+    seen = {}
+
+    def fake_run_trial(workload, config, **kwargs):
+        seen.update(kwargs)
+        return TrialResult(workload="gpt-tiny", config=config, device="cpu", status="error", error="not run")
+
+    monkeypatch.setattr(measure_cli, "run_trial", fake_run_trial)
+    assert main(["measure", "--model", "gpt-tiny", "--device", "cpu", *argv]) == 1
+    schedule = seen["schedule"]
+    assert (schedule.warmup_steps, schedule.measured_steps, schedule.timed_steps) == (2, measured, timed)
