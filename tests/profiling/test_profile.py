@@ -37,9 +37,10 @@ def test_exact_parameter_count(tiny):
     (Precision.FP32, 16), (Precision.AMP_BF16, 16), (Precision.BF16, 8),
 ])
 def test_adamw_model_states(tiny, precision, bytes_per_param):
+    # split_ends=False here and below: these tests read layers and model states, not a split's ends
     """AdamW: weights + grads + exp_avg + exp_avg_sq = 4+4+8 (fp32 and autocast), 2+2+4 (bf16);
     plus one fp32 `step` scalar per parameter tensor."""
-    pp = profile_precision(tiny, precision)
+    pp = profile_precision(tiny, precision, split_ends=False)
     n = gpt_param_count(V, S, L, H)
     n_tensors = 2 + L * 12 + 2  # wte, wpe; per block 12 weights/biases; ln_f weight + bias
     model_state = pp.static_param_bytes + pp.grad_bytes + pp.optimizer_bytes
@@ -58,7 +59,7 @@ def test_korthikanti_per_layer_activations_plain_attention(seq_len):
     The profile counts a layer's own new tensors; its input (2sbh, saved by ln_1) is the
     previous layer's output, so one layer's delta equals the formula for the layer."""
     wl = gpt_preset("gpt-tiny", attention="plain", dropout=0.1, seq_len=seq_len)
-    pp = profile_precision(wl, Precision.BF16)
+    pp = profile_precision(wl, Precision.BF16, split_ends=False)
     per_sample = pp.layers[1].forward.delta[1]
     expected = korthikanti_bytes(seq_len, 1, H, HEADS)
     assert per_sample == pytest.approx(expected, rel=0.05)
@@ -71,19 +72,19 @@ def test_fused_attention_has_no_quadratic_term():
     minus the two 1-byte dropout masks)."""
     per_sbh = {}
     for s in (64, 128, 256):
-        pp = profile_precision(gpt_preset("gpt-tiny", attention="sdpa", dropout=0.0, seq_len=s), Precision.BF16)
+        pp = profile_precision(gpt_preset("gpt-tiny", attention="sdpa", dropout=0.0, seq_len=s), Precision.BF16, split_ends=False)
         per_sbh[s] = pp.layers[1].forward.delta[1] / (s * H)
     assert per_sbh[64] == pytest.approx(per_sbh[256], rel=0.01)
     assert per_sbh[128] == pytest.approx(32, rel=0.05)
-    plain = profile_precision(gpt_preset("gpt-tiny", attention="plain", dropout=0.0, seq_len=256), Precision.BF16)
+    plain = profile_precision(gpt_preset("gpt-tiny", attention="plain", dropout=0.0, seq_len=256), Precision.BF16, split_ends=False)
     # without dropout, plain attention keeps only the softmax output per head: 2as^2b bytes
     plain_per_sbh = plain.layers[1].forward.delta[1] / (256 * H)
     assert plain_per_sbh == pytest.approx(per_sbh[256] + 2 * HEADS * 256 / H, rel=0.02)
 
 
 def test_autocast_keeps_fp32_states_and_saves_half_weight_copies(tiny):
-    fp32 = profile_precision(tiny, Precision.FP32)
-    amp = profile_precision(tiny, Precision.AMP_BF16)
+    fp32 = profile_precision(tiny, Precision.FP32, split_ends=False)
+    amp = profile_precision(tiny, Precision.AMP_BF16, split_ends=False)
     assert amp.static_param_bytes == fp32.static_param_bytes
     assert amp.optimizer_bytes == fp32.optimizer_bytes
     # the batch-independent part of a layer's saved tensors: bf16 copies of its matmul weights
