@@ -108,3 +108,27 @@ def test_deepspeeds_parser_reads_the_offload():
     parsed = DeepSpeedConfig(json.loads(export(OFFLOAD, "deepspeed", device="cuda").text))
     assert parsed.zero_optimization_stage == 1
     assert parsed.zero_config.offload_optimizer.device == "cpu" and parsed.zero_config.offload_optimizer.pin_memory
+
+
+def test_the_committed_lean_search_example_exports_build_the_trainers_own_objects(tmp_path):
+    """results/examples/hf-llama-lean-50MB: a search where only a lean lever fits; its answer uses it,
+    and its committed exports build a real TrainingArguments and parse as a DeepSpeed config."""
+    from pathlib import Path
+
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    example = Path(__file__).resolve().parents[2] / "results" / "examples" / "hf-llama-lean-50MB"
+    best = TrainConfig.from_dict(json.loads((example / "best.json").read_text())["config"])
+    assert best.changes_optimizer
+    hf = json.loads((example / "export-hf.json").read_text())
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), **hf["training_arguments"])
+    assert str(getattr(args.optim, "value", args.optim)) == HF_OPTIM[best.optimizer]
+    assert args.gradient_accumulation_steps == best.grad_accum
+    ds = {k: v for k, v in json.loads((example / "export-deepspeed.json").read_text()).items()
+          if k not in ("changes", "comment")}
+    parsed = DeepSpeedConfig({**ds, "train_batch_size": best.micro_batch * best.grad_accum})
+    assert parsed.gradient_accumulation_steps == best.grad_accum
+    # the export is what `autofit export` writes from that study today
+    assert export(best, "hf", device="cpu").kwargs == hf["training_arguments"]
