@@ -1,8 +1,8 @@
 """The search suite: autofit's search against its peers, on grids measured exhaustively here.
 
 For each workload a small grid (precision x micro-batch x checkpointing, a fixed global batch,
-and for some cells a device split: pipeline stages or FSDP ranks, each a process on this
-machine's CPU, gloo) is run for real, config by config, with the same trial runner the strategies use
+for some cells a device split: pipeline stages or FSDP ranks, each a process on this
+machine's CPU, gloo; for the lean cells the optimizer and the checkpoint policy) is run for real, config by config, with the same trial runner the strategies use
 (:func:`autofit.trial.run.run_trial`, no budget). Its fastest config that fits a budget is the
 ground-truth optimum for that budget. Then each strategy searches:
 
