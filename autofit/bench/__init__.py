@@ -43,14 +43,17 @@ def run_bench(suites: Sequence[str] = SUITES, *, out_dir: Path = DEFAULT_OUT, qu
 
     ``workloads``: parts of the accuracy suite's workload names; only those workloads are
     measured (:func:`autofit.bench.accuracy_cases.select_workloads`). ``lean_only``: the accuracy suite
-    measures only the configs that use a lean lever (another optimizer, selective checkpointing).
-    Returns a :class:`BenchResults`. Raises ValueError for an unknown suite name, ConfigError
+    measures only the configs that use a lean lever (another optimizer, selective checkpointing), the
+    search suite only its lean cells (:data:`autofit.bench.search_cells.LEAN_CELLS`); the cost suite
+    has no lean part (ValueError). Returns a :class:`BenchResults`. Raises ValueError for an unknown suite name, ConfigError
     for a ``workloads`` part that names none. Every real training step runs in a child process
     with ``OMP_WAIT_POLICY=PASSIVE`` (set here).
     """
     unknown = [s for s in suites if s not in SUITES]
     if unknown:
         raise ValueError(f"unknown suite(s) {unknown}: expected {', '.join(SUITES)}")
+    if lean_only and "cost" in suites:
+        raise ValueError("the cost suite has no lean part: lean_only runs the accuracy and search suites")
     selected = None
     if workloads:
         from autofit.bench.accuracy_cases import select_workloads
@@ -70,7 +73,7 @@ def run_bench(suites: Sequence[str] = SUITES, *, out_dir: Path = DEFAULT_OUT, qu
         elif name == "search":
             from autofit.bench.search import run_search_suite
 
-            res = run_search_suite(out_dir, env, quick=quick, progress=progress)
+            res = run_search_suite(out_dir, env, quick=quick, progress=progress, lean_only=lean_only)
         else:
             from autofit.bench.cost import run_cost
 

@@ -29,7 +29,9 @@ The batch finders tune the micro-batch only. How a user would run them fairly:
   grid, the best measured answer kept, every run's trials charged to one clock -- what a careful
   user does by hand.
 
-Checkpointing stays off in both (none of the finders turns it on): the handicap that remains.
+Checkpointing stays off in both (none of the finders turns it on): the handicap that remains. So does
+the workload's own optimizer: in a lean cell (:data:`autofit.bench.search_cells.LEAN_CELLS`) they never
+swap it for adafactor or an 8-bit AdamW, which none of the tools does on its own.
 
 The batch finders run on one device: where only a device split fits, they find nothing and
 score 0, which is what they do (none of them splits a model).

@@ -43,7 +43,8 @@ def autofit_search(problem: Problem, oracle: Oracle, seed: int = 0, first_use_s:
         oracle.charge(first_use_s, "cold profile and device probe")
     space = SearchSpace(precision=problem.precisions, micro_batch=problem.micro_batches,
                         checkpoint_every=problem.checkpoints, device_split=problem.device_splits,
-                        split_mode=problem.split_modes, global_batch=problem.global_batch)
+                        split_mode=problem.split_modes, optimizer=problem.optimizers,
+                        checkpoint_policy=problem.checkpoint_policies, global_batch=problem.global_batch)
     with tempfile.TemporaryDirectory(prefix="autofit-bench-study-") as out:
         # devices: the grid's largest split (its stages or ranks are processes sharing this CPU)
         result = search(problem.workload, problem.budget_bytes, space=space, out_dir=out, device="cpu", seed=seed,

@@ -12,7 +12,13 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from autofit.core.config import Precision, SplitMode, TrainConfig
+from autofit.core.config import (
+    CheckpointPolicy,
+    OptimizerChoice,
+    Precision,
+    SplitMode,
+    TrainConfig,
+)
 from autofit.core.records import TrialStatus
 
 ONE_DEVICE = (1, SplitMode.PIPELINE)   # a (device_split, split_mode) pair: one device, whatever the mode
@@ -40,6 +46,10 @@ class Problem:
     # A batch-size finder runs on one device: its configs are always split 1.
     device_splits: tuple[int, ...] = (1,)
     split_modes: tuple[SplitMode, ...] = (SplitMode.PIPELINE,)
+    # The lean levers (autofit.core.space.SearchSpace's optimizer and checkpoint_policy). A finder keeps
+    # the workload's own optimizer and full checkpointing, as the real tools do: config()'s defaults.
+    optimizers: tuple[OptimizerChoice, ...] = (OptimizerChoice.AS_GIVEN,)
+    checkpoint_policies: tuple[CheckpointPolicy, ...] = (CheckpointPolicy.FULL,)
 
     def __post_init__(self) -> None:
         bad = [m for m in self.micro_batches if self.global_batch is not None and self.global_batch % m]
@@ -49,15 +59,21 @@ class Problem:
             raise ValueError("the peers' default precision and checkpointing must be in the grid")
         if 1 not in self.device_splits:
             raise ValueError(f"device_splits must include 1 (one device, the peers' setting): {self.device_splits}")
+        if OptimizerChoice.AS_GIVEN not in self.optimizers or CheckpointPolicy.FULL not in self.checkpoint_policies:
+            raise ValueError("the workload's own optimizer (as-given) and full checkpointing (the peers' setting) "
+                             "must be in the grid")
 
     def config(self, micro_batch: int, precision: Precision | str | None = None,
-               checkpoint_every: int | None = None, split: tuple[int, SplitMode] = ONE_DEVICE) -> TrainConfig:
+               checkpoint_every: int | None = None, split: tuple[int, SplitMode] = ONE_DEVICE,
+               optimizer: OptimizerChoice | str = OptimizerChoice.AS_GIVEN,
+               checkpoint_policy: CheckpointPolicy | str = CheckpointPolicy.FULL) -> TrainConfig:
         precision = self.default_precision if precision is None else Precision(precision)
         checkpoint = self.default_checkpoint if checkpoint_every is None else checkpoint_every
         device_split, mode = split
         ranks = device_split if mode is SplitMode.FSDP else 1
         grad_accum = 1 if self.global_batch is None else self.global_batch // (micro_batch * ranks)
-        return TrainConfig(precision, micro_batch, grad_accum, checkpoint, device_split, mode)
+        return TrainConfig(precision, micro_batch, grad_accum, checkpoint, device_split, mode, optimizer,
+                           checkpoint_policy)
 
     def splits(self) -> list[tuple[int, SplitMode]]:
         """The distinct (device_split, split_mode) pairs of the grid, one device first."""
@@ -70,9 +86,12 @@ class Problem:
         return tuple(m for m in self.micro_batches if self.global_batch is None or self.global_batch % (m * ranks) == 0)
 
     def configs(self) -> list[TrainConfig]:
-        """The whole grid, in a stable order (the same configs as autofit's SearchSpace for these values)."""
-        return [self.config(m, p, c, s) for p in self.precisions for m in self.micro_batches for c in self.checkpoints
-                for s in self.splits() if m in self.micro_batches_for(s)]
+        """The whole grid, in a stable order (the same configs as autofit's SearchSpace for these values;
+        no checkpointing is listed once, as full, as there)."""
+        configs = [self.config(m, p, c, s, o, k) for p in self.precisions for m in self.micro_batches
+                   for c in self.checkpoints for s in self.splits() if m in self.micro_batches_for(s)
+                   for o in self.optimizers for k in self.checkpoint_policies]
+        return list(dict.fromkeys(configs))
 
     def floor_micro_batch(self, n: float) -> int | None:
         """The largest allowed micro-batch <= n (None below the smallest)."""

@@ -31,9 +31,15 @@ from autofit.bench.search_regimes import (
     run_rows,
     write_cells_csv,
 )
-from autofit.bench.search_tables import done_when_table
+from autofit.bench.search_tables import LEAN_TITLE, done_when_table
 from autofit.bench.strategies import Strategy, sweeps
-from autofit.core.config import Precision, SplitMode, TrainConfig
+from autofit.core.config import (
+    FIELDS,
+    CheckpointPolicy,
+    Precision,
+    SplitMode,
+    TrainConfig,
+)
 
 _FLOOR_RE = re.compile(r"a trial that dies at its first operator: ([\d.]+) s\)\. autofit's clock is charged ([\d.]+) s")
 _TITLE_RE = re.compile(r"(.+?): global batch (\d+),")
@@ -43,15 +49,16 @@ def _number(value) -> float | None:
     return None if value is None or (isinstance(value, float) and math.isnan(value)) or value == "" else float(value)
 
 
-def grid_costs(markdown: Path | None) -> dict[tuple[str, int], tuple[float, float]]:
-    """Per (workload, global batch), (OOM floor s, first-use s) as ``search.md`` states them."""
+def grid_costs(markdown: Path | None) -> dict[tuple[str, int, bool], tuple[float, float]]:
+    """Per (workload, global batch, lean cell or not), (OOM floor s, first-use s) as ``search.md`` states them."""
     if markdown is None or not markdown.is_file():
         return {}
     out = {}
     for section in markdown.read_text().split("\n## ")[1:]:
         found, title = _FLOOR_RE.search(section), _TITLE_RE.match(section)
         if found and title:
-            out[(title[1].strip(), int(title[2]))] = (float(found[1]), float(found[2]))
+            lean = f", {LEAN_TITLE} " in section.splitlines()[0]
+            out[(title[1].strip(), int(title[2]), lean)] = (float(found[1]), float(found[2]))
     return out
 
 
@@ -68,12 +75,15 @@ def load_grids(csv_path: Path, markdown: Path | None = None) -> list[Grid]:
     frame = pd.read_csv(csv_path)
     costs = grid_costs(markdown if markdown is not None else csv_path.with_name("search.md"))
     grids = []
-    keys = [k for k in ("precision", "micro_batch", "grad_accum", "checkpoint_every", "device_split", "split_mode")
-            if k in frame.columns]   # split_mode: absent from grids written before it existed
-    # a workload may have several cells (e.g. one with device splits): one grid per global batch
+    # the config columns it has (split_mode, optimizer, checkpoint_policy: absent from grids written before them)
+    keys = [k for k in FIELDS if k in frame.columns]
+    fits = [c for c in frame.columns if c.startswith("fits_")]
+    # a workload may have several cells (one with device splits, one with the lean levers): one grid per
+    # global batch and set of budgets (a row has a fits_ column for its own cell's budgets only)
     frame["global_batch"] = [TrainConfig.from_dict({k: row[k] for k in keys}).samples_per_step
                              for row in frame.to_dict("records")]
-    for (workload, global_batch), rows in frame.groupby(["workload", "global_batch"], sort=False):
+    frame["budgets"] = [",".join(c for c in fits if not pd.isna(row[c])) for row in frame.to_dict("records")]
+    for (workload, global_batch, _), rows in frame.groupby(["workload", "global_batch", "budgets"], sort=False):
         points = {}
         for row in rows.to_dict("records"):
             config = TrainConfig.from_dict({k: row[k] for k in keys})
@@ -90,8 +100,11 @@ def load_grids(csv_path: Path, markdown: Path | None = None) -> list[Grid]:
                     tuple(dict.fromkeys(Precision(c.precision) for c in configs)), budgets,
                     tuple(sorted({c.checkpoint_every for c in configs})),
                     tuple(sorted({c.device_split for c in configs})),
-                    tuple(dict.fromkeys(c.split_mode for c in configs if c.device_split > 1)) or (SplitMode.PIPELINE,))
-        floor_s, first_use_s = costs.get((str(workload), int(global_batch)), (0.0, 0.0))
+                    tuple(dict.fromkeys(c.split_mode for c in configs if c.device_split > 1)) or (SplitMode.PIPELINE,),
+                    tuple(dict.fromkeys(c.optimizer for c in configs)),
+                    # full first, as a cell lists it (selective only ever comes with checkpointing)
+                    tuple(sorted({c.checkpoint_policy for c in configs}, key=lambda k: k is not CheckpointPolicy.FULL)))
+        floor_s, first_use_s = costs.get((str(workload), int(global_batch), cell.lean), (0.0, 0.0))
         # the DeepSpeed autotuner's model-state formula needs the parameter count (0 made it replay
         # a different search than the bench ran); grids written before the column: counted again
         params = int(rows["param_count"].iloc[0]) if "param_count" in rows.columns else _param_count(str(workload))

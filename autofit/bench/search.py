@@ -1,8 +1,8 @@
 """The search suite: autofit's search against its peers, on grids measured exhaustively here.
 
 For each workload a small grid (precision x micro-batch x checkpointing, a fixed global batch,
-and for some cells a device split: pipeline stages or FSDP ranks, each a process on this
-machine's CPU, gloo) is run for real, config by config, with the same trial runner the strategies use
+for some cells a device split: pipeline stages or FSDP ranks, each a process on this
+machine's CPU, gloo; for the lean cells the optimizer and the checkpoint policy) is run for real, config by config, with the same trial runner the strategies use
 (:func:`autofit.trial.run.run_trial`, no budget). Its fastest config that fits a budget is the
 ground-truth optimum for that budget. Then each strategy searches:
 
@@ -32,7 +32,7 @@ from autofit.bench.common import pct, seconds
 from autofit.bench.oracles import LiveOracle, ReplayOracle
 from autofit.bench.own_search import STRATEGIES
 from autofit.bench.scoring import run_strategy
-from autofit.bench.search_cells import CELLS, QUICK_CELLS
+from autofit.bench.search_cells import CELLS, LEAN_CELLS, QUICK_CELLS
 from autofit.bench.search_data import (
     BenchMode,
     Cell,
@@ -68,16 +68,18 @@ def _run_live(strategy: Strategy, grid: Grid, budget: int, progress: Callable[[s
 def run_search_suite(out_dir: Path, env: dict, *, quick: bool = False, seeds: int | None = None,
                      cells: tuple[Cell, ...] | None = None, strategies: tuple[Strategy, ...] = STRATEGIES,
                      live: bool | tuple[str, ...] = True, tpe_trials: int | None = None,
-                     progress: Callable[[str], None] = lambda _m: None) -> SearchResults:
+                     progress: Callable[[str], None] = lambda _m: None, lean_only: bool = False) -> SearchResults:
     """Measure the grids, run every strategy (live once, replayed per cell and seed), write the tables.
 
     ``live``: True runs :data:`LIVE` (:data:`QUICK_LIVE` with ``quick``) live once each (seed 0)
     on the first cell's first budget, and those of them in :data:`LIVE_EVERY_CELL` on every other
     cell too; a tuple of names runs only those; False none. ``tpe_trials``: Optuna TPE's
-    real-trial budget (default 12; 6 with ``quick``).
+    real-trial budget (default 12; 6 with ``quick``). ``cells`` default: :data:`CELLS` and :data:`LEAN_CELLS`;
+    :data:`QUICK_CELLS` with ``quick``; :data:`LEAN_CELLS` alone with ``lean_only`` (``quick`` then only
+    cuts the seeds, TPE's trials and the live runs).
     """
     started = time.perf_counter()
-    cells = cells or (QUICK_CELLS if quick else CELLS)
+    cells = cells or (LEAN_CELLS if lean_only else QUICK_CELLS if quick else CELLS + LEAN_CELLS)
     seeds = seeds or (3 if quick else 5)
     tpe_trials = tpe_trials or (6 if quick else 12)
     strategies = tuple(dataclasses.replace(s, kwargs={**s.kwargs, "real_trials": tpe_trials})

@@ -9,7 +9,13 @@ from pathlib import Path
 
 from autofit.bench.problem import OracleRecord
 from autofit.bench.strategies import Strategy
-from autofit.core.config import Precision, SplitMode, TrainConfig
+from autofit.core.config import (
+    CheckpointPolicy,
+    OptimizerChoice,
+    Precision,
+    SplitMode,
+    TrainConfig,
+)
 from autofit.core.records import TrialStatus
 
 MiB = 2**20
@@ -37,6 +43,14 @@ class Cell:
     checkpoints: tuple[int, ...] = (0, 1)
     device_splits: tuple[int, ...] = (1,)        # with split_modes, as in autofit.core.space.SearchSpace
     split_modes: tuple[SplitMode, ...] = (SplitMode.PIPELINE,)
+    # the lean levers (autofit's search is given them; the finders keep the workload's optimizer, full policy)
+    optimizers: tuple[OptimizerChoice, ...] = (OptimizerChoice.AS_GIVEN,)
+    checkpoint_policies: tuple[CheckpointPolicy, ...] = (CheckpointPolicy.FULL,)
+
+    @property
+    def lean(self) -> bool:
+        """Whether the grid has a lean lever (another optimizer or selective checkpointing)."""
+        return self.optimizers != (OptimizerChoice.AS_GIVEN,) or self.checkpoint_policies != (CheckpointPolicy.FULL,)
 
 
 # --------------------------------------------------------------------------------------
@@ -86,14 +100,17 @@ class Grid:
         """Each lever the optimum uses, with the best config that fits without it (None: nothing fits).
 
         The levers: checkpointing (``checkpoint_every > 0``), accumulation (``grad_accum > 1`` at
-        the cell's fixed global batch) and a device split (``device_split > 1``). The optimum's
+        the cell's fixed global batch), a device split (``device_split > 1``) and the lean ones:
+        another optimizer than the workload's own, selective checkpointing. The optimum's
         throughput over that config's is what the lever is worth in this cell, as measured.
         """
         best = self.optimum(budget_bytes)
         if best is None:
             return []
         levers = (("checkpointing", lambda c: c.checkpoint_every > 0), ("accumulation", lambda c: c.grad_accum > 1),
-                  ("a device split", lambda c: c.device_split > 1))
+                  ("a device split", lambda c: c.device_split > 1),
+                  ("another optimizer", lambda c: c.changes_optimizer),
+                  ("selective checkpointing", lambda c: c.checkpoint_policy is CheckpointPolicy.SELECTIVE))
         out = []
         for name, uses in levers:
             if uses(best.config):

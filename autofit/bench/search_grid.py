@@ -21,7 +21,11 @@ TRIAL_TIMEOUT_S = 240.0
 def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) -> Grid:
     """Run every config of ``cell`` (no budget), plus one trial that dies at once (the OOM cost floor)."""
     from autofit.bench.worker import run_jobs
-    from autofit.estimator.memory_model import estimate_table, needs_split_ends
+    from autofit.estimator.memory_model import (
+        estimate_table,
+        needs_split_ends,
+        optimizer_choices,
+    )
     from autofit.profiling.profile import profile_workload
     from autofit.trial.run import run_trial
     from autofit.workloads import param_count
@@ -35,9 +39,12 @@ def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) 
     # and no fork server yet (a search process starts one; an earlier cell's would be warm here). Split ends
     # as the search over this space profiles them (autofit.api.run_study): only for a pipeline split.
     split_ends = needs_split_ends(configs)
-    first_use_s = _first_use_s(cell, workload, configs, split_ends)
+    # and the replacement optimizers' states, as a search over a lean space profiles them
+    optimizers = optimizer_choices(configs)
+    first_use_s = _first_use_s(cell, workload, configs, split_ends, optimizers)
     progress(f"grid {cell.workload}: cold profile and device probe took {first_use_s:.1f} s")
-    profile = profile_workload(workload, list(cell.precisions), device_type="cpu", split_ends=split_ends)
+    profile = profile_workload(workload, list(cell.precisions), device_type="cpu", split_ends=split_ends,
+                               optimizers=optimizers)
     predicted = estimate_table(profile, configs)["peak_bytes"].tolist()
     trials = []
     for i, config in enumerate(configs):
@@ -70,7 +77,7 @@ def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) 
     return Grid(cell, points, floor.wall_s, problem.param_count, time.perf_counter() - started, first_use_s)
 
 
-def _first_use_s(cell: Cell, workload, configs: list[TrainConfig], split_ends) -> float:
+def _first_use_s(cell: Cell, workload, configs: list[TrainConfig], split_ends, optimizers: list[str]) -> float:
     """Seconds autofit's first use of ``workload`` takes with cold caches: profiling on fake tensors, the
     device probe, the splits' collectives and the workload's own layer (each then cached for the runs)."""
     from autofit.profiling.profile import profile_workload
@@ -78,7 +85,8 @@ def _first_use_s(cell: Cell, workload, configs: list[TrainConfig], split_ends) -
 
     forkserver.stop_server()
     cold = time.perf_counter()
-    profile_workload(workload, list(cell.precisions), device_type="cpu", use_cache=False, split_ends=split_ends)
+    profile_workload(workload, list(cell.precisions), device_type="cpu", use_cache=False, split_ends=split_ends,
+                     optimizers=optimizers)
     first_use_s = time.perf_counter() - cold
     try:
         from autofit.probes.device_rates import probe_rates
@@ -97,7 +105,8 @@ def _first_use_s(cell: Cell, workload, configs: list[TrainConfig], split_ends) -
         from autofit.estimator.layer_prior import workload_prior
 
         cold = time.perf_counter()  # the workload's own layer, timed for the prior (then cached for the runs)
-        cold_profile = profile_workload(workload, list(cell.precisions), device_type="cpu", split_ends=split_ends)
+        cold_profile = profile_workload(workload, list(cell.precisions), device_type="cpu", split_ends=split_ends,
+                                        optimizers=optimizers)
         precisions = [p.value for p in cell.precisions]
         workload_prior(workload, cold_profile, rates, precisions, use_cache=False)
         first_use_s += time.perf_counter() - cold

@@ -243,6 +243,9 @@ def _method_sections(res: SearchResults, strategies: tuple[Strategy, ...]) -> li
                   for s in strategies]
 
 
+LEAN_TITLE = "optimizers"   # in a lean cell's heading: how a replay tells its costs from another cell's
+
+
 def _grid_section(grid: Grid) -> str:
     """A cell's heading: its grid, what measuring it cost, the measurement noise, and configs that did not run."""
     cell = grid.cell
@@ -250,7 +253,9 @@ def _grid_section(grid: Grid) -> str:
              f"{', '.join(map(str, cell.micro_batches))}, precisions {', '.join(p.value for p in cell.precisions)}, "
              f"checkpointing {', '.join(map(str, cell.checkpoints))}"
              + (f", device splits {', '.join(map(str, cell.device_splits))} "
-                f"({', '.join(m.value for m in cell.split_modes)})" if cell.device_splits != (1,) else ""))
+                f"({', '.join(m.value for m in cell.split_modes)})" if cell.device_splits != (1,) else "")
+             + (f", {LEAN_TITLE} {', '.join(o.value for o in cell.optimizers)}, checkpoint policies "
+                f"{', '.join(k.value for k in cell.checkpoint_policies)}" if cell.lean else ""))
     measured = (f"{len(grid.points)} configs measured in {grid.wall_s / 60:.1f} min "
                 f"(median trial {seconds(median_and_spread([p.wall_s for p in grid.points.values()]).median)} s; "
                 f"a trial that dies at its first operator: {grid.oom_floor_s:.1f} s). autofit's clock is charged "
@@ -374,4 +379,4 @@ def lever_line(grid, budget_bytes: int) -> str:
             parts.append(f"{lever} (best without it: `{without.config.short()}` at {without.samples_per_s:.1f} "
                          f"samples/s, {pct(without.samples_per_s / best.samples_per_s)} of the optimum)")
     return ("The optimum uses " + "; ".join(parts) + "." if parts
-            else "The optimum uses none of checkpointing, accumulation or a device split.")
+            else "The optimum uses none of checkpointing, accumulation, a device split or a lean lever.")

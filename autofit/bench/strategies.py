@@ -11,7 +11,8 @@ again, which only ever favours the peer.
 - the batch-size finders of Accelerate, Lightning and DeepSpeed, each at the user's precision and
   as a per-precision sweep: :mod:`autofit.bench.finders`;
 - :func:`optuna_tpe` -- plain Optuna TPE over the whole space (precision, micro-batch,
-  checkpointing, and the device split where the grid has one) with real trials only: no
+  checkpointing, and the device split, optimizer and checkpoint policy where the grid has more than
+  one) with real trials only: no
   estimate, no pruning; an OOM is found by running it, scores 0 and is told to the sampler as a
   violated constraint.
 
@@ -88,7 +89,8 @@ def optuna_tpe(problem: Problem, oracle: Oracle, seed: int = 0, real_trials: int
         name = "micro_batch" if micro_batches == problem.micro_batches else f"micro_batch_{_split_label(split)}"
         config = problem.config(trial.suggest_categorical(name, list(micro_batches)),
                                 trial.suggest_categorical("precision", [p.value for p in problem.precisions]),
-                                trial.suggest_categorical("checkpoint_every", list(problem.checkpoints)), split)
+                                trial.suggest_categorical("checkpoint_every", list(problem.checkpoints)), split,
+                                *_suggest_lean(trial, problem))
         outcome = run(config)
         trial.set_constraint("peak_over_budget", _over_budget(outcome, problem.budget_bytes))
         study.tell(trial, outcome.samples_per_s if outcome.ok and outcome.samples_per_s else 0.0)
@@ -102,6 +104,18 @@ def _over_budget(outcome: Outcome, budget_bytes: int) -> float:
     if outcome.ok and outcome.peak_bytes:
         return outcome.peak_bytes / budget_bytes - 1
     return 1.0 if outcome.status is TrialStatus.OOM else 0.0
+
+
+def _suggest_lean(trial, problem: Problem) -> tuple[str, str]:
+    """The optimizer and checkpoint policy: dimensions of TPE's space only where the grid has more than one
+    value, so a grid without the lean levers is searched as before. Without checkpointing the policy is
+    moot: the config is full (TrainConfig), and a proposal that collapses onto one already run is answered
+    from memory, as any repeat."""
+    values = []
+    for name, choices in (("optimizer", problem.optimizers), ("checkpoint_policy", problem.checkpoint_policies)):
+        labels = [c.value for c in choices]
+        values.append(labels[0] if len(labels) == 1 else trial.suggest_categorical(name, labels))
+    return values[0], values[1]
 
 
 def _split_label(split: tuple[int, SplitMode]) -> str:

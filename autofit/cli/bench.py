@@ -29,8 +29,10 @@ def add_parser(subparsers) -> None:
                    help="accuracy suite only: measure just the workloads whose name contains one of these parts, "
                         "e.g. --workloads hf:,user_models (default: all)")
     p.add_argument("--lean", action="store_true",
-                   help="accuracy suite only: measure just the configs that use the lean space's levers "
-                        "(adafactor, adamw8bit, selective checkpointing; default folder results/benchmarks/lean)")
+                   help="just the lean space's levers (adafactor, adamw8bit, selective checkpointing): the accuracy "
+                        "suite measures only the configs that use them, the search suite runs only its lean cell; "
+                        "with --suite all, those two (the cost suite has no lean part) and no summary.md; "
+                        "not with --suite cost (default folder results/benchmarks/lean)")
     p.set_defaults(run=run)
 
 
@@ -64,8 +66,9 @@ def _workload_parts(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def _check_lean(args: argparse.Namespace) -> None:
-    if args.lean and args.suite != "accuracy":
-        raise ConfigError("--lean selects the accuracy suite's lean-lever configs: use it with --suite accuracy")
+    if args.lean and args.suite == "cost":
+        raise ConfigError("--lean selects the accuracy and search suites' lean parts; the cost suite has none: "
+                          "use it with --suite accuracy, search or all")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
     from autofit.bench.readme import update_readme
     from autofit.bench.summary import headline, write_summary
 
-    suites = SUITES if args.suite == "all" else (args.suite,)
+    # all with --lean: the suites that have a lean part; the cost suite has none
+    suites = tuple(s for s in SUITES if not args.lean or s != "cost") if args.suite == "all" else (args.suite,)
     # A run of some workloads never overwrites the committed tables of all of them.
     out = args.out or (DEFAULT_OUT / "selected" if workloads else DEFAULT_OUT / "lean" if args.lean
                        else DEFAULT_OUT / "quick" if args.quick else DEFAULT_OUT)
@@ -91,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
 
     results = run_bench(suites, out_dir=out, quick=args.quick, command=command, progress=progress, workloads=workloads,
                         lean_only=args.lean)
-    summary = write_summary(out, results, command, complete=args.suite == "all")
+    # summary.md (and the README's block) come from every suite in full: not from --lean's parts
+    summary = write_summary(out, results, command, complete=args.suite == "all" and not args.lean)
     print(summary.read_text() if summary else "\n".join(f"- {line}" for line in headline(results)))
     written = results.files + ([summary] if summary else [])
     # The committed run (every suite, default folder) also rewrites the README's benchmark block.
