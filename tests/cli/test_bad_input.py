@@ -231,6 +231,8 @@ def outcomes(tmp_path_factory):
                    for name, case in CASES.items() if case.process}
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("AUTOFIT_PROFILE_WORKERS", "1")  # profile here: a child's relayed error is a process case
+            # `autofit bench` without a wait policy restarts itself (os.execve) with one: that would replace pytest
+            mp.setenv("OMP_WAIT_POLICY", os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
             for name, case in CASES.items():
                 if not case.process:
                     results[name] = _run_here(case, dirs[name])
