@@ -80,6 +80,15 @@ def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) 
 def _first_use_s(cell: Cell, workload, configs: list[TrainConfig], split_ends, optimizers: list[str]) -> float:
     """Seconds autofit's first use of ``workload`` takes with cold caches: profiling on fake tensors, the
     device probe, the splits' collectives and the workload's own layer (each then cached for the runs)."""
+    from autofit.runtime.devicelock import DeviceLock
+
+    # Held for the whole measurement (the probes take it again without waiting): its clocks start after any
+    # wait for another process's trial, which is no part of autofit's first use.
+    with DeviceLock(["cpu"], "first-use measurement"):
+        return _first_use_locked_s(cell, workload, configs, split_ends, optimizers)
+
+
+def _first_use_locked_s(cell: Cell, workload, configs: list[TrainConfig], split_ends, optimizers: list[str]) -> float:
     from autofit.profiling.profile import profile_workload
     from autofit.runtime import forkserver
 
