@@ -80,6 +80,14 @@ def tiny() -> Workload:
     return mlp_workload()
 
 
+def tiny_sgd() -> Workload:
+    """The tiny MLP trained with SGD and momentum: an optimizer the lean levers do not replace."""
+    import dataclasses
+
+    return dataclasses.replace(mlp_workload(name="tiny-mlp-sgd"),
+                               optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
+
+
 def wide() -> Workload:
     """About 1 MiB of weights: a small budget is exceeded for sure."""
     _record_pid(os.getpid())

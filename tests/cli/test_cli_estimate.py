@@ -168,3 +168,16 @@ def test_estimate_lean_space_names_the_levers_and_what_cannot_run(trial_workload
     assert {c["optimizer"] for c in data["configs"]} == {"as-given", "adafactor"}
     assert data["cannot_run"] == [{"reason": "optimizer=adamw8bit needs bitsandbytes, which is not installed: "
                                              "pip install 'autofit[optim]'", "configs": 3}]
+
+
+def test_a_workload_whose_optimizer_the_lean_levers_cannot_replace_keeps_it(trial_workload_spec, capsys):
+    """SGD with momentum: the lean space's adafactor and adamw8bit configs are pruned, each saying why, and
+    every config that fits keeps the workload's own optimizer."""
+    assert main(["estimate", "--model", trial_workload_spec("tiny_sgd"), "--budget", "1GB", "--device", "cpu",
+                 "--space", "lean", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {c["optimizer"] for c in data["configs"]} == {"as-given"}
+    reasons = {r["reason"] for r in data["cannot_run"]}
+    for choice in ("adafactor", "adamw8bit"):
+        assert any(f"the workload's optimizer is SGD: optimizer={choice} would change the training" in r
+                   for r in reasons), reasons
