@@ -16,7 +16,8 @@ are laid end to end again for any config, as PyTorch would run it:
 - selective checkpointing (``checkpoint_policy=selective``): a segment's forward also keeps the
   outputs of its matmuls and attention (the profile's ``selective_forward`` and ``selective_kept``)
   until its recomputation takes them from the policy's cache instead of computing them again; the
-  recomputation's peaks are counted as if it made them again (high by what the layer keeps), and the
+  recomputation's peaks are the profile's replay of it (``selective_recompute``: the kept outputs
+  handed back, not made), and the
   last layer's kept outputs after its last saved tensor stay until the segment's backward is done;
 - the ``optimizer`` lever: the chosen optimizer's state and step temporaries, profiled over the
   same parameters (``PrecisionProfile.optimizer_options``), replace the workload's optimizer's;

@@ -182,12 +182,28 @@ class _StageWalk(_Walk):
         stage_output_kept = not self.last_stage and e == self.end and layers[e - 1].output_saved
         if layers[e - 1].output_saved and not stage_output_kept:
             self.live = _add(self.live, layers[e - 1].output, -1.0)
+        kept_after_stop = self._kept(e - 1, e)
         for i in range(s, e):  # recompute the segment's forward, saving its activations
-            # Selective: the policy's kept outputs are handed to the recomputation, not made again; its
-            # peak is counted as if they were (high by at most what the layer keeps: on the safe side).
-            self.region(layers[i].recomputed(last=i == e - 1).peaks, layers[i].forward.delta, "backward")
-            if i < e - 1:  # the kept outputs are now the recomputation's own: counted once
-                self.live = _add(self.live, self._kept(i, e), -1.0)
+            replay = self.selective and layers[i].selective_recompute is not None
+            if replay:
+                # The policy hands its kept outputs back rather than making them again, and one that
+                # nothing saves then dies: the profile's replay of the recomputation (peaks and delta) has
+                # both. The last layer stops at its last saved tensor (early stop); the kept outputs after
+                # it stay cached until the segment's backward is done (taken off below).
+                if i < e - 1:
+                    region = layers[i].selective_recompute
+                    self.region(region.peaks, region.delta, "backward")
+                else:
+                    handed_back = _add(layers[i].recompute.delta, layers[i].selective_recompute_prefix.delta, -1.0)
+                    self.region(layers[i].selective_recompute_prefix.peaks,
+                                _add(layers[i].forward.delta, handed_back, -1.0), "backward")
+                    kept_after_stop = _add(kept_after_stop, handed_back, -1.0)
+            else:
+                # Without the replay (a profile from before it): the kept outputs are counted as made
+                # again (high by what the layer keeps), then once
+                self.region(layers[i].recomputed(last=i == e - 1).peaks, layers[i].forward.delta, "backward")
+                if i < e - 1:
+                    self.live = _add(self.live, self._kept(i, e), -1.0)
             if i > s:  # the segment's input is the checkpoint's
                 self.live = _add(self.live, layers[i].after)
         self.live = _add(self.live, (-sum(self.cache[s:e]) + sum(self.saved[s:e]), 0.0))  # recompute's autocast exits
@@ -198,7 +214,7 @@ class _StageWalk(_Walk):
         # The last layer's recomputation stops at the last tensor it saves (early stop), before the kept
         # outputs of the operators after it are taken from the policy's cache: they stay until the
         # checkpoint is done with, after the segment's backward.
-        self.live = _add(self.live, self._kept(e - 1, e), -1.0)
+        self.live = _add(self.live, kept_after_stop, -1.0)
         # The checkpoint kept the segment's input until its backward is done; where no layer
         # saves it (linear(relu(x))), the profile's backward did not free it (its forward did,
         # in ``after``): free it now. A later stage's input stays in its receive buffer.

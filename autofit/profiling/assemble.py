@@ -63,6 +63,8 @@ def _layer(l1: RawLayer, l2: RawLayer) -> LayerProfile:
         selective_kept=_line(l1.selective_kept, l2.selective_kept),
         selective_output_kept=l1.selective_output_kept and l2.selective_output_kept,
         selective_saved_flops=_flops_line(l2.selective_saved_flops),
+        selective_recompute=_region_lines(l1.selective_recompute, l2.selective_recompute),
+        selective_recompute_prefix=_region_lines(l1.selective_recompute_prefix, l2.selective_recompute_prefix),
         retained=_line(l1.retained, l2.retained),
     )
 

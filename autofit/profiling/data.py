@@ -17,7 +17,7 @@ __all__ = ["OUTPUT_REGIONS", "PROFILE_BATCHES", "PROFILE_VERSION", "LayerProfile
            "with_optimizer"]
 
 # The profile's format: a cache entry of another version is never read (autofit.profiling.cache).
-PROFILE_VERSION = 19
+PROFILE_VERSION = 20
 # Micro-batch sizes profiled; every per-sample quantity is fitted as a line through them.
 PROFILE_BATCHES = (2, 4)
 
@@ -101,15 +101,25 @@ class LayerProfile:
     selective_kept: Line = (0.0, 0.0)
     selective_output_kept: bool = False
     selective_saved_flops: Line = (0.0, 0.0)
+    # The forward as a selective segment's recomputation runs it: autograd saves what backward needs,
+    # and the operators the policy saved hand back their kept outputs rather than making them again
+    # (whole, for a segment's inner layers; up to the last tensor it saves, for its last layer).
+    selective_recompute: Region | None = None
+    selective_recompute_prefix: Region | None = None
     # What its forward leaves alive beyond its output where autograd keeps nothing (a checkpointed
     # segment's forward), until the model's output is dropped: what something else holds, e.g. a
     # key/value cache the model returns (``past_key_values``). Without checkpointing it is among the
     # forward's saved bytes (``forward.delta``) and freed where the profile saw it freed.
     retained: Line = (0.0, 0.0)
 
-    def recomputed(self, last: bool) -> Region:
+    def recomputed(self, last: bool, selective: bool = False) -> Region:
         """This layer's forward as a checkpointed segment's recomputation runs it (``last``: the
-        segment's last layer, which stops at the last tensor it saves)."""
+        segment's last layer, which stops at the last tensor it saves; ``selective``: the policy's kept
+        outputs handed back, not made again)."""
+        if selective:
+            region = self.selective_recompute_prefix if last else self.selective_recompute
+            if region is not None:
+                return region
         return self.recompute if last and self.recompute is not None else self.forward
 
     def forward_checkpointed(self, selective: bool = False) -> Region:
@@ -279,7 +289,8 @@ def precision_from_dict(pp: dict) -> PrecisionProfile:
     pp = dict(pp)
     layers = tuple(LayerProfile(**{**lp, "forward": region_from_dict(lp["forward"]), "backward": region_from_dict(lp["backward"]),
                                    **{k: region_from_dict(lp[k]) if lp.get(k) else None
-                                      for k in ("recompute", "checkpointed_forward", "selective_forward")},
+                                      for k in ("recompute", "checkpointed_forward", "selective_forward",
+                                                "selective_recompute", "selective_recompute_prefix")},
                                    "output": tuple(lp["output"]), "forward_flops": tuple(lp["forward_flops"]),
                                    **{k: tuple(lp.get(k, (0.0, 0.0))) for k in ("after", "input_freed_late", "args_freed_late",
                                                                                "selective_kept", "selective_saved_flops",

@@ -47,6 +47,10 @@ class RawLayer:
     selective_kept: int
     selective_output_kept: bool
     selective_saved_flops: float
+    # its forward as a selective segment's recomputation runs it (kept outputs handed back, not made):
+    # whole, and up to the last tensor it saves
+    selective_recompute: RawRegion
+    selective_recompute_prefix: RawRegion
     # what its checkpointed forward left alive beyond its output once the model's forward returned
     # (a key/value cache the model returns), net of what it replaced there
     retained: int = 0

@@ -45,7 +45,8 @@ MAX_REAL_STEP_BYTES = 2**30
 REGION_KEYS = ("pre_forward", "post_forward", "post_backward", "head_forward", "loss_forward", "loss_backward",
                "head_backward", "pre_backward")
 # RawLayer's regions.
-LAYER_REGION_KEYS = ("forward", "backward", "recompute", "checkpointed_forward", "selective_forward")
+LAYER_REGION_KEYS = ("forward", "backward", "recompute", "checkpointed_forward", "selective_forward",
+                     "selective_recompute", "selective_recompute_prefix")
 
 
 class RealTensors(contextlib.nullcontext):

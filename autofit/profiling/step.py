@@ -217,7 +217,8 @@ def _raw_layer(trace: StepTrace, i: int, params: list, buffers: list, forwards: 
                flops: float) -> RawLayer:
     rb, last = trace.round_bytes, i == trace.n - 1
     trainable = [p for p in params if p.requires_grad]
-    (checkpointed, retained), (selective, selective_kept, selective_output_kept, selective_saved_flops) = forwards
+    (checkpointed, retained), (selective, selective_kept, selective_output_kept, selective_saved_flops,
+                               selective_recompute, selective_recompute_prefix) = forwards
     return RawLayer(
         param_bytes=tensor_bytes(params + buffers, rb),
         grad_bytes=tensor_bytes(trainable, rb),
@@ -233,6 +234,8 @@ def _raw_layer(trace: StepTrace, i: int, params: list, buffers: list, forwards: 
         selective_kept=selective_kept,
         selective_output_kept=selective_output_kept,
         selective_saved_flops=selective_saved_flops,
+        selective_recompute=selective_recompute,
+        selective_recompute_prefix=selective_recompute_prefix,
         # what dies before the next layer starts (the last: before the next operator):
         # this layer's input, when no backward keeps it
         after=trace.region(f"F{i}", "layers_done" if last else f"f{i + 1}").delta,

@@ -16,11 +16,13 @@ No tensor is kept on the trace: a reference held here would keep memory alive th
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from autofit.core.errors import WorkloadError
@@ -73,7 +75,7 @@ class StepTrace:
         self.module_phase: dict[int, str] = {}
         # Hooks go on each distinct layer module once and number the calls: a module listed several
         # times (weight sharing, ModuleList([block] * 4)) is layer i on its i-th call.
-        self.calls = {"pre": 0, "post": 0, "c": 0, "C": 0, "s": 0, "S": 0}
+        self.calls = {"pre": 0, "post": 0, "c": 0, "C": 0, "s": 0, "S": 0, "r": 0, "R": 0}
         self.input_grad: list[bool] = [True] * n
         self.output_grad: list[bool] = [True] * n
         # FLOPs for the time model: one counter over the forward, another over the backward.
@@ -254,12 +256,13 @@ class StepTrace:
                 h.remove()
         return [(self.rec.region(f"c{i}", f"C{i}"), kept[i]) for i in range(self.n)]
 
-    def selective_forwards(self, trainee: Trainee, layers, inputs) -> list[tuple[RawRegion, int, bool, float]]:
+    def selective_forwards(self, trainee: Trainee, layers, inputs) -> list[tuple]:
         """Each layer's forward as a selectively checkpointed segment's forward runs it: as
         :meth:`checkpointed_forwards`, but the outputs of the operators the policy saves
         (:data:`~autofit.runtime.training.SELECTIVE_SAVE`) are kept, as the policy's cache keeps them
         until the segment's recomputation takes them. Per layer: the region, the bytes it keeps beyond its
-        output, whether it keeps its output too, and the FLOPs of the operators it keeps (not recomputed)."""
+        output, whether it keeps its output too, the FLOPs of the operators it keeps (not recomputed), and
+        its recomputation, whole and up to its last saved tensor (:meth:`selective_recomputes`)."""
         unique = {id(layer): layer for layer in layers}.values()
         cache = _PolicyCache(self.round_bytes, self.n)
 
@@ -286,14 +289,69 @@ class StepTrace:
         finally:
             for h in handles:
                 h.remove()
+        recomputes = self.selective_recomputes(trainee, layers, inputs, cache)
         out = []
         for i in range(self.n):
             kept = cache.bytes[i]
             output_kept = cache.output[i] in kept
             out.append((self.rec.region(f"s{i}", f"S{i}"), sum(b for k, b in kept.items() if k != cache.output[i]),
-                        output_kept, cache.flops[i]))
-        cache.kept.clear()
+                        output_kept, cache.flops[i], *recomputes[i]))
         return out
+
+    def selective_recomputes(self, trainee: Trainee, layers, inputs, cache: "_PolicyCache") -> list[tuple]:
+        """Each layer's forward as a selective segment's recomputation runs it: autograd saves what backward
+        needs, and the operators the policy saved hand back their kept outputs (``cache``, from
+        :meth:`selective_forwards`) instead of making them again, as ``torch.utils.checkpoint``'s cache
+        does. Per layer: the whole forward and its prefix up to the last tensor it saves (early stop)."""
+        unique = {id(layer): layer for layer in layers}.values()
+        # The queues hold the kept outputs from here on, alone: one handed back is the recomputation's,
+        # and dies as soon as nothing saves it; those after a layer's last saved tensor stay queued, as
+        # the checkpoint's cache keeps them (early stop) until the segment's backward is done.
+        queues = [collections.deque(outputs) for outputs in cache.by_layer]
+        cache.kept.clear()
+        cache.by_layer.clear()
+        now: list[int | None] = [None]
+        last: list[int | None] = [None] * self.n
+        timeline = self.timeline
+
+        class Replay(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                i = now[0]
+                if i is not None and func in SELECTIVE_SAVE and queues[i]:
+                    return queues[i].popleft()
+                return func(*args, **(kwargs or {}))
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if now[0] is not None:
+                last[now[0]] = len(timeline.trace)
+            # the same storage, without its grad_fn: an output saved as itself would hold its own graph
+            # in a cycle that outlives the pass (and the step)
+            return t.detach()
+
+        def starts(module, args) -> None:
+            i = self._next_call("r")
+            if i is not None:
+                self.rec.mark(f"r{i}")
+                now[0] = i
+
+        def ends(module, args, output) -> None:
+            i = self._next_call("R")
+            if i is not None:
+                self.rec.mark(f"R{i}")
+                now[0] = None
+
+        handles = [layer.register_forward_pre_hook(starts) for layer in unique]
+        handles += [layer.register_forward_hook(ends) for layer in unique]
+        try:
+            with autocast_context(trainee.config.precision, trainee.device.type), \
+                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), Replay():
+                out = trainee.model(inputs)
+            del out
+        finally:
+            for h in handles:
+                h.remove()
+            queues.clear()
+        return [(self.rec.region(f"r{i}", f"R{i}"), self.prefix(f"r{i}", last[i])) for i in range(self.n)]
 
     # -- reading the trace ---------------------------------------------------------------------
 
@@ -363,6 +421,7 @@ class _PolicyCache:
         formulas = flop_formulas()
         self.layer: int | None = None
         self.kept: list = []
+        self.by_layer: list[list] = [[] for _ in range(n)]  # each layer's kept outputs, in the order made
         self.bytes: list[dict[int, int]] = [{} for _ in range(n)]
         self.flops: list[float] = [0.0] * n
         self.output: list[int | None] = [None] * n
@@ -374,6 +433,7 @@ class _PolicyCache:
                 i = cache.layer
                 if i is not None and func in SELECTIVE_SAVE:
                     cache.kept.append(out)
+                    cache.by_layer[i].append(out)
                     for t in tree_leaves(out):
                         if isinstance(t, torch.Tensor):
                             storage = t.untyped_storage()
