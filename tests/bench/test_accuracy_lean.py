@@ -47,7 +47,7 @@ def test_lean_target_is_judged_against_the_allocator_and_names_what_the_tracker_
     lean_line = next(line for line in md.splitlines() if line.startswith("**Target, lean levers**"))
     assert "**PASS**" in lean_line and "Against the tracker alone" in lean_line and "+41." in md
     assert "the estimate matches the allocator, in 1 adamw8bit config" in lean_line
-    assert "gpt-tiny (lean levers)" in md
+    assert "gpt-tiny (lean levers, against the allocator)" in md
 
 
 def test_a_lean_row_off_the_allocator_fails_its_target(tmp_path):
