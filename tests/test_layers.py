@@ -119,3 +119,17 @@ def test_no_import_circles():
 ])
 def test_cycle_finder(edges, has_cycle):
     assert (find_cycle(edges) is not None) == has_cycle
+
+
+def test_modules_and_functions_stay_small():
+    """One job per module: none over 500 lines, no function over 100."""
+    package = PACKAGE
+    long_modules, long_functions = [], []
+    for path in sorted(package.rglob("*.py")):
+        text = path.read_text()
+        if len(text.splitlines()) > 500:
+            long_modules.append(str(path.relative_to(package)))
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 100:
+                long_functions.append(f"{path.relative_to(package)}:{node.name}")
+    assert not long_modules and not long_functions, (long_modules, long_functions)

@@ -47,6 +47,11 @@ def _region_lines(r1: RawRegion, r2: RawRegion) -> Region:
                   steep_nongrad=_steepest(r1.points_nongrad, r2.points_nongrad))
 
 
+def _both(r1: RawRegion | None, r2: RawRegion | None) -> Region | None:
+    """The region's lines where both runs have it, else None."""
+    return _region_lines(r1, r2) if r1 is not None and r2 is not None else None
+
+
 def _layer(l1: RawLayer, l2: RawLayer) -> LayerProfile:
     return LayerProfile(
         param_bytes=l1.param_bytes, grad_bytes=l1.grad_bytes,
@@ -63,8 +68,8 @@ def _layer(l1: RawLayer, l2: RawLayer) -> LayerProfile:
         selective_kept=_line(l1.selective_kept, l2.selective_kept),
         selective_output_kept=l1.selective_output_kept and l2.selective_output_kept,
         selective_saved_flops=_flops_line(l2.selective_saved_flops),
-        selective_recompute=_region_lines(l1.selective_recompute, l2.selective_recompute),
-        selective_recompute_prefix=_region_lines(l1.selective_recompute_prefix, l2.selective_recompute_prefix),
+        selective_recompute=_both(l1.selective_recompute, l2.selective_recompute),
+        selective_recompute_prefix=_both(l1.selective_recompute_prefix, l2.selective_recompute_prefix),
         retained=_line(l1.retained, l2.retained),
     )
 

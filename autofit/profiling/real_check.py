@@ -121,7 +121,8 @@ def correct_runs(fake1: RawRun, fake2: RawRun, real1: RawRun, real2: RawRun | No
     each size gets its own measured difference."""
     places = [(k, None) for k in REGION_KEYS
               if all(getattr(run, k) is not None for run in (fake1, real1, fake2))]
-    places += [(k, i) for i in range(min(len(fake1.layers), len(real1.layers))) for k in LAYER_REGION_KEYS]
+    places += [(k, i) for i in range(min(len(fake1.layers), len(real1.layers))) for k in LAYER_REGION_KEYS
+               if all(_region(run, k, i) is not None for run in (fake1, real1, fake2, real2) if run is not None)]
     # the corrected regions of each output run: {(key, layer or None): region}
     new1: dict[tuple[str, int | None], RawRegion] = {}
     new2: dict[tuple[str, int | None], RawRegion] = {}

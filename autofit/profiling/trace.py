@@ -343,14 +343,16 @@ class StepTrace:
         handles = [layer.register_forward_pre_hook(starts) for layer in unique]
         handles += [layer.register_forward_hook(ends) for layer in unique]
         try:
-            with autocast_context(trainee.config.precision, trainee.device.type), \
-                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), Replay():
-                out = trainee.model(inputs)
-            del out
+            replay_forward(trainee, inputs, pack, Replay())
+        except Exception:  # noqa: BLE001 -- a forward that does not replay (its operators differ on a second run)
+            # keeps the estimate that counts the kept outputs as made again: high, never under
+            return [(None, None)] * self.n
         finally:
             for h in handles:
                 h.remove()
             queues.clear()
+        if any(f"R{i}" not in self.rec.names() for i in range(self.n)):
+            return [(None, None)] * self.n
         return [(self.rec.region(f"r{i}", f"R{i}"), self.prefix(f"r{i}", last[i])) for i in range(self.n)]
 
     # -- reading the trace ---------------------------------------------------------------------
@@ -408,6 +410,14 @@ class StepTrace:
         uses = {id(layer): sum(other is layer for other in layers) for layer in layers}  # a shared module counts all its calls
         return [float(sum(per_module.get(f"{root}.{fqn.get(id(layer), '')}", {}).values())) / uses[id(layer)]
                 for layer in layers]
+
+
+def replay_forward(trainee: Trainee, inputs, pack, mode) -> None:
+    """One forward of the model under ``mode``, autograd saving through ``pack``; its output dropped."""
+    with autocast_context(trainee.config.precision, trainee.device.type), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
+        out = trainee.model(inputs)
+    del out
 
 
 class _PolicyCache:

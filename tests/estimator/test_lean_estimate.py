@@ -97,3 +97,27 @@ def test_a_model_that_caches_keys_and_values_is_not_checkpointed_selectively():
     assert table["reason"][1] == ("caching-mlp: config.use_cache is True, so each layer appends to a key/value cache "
                                   "as it runs and a recomputation runs other operators than the forward, which "
                                   "selective checkpointing refuses; set use_cache=False")
+
+
+def test_a_forward_that_does_not_replay_keeps_the_estimate_that_counts_kept_outputs_again(workload, profile,
+                                                                                            monkeypatch):
+    """Where the recomputation cannot be replayed on fake tensors, the profile has no replay and the selective
+    estimate counts the kept outputs as made again: at or above the replayed one, never under."""
+    from autofit.profiling import trace
+    from autofit.profiling.precision import profile_precision
+
+    config = TrainConfig("fp32", 2, 1, 1, checkpoint_policy="selective")
+    replayed = profile_precision(workload, config.precision, split_ends=False)
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("operators differ on a second run")
+
+    monkeypatch.setattr(trace, "replay_forward", fails)
+    plain = profile_precision(workload, config.precision, split_ends=False)
+    assert all(layer.selective_recompute is None for layer in plain.layers)
+    assert all(layer.selective_recompute is not None for layer in replayed.layers)
+    import dataclasses
+
+    def peak(pp):
+        return estimate(dataclasses.replace(profile, precisions={**profile.precisions, "fp32": pp}), config).peak_bytes
+    assert peak(plain) >= peak(replayed)
