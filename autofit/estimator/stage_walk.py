@@ -184,7 +184,8 @@ class _StageWalk(_Walk):
             self.live = _add(self.live, layers[e - 1].output, -1.0)
         kept_after_stop = self._kept(e - 1, e)
         for i in range(s, e):  # recompute the segment's forward, saving its activations
-            replay = self.selective and layers[i].selective_recompute is not None
+            replay = (self.selective and layers[i].selective_recompute is not None
+                      and layers[i].selective_recompute_prefix is not None)
             if replay:
                 # The policy hands its kept outputs back rather than making them again, and one that
                 # nothing saves then dies: the profile's replay of the recomputation (peaks and delta) has
@@ -194,7 +195,8 @@ class _StageWalk(_Walk):
                     region = layers[i].selective_recompute
                     self.region(region.peaks, region.delta, "backward")
                 else:
-                    handed_back = _add(layers[i].recompute.delta, layers[i].selective_recompute_prefix.delta, -1.0)
+                    handed_back = _add(layers[i].recomputed(last=True).delta,
+                                       layers[i].selective_recompute_prefix.delta, -1.0)
                     self.region(layers[i].selective_recompute_prefix.peaks,
                                 _add(layers[i].forward.delta, handed_back, -1.0), "backward")
                     kept_after_stop = _add(kept_after_stop, handed_back, -1.0)

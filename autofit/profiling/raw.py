@@ -50,8 +50,8 @@ class RawLayer:
     # its forward as a selective segment's recomputation runs it (kept outputs handed back, not made):
     # whole, and up to the last tensor it saves
     # (None where the forward does not replay: the estimate then counts the kept outputs as made again)
-    selective_recompute: RawRegion | None
-    selective_recompute_prefix: RawRegion | None
+    selective_recompute: RawRegion | None = None
+    selective_recompute_prefix: RawRegion | None = None
     # what its checkpointed forward left alive beyond its output once the model's forward returned
     # (a key/value cache the model returns), net of what it replaced there
     retained: int = 0
