@@ -224,7 +224,7 @@ def safety(rows: list[AccuracyRow], budget_bytes: int) -> tuple[list[AccuracyRow
     return fits, prunes
 
 
-def _verdict(stats, median_target: float) -> str:
+def target_verdict(stats, median_target: float) -> str:
     """PASS when some configs were measured, their median |error| is within ``median_target`` and the largest within TARGET_MAX."""
     return "PASS" if stats.n and stats.median <= median_target and stats.max <= TARGET_MAX else "FAIL"
 
@@ -272,21 +272,21 @@ def _target_sections(res: AccuracyResults, main: tuple[str, ...]) -> list[str]:
                    f"largest {pct(main_stats.max, 2)}.\n\nAnchors: {ANCHORS}")
     fsdp = ErrorStats.of(r.error_rel for r in res.rows if r.workload in main and r.config.split_mode is SplitMode.FSDP)
     if fsdp.n:
-        fsdp_verdict = _verdict(fsdp, TARGET_MEDIAN)
+        fsdp_verdict = target_verdict(fsdp, TARGET_MEDIAN)
         out.append(f"**Target, FSDP ranks** (FSDP ranks, split_mode=fsdp, on {' and '.join(main)}: median |error| ≤ "
                    f"{pct(TARGET_MEDIAN, 0)}, largest ≤ {pct(TARGET_MAX, 0)} against the largest rank's measured peak; "
                    f"{fsdp.n} configs): **{fsdp_verdict}** — median {pct(fsdp.median, 2)}, largest {pct(fsdp.max, 2)}.")
     hf = tuple(w for w in HF_WORKLOADS if any(r.workload == w and not r.lean for r in res.rows))
     if hf:
         hs = res.stats(hf)
-        hf_verdict = _verdict(hs, HF_TARGET_MEDIAN)
+        hf_verdict = target_verdict(hs, HF_TARGET_MEDIAN)
         out.append(f"**Target, Hugging Face models** (Hugging Face models: median |error| ≤ {pct(HF_TARGET_MEDIAN, 0)}, largest ≤ "
                    f"{pct(TARGET_MAX, 0)}, {hs.n} measured configs of {len(hf)} families): **{hf_verdict}** — median "
                    f"{pct(hs.median, 2)}, largest {pct(hs.max, 2)}.")
     builtins = tuple(w for w in MAIN_WORKLOADS + EXTRA_WORKLOADS if any(r.workload == w and not r.lean for r in res.rows))
     if set(builtins) - set(main):
         bs = res.stats(builtins)
-        b_verdict = _verdict(bs, ALL_BUILTINS_TARGET_MEDIAN)
+        b_verdict = target_verdict(bs, ALL_BUILTINS_TARGET_MEDIAN)
         out.append(f"**Target, every built-in** (every built-in, lstm-lm included: median |error| ≤ "
                    f"{pct(ALL_BUILTINS_TARGET_MEDIAN, 0)}, largest ≤ {pct(TARGET_MAX, 0)}, {bs.n} measured configs): "
                    f"**{b_verdict}** — median {pct(bs.median, 2)}, largest {pct(bs.max, 2)}. The independent ground "
@@ -294,7 +294,7 @@ def _target_sections(res: AccuracyResults, main: tuple[str, ...]) -> list[str]:
     user = tuple(w for w in USER_WORKLOADS if any(r.workload == w and not r.lean for r in res.rows))
     if user:
         us = res.stats(user)
-        user_verdict = _verdict(us, HF_TARGET_MEDIAN)
+        user_verdict = target_verdict(us, HF_TARGET_MEDIAN)
         out.append(f"**Target, user models** (models written in a user's file, `autofit/bench/user_models/`: median |error| "
                    f"≤ {pct(HF_TARGET_MEDIAN, 0)}, largest ≤ {pct(TARGET_MAX, 0)}, {us.n} measured configs of "
                    f"{len(user)} models, device split included): **{user_verdict}** — median {pct(us.median, 2)}, "
@@ -341,7 +341,7 @@ def _lean_target(res: AccuracyResults) -> str | None:
             f"together, split 2 included, on {', '.join(f'`{w}`' for w in workloads)}: median |error| ≤ "
             f"{pct(TARGET_MEDIAN, 0)}, largest ≤ {pct(TARGET_MAX, 0)} against the ground truth, the allocator's peak "
             f"(the tracker's for device splits); {len(rows)} configs, {ground.n} measured): "
-            f"**{_verdict(ground, TARGET_MEDIAN)}** — median {pct(ground.median, 2)}, largest {pct(ground.max, 2)} "
+            f"**{target_verdict(ground, TARGET_MEDIAN)}** — median {pct(ground.median, 2)}, largest {pct(ground.max, 2)} "
             f"({ground.under} under). Against the tracker alone: median {pct(tracker.median, 2)}, largest "
             f"{pct(tracker.max, 2)} ({tracker.under} under).")
     eight_bit = [r for r in blind if r.config.optimizer is OptimizerChoice.ADAMW8BIT
@@ -387,7 +387,7 @@ def _summary_section(res: AccuracyResults, main: tuple[str, ...]) -> str:
         if not members:
             continue
         not_ok = sum(r.status is not TrialStatus.OK for r in members)
-        target = _verdict(s, TARGET_MEDIAN) if lean_rows or set(g) <= set(MAIN_WORKLOADS + EXTRA_WORKLOADS) \
+        target = target_verdict(s, TARGET_MEDIAN) if lean_rows or set(g) <= set(MAIN_WORKLOADS + EXTRA_WORKLOADS) \
             else "reported (not a target)"
         rows.append([" + ".join(g) + (" (lean levers, against the allocator)" if lean_rows else ""), len(members), s.n, not_ok,
                      pct(s.median, 2), pct(s.p95, 2), pct(s.max, 2), signed_pct(s.mean_signed), f"{s.under}/{s.n}",
@@ -494,5 +494,6 @@ __all__ = [
     "lean_stats",
     "run_accuracy",
     "safety",
+    "target_verdict",
     "write_accuracy",
 ]
