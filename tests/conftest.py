@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
@@ -15,6 +16,11 @@ TESTS_DIR = Path(__file__).resolve().parent
 # tests could not interrupt anything. Take Ctrl-C back, as an interactive run has it; the
 # processes the tests start inherit it.
 signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def pytest_xdist_auto_num_workers(config):
+    # One worker per core, at most four: the tests' trials start threads and processes of their own.
+    return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -53,12 +59,17 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def _session_dir(tmp_path_factory, variable: str, name: str):
+def _session_dir(tmp_path_factory, variable: str, name: str, shared: bool = False):
     """A fresh directory in ``variable`` for the test session (child processes inherit it), the
-    variable as it was restored afterwards. (A session fixture cannot use ``monkeypatch``.)"""
-    import os
+    variable as it was restored afterwards. (A session fixture cannot use ``monkeypatch``.)
+    ``shared``: under pytest-xdist, one directory for all the session's workers (a cache autofit
+    already shares between concurrent searches), so each workload is profiled once, not per worker."""
 
-    path = tmp_path_factory.mktemp(name)
+    if shared and os.environ.get("PYTEST_XDIST_WORKER"):
+        path = tmp_path_factory.getbasetemp().parent / name  # the workers' common base
+        path.mkdir(exist_ok=True)
+    else:
+        path = tmp_path_factory.mktemp(name)
     previous = os.environ.get(variable)
     os.environ[variable] = str(path)
     yield path
@@ -72,7 +83,7 @@ def _session_dir(tmp_path_factory, variable: str, name: str):
 def profile_cache(tmp_path_factory):
     """One fresh profile cache per test session (child processes inherit it): tests never
     read a developer's ~/.cache, and a workload is profiled once per session."""
-    yield from _session_dir(tmp_path_factory, "AUTOFIT_CACHE_DIR", "autofit-cache")
+    yield from _session_dir(tmp_path_factory, "AUTOFIT_CACHE_DIR", "autofit-cache", shared=True)
 
 
 @pytest.fixture(scope="session", autouse=True)

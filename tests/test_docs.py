@@ -13,6 +13,7 @@ README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 SHIPPED = [README, *DOCS, *sorted((ROOT / "autofit").rglob("*.py")), *sorted((ROOT / "autofit").rglob("*.toml"))]
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+CITED_SECTION = re.compile(r"docs/([\w-]+\.md)#([\w-]+)")  # "docs/facts.md#adam-state", in code and docs
 
 
 def test_readme_is_at_most_250_lines_and_links_every_docs_page():
@@ -33,3 +34,22 @@ def test_no_shipped_text_cites_a_file_users_lack_or_an_issue_number():
                  for n, line in enumerate(path.read_text().splitlines(), 1)
                  if "FACTS.md" in line or re.search(r"\bissues? #?\d+", line, re.IGNORECASE)]
     assert not offending, offending
+
+
+def _anchors(page: Path) -> set[str]:
+    """The anchors a page's headings get on GitHub: lower case, punctuation dropped, spaces to hyphens."""
+    headings = re.findall(r"^#+\s+(.+?)\s*$", page.read_text(), re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+
+
+def test_every_cited_docs_section_exists():
+    anchors = {page.name: _anchors(page) for page in DOCS}
+    cited = [(path, page, anchor) for path in [*SHIPPED, *sorted((ROOT / "scripts").glob("*.py"))]
+             for page, anchor in CITED_SECTION.findall(path.read_text())]
+    assert len(cited) > 20  # the code cites its facts
+    # and the docs' links between their pages: "](estimate.md#offload)", "](#adam-state)"
+    cited += [(page, target or page.name, anchor) for page in DOCS
+              for target, anchor in re.findall(r"\]\(([\w-]+\.md)?#([\w-]+)\)", page.read_text())]
+    missing = [f"{path.relative_to(ROOT)}: docs/{page}#{anchor}" for path, page, anchor in cited
+               if anchor not in anchors.get(page, ())]
+    assert not missing, missing

@@ -16,10 +16,11 @@ def add_parser(subparsers) -> None:
         description="Run benchmark suites on this machine and write Markdown + CSV tables (machine, device, "
                     "versions and date on top). accuracy: predicted vs measured peak memory; search: autofit's "
                     "search against Optuna TPE, HF Accelerate, Lightning and DeepSpeed's method on exhaustively "
-                    "measured grids; cost: estimator, profiler, trial runner and tracker costs.",
+                    "measured grids; cost: estimator, profiler, trial runner and tracker costs; steady: the README's "
+                    "searches run three times and beside a busy core, their answers measured quietly.",
         epilog="On a 2-core CPU: all suites take about 30 minutes, --quick about 5.",
     )
-    p.add_argument("--suite", choices=("accuracy", "search", "cost", "all"), default="all",
+    p.add_argument("--suite", choices=("accuracy", "search", "cost", "steady", "all"), default="all",
                    help="which suite to run (default: all)")
     p.add_argument("--quick", action="store_true", help="a reduced version of each suite (minutes, not half an hour)")
     p.add_argument("--out", type=Path,
@@ -31,8 +32,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--lean", action="store_true",
                    help="just the lean space's levers (adafactor, adamw8bit, selective checkpointing): the accuracy "
                         "suite measures only the configs that use them, the search suite runs only its lean cell; "
-                        "with --suite all, those two (the cost suite has no lean part) and no summary.md; "
-                        "not with --suite cost (default folder results/benchmarks/lean)")
+                        "with --suite all, those two (the cost and steady suites have no lean part) and no summary.md; "
+                        "not with --suite cost or steady (default folder results/benchmarks/lean)")
     p.set_defaults(run=run)
 
 
@@ -66,9 +67,9 @@ def _workload_parts(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def _check_lean(args: argparse.Namespace) -> None:
-    if args.lean and args.suite == "cost":
-        raise ConfigError("--lean selects the accuracy and search suites' lean parts; the cost suite has none: "
-                          "use it with --suite accuracy, search or all")
+    if args.lean and args.suite in ("cost", "steady"):
+        raise ConfigError(f"--lean selects the accuracy and search suites' lean parts; the {args.suite} suite has "
+                          "none: use it with --suite accuracy, search or all")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,8 +82,9 @@ def run(args: argparse.Namespace) -> int:
     from autofit.bench.readme import update_readme
     from autofit.bench.summary import headline, write_summary
 
-    # all with --lean: the suites that have a lean part; the cost suite has none
-    suites = tuple(s for s in SUITES if not args.lean or s != "cost") if args.suite == "all" else (args.suite,)
+    # all with --lean: the suites that have a lean part
+    suites = tuple(s for s in SUITES if not args.lean or s in ("accuracy", "search")) if args.suite == "all" \
+        else (args.suite,)
     # A run of some workloads never overwrites the committed tables of all of them.
     out = args.out or (DEFAULT_OUT / "selected" if workloads else DEFAULT_OUT / "lean" if args.lean
                        else DEFAULT_OUT / "quick" if args.quick else DEFAULT_OUT)

@@ -163,10 +163,11 @@ def test_autofit_answers_the_lean_config_where_the_finders_find_nothing():
         assert run_strategy(finder, grid, budget, 0, ReplayOracle(grid, budget), BenchMode.REPLAY).fraction == 0.0
 
 
-def test_lean_is_refused_with_the_cost_suite_in_one_line(capsys, tmp_path):
+@pytest.mark.parametrize("suite", ["cost", "steady"])
+def test_lean_is_refused_with_a_suite_that_has_no_lean_part_in_one_line(capsys, tmp_path, suite):
     from autofit.cli import main
 
-    assert main(["bench", "--suite", "cost", "--lean", "--out", str(tmp_path / "b")]) == 2
+    assert main(["bench", "--suite", suite, "--lean", "--out", str(tmp_path / "b")]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("autofit: error: ") and "--lean" in lines[0]
     assert not (tmp_path / "b").exists()

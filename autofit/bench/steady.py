@@ -1,0 +1,160 @@
+"""The steadiness suite: does the answer depend on when the search ran, or on what else the machine does?
+
+- **repeats**: the README's commands on the built-in ``gpt-tiny`` (``autofit search --budget 8GB``, and
+  ``--budget 200MB``, where the budget binds on a CPU), each run :data:`REPEATS` times, one after another;
+- **busy core**: the 200 MB search again beside a busy loop holding one core (what a browser tab, a build
+  or a data loader does to a user's machine).
+
+Then every distinct answer is measured quietly, :data:`QUIET_SAMPLES` trials each, the answers'
+trials interleaved so that drift in the machine's speed falls on all of them alike, and each answer is
+scored by its best trial (load only slows a step). A check passes when every answer reaches
+:data:`TARGET_SHARE` of the fastest answer's quiet throughput: the same answer, or one as good.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from autofit.bench.common import Report, markdown_table, pct, write_csv
+from autofit.report.tables import RAN
+
+MODEL = "gpt-tiny"
+BUDGETS = ("8GB", "200MB")   # the README's first command, and its CPU demo where the budget binds
+BUSY_BUDGET = "200MB"
+REPEATS = 3
+QUIET_SAMPLES = 3
+TARGET_SHARE = 0.95
+COLUMNS = ["check", "budget", "run", "answer", "search_samples_per_s", "quiet_samples_per_s", "share_of_best",
+           "wall_s", "real_trials", "starved_steps", "max_wait_share"]
+
+
+@dataclass
+class SteadyResults:
+    """One row per search run (:data:`COLUMNS`) and the suite's wall time."""
+
+    rows: list[dict]
+    wall_s: float
+    files: list[Path] = field(default_factory=list)
+
+    def verdicts(self) -> list[tuple[str, float, bool]]:
+        """Per check and budget: (where, the slowest answer's share of the fastest, passed)."""
+        out = []
+        for check, budget in dict.fromkeys((r["check"], r["budget"]) for r in self.rows):
+            rows = [r for r in self.rows if (r["check"], r["budget"]) == (check, budget)
+                    or (check == "busy core" and (r["check"], r["budget"]) == ("repeats", budget))]
+            shares = [r["share_of_best"] for r in rows if r["share_of_best"] is not None]
+            worst = min(shares) if shares else float("nan")
+            out.append((f"{check}, {budget}", worst, bool(shares) and worst >= TARGET_SHARE))
+        return out
+
+
+def _spin(stop) -> None:
+    while not stop.is_set():
+        pass
+
+
+class BusyCore:
+    """A busy loop on one core while the block runs (a separate process: it holds a core, not the GIL)."""
+
+    def __enter__(self) -> BusyCore:
+        self._stop = multiprocessing.get_context("spawn").Event()
+        self._hog = multiprocessing.get_context("spawn").Process(target=_spin, args=(self._stop,), daemon=True)
+        self._hog.start()
+        time.sleep(0.5)  # the interpreter started and spinning before the search does
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._hog.join(10)
+        if self._hog.is_alive():
+            self._hog.kill()
+
+
+def _search_row(check: str, budget: str, run: int, out: Path) -> dict:
+    import autofit
+
+    started = time.perf_counter()
+    res = autofit.search(MODEL, budget, out=out, device="cpu", progress=False)
+    table = res.table
+    real = table[table["status"].isin(RAN)]
+    waits = real["max_wait_share"].dropna()
+    return {"check": check, "budget": budget, "run": run, "answer": res.best.short() if res.best else None,
+            "config": res.best, "search_samples_per_s": (res.best_measured or {}).get("samples_per_s"),
+            "quiet_samples_per_s": None, "share_of_best": None, "wall_s": time.perf_counter() - started,
+            "real_trials": len(real), "starved_steps": int(real["starved_steps"].fillna(0).sum()),
+            "max_wait_share": float(waits.max()) if len(waits) else None}
+
+
+def _measure_quietly(configs: list, samples: int, progress) -> dict:
+    """Each config's best throughput over ``samples`` trials, the configs' trials interleaved."""
+    from autofit.trial.run import run_trial
+
+    best: dict = {}
+    for i in range(samples):
+        for config in configs:
+            r = run_trial(MODEL, config, device="cpu", warmup_steps=2, measure_steps=3, timeout_s=300)
+            best[config] = max(best.get(config) or 0.0, r.samples_per_s or 0.0)
+            progress(f"steady: quiet sample {i + 1}/{samples} of {config.short()}: "
+                     f"{r.samples_per_s or 0:.1f} samples/s ({r.status.value})")
+    return best
+
+
+def run_steady(out_dir: Path, env: dict, *, quick: bool = False,
+               progress: Callable[[str], None] = lambda _m: None) -> SteadyResults:
+    """Run the searches, measure their answers quietly, and write ``steady.md`` and ``steady.csv``."""
+    started = time.perf_counter()
+    repeats = 2 if quick else REPEATS
+    budgets = (BUSY_BUDGET,) if quick else BUDGETS
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="autofit-steady-") as tmp:
+        for budget in budgets:
+            for run in range(1, repeats + 1):
+                progress(f"steady: autofit search --budget {budget}, run {run} of {repeats}...")
+                rows.append(_search_row("repeats", budget, run, Path(tmp) / f"{budget}-{run}"))
+        progress(f"steady: autofit search --budget {BUSY_BUDGET} beside a busy core...")
+        with BusyCore():
+            rows.append(_search_row("busy core", BUSY_BUDGET, 1, Path(tmp) / "busy"))
+    for budget in budgets:
+        mine = [r for r in rows if r["budget"] == budget and r["config"] is not None]
+        quiet = _measure_quietly(list(dict.fromkeys(r["config"] for r in mine)), 2 if quick else QUIET_SAMPLES,
+                                 progress)
+        fastest = max(quiet.values(), default=0.0)
+        for r in mine:
+            r["quiet_samples_per_s"] = quiet[r["config"]]
+            r["share_of_best"] = quiet[r["config"]] / fastest if fastest else None
+    res = SteadyResults(rows, time.perf_counter() - started)
+    res.files = write_steady(out_dir, env, res, repeats)
+    return res
+
+
+def write_steady(out_dir: Path, env: dict, res: SteadyResults, repeats: int) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = [write_csv(out_dir / "steady.csv", res.rows, COLUMNS)]
+    rep = Report("Steadiness: the same answer, run after run and beside a busy core", env)
+    rep.add(f"Suite wall time: {res.wall_s / 60:.1f} min. `autofit search` on `{MODEL}` with the default space, "
+            f"{repeats} times per budget, then once at {BUSY_BUDGET} beside a busy loop holding one core. Every "
+            f"distinct answer was then measured quietly ({QUIET_SAMPLES} trials each, interleaved, best trial "
+            f"kept); *share of best* is an answer's quiet throughput over the fastest answer's. Target: every "
+            f"answer at least {TARGET_SHARE:.0%} (the same answer, or one as fast within the noise).")
+    rows = [[r["check"], r["budget"], r["run"], f"`{r['answer']}`" if r["answer"] else "none",
+             f"{r['search_samples_per_s']:.1f}" if r["search_samples_per_s"] else "-",
+             f"{r['quiet_samples_per_s']:.1f}" if r["quiet_samples_per_s"] else "-", pct(r["share_of_best"], 1),
+             f"{r['wall_s']:.0f}", r["real_trials"], r["starved_steps"],
+             pct(r["max_wait_share"], 0)] for r in res.rows]
+    rep.add(markdown_table(["check", "budget", "run", "answer", "in the search (samples/s)", "quiet (samples/s)",
+                            "share of best", "wall (s)", "real trials", "starved steps", "longest CPU wait"],
+                           rows, "llrlrrrrrrr"))
+    rep.add("*starved steps*: timed steps whose threads waited for a CPU longer than 5% of the step, taken again "
+            "(docs/search.md); *longest CPU wait*: the largest such wait of a trial, as a share of its step.")
+    rep.add("\n".join(f"- {where}: the slowest answer measures {pct(share, 1)} of the fastest quietly — "
+                      f"{'PASS' if ok else 'FAIL'} (target ≥ {TARGET_SHARE:.0%})" for where, share, ok in res.verdicts()))
+    files.append(rep.write(out_dir / "steady.md"))
+    return files
+
+
+__all__ = ["BUDGETS", "BusyCore", "SteadyResults", "run_steady", "write_steady"]

@@ -1,0 +1,67 @@
+"""The steadiness suite: its verdict per check, its tables, and its plumbing from searches to quiet measurements."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from autofit.bench import steady
+from autofit.core.config import TrainConfig
+
+FAST, SLOW = TrainConfig("bf16", 16, 4), TrainConfig("bf16", 8, 8)
+
+
+def _row(check, budget, run, config, share):
+    return {"check": check, "budget": budget, "run": run, "answer": config.short(), "config": config,
+            "search_samples_per_s": 90.0, "quiet_samples_per_s": None if share is None else 100 * share,
+            "share_of_best": share, "wall_s": 30.0,
+            "real_trials": 4, "starved_steps": 0, "max_wait_share": 0.01}
+
+
+def test_a_check_passes_when_every_answer_is_within_five_percent_of_the_fastest():
+    res = steady.SteadyResults([_row("repeats", "200MB", 1, FAST, 1.0), _row("repeats", "200MB", 2, SLOW, 0.96),
+                                _row("repeats", "8GB", 1, FAST, 1.0), _row("repeats", "8GB", 2, SLOW, 0.90),
+                                _row("busy core", "200MB", 1, SLOW, 0.96)], 60.0)
+    assert res.verdicts() == [("repeats, 200MB", 0.96, True), ("repeats, 8GB", 0.90, False),
+                              ("busy core, 200MB", 0.96, True)]
+    # the busy-core answer is judged against the quiet runs' answers too: a slow one fails it
+    res.rows[-1]["share_of_best"] = 0.80
+    assert res.verdicts()[-1] == ("busy core, 200MB", 0.80, False)
+
+
+def test_the_tables_say_each_run_and_the_verdicts(tmp_path):
+    res = steady.SteadyResults([_row("repeats", "200MB", 1, FAST, 1.0), _row("busy core", "200MB", 1, SLOW, 0.9)], 60.0)
+    files = steady.write_steady(tmp_path, {"date": "today"}, res, repeats=1)
+    table = pd.read_csv(tmp_path / "steady.csv")
+    assert list(table.columns) == steady.COLUMNS and len(table) == 2
+    text = (tmp_path / "steady.md").read_text()
+    assert "`bf16 mb=8 ga=8" in text and "busy core, 200MB: the slowest answer measures 90.0% of the fastest" in text
+    assert "FAIL" in text and {p.name for p in files} == {"steady.csv", "steady.md"}
+
+
+def test_each_distinct_answer_is_measured_quietly_and_scored_against_the_fastest(tmp_path, monkeypatch):
+    answers = iter([FAST, SLOW, FAST])
+    monkeypatch.setattr(steady, "_search_row", lambda check, budget, run, out: _row(check, budget, run, next(answers), None))
+    measured = []
+
+    def quietly(configs, samples, progress):
+        measured.append(configs)
+        return {FAST: 100.0, SLOW: 97.0}
+
+    monkeypatch.setattr(steady, "_measure_quietly", quietly)
+    res = steady.run_steady(tmp_path, {}, quick=True)
+    assert measured == [[FAST, SLOW]]  # each answer once, in the order found
+    assert [(r["check"], r["share_of_best"]) for r in res.rows] == [("repeats", 1.0), ("repeats", 0.97),
+                                                                   ("busy core", 1.0)]
+    assert all(ok for _, _, ok in res.verdicts())
+
+
+@pytest.mark.slow
+def test_a_busy_core_is_a_separate_process_that_stops():
+    import time
+
+    with steady.BusyCore() as busy:
+        hog = busy._hog
+        assert hog.is_alive()
+        time.sleep(0.2)
+    assert not hog.is_alive()

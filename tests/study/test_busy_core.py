@@ -1,0 +1,33 @@
+"""A search beside a busy core answers as a quiet one does, and its table shows what the trials got.
+
+The space holds two configs that differ by several times in quiet throughput (one sample at a time
+against sixteen), so only a measurement that load distorts by as much could swap them: the failure
+seen with OpenMP's spin-waiting, where a loaded trial read a tenth of its quiet figure at random."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import autofit
+from autofit.bench.steady import BusyCore
+
+SPACE = {"precision": ["fp32"], "micro_batch": [1, 16], "global_batch": 16, "checkpoint_every": [0],
+         "device_split": [1]}
+
+
+def _search(out):
+    return autofit.search("gpt-tiny", "1GB", space=SPACE, out=out, device="cpu", progress=False)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs Linux's per-thread schedstat")
+def test_a_search_beside_a_busy_core_gives_the_quiet_answer_and_records_the_wait(tmp_path):
+    quiet = _search(tmp_path / "quiet")
+    with BusyCore():
+        loaded = _search(tmp_path / "loaded")
+    assert quiet.best is not None and loaded.best == quiet.best, (quiet.table, loaded.table)
+    ran = loaded.table[loaded.table["status"] == "ok"]
+    assert len(ran) >= 2 and ran["max_wait_share"].notna().all(), ran  # each trial says what it waited for a CPU
+
