@@ -73,6 +73,12 @@ def headline(results) -> list[str]:
         if slow:
             lines.append(f"Memory tracker: {min(slow):.1f}–{max(slow):.1f}x slower training steps (timed steps run "
                          "without it).")
+    steady = results.suites.get("steady")
+    if steady is not None:
+        for v in steady.verdicts():
+            lines.append(f"Steadiness, {v.where}: {len(v.answers)} distinct answer(s) ({', '.join(v.answers)}); the "
+                         f"slowest measures {pct(v.worst_share, 1)} of the fastest quietly — "
+                         f"{'PASS' if v.passed else 'FAIL'} against ≥ 95%.")
     for name, wall in results.wall_s.items():
         lines.append(f"Suite {name}: {wall / 60:.1f} min.")
     return lines

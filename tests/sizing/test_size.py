@@ -11,6 +11,7 @@ import pytest
 from autofit.cli import main
 from autofit.core.config import Precision, TrainConfig
 from autofit.core.space import load_space
+from autofit.estimator.memory_model import needs_split_ends
 from autofit.estimator.memory_table import estimate_table
 from autofit.estimator.time_model import op_counts, predict_table
 from autofit.probes.device_rates import probe_rates
@@ -103,7 +104,8 @@ def test_answer_is_maximal_by_direct_estimate(tiny_result):
     family = load_family("gpt-tiny")
 
     def fits_any(spec: str) -> bool:
-        table = estimate_table(profile_workload(load_workload(spec), PRECISIONS), space, tiny_result.budget_bytes)
+        profile = profile_workload(load_workload(spec), PRECISIONS, split_ends=needs_split_ends(space))
+        table = estimate_table(profile, space, tiny_result.budget_bytes)
         return bool((table["valid"] & table["fits"].astype(bool)).any())
 
     assert fits_any(top["spec"])
