@@ -17,7 +17,7 @@ from pathlib import Path
 
 START = "<!-- bench:start -->"
 END = "<!-- bench:end -->"
-SUITE_FILES = ("accuracy", "search", "cost")
+SUITE_FILES = ("accuracy", "search", "cost", "steady")
 DOCS_PAGE = "docs/benchmarks.md"
 MAX_LINES = 10  # lines between the markers: the link line, a blank line, the bullets
 # Summary bullets kept verbatim, in this order (the first bullet starting with each).
