@@ -86,9 +86,10 @@ class BusyCore:
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._hog.join(10)
+        self._hog.join(10)  # a loaded machine may still be starting its interpreter
         if self._hog.is_alive():
             self._hog.kill()
+            self._hog.join()  # reaped: gone when the block ends
 
 
 def _search_row(check: str, budget: str, run: int, out: Path) -> dict:

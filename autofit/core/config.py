@@ -194,6 +194,16 @@ class TrainConfig:
         return self.optimizer is not OptimizerChoice.AS_GIVEN
 
     @property
+    def build(self) -> tuple | None:
+        """What building this config's model and optimizer depends on: precision, checkpointing, optimizer
+        and offload. Configs with the same build differ only in batch shape and accumulation, so one
+        process can time them all on one model (:mod:`autofit.trial.head_to_head`). None for a device
+        split, whose stages are processes of their own."""
+        if self.device_split != 1:
+            return None
+        return (self.precision, self.checkpoint_every, self.checkpoint_policy, self.optimizer, self.offload)
+
+    @property
     def data_parallel(self) -> int:
         """Ranks that each run ``micro_batch`` samples per micro-step: ``device_split`` under fsdp, else 1."""
         return self.device_split if self.split_mode is SplitMode.FSDP else 1

@@ -157,12 +157,32 @@ def median_value(samples: Sequence[TrialRecord]) -> float:
     return float(statistics.median(r.value for r in samples))
 
 
+def head_to_head_of(record: TrialRecord) -> int | None:
+    """The head-to-head a re-measurement was timed in (its first trial's number), or None: a trial of
+    its own (:mod:`autofit.trial.head_to_head`)."""
+    value = record.measurement.get("head_to_head")
+    return None if value is None else int(value)
+
+
+def ranked_samples(samples: Sequence[TrialRecord]) -> list[TrialRecord]:
+    """The samples of a config that rank it: those of the latest head-to-head it was timed in, else all.
+
+    Timed beside the other leaders in one process, a head-to-head sample saw the machine as they
+    did; a sample of a trial of its own saw the machine at its own moment, whose speed drifts by
+    more than close leaders differ (docs/facts.md#throughput-noise)."""
+    rounds = [h for h in map(head_to_head_of, samples) if h is not None]
+    if not rounds:
+        return list(samples)
+    return [r for r in samples if head_to_head_of(r) == max(rounds)]
+
+
 def best_sample(samples: Sequence[TrialRecord]) -> TrialRecord:
-    """The sample of a config with the highest objective (the lowest trial number among equals).
+    """The sample of a config with the highest objective among its :func:`ranked_samples` (the lowest
+    trial number among equals).
 
     Another process on the machine only ever slows a trial down, so a config's fastest sample is
     the one its load inflated least: the figure it is ranked and reported by."""
-    return max(samples, key=lambda r: (r.value, -r.number))
+    return max(ranked_samples(samples), key=lambda r: (r.value, -r.number))
 
 
 def best_of(records: Sequence[TrialRecord]) -> TrialRecord | None:

@@ -44,6 +44,7 @@ from autofit.core.records import (
     best_of,
     best_sample,
     config_samples,
+    head_to_head_of,
     median_value,
     trial_numbers,
 )
@@ -64,7 +65,7 @@ OPTIMIZER_CLASSES = {OptimizerChoice.ADAFACTOR: "torch.optim.Adafactor",
 WAITED_S = 0.5             # a device lock taken within this is not a wait worth a line
 RAN = tuple(s.value for s in TrialStatus if s.ran)  # real trials that finished
 COLUMNS = (
-    "trial", "number", "status", "sample", "reason_kind", "reason", *FIELDS,
+    "trial", "number", "status", "sample", "head_to_head", "reason_kind", "reason", *FIELDS,
     "predicted_peak_bytes", "calibrated_peak_bytes", "measured_peak_bytes", "peak_error",
     "predicted_step_time_s", "step_time_s", "step_time_error", "prior_step_time_error",
     "predicted_samples_per_s", "samples_per_s", "objective", "basis", "tokens_per_s",
@@ -108,6 +109,7 @@ def trials_table(study: StudySnapshot) -> pd.DataFrame:
         predicted, measured, errors = r.prediction, r.measurement, r.errors
         rows.append({
             "trial": shown.get(r.number), "number": r.number, "status": r.status.value, "sample": r.sample,
+            "head_to_head": shown.get(head_to_head_of(r)),  # timed beside other leaders: its first trial
             "reason_kind": None if r.prune_reason is None else r.prune_reason.value, "reason": r.reason,
             **r.config.to_dict(),
             "predicted_peak_bytes": predicted.get("peak_bytes"),
@@ -134,7 +136,7 @@ def trials_table(study: StudySnapshot) -> pd.DataFrame:
             "started": _when(r.started), "finished": _when(r.finished),
         })
     table = pd.DataFrame(rows, columns=list(COLUMNS))
-    for name in ("trial", "predicted_peak_bytes", "calibrated_peak_bytes", "measured_peak_bytes"):
+    for name in ("trial", "head_to_head", "predicted_peak_bytes", "calibrated_peak_bytes", "measured_peak_bytes"):
         table[name] = table[name].astype("Int64")
     return table
 

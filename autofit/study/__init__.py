@@ -32,13 +32,13 @@ One planning step (every worker, before every trial, from what the storage holds
    row did not improve the best by ``min_improvement``, the best remaining candidate is
    predicted below BOUND of the best measured (not while a kind no trial vouches for is left and
    the error across kinds is unmeasured), or no candidate is left; but first (unless the
-   time is up) **re-measure the top**: one throughput sample is noisy (on a shared CPU two
-   samples of a config differ by 10% in the median, up to a third), so the config with the
-   highest median is run again up to REMEASURE_SAMPLES samples, and so is the runner-up (up to
-   REMEASURE_TOP configs) when its median, raised by the measured noise, reaches the best's
-   (the noise: the largest spread between two samples of one config so far, at least
-   NOISE_MIN, :func:`~autofit.study.planner.sample_noise`); the best is the config with the
-   highest median
+   time is up) **re-measure the leaders** (:mod:`autofit.study.leaders`): one throughput sample
+   is noisy, so the configs whose best sample, raised by the measured noise (the largest spread
+   between two samples of one config so far, at least NOISE_MIN,
+   :func:`~autofit.study.leaders.sample_noise`), reaches the best's are measured again, up to
+   REMEASURE_TOP of them. Leaders of one build are timed head to head in one process
+   (:mod:`autofit.trial.head_to_head`) and ranked by that head-to-head; any other leader gets
+   a second trial of its own; the best is the config with the highest best sample
    (:func:`autofit.core.records.best_of`). A re-measurement is a real trial of the same config with
    a higher ``sample`` number: it counts towards the trial limit (exploration leaves up to a
    quarter of the limit for them), not towards patience; one that fails or goes over the budget

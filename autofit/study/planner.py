@@ -37,6 +37,15 @@ from autofit.estimator.time_model import OpCounts, predict_table
 from autofit.probes.device_rates import DeviceRates
 from autofit.profiling.data import Profile
 from autofit.runtime.schedule import DEFAULT_SCHEDULE, MeasureSchedule
+from autofit.study.leaders import (  # noqa: F401 -- the re-measurement rules' names, as the planner's
+    HEAD_TO_HEAD_MAX,
+    NOISE_MIN,
+    REMEASURE_MAX,
+    REMEASURE_SAMPLES,
+    REMEASURE_TOP,
+    remeasurements,
+    sample_noise,
+)
 from autofit.study.settings import StudySettings
 
 # --- the rules' constants ---------------------------------------------------------------------
@@ -46,17 +55,6 @@ BOUND = 0.5                # stop: the best candidate is predicted below this fr
 MIN_TRIAL_TIMEOUT_S = 60.0
 TRIAL_TIMEOUT_FACTOR = 4.0  # a trial may take this many times its (calibrated) prediction
 TRIAL_STARTUP_S = 8.0      # interpreter start + imports of a trial child (and of each extra stage)
-# Before the best is crowned, the leaders are measured again: one throughput sample is noisy. On
-# the committed CPU grid (results/benchmarks/search_grid.csv, two samples of each of 120 configs)
-# two samples of one config differ by 9.5% in the median, 16% at the 75th percentile and 25% at the
-# 90th (docs/facts.md#throughput-noise), so a slow first sample of the true best can leave it third
-# or fourth among the leaders:
-REMEASURE_TOP = 4          # the configs with the highest best sample that may be re-measured...
-REMEASURE_SAMPLES = 2      # ...each brought to this many samples; the best is the highest best sample
-NOISE_MIN = 0.25           # a leader is re-measured if its best sample, raised by the noise, reaches the best's;
-#                            the noise: the largest spread between two samples of a config so far, at
-#                            least this (the grid's two-sample spread at its 90th percentile)
-REMEASURE_MAX = 2 * REMEASURE_TOP * (REMEASURE_SAMPLES - 1)  # re-measurements in a study at most
 TIME_MARGIN_MIN = 0.10     # the time model's error margin is never taken below two samples' median spread
 # For configs no trial vouches for (another precision or layout, or the other side of checkpointing),
 # the margin is the calibrated model's error measured on such configs (each kind's first trial, planned
@@ -100,6 +98,10 @@ class Step:
     calibration: Calibration
     sample: int = 1            # 1: the config's first trial; more: a re-measurement of a top config
     stop_reason: StopReason | None = None
+    # Timed head to head with ``run`` in one process (autofit.trial.head_to_head): each member's
+    # (config index, sample number) and prediction; empty for a trial of its own.
+    together: tuple[tuple[int, int], ...] = ()
+    together_predictions: tuple[dict, ...] = ()
 
 
 def _remeasured_text(records: Sequence[TrialRecord], reason: StopReason) -> str:
@@ -178,15 +180,6 @@ def cross_margin(records: Sequence[TrialRecord]) -> float | None:
 def _margin_name(m: float, within: float | None) -> str:
     return "the time model's measured error" if m == within else \
         "the time model's measured error across precisions, layouts and checkpointing"
-
-
-def sample_noise(by_config: dict) -> float:
-    """The measured sample-to-sample noise of throughput: the largest relative spread (max / min - 1)
-    between the samples of one config (``by_config``: :func:`autofit.core.records.config_samples`), at
-    least NOISE_MIN (before any config has two samples, it is NOISE_MIN)."""
-    spreads = [max(r.value for r in s) / min(r.value for r in s) - 1.0 for s in by_config.values()
-               if len(s) > 1 and min(r.value for r in s) > 0]
-    return max([NOISE_MIN] + spreads)
 
 
 class Planner:
@@ -320,8 +313,8 @@ class Planner:
         prunes = [Prune(i, reasons[i][0], reasons[i][1], self.prediction(i, calibration, float(ratio[i])))
                   for i in range(n) if reasons[i] is not None and not claimed[i] and not pruned_before[i]]
         candidates = [i for i in range(n) if reasons[i] is None and not claimed[i]]
-        remeasure = self._remeasure(records, by_config)
-        reserve = 0 if settings.trials is None else min(len(remeasure), settings.trials // REMEASURE_RESERVE)
+        remeasure = remeasurements(records, by_config, self.index)
+        reserve = 0 if settings.trials is None else min(sum(map(len, remeasure)), settings.trials // REMEASURE_RESERVE)
         # The bound rules out what is left on the prediction alone: not a kind no trial vouches for
         # before the model's error across kinds is measured (then _slow_precisions judges it).
         unmeasured = cross is None and any(self._keys[i] not in vouched for i in candidates)
@@ -332,32 +325,15 @@ class Planner:
         under_limit = settings.trials is None or len(finished) + running < settings.trials
         stop_reason, stop = stopped
         if remeasure and under_limit and stop_reason is not StopReason.TIMEOUT:
-            i, sample = remeasure[0]
-            return Step(prunes, i, self.prediction(i, calibration, float(ratio[i])), None, calibration, sample)
+            # within a trial limit, a head-to-head takes only the slots left (its leaders in rank order)
+            left = None if settings.trials is None else settings.trials - len(finished) - running
+            (i, sample), *rest = remeasure[0][:left]
+            together = tuple(rest)
+            return Step(prunes, i, self.prediction(i, calibration, float(ratio[i])), None, calibration, sample,
+                        together=together,
+                        together_predictions=tuple(self.prediction(j, calibration, float(ratio[j])) for j, _ in together))
         return Step(prunes, None, None, stop + _remeasured_text(records, stop_reason), calibration,
                     stop_reason=stop_reason)
-
-    def _remeasure(self, records: Sequence[TrialRecord], by_config: dict) -> list[tuple[int, int]]:
-        """The re-measurements still due before the best is crowned, as (config index, sample number):
-        only where the leaders' noise bands overlap. The leaders are the configs whose best sample,
-        raised by :func:`sample_noise`, reaches the best config's (up to REMEASURE_TOP of them); when
-        there are two or more, each is brought to REMEASURE_SAMPLES samples, so a slow first sample
-        of the true best gets its second chance. A leader alone is not measured again: nothing
-        within the noise could overtake it. Running ones count (another worker has them)."""
-        claimed = [r for r in records if r.claimed and r.config in self.index]
-        if sum(r.sample > 1 for r in claimed) >= REMEASURE_MAX or not by_config:
-            return []
-        ranked = sorted(by_config.items(), key=lambda kv: (-best_sample(kv[1]).value, kv[1][0].number))
-        best, noise = best_sample(ranked[0][1]).value, sample_noise(by_config)
-        leaders = [(c, done) for c, done in ranked[:REMEASURE_TOP] if best_sample(done).value * (1 + noise) >= best]
-        if len(leaders) < 2:
-            return []
-        due = []
-        for config, done in leaders:
-            mine = [r for r in claimed if r.config == config]
-            if len(done) + sum(r.status is TrialStatus.RUNNING for r in mine) < REMEASURE_SAMPLES:
-                due.append((self.index[config], 1 + max(r.sample for r in mine)))
-        return due
 
     def _reasons(self, peak, sps, ratio, fits, calibration) -> list[tuple[PruneReason, str] | None]:
         """The static reasons, then over budget, then too slow (against the best predicted that fits)."""

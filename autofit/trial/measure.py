@@ -220,8 +220,8 @@ def time_steps(trainee, micro_batches: list, config: TrainConfig, repeats: int,
     steps = StepClock(clock)
     samples, parts = [], []
     while len(samples) < repeats + MAX_RETIMED_STEPS:
-        events = _cuda_events(device)
-        micro_s, optimizer_s = _timed_step(trainee, micro_batches, sync, steps, events)
+        events = cuda_events(device)
+        micro_s, optimizer_s = timed_step(trainee, micro_batches, sync, steps, events)
         t_micro = statistics.fmean(micro_s)
         device_s = events[0].elapsed_time(events[1]) / 1000.0 if events else None
         samples.append(steps.step_sample(compose_step_time(config, t_micro, optimizer_s), device_s))
@@ -233,7 +233,9 @@ def time_steps(trainee, micro_batches: list, config: TrainConfig, repeats: int,
     return times, t_micro, t_optimizer
 
 
-def _timed_step(trainee, micro_batches: list, sync, steps: StepClock, events) -> tuple[list[float], float]:
+def timed_step(trainee, micro_batches: list, sync, steps: StepClock, events) -> tuple[list[float], float]:
+    """One step as :func:`autofit.runtime.training.train_step` runs it, each part timed on ``steps``;
+    returns the micro-steps' seconds and the optimizer step's."""
     trainee.optimizer.zero_grad(set_to_none=True)
     micro_s = []
     for inputs, targets in micro_batches:
@@ -252,7 +254,8 @@ def _timed_step(trainee, micro_batches: list, sync, steps: StepClock, events) ->
     return micro_s, steps.stop()
 
 
-def _cuda_events(device):
+def cuda_events(device):
+    """A start and an end event for timing a step on CUDA; None elsewhere."""
     if device is None or device.type != "cuda":
         return None
     return (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))

@@ -182,6 +182,37 @@ def run_trial(workload: Workload | str, config: TrainConfig, *, device: str = "c
     return _to_result(outcome, name, config, device, budget_bytes, wall_s, lock.wait_s, started_at)
 
 
+def run_head_to_head(workload: Workload | str, configs: list[TrainConfig], *, device: str = "cpu",
+                     timeout_s: float = 300, schedule: MeasureSchedule | None = None) -> list[TrialResult]:
+    """Time ``configs`` (one build) in one child process, their timed steps interleaved
+    (:func:`autofit.trial.head_to_head.measure_head_to_head`); never raises for the trial's sake.
+
+    Returns one TrialResult per config, in order, with throughput and no peak (each config's own
+    trial measured that). When the child fails, every result carries its status and error.
+    """
+    from autofit.trial.head_to_head import check_shared_build
+
+    check_shared_build(configs)
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    schedule = schedule or MeasureSchedule()
+    source = workload if isinstance(workload, str) else workload.source
+    name = workload if isinstance(workload, str) else workload.name
+    request = {"source": source, "configs": [c.to_dict() for c in configs], "device": device,
+               "schedule": schedule.to_dict(), "budget_bytes": None}
+    what = ", ".join(c.short() for c in configs)
+    with DeviceLock(device_names(device, 1), f"head-to-head {name} {what}") as lock:
+        start, started_at = time.monotonic(), time.time()
+        outcome = _start_and_supervise(workload, source, name, request, device, timeout_s)
+        wall_s = time.monotonic() - start
+    each = outcome.get("results") if result_status(outcome) is TrialStatus.OK else None
+    if not isinstance(each, list) or len(each) != len(configs):
+        each = [{k: v for k, v in outcome.items() if k in ("status", "error")} or
+                {"status": "error", "error": "the head-to-head child sent no results"}] * len(configs)
+    return [_to_result(o, name, c, device, None, wall_s / len(configs), lock.wait_s, started_at)
+            for o, c in zip(each, configs)]
+
+
 def _start_and_supervise(workload: Workload | str, source: str | None, name: str, request: dict, device: str,
                          timeout_s: float) -> dict:
     try:
@@ -250,9 +281,12 @@ def child_entry(request: dict, send: procs.Send | None = None, workload: Workloa
             resource.setrlimit(resource.RLIMIT_AS, (int(request["memory_limit_bytes"]), hard))
         if workload is None:
             workload = load_workload(request["source"])
-        outcome = measure_trial(workload, TrainConfig.from_dict(request["config"]), device=request["device"],
-                                budget_bytes=request["budget_bytes"],
-                                schedule=MeasureSchedule.from_dict(request["schedule"]))
+        if "configs" in request:
+            outcome = _head_to_head_entry(workload, request)
+        else:
+            outcome = measure_trial(workload, TrainConfig.from_dict(request["config"]), device=request["device"],
+                                    budget_bytes=request["budget_bytes"],
+                                    schedule=MeasureSchedule.from_dict(request["schedule"]))
         outcome["workload"] = workload.name
     except BaseException as exc:  # noqa: BLE001 -- SystemExit from user code is an error too
         if os.environ.get("AUTOFIT_TRIAL_TRACEBACK"):
@@ -267,6 +301,15 @@ def child_entry(request: dict, send: procs.Send | None = None, workload: Workloa
     except (TypeError, ValueError) as exc:
         outcome = {"status": "error", "error": f"unserialisable trial result: {exc}"[:_MAX_ERROR_CHARS]}
     return outcome
+
+
+def _head_to_head_entry(workload: Workload, request: dict) -> dict:
+    from autofit.trial.head_to_head import measure_head_to_head
+
+    configs = [TrainConfig.from_dict(c) for c in request["configs"]]
+    results = measure_head_to_head(workload, configs, device=request["device"],
+                                   schedule=MeasureSchedule.from_dict(request["schedule"]))
+    return {"status": "ok", "error": None, "results": results}
 
 
 def _out_of_memory(exc: BaseException) -> bool:

@@ -112,7 +112,7 @@ def test_summary_and_files(study_dir):
         assert part in text, part
     paths = write_reports(study, study_dir)
     assert json.loads(paths["best.json"].read_text())["trial"] == 4
-    assert paths["trials.csv"].read_text().splitlines()[0].startswith("trial,number,status,sample,reason_kind,reason,")
+    assert paths["trials.csv"].read_text().splitlines()[0].startswith("trial,number,status,sample,head_to_head,reason_kind,reason,")
     assert json.loads(paths["calibration.json"].read_text())["peak_ratio"] > 0
     result = search_result(study, study_dir)
     assert result.best == TrainConfig("fp32", 2, 2) and result.n_real == 5 and result.n_pruned == 1

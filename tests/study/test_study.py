@@ -72,14 +72,16 @@ def make_planner(profile, rates, budget_bytes=10**9, devices=1, **space) -> Plan
 
 
 def ran_trial(planner: Planner, config: TrainConfig, number: int, status="ok", samples_per_s=100.0,
-              peak_bytes=None, step_time_s=None, sample=1) -> TrialRecord:
-    """A real trial's record as the worker writes it."""
+              peak_bytes=None, step_time_s=None, sample=1, head_to_head=None) -> TrialRecord:
+    """A real trial's record as the worker writes it (``head_to_head``: the number of the head-to-head it was
+    timed in)."""
     i = planner.index[config]
     predicted = planner.prediction(i, Calibration.prior())
     peak = predicted["peak_bytes"] if peak_bytes is None else peak_bytes
     ok = status == "ok"
     measured = {"peak_bytes": peak if ok else None, "samples_per_s": samples_per_s if ok else None,
-                "step_time_s": (step_time_s or config.samples_per_step / samples_per_s) if ok else None}
+                "step_time_s": (step_time_s or config.samples_per_step / samples_per_s) if ok else None,
+                "head_to_head": head_to_head}
     errors = {"step_time": relative_error(predicted["step_time_s"], measured["step_time_s"])}
     return TrialRecord(number, config, TrialStatus(status), prediction=predicted, measurement=measured,
                        value=samples_per_s if ok else 0.0, sample=sample, errors=errors,
@@ -91,9 +93,12 @@ def settle(planner: Planner, trials: list[TrialRecord]):
     trials = list(trials)
     step = planner.step(trials)
     while step.run is not None and step.sample > 1:
-        config = planner.configs[step.run]
-        first = next(r for r in trials if r.config == config and r.status.ran)
-        trials.append(ran_trial(planner, config, len(trials), samples_per_s=first.value, sample=step.sample))
+        members = [(step.run, step.sample), *step.together]
+        head_to_head = len(trials) if step.together else None
+        for i, sample in members:
+            first = next(r for r in trials if r.config == planner.configs[i] and r.status.ran)
+            trials.append(ran_trial(planner, planner.configs[i], len(trials), samples_per_s=first.value, sample=sample,
+                                    head_to_head=head_to_head))
         step = planner.step(trials)
     return step
 
@@ -258,7 +263,7 @@ def test_bound_does_not_rule_out_a_kind_before_the_error_across_kinds_is_measure
     assert settle(planner, trials).run is None
 
 
-def test_the_leaders_are_measured_again_and_the_best_is_the_highest_best_sample(tiny_profile, rates):
+def test_leaders_of_one_build_are_timed_head_to_head_and_ranked_by_it(tiny_profile, rates):
     from autofit.core.records import best_of
 
     planner = make_planner(tiny_profile, rates, precision=["fp32"], micro_batch=[1, 2, 4, 8], global_batch=8)
@@ -266,28 +271,48 @@ def test_the_leaders_are_measured_again_and_the_best_is_the_highest_best_sample(
     trials = [ran_trial(planner, a, 0, samples_per_s=100.0), ran_trial(planner, b, 1, samples_per_s=95.0),
               ran_trial(planner, c, 2, samples_per_s=60.0), ran_trial(planner, d, 3, samples_per_s=40.0)]
     assert best_of(trials).config == a
-    # b is within the noise floor (10%) of a: their bands overlap, so both are measured again
+    # b is within the noise floor of a and shares its build: the two are timed together, in one process
     step = planner.step(trials)
     assert planner.configs[step.run] == a and step.sample == 2
-    # another worker is measuring a again: this one takes the other leader
+    assert [(planner.configs[i], k) for i, k in step.together] == [(b, 2)] and len(step.together_predictions) == 1
+    # another worker is timing them: this one has nothing left to measure
     running = dataclasses.replace(ran_trial(planner, a, 4, sample=2), status=TrialStatus.RUNNING, value=None)
-    step = planner.step(trials + [running])
-    assert planner.configs[step.run] == b and step.sample == 2
-    trials.append(ran_trial(planner, a, 4, samples_per_s=70.0, sample=2))  # a slow second sample: a's best stays 100
-    assert best_of(trials).config == a and best_of(trials).value == 100.0
+    assert planner.step(trials + [running]).run is None
+    # a's first sample was a fast moment of the machine: beside b, a reads slower, and the head-to-head ranks
+    trials += [ran_trial(planner, a, 4, samples_per_s=70.0, sample=2, head_to_head=4),
+               ran_trial(planner, b, 5, samples_per_s=90.0, sample=2, head_to_head=4)]
+    assert best_of(trials).config == b and best_of(trials).value == 90.0
+    step = planner.step(trials)
+    assert step.run is None and step.stop.endswith("; then 2 re-measurements of the leaders")
+    # a re-measurement that goes over the budget rules its config out
+    trials.append(ran_trial(planner, b, len(trials), status="oom", sample=3))
+    assert best_of(trials).config == a
+
+
+def test_leaders_of_other_builds_are_measured_on_their_own(tiny_profile, rates):
+    planner = make_planner(tiny_profile, rates, precision=["fp32", "amp-bf16"], micro_batch=[4, 8], global_batch=8)
+    a, b = TrainConfig("fp32", 8, 1), TrainConfig("amp-bf16", 8, 1)
+    trials = [ran_trial(planner, a, 0, samples_per_s=100.0), ran_trial(planner, b, 1, samples_per_s=95.0)]
     order = []
     step = planner.step(trials)
     while step.run is not None:
-        order.append(planner.configs[step.run])
-        first = next(r for r in trials if r.config == order[-1])
-        trials.append(ran_trial(planner, order[-1], len(trials), samples_per_s=first.value - 1, sample=step.sample))
+        if step.sample == 1:  # exploration goes on: give the other configs far slower results
+            trials.append(ran_trial(planner, planner.configs[step.run], len(trials), samples_per_s=10.0))
+        else:
+            assert step.together == ()
+            order.append(planner.configs[step.run])
+            trials.append(ran_trial(planner, order[-1], len(trials), samples_per_s=90.0, sample=step.sample))
         step = planner.step(trials)
-    assert order == [b]  # the leaders have two samples each; c is far below them: not worth a trial
-    assert step.stop.endswith("; then 2 re-measurements of the leaders")
-    assert best_of(trials).config == a and planner.step(trials).run is None  # resumed: nothing measured twice
-    # a re-measurement that goes over the budget rules its config out
-    trials.append(ran_trial(planner, a, len(trials), status="oom", sample=3))
-    assert best_of(trials).config == b
+    assert order == [a, b]
+
+
+def test_a_head_to_head_takes_only_the_trials_left_under_the_limit(tiny_profile, rates):
+    planner = make_planner(tiny_profile, rates, precision=["fp32"], micro_batch=[1, 2, 4, 8], global_batch=8)
+    limited = Planner(dataclasses.replace(planner.settings, trials=5), tiny_profile, rates)
+    configs = [TrainConfig("fp32", m, 8 // m) for m in (8, 4, 2)]
+    trials = [ran_trial(limited, c, k, samples_per_s=100.0 - k) for k, c in enumerate(configs)]
+    step = limited.step(trials)  # 3 of 5 ran: two slots left, for the top two leaders
+    assert limited.configs[step.run] == configs[0] and [limited.configs[i] for i, _ in step.together] == [configs[1]]
 
 
 def test_a_leader_alone_is_not_measured_again(tiny_profile, rates):
@@ -304,11 +329,12 @@ def test_a_leader_alone_is_not_measured_again(tiny_profile, rates):
     # nothing within the noise could overtake a
     step = planner.step(first)
     assert step.run is None and "re-measurement" not in step.stop
-    # a's samples differ by more than the floor: b is within that noise of a's best, so it is measured again
+    # a's samples differ by more than the floor: b is within that noise of a's best, so the two are timed together
     noisy = first + [ran_trial(planner, a, 4, samples_per_s=100.0 / (1 + 2 * NOISE_MIN), sample=2)]
     assert sample_noise(config_samples(noisy)) == pytest.approx(2 * NOISE_MIN)
     step = planner.step(noisy)
-    assert planner.configs[step.run] == b and step.sample == 2
+    assert (planner.configs[step.run], step.sample) == (a, 3)
+    assert [(planner.configs[i], k) for i, k in step.together] == [(b, 2)]
 
 
 def test_re_measurements_count_towards_the_trial_limit(tiny_profile, rates):

@@ -1,0 +1,89 @@
+"""Which leaders are measured again before the best is crowned, and how: the planner's re-measurement rules.
+
+One throughput sample is noisy, so before the best is crowned the configs whose noise bands overlap
+the best's are measured again. Leaders that share a build are timed head to head in one process
+(:mod:`autofit.trial.head_to_head`), where a slow spell of the machine slows them all alike; any other
+leader gets a second trial of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from autofit.core.config import TrainConfig
+from autofit.core.records import TrialRecord, TrialStatus, best_sample, head_to_head_of
+
+# Before the best is crowned, the leaders are measured again: one throughput sample is noisy. On
+# the committed CPU grid (results/benchmarks/search_grid.csv, two samples of each of 120 configs)
+# two samples of one config differ by 9.5% in the median, 16% at the 75th percentile and 25% at the
+# 90th (docs/facts.md#throughput-noise), so a slow first sample of the true best can leave it third
+# or fourth among the leaders:
+REMEASURE_TOP = 4          # the configs with the highest best sample that may be re-measured...
+REMEASURE_SAMPLES = 2      # ...each brought to this many samples; the best is the highest best sample
+NOISE_MIN = 0.25           # a leader is re-measured if its best sample, raised by the noise, reaches the best's;
+#                            the noise: the largest spread between two samples of a config so far, at
+#                            least this (the grid's two-sample spread at its 90th percentile)
+REMEASURE_MAX = 2 * REMEASURE_TOP * (REMEASURE_SAMPLES - 1)  # re-measurements in a study at most
+# Leaders of one build are timed together in one process (autofit.trial.head_to_head), at most
+# this many times per study: a second head-to-head only when the first changed who leads.
+HEAD_TO_HEAD_MAX = 2
+
+
+def sample_noise(by_config: dict) -> float:
+    """The measured sample-to-sample noise of throughput: the largest relative spread (max / min - 1)
+    between the samples of one config (``by_config``: :func:`autofit.core.records.config_samples`), at
+    least NOISE_MIN (before any config has two samples, it is NOISE_MIN)."""
+    spreads = [max(r.value for r in s) / min(r.value for r in s) - 1.0 for s in by_config.values()
+               if len(s) > 1 and min(r.value for r in s) > 0]
+    return max([NOISE_MIN] + spreads)
+
+
+def remeasurements(records: Sequence[TrialRecord], by_config: dict, index: dict) -> list[list[tuple[int, int]]]:
+    """The re-measurements still due before the best is crowned, in the order they run: each a list of
+    (config index in ``index``, sample number), one member for a trial of its own, more for a
+    head-to-head; only where the leaders' noise bands overlap. The leaders are the configs whose best sample, raised by :func:`sample_noise`, reaches the best config's (up to
+    REMEASURE_TOP of them); a leader alone is not measured again: nothing within the noise could
+    overtake it. Leaders that share a build (:attr:`TrainConfig.build`) are timed head to head, in
+    one process (:func:`_head_to_head`, first in the list); any other leader is brought to
+    REMEASURE_SAMPLES samples of its own, so a slow first sample gets its second chance. Running
+    ones count (another worker has them)."""
+    claimed = [r for r in records if r.claimed and r.config in index]
+    if sum(r.sample > 1 for r in claimed) >= REMEASURE_MAX or not by_config:
+        return []
+    ranked = sorted(by_config.items(), key=lambda kv: (-best_sample(kv[1]).value, kv[1][0].number))
+    best, noise = best_sample(ranked[0][1]).value, sample_noise(by_config)
+    leaders = [c for c, done in ranked[:REMEASURE_TOP] if best_sample(done).value * (1 + noise) >= best]
+    if len(leaders) < 2:
+        return []
+    builds: dict[tuple, list[TrainConfig]] = {}
+    for config in leaders:
+        if config.build is not None:
+            builds.setdefault(config.build, []).append(config)
+    together = {c for group in builds.values() if len(group) > 1 for c in group}
+    head_to_head = _head_to_head(claimed, builds, index)
+    due = [head_to_head] if head_to_head else []
+    for config in leaders:
+        mine = [r for r in claimed if r.config == config]
+        running = sum(r.status is TrialStatus.RUNNING for r in mine)
+        if config not in together and len(by_config[config]) + running < REMEASURE_SAMPLES:
+            due.append([(index[config], 1 + max(r.sample for r in mine))])
+    return due
+
+def _head_to_head(claimed: list[TrialRecord], builds: dict[tuple, list[TrainConfig]], index: dict) -> list[tuple[int, int]]:
+    """The next head-to-head, as (config index, sample number) of each member (empty: none due): the
+    leaders of one build (the top leader's first), unless a head-to-head already timed them all
+    together, or one of them is running. At most HEAD_TO_HEAD_MAX per study."""
+    rounds: dict[int, set] = {}
+    for r in claimed:
+        if (h := head_to_head_of(r)) is not None:
+            rounds.setdefault(h, set()).add(r.config)
+    if len(rounds) >= HEAD_TO_HEAD_MAX:
+        return []
+    for group in builds.values():
+        if len(group) < 2 or any(set(group) <= members for members in rounds.values()):
+            continue
+        mine = {c: [r for r in claimed if r.config == c] for c in group}
+        if any(r.status is TrialStatus.RUNNING for rs in mine.values() for r in rs):
+            continue
+        return [(index[c], 1 + max(r.sample for r in mine[c])) for c in group]
+    return []
