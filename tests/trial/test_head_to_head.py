@@ -76,3 +76,9 @@ def test_a_search_times_its_leaders_head_to_head_and_reports_that_figure(tmp_pat
     h2h = trials[trials["sample"] == 2]
     assert len(h2h) == 2 and h2h["head_to_head"].nunique() == 1
     assert h2h["head_to_head"].iloc[0] == h2h["trial"].min()  # numbered as the user reads trials
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_each_step_is_timed_by_its_events_too():
+    results = run_head_to_head(TINY, _configs(2, 4), device="cuda", timeout_s=300, schedule=SCHEDULE)
+    assert all(r.ok and r.device_step_s is not None and r.device_step_s > 0 for r in results)
