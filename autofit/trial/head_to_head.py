@@ -23,9 +23,19 @@ import torch
 
 from autofit.core.config import TrainConfig
 from autofit.runtime.schedule import MeasureSchedule
-from autofit.runtime.timing import MAX_RETIMED_STEPS, StepClock, StepTimes, cpus_available
+from autofit.runtime.timing import (
+    MAX_RETIMED_STEPS,
+    StepClock,
+    StepTimes,
+    cpus_available,
+)
 from autofit.runtime.training import build_trainee, train_step
-from autofit.trial.measure import compose_step_time, cuda_events, timed_step, trial_micro_batches
+from autofit.trial.measure import (
+    compose_step_time,
+    cuda_events,
+    timed_step,
+    trial_micro_batches,
+)
 from autofit.workloads.base import Workload
 
 
