@@ -129,7 +129,7 @@ def estimate_table(profile: Profile, configs: list[TrainConfig], budget_bytes: i
         if why is None and offload is Offload.OPTIMIZER:
             why = (offload_refusal(profile, configs[members[0]])
                    or host_refusal(profile_for(profile, precision, choice), host_bytes))
-        if why is None and every > 0:
+        if why is None and every > 0 and mode is SplitMode.FSDP and split > 1:
             why = retained_refusal(profile.for_precision(precision))
         if why is None and mode is not SplitMode.FSDP and split > profile.n_layers:
             why = (f"device_split {split} > {profile.n_layers} layers: each pipeline stage needs at least "
@@ -186,14 +186,15 @@ def _structures(configs: list[TrainConfig]) -> dict[tuple, list[int]]:
 
 
 def retained_refusal(pp) -> str | None:
-    """Why checkpointing cannot be estimated for layers that keep tensors beyond backward (a key/value
-    cache the model returns), or None. The recomputation calls each layer again with the same cache, which
-    grows and ties the first forward's graph into the backward: measured 2.5-6.7% over such an estimate
-    on a tiny Llama. An invalid config is never a false fit; the fix is the model's own switch."""
+    """Why an FSDP rank's checkpointed step cannot be estimated for layers that keep tensors beyond backward
+    (a key/value cache the model returns), or None. The recomputation calls each layer again with the same
+    cache, which grows and keeps the recomputed graph (:meth:`autofit.estimator.stage_walk._StageWalk._held_by_cache`
+    counts it on one device and pipeline stages); the FSDP rank's walk does not, and an invalid config is never
+    a false fit. The fix is the model's own switch."""
     if sum(layer.retained[1] for layer in pp.layers) <= 0:
         return None
-    return ("checkpointing recomputes layers that append to a cache they keep (a key/value cache the model "
-            "returns while it trains): not estimated; set use_cache=False, or checkpoint_every 0")
+    return ("checkpointing with split_mode=fsdp recomputes layers that append to a cache they keep (a key/value "
+            "cache the model returns while it trains): not estimated; set use_cache=False, or checkpoint_every 0")
 
 
 def lever_refusal(profile: Profile, choice: OptimizerChoice, policy: CheckpointPolicy, fsdp: bool) -> str | None:
