@@ -40,8 +40,9 @@ are laid end to end again for any config, as PyTorch would run it:
   through the whole step, on every stage. A segment's recomputation calls such a layer again with
   what it keeps: a cache appends to itself again, and the tensors it then holds keep the recomputed
   graph (what the layer saved up to its cache; an inner layer's all, with its output; the segment's
-  input where a layer saves it), which no backward frees: the profile replays each layer's
-  recomputation on fake tensors (``retained_recomputed*``, ``recomputed_input_kept``), and the walk
+  input and its layers' other arguments where they are saved: rotary tables), which no backward frees:
+  the profile replays each layer's recomputation on fake tensors (``retained_recomputed*``,
+  ``recomputed_input_kept``, ``recomputed_args_kept``), and the walk
   keeps it from the layer's backward on (through that backward: an upper bound) until the step ends.
   An FSDP rank's checkpointed step of such a model is refused;
 - the optimizer step: weights + gradients + state + the step's own temporaries;

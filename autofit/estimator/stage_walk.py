@@ -235,7 +235,11 @@ class _StageWalk(_Walk):
         # outputs of the operators after it are taken from the policy's cache: they stay until the
         # checkpoint is done with, after the segment's backward.
         self.live = _add(self.live, kept_after_stop, -1.0)
-        self.live = _add(self.live, self.layers[s].recomputed_input_kept)  # the recomputed graph keeps the input
+        # the recomputed graph behind a kept cache keeps the segment's input and the arguments its layers
+        # take first (rotary tables), which the checkpoint would let go here
+        self.live = _add(self.live, self.layers[s].recomputed_input_kept)
+        for i in range(s, e):
+            self.live = _add(self.live, self.layers[i].recomputed_args_kept)
         # The checkpoint kept the segment's input until its backward is done; where no layer
         # saves it (linear(relu(x))), the profile's backward did not free it (its forward did,
         # in ``after``): free it now. A later stage's input stays in its receive buffer.

@@ -74,6 +74,7 @@ def _layer(l1: RawLayer, l2: RawLayer) -> LayerProfile:
         retained_recomputed_inner=_line(l1.retained_recomputed_inner, l2.retained_recomputed_inner),
         retained_recomputed=_line(l1.retained_recomputed, l2.retained_recomputed),
         recomputed_input_kept=_line(l1.recomputed_input_kept, l2.recomputed_input_kept),
+        recomputed_args_kept=_line(l1.recomputed_args_kept, l2.recomputed_args_kept),
     )
 
 

@@ -17,7 +17,7 @@ __all__ = ["OUTPUT_REGIONS", "PROFILE_BATCHES", "PROFILE_VERSION", "LayerProfile
            "with_optimizer"]
 
 # The profile's format: a cache entry of another version is never read (autofit.profiling.cache).
-PROFILE_VERSION = 21
+PROFILE_VERSION = 22
 # Micro-batch sizes profiled; every per-sample quantity is fitted as a line through them.
 PROFILE_BATCHES = (2, 4)
 
@@ -122,6 +122,9 @@ class LayerProfile:
     # Its input, where that graph keeps it (a norm saves its input): a segment's first layer's outlives the
     # checkpoint, which would have let it go after the segment's backward. Not in the two above.
     recomputed_input_kept: Line = (0.0, 0.0)
+    # Its other tensor arguments first taken here (rotary tables every layer takes, under the first), where
+    # that graph keeps them: they outlive the checkpoints, which would have let them go (``args_freed_late``).
+    recomputed_args_kept: Line = (0.0, 0.0)
 
     def recomputed(self, last: bool, selective: bool = False) -> Region:
         """This layer's forward as a checkpointed segment's recomputation runs it (``last``: the
@@ -306,7 +309,7 @@ def precision_from_dict(pp: dict) -> PrecisionProfile:
                                    "output": tuple(lp["output"]), "forward_flops": tuple(lp["forward_flops"]),
                                    **{k: tuple(lp.get(k, (0.0, 0.0))) for k in ("after", "input_freed_late", "args_freed_late",
                                                                                "selective_kept", "selective_saved_flops",
-                                                                               "retained", "retained_recomputed", "recomputed_input_kept",
+                                                                               "retained", "retained_recomputed", "recomputed_input_kept", "recomputed_args_kept",
                                                                                "retained_recomputed_inner")},
                                    "grad_rows": rows_from_json(lp.get("grad_rows", ()))})
                    for lp in pp.pop("layers"))

@@ -60,6 +60,7 @@ class RawLayer:
     retained_recomputed_inner: int = 0
     retained_recomputed: int = 0
     recomputed_input_kept: int = 0  # its input, where that graph keeps it
+    recomputed_args_kept: int = 0  # its other arguments first taken there (rotary tables), where it keeps them
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from autofit.profiling.timeline import Timeline
 from autofit.runtime.training import Trainee, autocast_context
@@ -28,10 +28,11 @@ from autofit.runtime.training import Trainee, autocast_context
 __all__ = ["recomputed_kept"]
 
 
-def recomputed_kept(trainee: Trainee, layers, inputs, timeline: Timeline) -> list[tuple[int, int, int]]:
+def recomputed_kept(trainee: Trainee, layers, inputs, timeline: Timeline) -> list[tuple[int, int, int, int]]:
     """Per layer: the bytes its recomputation leaves alive with its output held, and once its output is
-    dropped, and its input's bytes where the recomputed graph keeps it (a norm that saves its input: the
-    checkpoint would have let it go after the segment's backward), while the model's output lives.
+    dropped, then the bytes of its input and of its other arguments first taken there where the
+    recomputed graph keeps them (the checkpoint would have let them go after the segment's backward),
+    while the model's output lives.
     Run inside the profile's tensor mode and ``timeline``."""
     n = len(layers)
     calls: list[tuple] = []
@@ -50,30 +51,60 @@ def recomputed_kept(trainee: Trainee, layers, inputs, timeline: Timeline) -> lis
     finally:
         for h in handles:
             h.remove()
-    kept = [(0, 0, 0)] * n
+    first = _first_takers(calls)
+    kept = [(0, 0, 0, 0)] * n
     for i in reversed(range(len(calls))):  # the backward recomputes the last segment first
-        kept[i] = _replay(trainee, timeline, *calls[i])
+        module, args, kwargs = calls[i]
+        kept[i] = _replay(trainee, timeline, module, args, kwargs, {k for k, taker in first.items() if taker == i})
     calls.clear()
     del out
     return kept
 
 
-def _replay(trainee: Trainee, timeline: Timeline, module, args, kwargs) -> tuple[int, int, int]:
-    """One layer's recomputation: (left alive with its output held, once it is dropped, its input's bytes
-    where the recomputed graph keeps the input beyond the checkpoint)."""
-    # The checkpoint recomputes from its saved inputs, detached, needing gradients as they did. The first
-    # is a copy here, so that whether the recomputed graph keeps it shows (a norm saves its input).
-    args = tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), args)
-    x = args[0].clone().requires_grad_(args[0].requires_grad) if isinstance(args[0], torch.Tensor) else None
-    args = (x, *args[1:]) if x is not None else args
-    input_bytes = timeline.counted_bytes(x.untyped_storage()) if x is not None else 0
-    alive = weakref.ref(x.untyped_storage()) if x is not None else lambda: None
-    del x
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _first_takers(calls: list[tuple]) -> dict[int, int]:
+    """Storage key -> the first layer called with it, of the tensor arguments beyond the input (rotary
+    tables every layer takes are the first one's)."""
+    first: dict[int, int] = {}
+    for i, (_, args, kwargs) in enumerate(calls):
+        for t in tree_leaves((args[1:], kwargs)):
+            if isinstance(t, torch.Tensor):
+                first.setdefault(_key(t), i)
+    return first
+
+
+def _replay(trainee: Trainee, timeline: Timeline, module, args, kwargs, own: set[int]) -> tuple[int, int, int, int]:
+    """One layer's recomputation: (left alive with its output held, once it is dropped, then the bytes of
+    its input and of its other arguments first taken here (storage keys ``own``) that the recomputed
+    graph keeps: a norm saves its input, a rotary embedding its tables)."""
+    # The checkpoint recomputes from its saved arguments, detached, needing gradients as they did. Its
+    # input and the arguments first taken here are copies, so that whether the recomputed graph keeps them
+    # shows (the checkpoint alone would have let them go after the segment's backward).
+    copies: list[tuple] = []  # (weak reference to a copy's storage, its bytes), the input's first
+
+    def saved(t: torch.Tensor, copy: bool) -> torch.Tensor:
+        if not copy:
+            return t.detach().requires_grad_(t.requires_grad)
+        made = t.detach().clone().requires_grad_(t.requires_grad)
+        copies.append((weakref.ref(made.untyped_storage()), timeline.counted_bytes(made.untyped_storage())))
+        return made
+
+    first = args[0]
+    args = (saved(first, True) if isinstance(first, torch.Tensor) else first,
+            *tree_map_only(torch.Tensor, lambda t: saved(t, _key(t) in own), args[1:]))
+    kwargs = tree_map_only(torch.Tensor, lambda t: saved(t, _key(t) in own), kwargs)
+    if not isinstance(first, torch.Tensor):
+        copies.insert(0, (lambda: None, 0))
+    del first
     start = timeline.live
     with autocast_context(trainee.config.precision, trainee.device.type):
         y = module(*args, **kwargs)
     with_output = timeline.live - start
     del y
     dropped = timeline.live - start
-    del args
-    return max(0, with_output), max(0, dropped), input_bytes if alive() is not None else 0
+    del args, kwargs
+    kept = [nbytes if ref() is not None else 0 for ref, nbytes in copies]
+    return max(0, with_output), max(0, dropped), kept[0], sum(kept[1:])

@@ -156,7 +156,7 @@ def _trace(step: _Step, trace: StepTrace, tensor_mode, step_optimizer: bool,
         selective = trace.selective_forwards(trainee, step.layers, step.inputs)
         # only a layer that keeps something beyond autograd (a key/value cache) changes what a recomputation keeps
         kept = (recomputed_kept(trainee, step.layers, step.inputs, timeline) if any(r for _, r in checkpointed)
-                else [(0, 0, 0)] * trace.n)
+                else [(0, 0, 0, 0)] * trace.n)
         return list(zip(checkpointed, selective, kept))
 
 
@@ -239,6 +239,7 @@ def _raw_layer(trace: StepTrace, i: int, params: list, buffers: list, forwards: 
         retained_recomputed_inner=recomputed[0],
         retained_recomputed=recomputed[1],
         recomputed_input_kept=recomputed[2],
+        recomputed_args_kept=recomputed[3],
         selective_forward=selective,
         selective_kept=selective_kept,
         selective_output_kept=selective_output_kept,

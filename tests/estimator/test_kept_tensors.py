@@ -115,6 +115,8 @@ def test_the_profile_sees_what_is_kept_and_says_so(caplog):
     # recomputed graph up to the cache (the norm's output, the rotary tables...), and the layer's input
     assert all(layer.retained_recomputed[1] > layer.retained[1] for layer in layers)
     assert all(layer.recomputed_input_kept[1] == layer.output[1] for layer in layers)
+    # the rotary tables (cos and sin: sequence 16 x head 16, fp32, one for the batch), under the first layer
+    assert [layer.recomputed_args_kept for layer in layers] == [(2 * 16 * 16 * 4, 0.0), (0.0, 0.0), (0.0, 0.0)]
     # an inner layer of a segment: its whole recomputation, as its forward keeps it for backward
     assert all(layer.retained_recomputed_inner == layer.forward.delta for layer in layers)
     assert estimate(llama, TrainConfig("fp32", 2, 1, 1, 1)).peak_bytes > 0  # checkpointed: estimated
