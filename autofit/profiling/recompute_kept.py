@@ -32,7 +32,7 @@ def recomputed_kept(trainee: Trainee, layers, inputs, timeline: Timeline) -> lis
     """Per layer: the bytes its recomputation leaves alive with its output held, and once its output is
     dropped, then the bytes of its input and of its other arguments first taken there where the
     recomputed graph keeps them (the checkpoint would have let them go after the segment's backward),
-    while the model's output lives.
+    while the model's output lives; all zeros where a layer cannot be called again so (it raised).
     Run inside the profile's tensor mode and ``timeline``."""
     n = len(layers)
     calls: list[tuple] = []
@@ -53,11 +53,16 @@ def recomputed_kept(trainee: Trainee, layers, inputs, timeline: Timeline) -> lis
             h.remove()
     first = _first_takers(calls)
     kept = [(0, 0, 0, 0)] * n
-    for i in reversed(range(len(calls))):  # the backward recomputes the last segment first
-        module, args, kwargs = calls[i]
-        kept[i] = _replay(trainee, timeline, module, args, kwargs, {k for k, taker in first.items() if taker == i})
-    calls.clear()
-    del out
+    try:
+        for i in reversed(range(len(calls))):  # the backward recomputes the last segment first
+            module, args, kwargs = calls[i]
+            kept[i] = _replay(trainee, timeline, module, args, kwargs, {k for k, taker in first.items() if taker == i})
+    except Exception:  # noqa: BLE001 -- a layer that cannot be called again so: nothing replayed, all zeros,
+        # which the estimate reads as not replayed and refuses checkpointing (memory_table.retained_refusal)
+        kept = [(0, 0, 0, 0)] * n
+    finally:
+        calls.clear()
+        del out
     return kept
 
 

@@ -5,6 +5,7 @@ cache with checkpointing also amp-bf16 and bf16 with accumulation."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 import pytest
@@ -124,3 +125,15 @@ def test_the_profile_sees_what_is_kept_and_says_so(caplog):
     pp = hooked.for_precision("fp32")
     assert pp.kept_bytes[1] == sum(layer.output[1] for layer in pp.layers) > 0  # each block's output, stashed
     assert all(layer.retained == (0.0, 0.0) for layer in pp.layers)  # replaced, not grown
+
+
+def test_a_cache_whose_recomputation_was_not_replayed_is_refused_when_checkpointed():
+    # a layer that cannot be called again with what it was first called with leaves the replay's bytes at zero:
+    # checkpointed configs are then refused with the fix, never estimated without the recomputation
+    profile = profile_workload(load_workload(SPEC + "llama_lm"), ["fp32"], use_cache=False, split_ends=False)
+    pp = profile.for_precision("fp32")
+    layers = tuple(dataclasses.replace(layer, retained_recomputed=(0.0, 0.0)) for layer in pp.layers)
+    unreplayed = dataclasses.replace(profile, precisions={"fp32": dataclasses.replace(pp, layers=layers)})
+    rows = estimate_table(unreplayed, [TrainConfig("fp32", 2, 1, every, 1) for every in (0, 1)])
+    assert list(rows.valid) == [True, False]
+    assert "could not replay" in rows.reason[1] and "use_cache=False" in rows.reason[1]
