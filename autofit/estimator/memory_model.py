@@ -37,7 +37,14 @@ are laid end to end again for any config, as PyTorch would run it:
 - tensors kept beside autograd: what a checkpointed layer's forward leaves alive until the step's
   output is dropped (``LayerProfile.retained``: a key/value cache the model returns) from that
   forward on, and what a step leaves for the next (``PrecisionProfile.kept_bytes``: a hook's stash)
-  through the whole step, on every stage;
+  through the whole step, on every stage. A segment's recomputation calls such a layer again with
+  what it keeps: a cache appends to itself again, and the tensors it then holds keep the recomputed
+  graph (what the layer saved up to its cache; an inner layer's all, with its output; the segment's
+  input and its layers' other arguments where they are saved: rotary tables), which no backward frees:
+  the profile replays each layer's recomputation on fake tensors (``retained_recomputed*``,
+  ``recomputed_input_kept``, ``recomputed_args_kept``), and the walk
+  keeps it from the layer's backward on (through that backward: an upper bound) until the step ends.
+  An FSDP rank's checkpointed step of such a model is refused;
 - the optimizer step: weights + gradients + state + the step's own temporaries;
 - on CUDA: the cuBLAS workspaces (allocated, but no tensor of the model), what the allocator
   reserves beyond the tensors (:mod:`autofit.estimator.reserved_model`: a fixed part and shares of the
@@ -177,7 +184,7 @@ def estimate(profile: Profile, config: TrainConfig, budget_bytes: int | None = N
                      f"parameters of 4096 elements or more and their gradients, their optimizer state, one step); "
                      f"{format_bytes(need.device_state_bytes)} of state stays on the device")
     if caveat := retained_caveat(profile.workload, [profile.for_precision(config.precision)]):
-        notes.append(caveat)  # checkpointed configs of such a model are refused (memory_table.retained_refusal)
+        notes.append(caveat)  # counted; an FSDP rank's checkpointed step is refused (memory_table.retained_refusal)
     routing = profile.for_precision(config.precision).routing
     if routing:  # expert activations depend on routing: say which the estimate assumed
         notes.append(routing)

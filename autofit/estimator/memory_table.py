@@ -130,7 +130,7 @@ def estimate_table(profile: Profile, configs: list[TrainConfig], budget_bytes: i
             why = (offload_refusal(profile, configs[members[0]])
                    or host_refusal(profile_for(profile, precision, choice), host_bytes))
         if why is None and every > 0:
-            why = retained_refusal(profile.for_precision(precision))
+            why = retained_refusal(profile.for_precision(precision), fsdp=mode is SplitMode.FSDP and split > 1)
         if why is None and mode is not SplitMode.FSDP and split > profile.n_layers:
             why = (f"device_split {split} > {profile.n_layers} layers: each pipeline stage needs at least "
                    f"one layer (device_split 1 to {profile.n_layers})")
@@ -185,15 +185,25 @@ def _structures(configs: list[TrainConfig]) -> dict[tuple, list[int]]:
     return groups
 
 
-def retained_refusal(pp) -> str | None:
-    """Why checkpointing cannot be estimated for layers that keep tensors beyond backward (a key/value
+def retained_refusal(pp, fsdp: bool) -> str | None:
+    """Why a checkpointed step cannot be estimated for layers that keep tensors beyond backward (a key/value
     cache the model returns), or None. The recomputation calls each layer again with the same cache, which
-    grows and ties the first forward's graph into the backward: measured 2.5-6.7% over such an estimate
-    on a tiny Llama. An invalid config is never a false fit; the fix is the model's own switch."""
-    if sum(layer.retained[1] for layer in pp.layers) <= 0:
+    grows and keeps the recomputed graph: the profile replays it (``LayerProfile.retained_recomputed``, never
+    zero for a layer that keeps something, unless the replay failed) and the one-device and pipeline walks
+    count it; an FSDP rank's walk does not. An invalid config is never a false fit; the fix is the model's
+    own switch."""
+    keeping = [layer for layer in pp.layers if layer.retained[1] > 0 or layer.retained[0] > 0]
+    if not keeping:
         return None
-    return ("checkpointing recomputes layers that append to a cache they keep (a key/value cache the model "
-            "returns while it trains): not estimated; set use_cache=False, or checkpoint_every 0")
+    if fsdp:
+        return ("checkpointing with split_mode=fsdp recomputes layers that append to a cache they keep (a "
+                "key/value cache the model returns while it trains): not estimated; set use_cache=False, or "
+                "checkpoint_every 0")
+    if any(layer.retained_recomputed == (0.0, 0.0) for layer in keeping):
+        return ("checkpointing recomputes layers that keep tensors beyond backward (a key/value cache the model "
+                "returns while it trains), and the profile could not replay that recomputation: not estimated; "
+                "set use_cache=False, or checkpoint_every 0")
+    return None
 
 
 def lever_refusal(profile: Profile, choice: OptimizerChoice, policy: CheckpointPolicy, fsdp: bool) -> str | None:

@@ -112,6 +112,20 @@ class _StageWalk(_Walk):
         layer = self.layers[i]
         return _add(layer.selective_kept, layer.output, 1.0 if layer.selective_output_kept and i < e - 1 else 0.0)
 
+    def _held_by_cache(self, i: int, last: bool) -> Line:
+        """What the recomputation of layer ``i`` leaves alive beyond the cache's growth, until the step's
+        output is dropped, where a layer keeps tensors beyond autograd (``LayerProfile.retained``: a
+        key/value cache): the profile's replay (``retained_recomputed*``) found the cache grown again and
+        the recomputed graph behind it, which holds what the layer saved up to its cache (a segment's last
+        layer) or all of it with its output (an inner layer, whose output leads to a later layer's cache).
+        The regions already count the growth (``retained``: in the unchecked forward's delta, freed with
+        the output)."""
+        layer = self.layers[i]
+        if layer.retained == (0.0, 0.0):
+            return (0.0, 0.0)
+        recomputed = layer.retained_recomputed if last else layer.retained_recomputed_inner
+        return _add(recomputed, layer.retained, -1.0)
+
     def _bwd(self, r: Region) -> tuple[tuple[Line, ...], Line]:
         return (r.peaks_nongrad, r.delta_nongrad) if self.later else (r.peaks, r.delta)
 
@@ -166,8 +180,8 @@ class _StageWalk(_Walk):
         if self.first_stage:
             self.region(*self._bwd(pp.pre_backward), "backward", 0.0 if self.later else pp.pre_grad_bytes)
 
-    def _layer_backward(self, i: int, output_freed: bool) -> None:
-        self.region(*self._bwd(self.layers[i].backward), "backward", self._grad_of(i))
+    def _layer_backward(self, i: int, output_freed: bool, held: Line = (0.0, 0.0)) -> None:
+        self.region(*self._bwd(self.layers[i].backward), "backward", self._grad_of(i), held=held)
         if i == self.end - 1:
             self.live = _add(self.live, _add(self.boundary, self.boundary, 1.0 if output_freed else 0.0))
 
@@ -212,11 +226,20 @@ class _StageWalk(_Walk):
         if not layers[e - 1].output_saved:
             self.live = _add(self.live, layers[e - 1].output, -1.0)
         for i in reversed(range(s, e)):  # the recomputed output is freed, the stage's own kept
-            self._layer_backward(i, output_freed=False)
+            # what the recomputed graph behind a kept cache holds is not freed by the backward: an upper
+            # bound through the layer's backward (the profile's backward frees it as it goes), kept after
+            held = self._held_by_cache(i, last=i == e - 1)
+            self._layer_backward(i, output_freed=False, held=held)
+            self.live = _add(self.live, held)
         # The last layer's recomputation stops at the last tensor it saves (early stop), before the kept
         # outputs of the operators after it are taken from the policy's cache: they stay until the
         # checkpoint is done with, after the segment's backward.
         self.live = _add(self.live, kept_after_stop, -1.0)
+        # the recomputed graph behind a kept cache keeps the segment's input and the arguments its layers
+        # take first (rotary tables), which the checkpoint would let go here
+        self.live = _add(self.live, self.layers[s].recomputed_input_kept)
+        for i in range(s, e):
+            self.live = _add(self.live, self.layers[i].recomputed_args_kept)
         # The checkpoint kept the segment's input until its backward is done; where no layer
         # saves it (linear(relu(x))), the profile's backward did not free it (its forward did,
         # in ``after``): free it now. A later stage's input stays in its receive buffer.

@@ -71,6 +71,10 @@ def _layer(l1: RawLayer, l2: RawLayer) -> LayerProfile:
         selective_recompute=_both(l1.selective_recompute, l2.selective_recompute),
         selective_recompute_prefix=_both(l1.selective_recompute_prefix, l2.selective_recompute_prefix),
         retained=_line(l1.retained, l2.retained),
+        retained_recomputed_inner=_line(l1.retained_recomputed_inner, l2.retained_recomputed_inner),
+        retained_recomputed=_line(l1.retained_recomputed, l2.retained_recomputed),
+        recomputed_input_kept=_line(l1.recomputed_input_kept, l2.recomputed_input_kept),
+        recomputed_args_kept=_line(l1.recomputed_args_kept, l2.recomputed_args_kept),
     )
 
 

@@ -102,11 +102,12 @@ def _file_digest(path: str) -> str | None:
 def split_refusal(workload: Workload) -> str | None:
     """Why a pipeline split of ``workload`` cannot run, or None: ``workload.split.refusal`` on a model
     built on the meta device (no memory), if it has one; without a hand-made ``split``, inputs that
-    are not one tensor (the traced stages of ``torch.distributed.pipelining`` take tensors only)."""
+    are not one tensor (the traced stages of ``torch.distributed.pipelining`` take tensors only) or an
+    output torch.export cannot capture (:func:`_output_refusal`)."""
     if workload.split is None:
         inputs = checked_batch(workload, 1)[0]
         if isinstance(inputs, torch.Tensor):
-            return None
+            return _output_refusal(workload, inputs)
         return (f"a pipeline split passes the model's inputs to its first stage as one tensor "
                 f"(torch.distributed.pipelining), and batch(n) returns them as a {type(inputs).__name__}: "
                 "use split_mode=fsdp, or inputs of one tensor")
@@ -115,6 +116,29 @@ def split_refusal(workload: Workload) -> str | None:
         return None
     with torch.device("meta"):
         return refusal(workload.model())
+
+
+# What torch.export (the generic split's tracer) carries in a model's output besides tensors.
+_PLAIN = (torch.Tensor, int, float, bool, str, type(None))
+
+
+def _output_refusal(workload: Workload, inputs: torch.Tensor) -> str | None:
+    """Why the generic split cannot trace the model's output, or None: an object in it that torch.export
+    does not know (transformers' DynamicCache, which a model with ``use_cache=True`` returns while it
+    trains). Read from one forward on the meta device (no memory); a model that cannot run there is
+    not judged here (its trial says why, if it fails)."""
+    try:
+        with torch.device("meta"), torch.no_grad():
+            model = workload.model()
+            out = model(inputs.to("meta"))
+        unknown = sorted({type(leaf).__name__ for leaf in tree_leaves(out) if not isinstance(leaf, _PLAIN)})
+    except Exception:  # noqa: BLE001 -- a forward that the meta device cannot run: not refused here
+        return None
+    if not unknown:
+        return None
+    cache = " (a key/value cache: set use_cache=False)" if any("Cache" in name for name in unknown) else ""
+    return (f"the model returns a {', '.join(unknown)}{cache}, which torch.export, the pipeline split's tracer, "
+            "cannot capture: use split_mode=fsdp, or a model that returns tensors")
 
 
 def profile_key(workload: Workload, device_type: str) -> tuple[str, int, int]:

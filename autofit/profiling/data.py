@@ -17,7 +17,7 @@ __all__ = ["OUTPUT_REGIONS", "PROFILE_BATCHES", "PROFILE_VERSION", "LayerProfile
            "with_optimizer"]
 
 # The profile's format: a cache entry of another version is never read (autofit.profiling.cache).
-PROFILE_VERSION = 20
+PROFILE_VERSION = 22
 # Micro-batch sizes profiled; every per-sample quantity is fitted as a line through them.
 PROFILE_BATCHES = (2, 4)
 
@@ -111,6 +111,20 @@ class LayerProfile:
     # key/value cache the model returns (``past_key_values``). Without checkpointing it is among the
     # forward's saved bytes (``forward.delta``) and freed where the profile saw it freed.
     retained: Line = (0.0, 0.0)
+    # What this layer's recomputation in a checkpointed segment's backward leaves alive until the model's
+    # output is dropped, where it keeps tensors beyond autograd (``retained``): called again with what it
+    # keeps, a cache appends to itself again, and the tensors it now holds carry the recomputation's graph,
+    # whose nodes keep what they saved (autofit.profiling.recompute_kept replays it). ``retained_recomputed``:
+    # as a segment's last layer (its output dropped); ``_inner``: as an inner layer, whose output and
+    # graph the next layer's recomputed graph holds.
+    retained_recomputed: Line = (0.0, 0.0)
+    retained_recomputed_inner: Line = (0.0, 0.0)
+    # Its input, where that graph keeps it (a norm saves its input): a segment's first layer's outlives the
+    # checkpoint, which would have let it go after the segment's backward. Not in the two above.
+    recomputed_input_kept: Line = (0.0, 0.0)
+    # Its other tensor arguments first taken here (rotary tables every layer takes, under the first), where
+    # that graph keeps them: they outlive the checkpoints, which would have let them go (``args_freed_late``).
+    recomputed_args_kept: Line = (0.0, 0.0)
 
     def recomputed(self, last: bool, selective: bool = False) -> Region:
         """This layer's forward as a checkpointed segment's recomputation runs it (``last``: the
@@ -273,7 +287,8 @@ def retained_caveat(name: str, precisions) -> str | None:
         return None
     return (f"{name}: its layers keep {per_sample / 1024:,.1f} KiB per sample alive beside what backward needs, "
             "until the step's output is dropped (a key/value cache the model returns: waste while training); "
-            "checkpointed configs would recompute into it and are not estimated; set use_cache=False")
+            "counted in the estimate, with what a checkpointed recomputation appends to it and keeps; "
+            "set use_cache=False")
 
 
 def rows_from_json(rows) -> tuple[tuple[int, int], ...]:
@@ -294,7 +309,8 @@ def precision_from_dict(pp: dict) -> PrecisionProfile:
                                    "output": tuple(lp["output"]), "forward_flops": tuple(lp["forward_flops"]),
                                    **{k: tuple(lp.get(k, (0.0, 0.0))) for k in ("after", "input_freed_late", "args_freed_late",
                                                                                "selective_kept", "selective_saved_flops",
-                                                                               "retained")},
+                                                                               "retained", "retained_recomputed", "recomputed_input_kept", "recomputed_args_kept",
+                                                                               "retained_recomputed_inner")},
                                    "grad_rows": rows_from_json(lp.get("grad_rows", ()))})
                    for lp in pp.pop("layers"))
     regions = {k: region_from_dict(pp[k]) for k in ("pre_forward", "post_forward", "post_backward", "pre_backward")}

@@ -55,6 +55,12 @@ class RawLayer:
     # what its checkpointed forward left alive beyond its output once the model's forward returned
     # (a key/value cache the model returns), net of what it replaced there
     retained: int = 0
+    # what its recomputation in a checkpointed segment's backward leaves alive until the model's output is
+    # dropped (the cache grown again, the recomputed graph behind it): with its output held, and once dropped
+    retained_recomputed_inner: int = 0
+    retained_recomputed: int = 0
+    recomputed_input_kept: int = 0  # its input, where that graph keeps it
+    recomputed_args_kept: int = 0  # its other arguments first taken there (rotary tables), where it keeps them
 
 
 @dataclass(frozen=True)

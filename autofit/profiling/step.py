@@ -20,6 +20,7 @@ from autofit.core.config import Precision, TrainConfig
 from autofit.profiling.data import PROFILE_BATCHES
 from autofit.profiling.fake_kernels import FakeKernels
 from autofit.profiling.raw import RawLayer, RawRun
+from autofit.profiling.recompute_kept import recomputed_kept
 from autofit.profiling.routing import ROUTING_NOTE, Routing
 from autofit.profiling.timeline import (
     init_optimizer_state,
@@ -138,10 +139,11 @@ def _build(workload: Workload, precision: Precision, micro_batch: int, device_ty
 
 
 def _trace(step: _Step, trace: StepTrace, tensor_mode, step_optimizer: bool,
-           carried: list | None = None) -> list[tuple[tuple, tuple]]:
+           carried: list | None = None) -> list[tuple[tuple, tuple, tuple]]:
     """Run ``step`` under ``trace``'s hooks and timeline, then the checkpointed forward and the selectively
     checkpointed one (per layer: :meth:`StepTrace.checkpointed_forwards`'s region and kept bytes, and
-    :meth:`StepTrace.selective_forwards`'s four values). ``carried``: storages a step before left alive,
+    :meth:`StepTrace.selective_forwards`'s four values, then what its recomputation leaves alive where a layer keeps
+    tensors beyond autograd: :func:`~autofit.profiling.recompute_kept.recomputed_kept`). ``carried``: storages a step before left alive,
     counted from the start (the list is emptied: no reference here may keep them past their replacement)."""
     trainee, timeline = step.trainee, trace.timeline
     trace.attach(trainee.model, step.layers, step.params)
@@ -151,7 +153,11 @@ def _trace(step: _Step, trace: StepTrace, tensor_mode, step_optimizer: bool,
         trace.detach()
     with tensor_mode, timeline:
         checkpointed = trace.checkpointed_forwards(trainee, step.layers, step.inputs)
-        return list(zip(checkpointed, trace.selective_forwards(trainee, step.layers, step.inputs)))
+        selective = trace.selective_forwards(trainee, step.layers, step.inputs)
+        # only a layer that keeps something beyond autograd (a key/value cache) changes what a recomputation keeps
+        kept = (recomputed_kept(trainee, step.layers, step.inputs, timeline) if any(r for _, r in checkpointed)
+                else [(0, 0, 0, 0)] * trace.n)
+        return list(zip(checkpointed, selective, kept))
 
 
 def _traced_step(step: _Step, trace: StepTrace, tensor_mode, step_optimizer: bool, carried: list | None) -> None:
@@ -175,7 +181,7 @@ def _traced_step(step: _Step, trace: StepTrace, tensor_mode, step_optimizer: boo
                 trace.optimizer_stepped()
 
 
-def _read(step: _Step, trace: StepTrace, checkpointed: list[tuple[tuple, tuple]], layer_flops: list[float],
+def _read(step: _Step, trace: StepTrace, checkpointed: list[tuple[tuple, tuple, tuple]], layer_flops: list[float],
           fwd_flops: float, bwd_flops: float, step_optimizer: bool, kept_bytes: int) -> RawRun:
     """The traced step's numbers."""
     weights = _weights(step.trainee.model, step.layers, step.params, step.buffers, trace.module_phase)
@@ -213,12 +219,12 @@ def _read(step: _Step, trace: StepTrace, checkpointed: list[tuple[tuple, tuple]]
     )
 
 
-def _raw_layer(trace: StepTrace, i: int, params: list, buffers: list, forwards: tuple[tuple, tuple],
+def _raw_layer(trace: StepTrace, i: int, params: list, buffers: list, forwards: tuple[tuple, tuple, tuple],
                flops: float) -> RawLayer:
     rb, last = trace.round_bytes, i == trace.n - 1
     trainable = [p for p in params if p.requires_grad]
     (checkpointed, retained), (selective, selective_kept, selective_output_kept, selective_saved_flops,
-                               selective_recompute, selective_recompute_prefix) = forwards
+                               selective_recompute, selective_recompute_prefix), recomputed = forwards
     return RawLayer(
         param_bytes=tensor_bytes(params + buffers, rb),
         grad_bytes=tensor_bytes(trainable, rb),
@@ -230,6 +236,10 @@ def _raw_layer(trace: StepTrace, i: int, params: list, buffers: list, forwards: 
         recompute=trace.recompute(i),
         checkpointed_forward=checkpointed,
         retained=retained,
+        retained_recomputed_inner=recomputed[0],
+        retained_recomputed=recomputed[1],
+        recomputed_input_kept=recomputed[2],
+        recomputed_args_kept=recomputed[3],
         selective_forward=selective,
         selective_kept=selective_kept,
         selective_output_kept=selective_output_kept,
