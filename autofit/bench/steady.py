@@ -8,10 +8,9 @@
 The searches and the quiet measurements run in a user's environment: without the ``OMP_WAIT_POLICY``
 the other suites set for their timing.
 
-Then every distinct answer is measured quietly, :data:`QUIET_SAMPLES` times each: answers of one build
-timed head to head (one process, their steps interleaved), any other in trials of its own interleaved with
-the rest, so that drift in the machine's speed falls on all of them alike; each answer is scored by its best
-measurement (load only slows a step). A check passes when every answer reaches
+Then every distinct answer is measured quietly, :data:`QUIET_SAMPLES` trials each, the answers'
+trials interleaved so that drift in the machine's speed falls on all of them alike, and each answer is
+scored by its best trial (load only slows a step). A check passes when every answer reaches
 :data:`TARGET_SHARE` of the fastest answer's quiet throughput: the same answer, or one as good.
 """
 
@@ -109,26 +108,16 @@ def _search_row(check: str, budget: str, run: int, out: Path) -> dict:
 
 
 def _measure_quietly(configs: list, samples: int, progress) -> dict:
-    """Each config's best throughput over ``samples`` measurements. Answers of one build are timed head to
-    head (:mod:`autofit.trial.head_to_head`: one process, steps interleaved, so a drift of the machine's
-    speed falls on all alike); an answer alone in its build gets trials of its own, interleaved with the rest."""
-    from autofit.trial.run import run_head_to_head, run_trial
+    """Each config's best throughput over ``samples`` trials, the configs' trials interleaved."""
+    from autofit.trial.run import run_trial
 
-    builds: dict = {}
-    for config in configs:
-        builds.setdefault(config.build or config, []).append(config)
     best: dict = {}
     for i in range(samples):
-        for group in builds.values():
-            if len(group) > 1:
-                results = run_head_to_head(MODEL, group, device="cpu", timeout_s=600)
-            else:
-                results = [run_trial(MODEL, group[0], device="cpu", warmup_steps=2, measure_steps=3, timeout_s=300)]
-            for r in results:
-                best[r.config] = max(best.get(r.config) or 0.0, r.samples_per_s or 0.0)
-                progress(f"steady: quiet sample {i + 1}/{samples} of {r.config.short()}"
-                         f"{' (head to head)' if len(group) > 1 else ''}: {r.samples_per_s or 0:.1f} samples/s "
-                         f"({r.status.value})")
+        for config in configs:
+            r = run_trial(MODEL, config, device="cpu", warmup_steps=2, measure_steps=3, timeout_s=300)
+            best[config] = max(best.get(config) or 0.0, r.samples_per_s or 0.0)
+            progress(f"steady: quiet sample {i + 1}/{samples} of {config.short()}: "
+                     f"{r.samples_per_s or 0:.1f} samples/s ({r.status.value})")
     return best
 
 
@@ -183,10 +172,9 @@ def write_steady(out_dir: Path, env: dict, res: SteadyResults, repeats: int) -> 
     rep = Report("Steadiness: the same answer, run after run and beside a busy core", env)
     rep.add(f"Suite wall time: {res.wall_s / 60:.1f} min. `autofit search` on `{MODEL}` with the default space, "
             f"{repeats} times per budget, then once at {BUSY_BUDGET} beside a busy loop holding one core. Every "
-            f"distinct answer was then measured quietly, {QUIET_SAMPLES} times each (answers of one build head to "
-            f"head, in one process with their steps interleaved; others in trials of their own), the best kept; "
-            f"*share of best* is an answer's quiet throughput over the fastest answer's. Target: every answer at "
-            f"least {TARGET_SHARE:.0%} (the same answer, or one as fast within the noise).")
+            f"distinct answer was then measured quietly ({QUIET_SAMPLES} trials each, interleaved, best trial "
+            f"kept); *share of best* is an answer's quiet throughput over the fastest answer's. Target: every "
+            f"answer at least {TARGET_SHARE:.0%} (the same answer, or one as fast within the noise).")
     rows = [[r["check"], r["budget"], r["run"], f"`{r['answer']}`" if r["answer"] else "none",
              f"{r['search_samples_per_s']:.1f}" if r["search_samples_per_s"] else "-",
              f"{r['quiet_samples_per_s']:.1f}" if r["quiet_samples_per_s"] else "-", pct(r["share_of_best"], 1),

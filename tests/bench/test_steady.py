@@ -69,28 +69,3 @@ def test_a_busy_core_is_a_separate_process_that_stops():
         assert hog.is_alive()
         time.sleep(0.2)
     assert not hog.is_alive()
-
-
-def test_answers_of_one_build_are_measured_head_to_head_and_others_on_their_own(monkeypatch):
-    from autofit.trial import run as trial_run
-    from autofit.trial.run import TrialResult, TrialStatus
-
-    calls = []
-
-    def result(config, value):
-        return TrialResult("gpt-tiny", config, "cpu", TrialStatus.OK, samples_per_s=value)
-
-    def head_to_head(model, configs, **_):
-        calls.append(("together", tuple(configs)))
-        return [result(c, 100.0 - len(calls) - k) for k, c in enumerate(configs)]
-
-    def alone(model, config, **_):
-        calls.append(("alone", config))
-        return result(config, 50.0 + len(calls))
-
-    monkeypatch.setattr(trial_run, "run_head_to_head", head_to_head)
-    monkeypatch.setattr(trial_run, "run_trial", alone)
-    other = TrainConfig("amp-bf16", 8, 8)
-    best = steady._measure_quietly([FAST, SLOW, other], 2, lambda _m: None)
-    assert calls == [("together", (FAST, SLOW)), ("alone", other)] * 2
-    assert best == {FAST: 99.0, SLOW: 98.0, other: 54.0}  # each config's best of its two measurements
