@@ -167,9 +167,9 @@ def head_to_head_of(record: TrialRecord) -> int | None:
 def ranked_samples(samples: Sequence[TrialRecord]) -> list[TrialRecord]:
     """The samples of a config that rank it: those of the latest head-to-head it was timed in, else all.
 
-    Timed beside the other leaders in one process, a head-to-head sample saw the machine as they
+    Timed beside the other leaders in one process, a head-to-head sample saw the machine much as they
     did; a sample of a trial of its own saw the machine at its own moment, whose speed drifts by
-    more than close leaders differ (docs/facts.md#throughput-noise)."""
+    as much as close leaders differ (docs/facts.md#throughput-noise)."""
     rounds = [h for h in map(head_to_head_of, samples) if h is not None]
     if not rounds:
         return list(samples)
