@@ -291,6 +291,11 @@ def retained_caveat(name: str, precisions) -> str | None:
             "set use_cache=False")
 
 
+# A layer's per-sample lines that JSON written before them lacks (read as zero).
+_LINE_FIELDS = ("after", "input_freed_late", "args_freed_late", "selective_kept", "selective_saved_flops", "retained",
+                "retained_recomputed", "retained_recomputed_inner", "recomputed_input_kept", "recomputed_args_kept")
+
+
 def rows_from_json(rows) -> tuple[tuple[int, int], ...]:
     return tuple(tuple(r) for r in rows)
 
@@ -307,10 +312,7 @@ def precision_from_dict(pp: dict) -> PrecisionProfile:
                                       for k in ("recompute", "checkpointed_forward", "selective_forward",
                                                 "selective_recompute", "selective_recompute_prefix")},
                                    "output": tuple(lp["output"]), "forward_flops": tuple(lp["forward_flops"]),
-                                   **{k: tuple(lp.get(k, (0.0, 0.0))) for k in ("after", "input_freed_late", "args_freed_late",
-                                                                               "selective_kept", "selective_saved_flops",
-                                                                               "retained", "retained_recomputed", "recomputed_input_kept", "recomputed_args_kept",
-                                                                               "retained_recomputed_inner")},
+                                   **{k: tuple(lp.get(k, (0.0, 0.0))) for k in _LINE_FIELDS},
                                    "grad_rows": rows_from_json(lp.get("grad_rows", ()))})
                    for lp in pp.pop("layers"))
     regions = {k: region_from_dict(pp[k]) for k in ("pre_forward", "post_forward", "post_backward", "pre_backward")}

@@ -142,9 +142,9 @@ def _trace(step: _Step, trace: StepTrace, tensor_mode, step_optimizer: bool,
            carried: list | None = None) -> list[tuple[tuple, tuple, tuple]]:
     """Run ``step`` under ``trace``'s hooks and timeline, then the checkpointed forward and the selectively
     checkpointed one (per layer: :meth:`StepTrace.checkpointed_forwards`'s region and kept bytes, and
-    :meth:`StepTrace.selective_forwards`'s four values, then what its recomputation leaves alive where a layer keeps
-    tensors beyond autograd: :func:`~autofit.profiling.recompute_kept.recomputed_kept`). ``carried``: storages a step before left alive,
-    counted from the start (the list is emptied: no reference here may keep them past their replacement)."""
+    :meth:`StepTrace.selective_forwards`'s four values, then what its recomputation leaves alive where a
+    layer keeps tensors beyond autograd: :func:`~autofit.profiling.recompute_kept.recomputed_kept`).
+    ``carried``: storages a step before left alive, counted from the start (the list is emptied: no reference here may keep them past their replacement)."""
     trainee, timeline = step.trainee, trace.timeline
     trace.attach(trainee.model, step.layers, step.params)
     try:

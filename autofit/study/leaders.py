@@ -2,8 +2,8 @@
 
 One throughput sample is noisy, so before the best is crowned the configs whose noise bands overlap
 the best's are measured again. Leaders that share a build are timed head to head in one process
-(:mod:`autofit.trial.head_to_head`), where a slow spell of the machine slows them all alike; any other
-leader gets a second trial of its own.
+(:mod:`autofit.trial.head_to_head`), where a slow spell of the machine falls on them more alike; any
+other leader gets a second trial of its own.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ def sample_noise(by_config: dict) -> float:
 def remeasurements(records: Sequence[TrialRecord], by_config: dict, index: dict) -> list[list[tuple[int, int]]]:
     """The re-measurements still due before the best is crowned, in the order they run: each a list of
     (config index in ``index``, sample number), one member for a trial of its own, more for a
-    head-to-head; only where the leaders' noise bands overlap. The leaders are the configs whose best sample, raised by :func:`sample_noise`, reaches the best config's (up to
-    REMEASURE_TOP of them); a leader alone is not measured again: nothing within the noise could
+    head-to-head; only where the leaders' noise bands overlap. The leaders are the configs whose best
+    sample, raised by :func:`sample_noise`, reaches the best config's (up to REMEASURE_TOP of them); a leader alone is not measured again: nothing within the noise could
     overtake it. Leaders that share a build (:attr:`TrainConfig.build`) are timed head to head, in
     one process (:func:`_head_to_head`, first in the list); any other leader is brought to
     REMEASURE_SAMPLES samples of its own, so a slow first sample gets its second chance. Running
@@ -69,7 +69,9 @@ def remeasurements(records: Sequence[TrialRecord], by_config: dict, index: dict)
             due.append([(index[config], 1 + max(r.sample for r in mine))])
     return due
 
-def _head_to_head(claimed: list[TrialRecord], builds: dict[tuple, list[TrainConfig]], index: dict) -> list[tuple[int, int]]:
+
+def _head_to_head(claimed: list[TrialRecord], builds: dict[tuple, list[TrainConfig]],
+                  index: dict) -> list[tuple[int, int]]:
     """The next head-to-head, as (config index, sample number) of each member (empty: none due): the
     leaders of one build (the top leader's first), unless a head-to-head already timed them all
     together, or one of them is running. At most HEAD_TO_HEAD_MAX per study."""

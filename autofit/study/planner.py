@@ -37,15 +37,7 @@ from autofit.estimator.time_model import OpCounts, predict_table
 from autofit.probes.device_rates import DeviceRates
 from autofit.profiling.data import Profile
 from autofit.runtime.schedule import DEFAULT_SCHEDULE, MeasureSchedule
-from autofit.study.leaders import (  # noqa: F401 -- the re-measurement rules' names, as the planner's
-    HEAD_TO_HEAD_MAX,
-    NOISE_MIN,
-    REMEASURE_MAX,
-    REMEASURE_SAMPLES,
-    REMEASURE_TOP,
-    remeasurements,
-    sample_noise,
-)
+from autofit.study.leaders import remeasurements
 from autofit.study.settings import StudySettings
 
 # --- the rules' constants ---------------------------------------------------------------------

@@ -250,7 +250,7 @@ def run_worker(settings: StudySettings, workload: Workload, *, profile: Profile 
     if "device_rates" not in worker.study.user_attrs:
         worker.study.set_user_attr("device_rates", rates.to_dict())
     while True:
-        step, trial = worker.plan_and_claim()
+        step, trial, together = worker.plan_and_claim()
         if trial is None:  # the caller says why it stopped, once (SearchProgress.stop_reason)
             return step.stop
         config = storage.config_of(trial.params)  # the planned config, or one someone enqueued by hand
@@ -262,7 +262,7 @@ def run_worker(settings: StudySettings, workload: Workload, *, profile: Profile 
             continue
         source = workload if workload.source is None else workload.source
         if step.together:
-            worker.run_head_to_head([trial, *worker.together], [step.prediction, *step.together_predictions], source,
+            worker.run_head_to_head([trial, *together], [step.prediction, *step.together_predictions], source,
                                     runner, head_to_head_runner)
             continue
         worker.run(trial, config, step.prediction, source, runner, step.sample)
@@ -284,7 +284,6 @@ class _Worker:
         self.lock = locks.ClaimLock(out_dir)
         self.progress = progress
         self.calibrated_on: int | None = None
-        self.together: list[optuna.Trial] = []  # claimed with the last planned trial, to time head to head
 
     def emit(self, message: str) -> None:
         if self.progress is not None:
@@ -292,7 +291,8 @@ class _Worker:
 
     def plan_and_claim(self):
         """Under the claim lock: fail dead workers' trials, plan, record the prunes, then claim the
-        planned config. Returns the step and the claimed trial (None: stop)."""
+        planned config, and any leaders timed head to head with it. Returns the step, the claimed trial
+        (None: stop) and the trials claimed with it (empty but for a head-to-head)."""
         with self.lock:
             records = storage.read_records(self.study)
             if fail_stale_trials(self.study, records):
@@ -308,11 +308,11 @@ class _Worker:
                 self.emit(_prune_summary(step.prunes))
             if step.run is None:
                 self.study.set_user_attr("stop_reason", step.stop)
-                return step, None
+                return step, None, []
             trial = self._claim(step.run, step.prediction, step.sample)
-            self.together = [self._claim(i, prediction, sample)
-                             for (i, sample), prediction in zip(step.together, step.together_predictions)]
-            return step, trial
+            together = [self._claim(i, prediction, sample)
+                        for (i, sample), prediction in zip(step.together, step.together_predictions)]
+            return step, trial, together
 
     def _claim(self, index: int, prediction: dict, sample: int) -> optuna.Trial:
         self.sampler.pending = self.planner.configs[index].to_dict()

@@ -18,7 +18,6 @@ the activations of one config's step are freed before the next config's step sta
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from collections.abc import Sequence
 
 import torch
@@ -32,12 +31,7 @@ from autofit.runtime.timing import (
     cpus_available,
 )
 from autofit.runtime.training import build_trainee, train_step
-from autofit.trial.measure import (
-    compose_step_time,
-    cuda_events,
-    timed_step,
-    trial_micro_batches,
-)
+from autofit.trial.measure import compose_step_time, step_sample, trial_micro_batches
 from autofit.workloads.base import Workload
 
 
@@ -85,12 +79,9 @@ def measure_head_to_head(workload: Workload, configs: Sequence[TrainConfig], *, 
         for k in order:
             if sum(not s.starved for s in samples[k]) >= schedule.timed_steps:
                 continue
-            events = cuda_events(dev)
-            micro_s, optimizer_s = timed_step(trainees[k], batches[k], sync, clocks[k], events)
-            t_micro = statistics.fmean(micro_s)
-            device_s = events[0].elapsed_time(events[1]) / 1000.0 if events else None
-            samples[k].append(clocks[k].step_sample(compose_step_time(configs[k], t_micro, optimizer_s), device_s))
-            parts[k].append((t_micro, optimizer_s))
+            sample, part = step_sample(trainees[k], batches[k], configs[k], sync, clocks[k], dev)
+            samples[k].append(sample)
+            parts[k].append(part)
         if all(sum(not s.starved for s in done) >= schedule.timed_steps for done in samples):
             break
     return [_timing_result(workload, c, StepTimes(tuple(s), torch.get_num_threads(), cpus_available()), p)

@@ -48,6 +48,7 @@ from autofit.runtime.schedule import MeasureSchedule, run_steps
 from autofit.runtime.timing import (
     MAX_RETIMED_STEPS,
     StepClock,
+    StepSample,
     StepTimes,
     cpus_available,
 )
@@ -220,17 +221,25 @@ def time_steps(trainee, micro_batches: list, config: TrainConfig, repeats: int,
     steps = StepClock(clock)
     samples, parts = [], []
     while len(samples) < repeats + MAX_RETIMED_STEPS:
-        events = cuda_events(device)
-        micro_s, optimizer_s = timed_step(trainee, micro_batches, sync, steps, events)
-        t_micro = statistics.fmean(micro_s)
-        device_s = events[0].elapsed_time(events[1]) / 1000.0 if events else None
-        samples.append(steps.step_sample(compose_step_time(config, t_micro, optimizer_s), device_s))
-        parts.append((t_micro, optimizer_s))
+        sample, part = step_sample(trainee, micro_batches, config, sync, steps, device)
+        samples.append(sample)
+        parts.append(part)
         if sum(not s.starved for s in samples) >= repeats:
             break
     times = StepTimes(tuple(samples), torch.get_num_threads(), cpus_available())
     t_micro, t_optimizer = parts[samples.index(times.best)]
     return times, t_micro, t_optimizer
+
+
+def step_sample(trainee, micro_batches: list, config: TrainConfig, sync, steps: StepClock,
+                device: torch.device | None) -> tuple[StepSample, tuple[float, float]]:
+    """Time one step (:func:`timed_step`) and compose it for ``config``: its sample on ``steps`` (with its CUDA
+    event time on ``device``) and its (micro-step, optimizer step) seconds."""
+    events = cuda_events(device)
+    micro_s, optimizer_s = timed_step(trainee, micro_batches, sync, steps, events)
+    t_micro = statistics.fmean(micro_s)
+    device_s = events[0].elapsed_time(events[1]) / 1000.0 if events else None
+    return steps.step_sample(compose_step_time(config, t_micro, optimizer_s), device_s), (t_micro, optimizer_s)
 
 
 def timed_step(trainee, micro_batches: list, sync, steps: StepClock, events) -> tuple[list[float], float]:

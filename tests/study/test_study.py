@@ -317,7 +317,7 @@ def test_a_head_to_head_takes_only_the_trials_left_under_the_limit(tiny_profile,
 
 def test_a_leader_alone_is_not_measured_again(tiny_profile, rates):
     from autofit.core.records import config_samples
-    from autofit.study.planner import NOISE_MIN, sample_noise
+    from autofit.study.leaders import NOISE_MIN, sample_noise
 
     planner = make_planner(tiny_profile, rates, precision=["fp32"], micro_batch=[1, 2, 4, 8], global_batch=8)
     a, b, c, d = (TrainConfig("fp32", m, 8 // m) for m in (8, 4, 2, 1))
@@ -629,7 +629,7 @@ def test_a_search_runs_its_trials_through_the_injected_runner(tmp_path):
     records = {r.config: r for r in stored if r.sample == 1}
     # before answering, the leaders were measured a second time only if their noise bands overlap
     # (NOISE_MIN with one sample each): here the runner's best is alone, 2x the next
-    from autofit.study.planner import NOISE_MIN
+    from autofit.study.leaders import NOISE_MIN
 
     again = [r.config for r in stored if r.sample == 2]
     top = max(r.value for r in records.values() if r.feasible)
