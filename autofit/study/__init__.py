@@ -95,11 +95,13 @@ _HOMES = {
     "autofit.study.storage": ("JOURNAL_NAME", "META_NAME", "config_of", "create_or_load",
                               "distributions", "load_snapshot", "make_storage", "open_study", "read_records",
                               "record_of", "snapshot"),
-    "autofit.study.planner": ("BOUND", "TIE", "NOISE_MIN", "REMEASURE_SAMPLES", "REMEASURE_TOP", "SLOW_FACTOR",
-                              "TRIAL_STARTUP_S", "Planner", "Prune", "Step", "StopReason"),
+    "autofit.study.planner": ("BOUND", "TIE", "SLOW_FACTOR", "TRIAL_STARTUP_S", "Planner", "Prune", "Step",
+                              "StopReason"),
+    "autofit.study.leaders": ("HEAD_TO_HEAD_MAX", "NOISE_MIN", "REMEASURE_SAMPLES", "REMEASURE_TOP", "sample_noise"),
     "autofit.study.progress": ("ProgressCallback", "ProgressPrinter", "SearchProgress", "progress_of"),
     "autofit.study.worker": ("HEARTBEAT_S", "ORPHAN_S", "STALE_S", "TrialRunner", "fail_stale_trials", "is_stale",
-                             "process_start", "run_trial_isolated", "run_worker", "worker_identity"),
+                             "process_start", "run_trial_isolated", "run_worker", "worker_identity",
+                             "HeadToHeadRunner", "run_head_to_head_isolated"),
     "autofit.study.launcher": ("run_workers",),
 }
 _LAZY = {name: module for module, names in _HOMES.items() for name in names}
