@@ -296,6 +296,9 @@ def _fork_trial(order: dict, fds: list[int], close: tuple[int, ...]) -> int:
     message_w, stderr_w = fds
     sys.stdout.flush()
     sys.stderr.flush()
+    # Read before the fork: a zygote killed while the trial still imports its entry would otherwise
+    # leave it reading init as the parent it must die with, and it would outlive us.
+    zygote = os.getpid()
     pid = os.fork()
     if pid:
         os.close(message_w)
@@ -316,4 +319,4 @@ def _fork_trial(order: dict, fds: list[int], close: tuple[int, ...]) -> int:
         function = getattr(importlib.import_module(module_name), name)
     except BaseException:  # noqa: BLE001
         os._exit(1)
-    procs.serve(function, order["request"], message_w, os.getppid())
+    procs.serve(function, order["request"], message_w, zygote)
