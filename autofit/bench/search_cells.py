@@ -80,9 +80,23 @@ QUICK_CELLS = (
 #   tracker, 32.96 estimated): a budget where a lean lever need not win, for the grid to say which does
 #   (these samples/s are single CLI runs on a loaded machine, +-10%). amp-bf16 with AdamW fits neither
 #   budget (54.94 MiB at mb=1 ckpt=0), so the finders at amp-bf16 score 0 at both.
+#
+# The selective cell: gpt-tiny at 1024 tokens per sample, the workload's AdamW kept (selective checkpointing
+# changes nothing in the training; the optimizer lever does, and has its own cell above). At this length a
+# sample's activations, not the weights, decide what fits, and an operator's work is large enough that
+# the selective policy's dispatch overhead no longer dominates (at 128 tokens, or on the 128-wide ViT, a
+# selectively checkpointed step measured as slow as a fully checkpointed one). Measured with
+# `autofit.measure` at global batch 4 (estimates equal to the tracker on each; samples/s of two runs,
+# load ~1.3): bf16 mb=1 ckpt=0 77.9 MiB (11.7, 11.2 samples/s), ckpt=1/sel 70.4 (9.6, 9.7), ckpt=1 55.3
+# (8.2, 7.0); mb=2 ckpt=1 89.6 (7.7, 9.8), ckpt=1/sel 119.7; amp-bf16 mb=1 ckpt=1 93.3 estimated.
+# - 74 MiB: nothing fits without checkpointing, so every finder scores 0; selective (the middle point
+#   per-layer intervals cannot reach) measured ~25% faster than full checkpointing.
+# - 100 MiB: mb=1 without checkpointing fits: a budget where the lean lever must not be chosen.
 LEAN_CELLS = (
     Cell("gpt-tiny", 12, (1, 2, 4, 6, 12), (Precision.AMP_BF16, Precision.BF16), (25, 40), checkpoints=(0, 1),
          optimizers=(OptimizerChoice.AS_GIVEN, OptimizerChoice.ADAFACTOR, OptimizerChoice.ADAMW8BIT),
+         checkpoint_policies=(CheckpointPolicy.FULL, CheckpointPolicy.SELECTIVE)),
+    Cell("gpt-tiny+seq_len=1024", 4, (1, 2, 4), (Precision.AMP_BF16, Precision.BF16), (74, 100), checkpoints=(0, 1),
          checkpoint_policies=(CheckpointPolicy.FULL, CheckpointPolicy.SELECTIVE)),
 )
 

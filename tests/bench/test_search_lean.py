@@ -70,10 +70,19 @@ def test_problem_enumerates_the_lean_levers_as_autofits_space_does():
 
 
 def test_the_lean_cell_is_a_valid_problem_with_a_budget_only_lean_configs_fit():
-    cell, = LEAN_CELLS
+    cell = LEAN_CELLS[0]
     problem = problem_for(cell, cell.budgets_mib[0] * MiB, 0)
     assert cell.lean and len(problem.configs()) == 2 * 5 * 3 * 3
     assert any(c.changes_optimizer for c in problem.configs())
+    assert any(c.checkpoint_policy is CheckpointPolicy.SELECTIVE for c in problem.configs())
+
+
+def test_the_selective_cell_keeps_the_workloads_optimizer_and_offers_the_selective_policy():
+    cell = LEAN_CELLS[1]
+    problem = problem_for(cell, cell.budgets_mib[0] * MiB, 0)
+    # 2 precisions x 3 micro-batches x (no checkpointing + full + selective)
+    assert cell.lean and len(problem.configs()) == 2 * 3 * 3
+    assert not any(c.changes_optimizer for c in problem.configs())
     assert any(c.checkpoint_policy is CheckpointPolicy.SELECTIVE for c in problem.configs())
 
 
