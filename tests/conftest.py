@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import statistics
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
 import torch
 
 TESTS_DIR = Path(__file__).resolve().parent
+# Seconds each test file took (setup, call and teardown summed), read to hand out the longest files
+# first. Refresh it after adding slow tests: AUTOFIT_STORE_TEST_DURATIONS=tests/durations.json python -m pytest
+DURATIONS = TESTS_DIR / "durations.json"
+_measured_s: dict[str, float] = defaultdict(float)
 
 # A suite started in the background by a script inherits SIGINT ignored; the CLI then warns that
 # Ctrl-C is ignored (a second stderr line the one-line error tests would count), and the Ctrl-C
@@ -24,6 +31,7 @@ def pytest_xdist_auto_num_workers(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    _longest_files_first(items)
     # torch.cuda.is_available() does not create a CUDA context, so trial parents stay clean.
     if torch.cuda.is_available():
         return
@@ -31,6 +39,39 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cuda") is not None:  # not item.keywords: it holds folder names too
             item.add_marker(skip)
+
+
+def _longest_files_first(items) -> None:
+    """Under ``--dist loadfile`` a test file is one unit of work, handed to whichever worker frees up
+    first, in collection order. Alphabetical order can leave a long file for last, run by one worker
+    while the others idle; the longest files first (longest-processing-time scheduling) end the workers
+    together. A file without a record counts as the median one. Tests keep their order within a file."""
+    try:
+        seconds = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        return
+    typical_s = statistics.median(seconds.values()) if seconds else 0.0
+    first_seen: dict[str, int] = {}
+    for item in items:
+        first_seen.setdefault(item.nodeid.split("::")[0], len(first_seen))
+
+    def key(item):
+        file = item.nodeid.split("::")[0]
+        return -seconds.get(file, typical_s), first_seen[file]
+
+    items.sort(key=key)
+
+
+def pytest_runtest_logreport(report):
+    if os.environ.get("AUTOFIT_STORE_TEST_DURATIONS"):
+        _measured_s[report.nodeid.split("::")[0]] += report.duration
+
+
+def pytest_sessionfinish(session):
+    out = os.environ.get("AUTOFIT_STORE_TEST_DURATIONS")
+    # the controller (or a run without workers) has every report; a worker only its own
+    if out and _measured_s and not hasattr(session.config, "workerinput"):
+        Path(out).write_text(json.dumps({f: round(s, 1) for f, s in sorted(_measured_s.items())}, indent=1) + "\n")
 
 
 @pytest.fixture
