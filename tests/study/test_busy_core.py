@@ -31,5 +31,7 @@ def test_a_search_beside_a_busy_core_gives_the_quiet_answer_and_records_the_wait
         loaded = _search(tmp_path / "loaded")
     assert quiet.best is not None and loaded.best == quiet.best, (quiet.table, loaded.table)
     ran = loaded.table[loaded.table["status"] == "ok"]
-    assert len(ran) >= 2 and ran["max_wait_share"].notna().all(), ran  # each trial says what it waited for a CPU
+    # one trial may be all it needs (the other config predicted several times slower); each says what it
+    # waited for a CPU
+    assert len(ran) >= 1 and ran["max_wait_share"].notna().all(), ran
 
