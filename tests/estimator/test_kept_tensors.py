@@ -26,7 +26,7 @@ SPEC = "tests/cache_workloads.py:"
 def _estimated_and_measured(name: str, every: int) -> tuple[int, int]:
     workload = load_workload(SPEC + name)
     config = TrainConfig("fp32", 2, 1, every, 1)
-    profile = profile_workload(workload, ["fp32"], use_cache=False, split_ends=False)
+    profile = profile_workload(workload, ["fp32"], split_ends=False)
     measured = measure_trial(workload, config, warmup_steps=2, measure_steps=1)
     assert measured["status"] == "ok", measured["error"]
     return estimate(profile, config).peak_bytes, measured["peak_bytes"]
@@ -64,7 +64,7 @@ def checkpointed_caches() -> dict[tuple[str, str], tuple[int, int]]:
         for name in CACHED:
             workload = load_workload(SPEC + name)
             configs = [TrainConfig.parse(text) for text in CHECKPOINTED]
-            profile = profile_workload(workload, list(dict.fromkeys(c.precision for c in configs)), use_cache=False,
+            profile = profile_workload(workload, list(dict.fromkeys(c.precision for c in configs)),
                                        split_ends=False)
             for text, config in zip(CHECKPOINTED, configs):
                 measured = measure_trial(workload, config, warmup_steps=2, measure_steps=1)
@@ -93,7 +93,7 @@ def test_checkpointed_caches_are_estimated_within_3_percent_median(checkpointed_
 def test_a_split_of_a_model_that_returns_its_cache_is_refused_naming_the_fix(name):
     # torch.export (the generic pipeline split's tracer) cannot capture a DynamicCache in the output:
     # measured, measure_split fails with that error; so is an FSDP rank's checkpointed step, not modelled
-    profile = profile_workload(load_workload(SPEC + name), ["fp32"], use_cache=False, split_ends=False)
+    profile = profile_workload(load_workload(SPEC + name), ["fp32"], split_ends=False)
     split, fsdp = (TrainConfig.parse(f"precision=fp32,micro_batch=2,grad_accum=2,checkpoint_every={every},"
                                      f"device_split=2,split_mode={mode}") for every, mode in ((1, "pipeline"),
                                                                                            (1, "fsdp")))
@@ -130,7 +130,7 @@ def test_the_profile_sees_what_is_kept_and_says_so(caplog):
 def test_a_cache_whose_recomputation_was_not_replayed_is_refused_when_checkpointed():
     # a layer that cannot be called again with what it was first called with leaves the replay's bytes at zero:
     # checkpointed configs are then refused with the fix, never estimated without the recomputation
-    profile = profile_workload(load_workload(SPEC + "llama_lm"), ["fp32"], use_cache=False, split_ends=False)
+    profile = profile_workload(load_workload(SPEC + "llama_lm"), ["fp32"], split_ends=False)
     pp = profile.for_precision("fp32")
     layers = tuple(dataclasses.replace(layer, retained_recomputed=(0.0, 0.0)) for layer in pp.layers)
     unreplayed = dataclasses.replace(profile, precisions={"fp32": dataclasses.replace(pp, layers=layers)})
