@@ -17,7 +17,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from autofit.profiling.data import PROFILE_BATCHES, PROFILE_VERSION, Profile
-from autofit.runtime.training import copies_stay_fake
+from autofit.runtime.training import copies_stay_fake, is_kv_cache
 from autofit.workloads.base import Workload, checked_batch
 
 __all__ = ["cache_dir", "cache_outcome", "cache_path", "code_digests", "profile_key", "split_refusal", "study_profile"]
@@ -124,20 +124,21 @@ _PLAIN = (torch.Tensor, int, float, bool, str, type(None))
 
 def _output_refusal(workload: Workload, inputs: torch.Tensor) -> str | None:
     """Why the generic split cannot trace the model's output, or None: an object in it that torch.export
-    does not know (transformers' DynamicCache, which a model with ``use_cache=True`` returns while it
-    trains). Read from one forward on the meta device (no memory); a model that cannot run there is
-    not judged here (its trial says why, if it fails)."""
+    does not know, other than a transformers key/value cache (which the traced stages drop). Read from one
+    forward on the meta device (no memory); a model that cannot run there is not judged here (its trial
+    says why, if it fails)."""
     try:
         with torch.device("meta"), torch.no_grad():
             model = workload.model()
             out = model(inputs.to("meta"))
-        unknown = sorted({type(leaf).__name__ for leaf in tree_leaves(out) if not isinstance(leaf, _PLAIN)})
+        # a key/value cache is dropped from the traced output (autofit.trial.pipeline.stages.without_caches)
+        unknown = sorted({type(leaf).__name__ for leaf in tree_leaves(out)
+                          if not isinstance(leaf, _PLAIN) and not is_kv_cache(leaf)})
     except Exception:  # noqa: BLE001 -- a forward that the meta device cannot run: not refused here
         return None
     if not unknown:
         return None
-    cache = " (a key/value cache: set use_cache=False)" if any("Cache" in name for name in unknown) else ""
-    return (f"the model returns a {', '.join(unknown)}{cache}, which torch.export, the pipeline split's tracer, "
+    return (f"the model returns a {', '.join(unknown)}, which torch.export, the pipeline split's tracer, "
             "cannot capture: use split_mode=fsdp, or a model that returns tensors")
 
 

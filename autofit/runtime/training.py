@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import sys
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -82,6 +83,15 @@ def to_device(batch: Any, device: torch.device, float_dtype: torch.dtype | None 
     if isinstance(batch, dict):
         return {k: to_device(v, device, float_dtype) for k, v in batch.items()}
     return batch
+
+
+def is_kv_cache(value: Any) -> bool:
+    """Whether ``value`` is a key/value cache a transformers model returns while it trains (its default
+    ``use_cache=True``): what no loss reads, and what a pipeline stage cannot pass on (torch.export does
+    not capture it). transformers is only looked up where the model already imported it."""
+    module = sys.modules.get("transformers.cache_utils")
+    cache_type = getattr(module, "Cache", None)
+    return cache_type is not None and isinstance(value, cache_type)
 
 
 def _first_tensor(output: Any) -> Any:

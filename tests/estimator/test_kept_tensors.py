@@ -89,17 +89,38 @@ def test_checkpointed_caches_are_estimated_within_3_percent_median(checkpointed_
     assert statistics.median(errors) <= 0.03, errors
 
 
+# One config per model: each is two ranks' processes, measured.
+SPLITS = {"llama_lm": "precision=amp-bf16,micro_batch=2,grad_accum=2,checkpoint_every=1,device_split=2",
+          "gpt2_lm": "precision=fp32,micro_batch=2,grad_accum=2,checkpoint_every=1,device_split=2"}
+
+
 @pytest.mark.parametrize("name", CACHED)
-def test_a_split_of_a_model_that_returns_its_cache_is_refused_naming_the_fix(name):
-    # torch.export (the generic pipeline split's tracer) cannot capture a DynamicCache in the output:
-    # measured, measure_split fails with that error; so is an FSDP rank's checkpointed step, not modelled
+def test_a_pipeline_split_of_a_model_that_returns_its_cache_runs_and_is_estimated_never_under(name, one_thread):
+    # The traced stages drop the cache from the output (torch.export cannot capture it; no loss reads it), and
+    # the last stage hands the user's loss the model's own output structure (it reads out.logits). The estimate
+    # still counts what the cache holds on a device (7% over at most, measured); the last stage's boundary sits
+    # within 1% under, as for the same model with use_cache=False.
+    from autofit.trial.pipeline.launch import measure_split
+
+    workload = load_workload(SPEC + name)
+    config = TrainConfig.parse(SPLITS[name])
+    profile = profile_workload(workload, [config.precision], split_ends=True)
+    assert profile.split_refusal is None
+    measured = measure_split(workload, config, device_type="cpu", timeout_s=300, budget_bytes=None)
+    assert measured["status"] == "ok", measured["error"]
+    predicted = estimate(profile, config).per_device_peak_bytes
+    for p, m in zip(predicted, measured["per_device_peak_bytes"], strict=True):
+        assert 0.99 * m <= p <= 1.08 * m, (predicted, measured["per_device_peak_bytes"])
+
+
+@pytest.mark.parametrize("name", CACHED)
+def test_an_fsdp_split_of_a_checkpointed_model_that_returns_its_cache_is_refused_naming_the_fix(name):
+    # an FSDP rank's checkpointed step, whose recomputation appends to the cache, is not modelled
     profile = profile_workload(load_workload(SPEC + name), ["fp32"], split_ends=False)
-    split, fsdp = (TrainConfig.parse(f"precision=fp32,micro_batch=2,grad_accum=2,checkpoint_every={every},"
-                                     f"device_split=2,split_mode={mode}") for every, mode in ((1, "pipeline"),
-                                                                                           (1, "fsdp")))
-    rows = estimate_table(profile, [split, fsdp])
+    fsdp = TrainConfig.parse("precision=fp32,micro_batch=2,grad_accum=2,checkpoint_every=1,device_split=2,"
+                             "split_mode=fsdp")
+    rows = estimate_table(profile, [fsdp])
     assert not rows.valid.any() and all("use_cache=False" in reason for reason in rows.reason)
-    assert profile.split_refusal is not None and "DynamicCache" in profile.split_refusal
 
 
 def test_the_profile_sees_what_is_kept_and_says_so(caplog):

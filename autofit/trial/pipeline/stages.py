@@ -18,7 +18,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import (
+    TreeSpec,
+    tree_map,
+    tree_map_only,
+    tree_structure,
+    tree_unflatten,
+)
 
 from autofit.core.config import PipelineSchedule, Precision, TrainConfig, stage_bounds
 from autofit.core.errors import WorkloadError
@@ -26,6 +32,7 @@ from autofit.runtime.ranks import last_line, root_cause
 from autofit.runtime.training import (
     apply_config,
     autocast_context,
+    is_kv_cache,
     make_micro_batches,
     param_dtype,
     to_device,
@@ -99,6 +106,36 @@ class Stage:
     raw_losses: list
     arg_mbs: list | None
     target_mbs: list | None
+
+
+def without_caches(model: nn.Module) -> nn.Module:
+    """``model`` with any key/value cache in its output replaced by None (:func:`is_kv_cache`): a
+    transformers model with its default ``use_cache=True`` returns one while it trains, which no loss
+    reads and torch.export (the stages' tracer) cannot capture. The forward is replaced on the instance,
+    not wrapped in another module, so every parameter and layer keeps its name."""
+    forward = model.forward
+
+    def forward_without_caches(*args, **kwargs):
+        return tree_map(lambda value: None if is_kv_cache(value) else value, forward(*args, **kwargs))
+
+    model.forward = forward_without_caches
+    return model
+
+
+def _output_spec(model: nn.Module, example_args: tuple) -> TreeSpec:
+    """The structure of ``model``'s output (a transformers ModelOutput, a tuple, a tensor), read from a
+    forward on fake tensors (no compute, no memory): the traced last stage returns the output's tensors
+    flat, and the user's loss is given them in that structure again (``out.logits`` works)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+        return tree_structure(model(*example_args))
+
+
+def _restructured(output: Any, spec: TreeSpec) -> Any:
+    """The last stage's flat output in the model's own output structure ``spec``."""
+    leaves = list(output) if isinstance(output, (tuple, list)) and len(output) == spec.num_leaves else [output]
+    return tree_unflatten(leaves, spec) if len(leaves) == spec.num_leaves else output
 
 
 def _module_fqn(model: nn.Module, target: nn.Module) -> str:
@@ -207,12 +244,15 @@ def build_stage(workload: Workload, config: TrainConfig, *, rank: int, world_siz
 
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+    output_spec = None
     if workload.split is not None:  # cut by hand (a model the tracer cannot capture)
         try:
             stage_module, replicated_spec = workload.split(model, all_bounds, rank, example_args[0])
         except WorkloadError as exc:
             raise SplitError(str(exc)) from exc
     else:
+        model = without_caches(model)
+        output_spec = _output_spec(model, example_args) if rank == world_size - 1 else None
         stage_module, replicated_spec = _trace_stage(model, layers_fqn, all_bounds, example_args, rank)
     del model, layers
     gc.collect()
@@ -241,6 +281,8 @@ def build_stage(workload: Workload, config: TrainConfig, *, rank: int, world_siz
     raw_losses: list = []
 
     def loss_fn(output, target):
+        if output_spec is not None:
+            output = _restructured(output, output_spec)
         with autocast_context(precision, device.type):
             loss = workload.loss(output, target)
         raw_losses.append(loss.detach())
