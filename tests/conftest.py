@@ -24,14 +24,6 @@ _measured_s: dict[str, float] = defaultdict(float)
 # processes the tests start inherit it.
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
-# Under pytest-xdist, one worker per core: a worker's trials and searches run on one OpenMP thread each,
-# as two workers' children with a thread per core each would oversubscribe the cores (a parallel region
-# waits for its slowest thread, and one descheduled stalls it). Tests about the threads a step asks for
-# set OMP_NUM_THREADS themselves.
-if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-
 
 def pytest_xdist_auto_num_workers(config):
     # One worker per core, at most four: the tests' trials start threads and processes of their own.
