@@ -144,7 +144,8 @@ def _trace(step: _Step, trace: StepTrace, tensor_mode, step_optimizer: bool,
     checkpointed one (per layer: :meth:`StepTrace.checkpointed_forwards`'s region and kept bytes, and
     :meth:`StepTrace.selective_forwards`'s four values, then what its recomputation leaves alive where a
     layer keeps tensors beyond autograd: :func:`~autofit.profiling.recompute_kept.recomputed_kept`).
-    ``carried``: storages a step before left alive, counted from the start (the list is emptied: no reference here may keep them past their replacement)."""
+    ``carried``: storages a step before left alive, counted from the start (the list is emptied: no
+    reference here may keep them past their replacement)."""
     trainee, timeline = step.trainee, trace.timeline
     trace.attach(trainee.model, step.layers, step.params)
     try:

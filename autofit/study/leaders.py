@@ -42,7 +42,8 @@ def remeasurements(records: Sequence[TrialRecord], by_config: dict, index: dict)
     """The re-measurements still due before the best is crowned, in the order they run: each a list of
     (config index in ``index``, sample number), one member for a trial of its own, more for a
     head-to-head; only where the leaders' noise bands overlap. The leaders are the configs whose best
-    sample, raised by :func:`sample_noise`, reaches the best config's (up to REMEASURE_TOP of them); a leader alone is not measured again: nothing within the noise could
+    sample, raised by :func:`sample_noise`, reaches the best config's (up to REMEASURE_TOP of them); a
+    leader alone is not measured again: nothing within the noise could
     overtake it. Leaders that share a build (:attr:`TrainConfig.build`) are timed head to head, in
     one process (:func:`_head_to_head`, first in the list); any other leader is brought to
     REMEASURE_SAMPLES samples of its own, so a slow first sample gets its second chance. Running
