@@ -108,9 +108,23 @@ def test_attention_is_causal():
     torch.testing.assert_close(model(idx)[:, :10], model(changed)[:, :10])
 
 
+def _cpu_runs_an_lstm_under_bf16_autocast() -> bool:
+    lstm = torch.nn.LSTM(4, 4, batch_first=True)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lstm(torch.zeros(1, 2, 4))
+    except RuntimeError as exc:
+        if "primitive descriptor" in str(exc):
+            return False
+        raise
+    return True
+
+
 @pytest.mark.parametrize("name", SMALL)
 @pytest.mark.parametrize("precision", ["fp32", "amp-bf16"])
 def test_small_builtins_train_one_step_with_checkpointing(name, precision):
+    if name == "lstm-lm" and precision == "amp-bf16" and not _cpu_runs_an_lstm_under_bf16_autocast():
+        pytest.skip("this CPU's oneDNN has no LSTM kernel under bf16 autocast (seen on AVX2 without AVX-512)")
     workload = load_workload(name)
     config = TrainConfig(precision=precision, micro_batch=2, checkpoint_every=1)
     trainee = build_trainee(workload, config)
