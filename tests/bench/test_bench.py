@@ -425,7 +425,7 @@ def test_tiny_search_and_accuracy_suites(tmp_path, monkeypatch):
     assert "gpt-tiny @ 80 MiB" in text and "Where autofit loses" in text
     assert len(list(csv.DictReader((tmp_path / "search_runs.csv").open()))) == 3
 
-    monkeypatch.setattr(accuracy_cases, "_QUICK_CASES", {"gpt-tiny": [("bf16", 2), ("fp32", 2, 2, 1)]})
+    monkeypatch.setattr(accuracy_cases, "_QUICK_CASES", {"gpt-tiny": [("fp32", 1), ("fp32", 2, 2, 1)]})
     acc = accuracy.run_accuracy(tmp_path, env, quick=True, workloads=("gpt-tiny",),
                                 budgets={"gpt-tiny": (40 * MiB,)}, truth_repeats=1)
     assert [r.status for r in acc.rows] == ["ok", "ok"]

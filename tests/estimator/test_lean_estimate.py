@@ -14,7 +14,7 @@ from autofit.trial.measure import measure_trial
 from autofit.workloads.load import load_workload
 
 # gpt-tiny: attention through SDPA, dropout, a tied head -- what the policy saves and what it recomputes
-MODEL = "gpt-tiny"
+MODEL = "gpt-tiny+seq_len=32"  # a quarter of the real steps' work: bf16 matmuls are slow on CPUs without bf16 units
 
 
 @pytest.fixture(scope="module")
@@ -35,14 +35,14 @@ def profile(workload):
 def test_selective_estimate_is_at_or_just_above_the_measured_peak(workload, profile, config):
     predicted = estimate(profile, config).peak_bytes
     measured = measure_trial(workload, config, warmup_steps=2, measure_steps=1)["peak_bytes"]
-    # 4 bytes a micro-step (its detached loss) are not estimated (docs/estimate.md); measured on this
-    # machine: exact for the first two, 1.6% high for the one segment of all four layers
+    # 4 bytes a micro-step (its detached loss) are not estimated (docs/estimate.md); one segment of all
+    # four layers is estimated a little high (its early stop's kept outputs)
     assert measured - 16 <= predicted <= measured * 1.02
 
 
 @pytest.mark.parametrize("config", [
     TrainConfig("fp32", 4, 1, 1, checkpoint_policy="selective"),
-    TrainConfig("amp-bf16", 4, 2, 2, checkpoint_policy="selective"),
+    TrainConfig("amp-bf16", 2, 2, 2, checkpoint_policy="selective"),
 ], ids=lambda c: c.short())
 def test_a_selective_recomputation_is_estimated_without_remaking_the_kept_outputs(config):
     """nn.TransformerEncoderLayer (a ViT in a user's file), whose peak is a segment's recomputation: the
