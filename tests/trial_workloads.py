@@ -228,6 +228,26 @@ class ExplodingLM(TinyLM):
         self.blocks = nn.ModuleList(ExplodingBlock() for _ in range(4))
 
 
+class AutocastRefusingBlock(LMBlock):
+    """Fails under CPU autocast only, as oneDNN's LSTM does under bf16 autocast on an AVX2 CPU."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled("cpu"):
+            raise RuntimeError("could not create a primitive descriptor for this layer")
+        return super().forward(x)
+
+
+class AutocastRefusingLM(TinyLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(AutocastRefusingBlock() for _ in range(4))
+
+
+def autocast_refusing_layer() -> Workload:
+    return Workload(name="autocast-refusing-layer", model=AutocastRefusingLM, batch=tiny_lm_batch,
+                    loss=tiny_lm_loss, tokens_per_sample=LM_SEQ)
+
+
 def exploding_layer() -> Workload:
     return Workload(name="exploding-layer", model=ExplodingLM, batch=tiny_lm_batch, loss=tiny_lm_loss,
                     tokens_per_sample=LM_SEQ)

@@ -181,10 +181,12 @@ def _time_layer(layer, args, kwargs, precision) -> float:
 
 
 def layer_probe_child(request: dict, send=None) -> dict:
-    """In a probe child: ``{precision: [seconds at each of LAYER_BATCHES]}`` of the workload's first layer."""
+    """In a probe child: ``{"seconds": {precision: [seconds at each of LAYER_BATCHES]}, "failed": {precision:
+    error reply}}`` of the workload's first layer. A precision whose layer fails (a kernel this device lacks
+    for it: oneDNN's LSTM under bf16 autocast on an AVX2 CPU) is left out of ``seconds``, the others kept;
+    a failure before any precision is timed is the child's error reply."""
     import torch
 
-    from autofit.core.config import Precision
     from autofit.probes.failures import error_reply
     from autofit.workloads.load import load_workload
 
@@ -192,20 +194,33 @@ def layer_probe_child(request: dict, send=None) -> dict:
         workload = load_workload(request["source"])
         torch.manual_seed(0)
         captured, real_model = _capture(workload, request["batches"])
-        out = {}
-        for name in request["precisions"]:
-            precision = Precision(name)
-            torch.manual_seed(0)
-            layer = _real_layer(workload, precision, real_model)
-            float_dtype = torch.bfloat16 if precision is Precision.BF16 else None
-            seconds = []
-            for b in request["batches"]:
-                args, kwargs = _materialise(captured[b], float_dtype)
-                seconds.append(_time_layer(layer, args, kwargs, precision))
-            out[name] = seconds
-        return {"seconds": out}
     except Exception as exc:  # noqa: BLE001 -- the parent says it in one line, the traceback under --debug
         return error_reply(exc)
+    out, failed = {}, {}
+    for name in request["precisions"]:
+        try:
+            out[name] = _time_precision(workload, name, real_model, captured, request["batches"])
+        except Exception as exc:  # noqa: BLE001 -- as above, per precision
+            failed[name] = error_reply(exc)
+    if not out and failed:
+        return next(iter(failed.values()))
+    return {"seconds": out, "failed": failed}
+
+
+def _time_precision(workload, name: str, real_model, captured, batches) -> list[float]:
+    import torch
+
+    from autofit.core.config import Precision
+
+    precision = Precision(name)
+    torch.manual_seed(0)
+    layer = _real_layer(workload, precision, real_model)
+    float_dtype = torch.bfloat16 if precision is Precision.BF16 else None
+    seconds = []
+    for b in batches:
+        args, kwargs = _materialise(captured[b], float_dtype)
+        seconds.append(_time_layer(layer, args, kwargs, precision))
+    return seconds
 
 
 def _cache_path(key: str, precisions: list[str], device_type: str) -> Path:
@@ -231,7 +246,7 @@ def measure_layer_seconds(source: str, precisions: list[str], device_type: str =
     ``note`` is called with a line for a user: the timings read from the cache, or the timing starting and done.
     ``key``: the workload's profile key, under which the timings are cached (without one, nothing is)."""
     from autofit.probes.device_rates import probe_env
-    from autofit.probes.failures import child_failure
+    from autofit.probes.failures import child_failure, reply_failure
 
     if device_type != "cpu" or not precisions:
         return None  # on CUDA the probe child would need its own context: the bare-matmul prior stays
@@ -267,6 +282,9 @@ def measure_layer_seconds(source: str, precisions: list[str], device_type: str =
         note(f"timing the layer failed after {time.perf_counter() - started:.1f} s ({cause}): the prior stays "
              "the device probe's")
         return None
+    for name, reply in (message.get("failed") or {}).items():
+        note(f"timing the layer at {name} failed ({reply_failure(reply, f'timing the layer at {name}')}): "
+             f"{name} gets the other precisions' factors")
     note(f"timed the layer in {time.perf_counter() - started:.1f} s")
     if use_cache:
         try:

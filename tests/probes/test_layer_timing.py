@@ -48,3 +48,14 @@ def test_a_failing_layer_probe_says_why_and_logs_the_traceback(trial_workload_sp
     assert "its second line" not in failed[0] and "\n" not in failed[0]
     assert any("Traceback (most recent call last)" in line and "raise ValueError" in line
                and "its second line" in line for line in debug_lines), debug_lines
+
+
+def test_a_precision_whose_layer_fails_is_said_and_the_others_are_kept(trial_workload_spec, one_thread):
+    # one precision without a kernel on this device must not cost the others their timing
+    notes: list[str] = []
+    seconds = measure_layer_seconds(trial_workload_spec("autocast_refusing_layer"), ["fp32", "amp-bf16"],
+                                    use_cache=False, note=notes.append)
+    assert seconds is not None and set(seconds) == {"fp32"} and all(s > 0 for s in seconds["fp32"]), seconds
+    failed = [line for line in notes if "failed" in line]
+    assert len(failed) == 1 and "at amp-bf16" in failed[0] and "primitive descriptor" in failed[0], notes
+    assert "other precisions' factors" in failed[0]
