@@ -56,14 +56,13 @@ def test_three_machines_share_one_postgres_study(tmp_path):
     workers = [_autofit("search", *common, "--out", str(tmp_path / f"m{i}"), "--json", cwd=tmp_path) for i in range(3)]
     during = _reports_while_running(workers, tmp_path / "m0")
     outputs = [w.communicate(timeout=600) for w in workers]
-    assert all(w.returncode == 0 for w in workers), [err[-3000:] for _, err in outputs]
-    assert during, "no report ran while the searches ran"
     password = URL.partition("://")[2].rpartition("@")[0].partition(":")[2]
-    for worker, (out, err) in zip(workers, outputs):
+    for worker, (out, err) in zip(workers, outputs):  # a failed search is said before the overlap below
         assert worker.returncode == 0, err[-3000:]
         assert "Traceback" not in err
         if password:
             assert password not in out + err
+    assert during, "no report ran while the searches ran"
     # every trial accounted for: finished (no trial left running), each config run once
     records = read_records(optuna.load_study(study_name=study, storage=URL))
     assert records and all(r.status.value != "running" for r in records), [r.status for r in records]
