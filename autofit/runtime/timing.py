@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 # A step whose busiest-waiting thread spent more than this share of the step on the run queue is
@@ -115,6 +115,20 @@ class StepClock:
         self._wall = self._cpu = 0.0
         self._wait = 0.0 if self._read_waits else None
         return sample
+
+
+def more_steps_due(samples: Sequence[StepSample], repeats: int) -> bool:
+    """Whether a trial that wants ``repeats`` unstarved steps should time another, having timed ``samples``:
+    until it has them, at most :data:`MAX_RETIMED_STEPS` extra, and not once its last ``repeats`` steps were
+    all starved. Load that starved that many steps in a row is lasting (a busy core, a build): more steps
+    would not find a quiet one, and beside such load each of them costs a slowed step (on this project's
+    2-core machine, with one core busy, steps took 1.8-2.7x their quiet time and searches' trials ran past
+    their time limit while re-timing)."""
+    clean = sum(not s.starved for s in samples)
+    if clean >= repeats or len(samples) >= repeats + MAX_RETIMED_STEPS:
+        return False
+    recent = samples[-repeats:] if repeats > 0 else ()
+    return not (len(recent) == repeats and all(s.starved for s in recent))
 
 
 @dataclass(frozen=True)

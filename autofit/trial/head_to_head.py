@@ -29,6 +29,7 @@ from autofit.runtime.timing import (
     StepClock,
     StepTimes,
     cpus_available,
+    more_steps_due,
 )
 from autofit.runtime.training import build_trainee, train_step
 from autofit.trial.measure import compose_step_time, step_sample, trial_micro_batches
@@ -51,7 +52,7 @@ def measure_head_to_head(workload: Workload, configs: Sequence[TrainConfig], *, 
 
     Each config first runs ``schedule.warmup_steps`` steps of its own shape; then rounds of one
     timed step per config, in alternating order, until each has ``schedule.timed_steps`` steps
-    that no other process starved (up to ``MAX_RETIMED_STEPS`` rounds more). Returns one
+    that no other process starved (:func:`~autofit.runtime.timing.more_steps_due`). Returns one
     JSON-ready dict per config, in order, with the timing keys of
     :func:`autofit.trial.measure.measure_trial` (``samples_per_s``, ``step_time_s``, the timed
     steps' record) and no memory figures (``peak_bytes`` None: see the module docstring).
@@ -77,12 +78,12 @@ def measure_head_to_head(workload: Workload, configs: Sequence[TrainConfig], *, 
     for round_index in range(schedule.timed_steps + MAX_RETIMED_STEPS):
         order = range(len(configs)) if round_index % 2 == 0 else reversed(range(len(configs)))
         for k in order:
-            if sum(not s.starved for s in samples[k]) >= schedule.timed_steps:
+            if samples[k] and not more_steps_due(samples[k], schedule.timed_steps):
                 continue
             sample, part = step_sample(trainees[k], batches[k], configs[k], sync, clocks[k], dev)
             samples[k].append(sample)
             parts[k].append(part)
-        if all(sum(not s.starved for s in done) >= schedule.timed_steps for done in samples):
+        if not any(more_steps_due(done, schedule.timed_steps) for done in samples):
             break
     return [_timing_result(workload, c, StepTimes(tuple(s), torch.get_num_threads(), cpus_available()), p)
             for c, s, p in zip(configs, samples, parts)]

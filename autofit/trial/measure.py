@@ -18,8 +18,9 @@ What is measured, in order (the steps of a :class:`autofit.runtime.schedule.Meas
    (docs/facts.md#step-time-with-accumulation), so a config with ``grad_accum=64`` runs only a few
    micro-steps per timed step. Each timed step records its CPU time and how long its threads
    waited for a CPU (:mod:`autofit.runtime.timing`); a step another process starved is taken
-   again (up to ``MAX_RETIMED_STEPS`` more), and the throughput is the fastest step that was
-   not starved: load only ever slows a step, so the fastest is the figure it inflates least.
+   again (up to ``MAX_RETIMED_STEPS`` more, none once load starved a whole run of steps), and the
+   throughput is the fastest step that was not starved: load only ever slows a step, so the fastest
+   is the figure it inflates least.
 
 Each measured step runs ``min(grad_accum, 3)`` micro-batches (the schedule's
 ``micro_steps_per_step``): after the second micro-step
@@ -46,11 +47,11 @@ from autofit.probes.cuda_overhead import (
 from autofit.runtime.messages import result_status
 from autofit.runtime.schedule import MeasureSchedule, run_steps
 from autofit.runtime.timing import (
-    MAX_RETIMED_STEPS,
     StepClock,
     StepSample,
     StepTimes,
     cpus_available,
+    more_steps_due,
 )
 from autofit.runtime.tracker import CATEGORIES as BREAKDOWN_KEYS
 from autofit.runtime.tracker import MemoryTracker, optimizer_state_bytes, storage_bytes
@@ -211,8 +212,8 @@ def time_micro_and_optimizer_steps(trainee, micro_batches: list, repeats: int,
 def time_steps(trainee, micro_batches: list, config: TrainConfig, repeats: int,
                sync: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.perf_counter,
                device: torch.device | None = None) -> tuple[StepTimes, float, float]:
-    """Time ``repeats`` steps that no other process starved (taking up to ``MAX_RETIMED_STEPS`` more
-    to replace starved ones), each as :func:`autofit.runtime.training.train_step` runs it.
+    """Time ``repeats`` steps that no other process starved (taking more to replace starved ones while
+    :func:`~autofit.runtime.timing.more_steps_due`), each as :func:`autofit.runtime.training.train_step` runs it.
 
     Returns the steps' :class:`~autofit.runtime.timing.StepTimes` and the micro-step and optimizer
     step seconds of its best step (composed by :func:`compose_step_time` into ``best_s``). On
@@ -220,12 +221,10 @@ def time_steps(trainee, micro_batches: list, config: TrainConfig, repeats: int,
     """
     steps = StepClock(clock)
     samples, parts = [], []
-    while len(samples) < repeats + MAX_RETIMED_STEPS:
+    while not samples or more_steps_due(samples, repeats):
         sample, part = step_sample(trainee, micro_batches, config, sync, steps, device)
         samples.append(sample)
         parts.append(part)
-        if sum(not s.starved for s in samples) >= repeats:
-            break
     times = StepTimes(tuple(samples), torch.get_num_threads(), cpus_available())
     t_micro, t_optimizer = parts[samples.index(times.best)]
     return times, t_micro, t_optimizer

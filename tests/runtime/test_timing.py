@@ -80,3 +80,18 @@ def test_a_step_that_shares_its_cpus_with_busy_processes_is_starved():
             h.terminate()
             h.join()
     assert sample.wait_s is not None and sample.starved, sample
+
+
+def test_starved_steps_are_taken_again_unless_the_load_lasts():
+    from autofit.runtime.timing import MAX_RETIMED_STEPS, more_steps_due
+
+    quiet, starved = StepSample(1.0, 2.0, 0.0), StepSample(2.0, 2.0, 0.5)
+    assert more_steps_due([], 3) and more_steps_due([quiet, quiet], 3)
+    assert not more_steps_due([quiet] * 3, 3)
+    # a passing load: the starved steps are replaced
+    assert more_steps_due([starved, starved, quiet], 3) and more_steps_due([starved, quiet, starved, quiet], 3)
+    # a lasting one: as many starved steps in a row as the trial times, and no more are taken
+    assert not more_steps_due([starved] * 3, 3) and not more_steps_due([quiet, starved, starved, starved], 3)
+    # and never more than MAX_RETIMED_STEPS extra
+    alternating = [starved, quiet] * 10
+    assert not more_steps_due(alternating[:3 + MAX_RETIMED_STEPS], 3)
