@@ -8,7 +8,8 @@ spreads less tells two close configs apart more reliably.
 
     python scripts/head_to_head_spread.py [--model gpt-tiny] [--seconds 240] [--configs A B]
 
-Run it alone on the machine; trials take the environment's ``OMP_WAIT_POLICY`` as a search's do.
+Run it alone on the machine; trials run with the OpenMP wait policy a search's trials have
+(``PASSIVE`` unless the environment sets ``OMP_WAIT_POLICY``).
 """
 
 from __future__ import annotations

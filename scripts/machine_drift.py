@@ -9,7 +9,8 @@ best sample then favours the config that happened to run in a fast spell.
 
     python scripts/machine_drift.py [--model gpt-tiny] [--seconds 300]
 
-Run it alone on the machine; trials take the environment's ``OMP_WAIT_POLICY`` as a search's do.
+Run it alone on the machine; trials run with the OpenMP wait policy a search's trials have
+(``PASSIVE`` unless the environment sets ``OMP_WAIT_POLICY``).
 """
 
 from __future__ import annotations

@@ -209,27 +209,19 @@ def best_of(a: DeviceRates, b: DeviceRates) -> DeviceRates:
         op_latency_s=min(a.op_latency_s, b.op_latency_s), probe_s=a.probe_s + b.probe_s)
 
 
-def probe_env(device_type: str) -> dict[str, str]:
-    """The probe child's environment: a trial's, with GNU OpenMP's ``OMP_WAIT_POLICY=PASSIVE`` unless
-    the user chose a policy (its default spin-wait makes the probe's own timing up to 500x slow on a
-    loaded machine, as the bench found)."""
-    return procs.child_env({"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")})
-
-
 def start_probe_child(entry: str, request: dict, device_type: str, timeout_s: float) -> procs.Child:
-    """A probe child running ``entry``: forked from the trials' fork server (:mod:`autofit.runtime.forkserver`:
-    no interpreter to start nor torch to import, and the server is warm for the first trial) when
-    that child would run in the probe's environment -- on the CPU, with an OpenMP wait policy already
-    set in ours (OpenMP reads it when the server loads it, so the server's must be the probe's) --
-    else spawned with :func:`probe_env`."""
-    if (device_type == "cpu" and forkserver.enabled()
-            and os.environ.get("OMP_WAIT_POLICY") == probe_env(device_type)["OMP_WAIT_POLICY"]):
+    """A probe child running ``entry``: on the CPU, forked from the trials' fork server
+    (:mod:`autofit.runtime.forkserver`: no interpreter to start nor torch to import, and the server is
+    warm for the first trial), else spawned. Either way it runs in a trial's environment
+    (:func:`autofit.runtime.procs.child_env`), whose OpenMP wait policy keeps the probe's timing off
+    spin-waits (up to 500x slow on a loaded machine, as the bench found)."""
+    if device_type == "cpu" and forkserver.enabled():
         try:
             return forkserver.start_trial(entry, request, timeout_s=timeout_s, echo_stderr=False)
         except OSError:
             pass  # no fork server here: a fresh interpreter
     forkserver.wait_started()  # one starting (profiling starts it) would import beside the probe's timing
-    return procs.spawn(entry, request, timeout_s=timeout_s, env=probe_env(device_type))
+    return procs.spawn(entry, request, timeout_s=timeout_s, env=procs.child_env())
 
 
 def _probe_once(device_type: str) -> list[DeviceRates]:
@@ -281,7 +273,7 @@ def probe_rates(device_type: str = "cpu", use_cache: bool = True,
 
     Cached under :func:`autofit.profiling.cache.cache_dir`. The probe runs in a child process (so the caller
     -- a search that runs trials in children -- never holds a CUDA context nor starts OpenMP's
-    threads) with ``OMP_WAIT_POLICY=PASSIVE`` (:func:`probe_env`), and measures twice: rates that
+    threads) with ``OMP_WAIT_POLICY=PASSIVE`` (:func:`autofit.runtime.procs.child_env`), and measures twice: rates that
     are zero, infinite or far off their repeat (:func:`implausible`, :func:`disagreement`) are probed
     again, and if they never settle the best plausible ones are used with a warning, never cached.
     Raises RuntimeError when the probe child fails or measures nothing plausible. ``note`` is

@@ -241,11 +241,10 @@ def measure_layer_seconds(source: str, precisions: list[str], device_type: str =
                           key: str | None = None) -> dict[str, list[float]] | None:
     """Seconds of the first layer's forward + backward at :data:`LAYER_BATCHES`, per precision, measured
     in a child forked from the trials' fork server (in the trials' environment), else a fresh one
-    (``OMP_WAIT_POLICY=PASSIVE``, as the device probe), and cached. None when the
+    (in the same environment: :func:`autofit.runtime.procs.child_env`), and cached. None when the
     workload has no layer to time or the child fails (the prior stays the bare-matmul one).
     ``note`` is called with a line for a user: the timings read from the cache, or the timing starting and done.
     ``key``: the workload's profile key, under which the timings are cached (without one, nothing is)."""
-    from autofit.probes.device_rates import probe_env
     from autofit.probes.failures import child_failure, reply_failure
 
     if device_type != "cpu" or not precisions:
@@ -271,7 +270,7 @@ def measure_layer_seconds(source: str, precisions: list[str], device_type: str =
                                            echo_stderr=False)
     if child is None:
         child = procs.spawn("autofit.probes.layer_timing:layer_probe_child", request, timeout_s=PROBE_TIMEOUT_S,
-                            env=probe_env(device_type))
+                            env=procs.child_env())
     try:
         finished = child.wait()
     finally:

@@ -60,7 +60,7 @@ from autofit.runtime.reaping import (
     wait_group_gone,
 )
 
-__all__ = ["MAX_MESSAGE_BYTES", "STDERR_TAIL_BYTES", "Child", "Reaper", "Send", "child_env", "die_with_parent",
+__all__ = ["CHILD_OMP_WAIT_POLICY", "MAX_MESSAGE_BYTES", "STDERR_TAIL_BYTES", "Child", "Reaper", "Send", "child_env", "die_with_parent",
            "exit_text", "fork", "pump", "serve", "spawn"]
 
 STDERR_TAIL_BYTES = 8192
@@ -68,8 +68,13 @@ SECRET_ENV = ("PGPASSWORD", "MYSQL_PWD")  # database passwords a trial has no us
 _URL_WITH_PASSWORD = re.compile(r"://[^/@:\s]+:[^@/\s]+@")
 
 
+# The OpenMP wait policy of every child autofit starts, where the user's environment sets none.
+CHILD_OMP_WAIT_POLICY = "PASSIVE"
+
+
 def child_env(extra: dict[str, str] | None = None, secrets: bool = False) -> dict[str, str]:
-    """Our environment, with this autofit first on PYTHONPATH (so a child imports the same code) and ``extra``.
+    """Our environment, with this autofit first on PYTHONPATH (so a child imports the same code), OpenMP's
+    wait policy :data:`CHILD_OMP_WAIT_POLICY` unless ours has one, and ``extra``.
 
     Without ``secrets`` (a trial, a profile: they run the user's code and need no database),
     database passwords are left out: :data:`SECRET_ENV` and any variable holding a URL with one."""
@@ -78,6 +83,10 @@ def child_env(extra: dict[str, str] | None = None, secrets: bool = False) -> dic
         env = {k: v for k, v in env.items() if k not in SECRET_ENV and not _URL_WITH_PASSWORD.search(v)}
     package_root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    # GNU OpenMP spin-waits at its barriers unless told otherwise; beside another busy process that
+    # spin steals the CPU the awaited thread needs, and timings (so the ranking) follow the load
+    # (docs/facts.md#openmp-waiting). A policy the user set is kept.
+    env.setdefault("OMP_WAIT_POLICY", CHILD_OMP_WAIT_POLICY)
     env.update(extra or {})
     return env
 

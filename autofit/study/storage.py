@@ -266,8 +266,15 @@ def _versions() -> dict:
     return {"autofit": __version__, "torch": torch.__version__, "optuna": optuna.__version__,
             "python": platform.python_version(), "platform": platform.platform(), "host": socket.gethostname(),
             "cpu_count": os.cpu_count(),
-            "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "CUDA_VISIBLE_DEVICES")
-                    if k in os.environ}}
+            "env": _trial_env()}
+
+
+def _trial_env() -> dict[str, str]:
+    """The variables that change a trial's speed, as its process has them."""
+    from autofit.runtime.procs import child_env
+
+    env = child_env()
+    return {k: env[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "CUDA_VISIBLE_DEVICES") if k in env}
 
 
 def distributions(space: SearchSpace) -> dict[str, CategoricalDistribution]:

@@ -161,27 +161,25 @@ def test_an_implausible_cached_entry_is_measured_again(monkeypatch, tmp_path):
     assert json.loads(path.read_text())["matmul_flops_per_s"]["float32"] == 1e11
 
 
-def test_the_probe_child_runs_with_a_passive_openmp_policy_unless_the_user_chose_one(monkeypatch):
-    from autofit.probes.device_rates import probe_env
-
+def test_children_run_with_a_passive_openmp_policy_unless_the_user_chose_one(monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    assert probe_env("cpu")["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert procs.child_env()["OMP_WAIT_POLICY"] == "PASSIVE"
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    assert probe_env("cpu")["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert procs.child_env()["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert procs.child_env({"OMP_WAIT_POLICY": "PASSIVE"})["OMP_WAIT_POLICY"] == "PASSIVE"
 
 
-def test_the_probe_forks_from_the_trial_server_only_where_its_policy_is_the_probes(monkeypatch):
+def test_the_cpu_probe_forks_from_the_trial_server_which_has_the_probes_policy(monkeypatch):
     from autofit.probes.device_rates import start_probe_child
 
     spawned, forked = [], []
     monkeypatch.setattr(procs, "spawn", lambda entry, request, **kw: spawned.append(kw["env"]) or "spawned")
     monkeypatch.setattr(forkserver, "start_trial", lambda entry, request, **kw: forked.append(entry) or "forked")
     monkeypatch.delenv("AUTOFIT_TRIAL_SERVER", raising=False)
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)  # the server would spin-wait: a PASSIVE child instead
-    assert start_probe_child("m:f", {}, "cpu", 1.0) == "spawned" and spawned[-1]["OMP_WAIT_POLICY"] == "PASSIVE"
-    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)  # the server has the children's PASSIVE policy too
     assert start_probe_child("m:f", {}, "cpu", 1.0) == "forked" and forked == ["m:f"]
     assert start_probe_child("m:f", {}, "cuda", 1.0) == "spawned"  # a forked child cannot use CUDA
+    assert spawned[-1]["OMP_WAIT_POLICY"] == "PASSIVE"
     monkeypatch.setenv("AUTOFIT_TRIAL_SERVER", "0")
     assert start_probe_child("m:f", {}, "cpu", 1.0) == "spawned"
 
@@ -190,7 +188,7 @@ def test_the_probe_forks_from_the_trial_server_only_where_its_policy_is_the_prob
 
     monkeypatch.setenv("AUTOFIT_TRIAL_SERVER", "1")
     monkeypatch.setattr(forkserver, "start_trial", refuse)
-    assert start_probe_child("m:f", {}, "cpu", 1.0) == "spawned" and len(spawned) == 4
+    assert start_probe_child("m:f", {}, "cpu", 1.0) == "spawned" and len(spawned) == 3
 
 
 def test_the_layer_probe_times_the_workloads_first_layer_in_each_precision():
@@ -238,15 +236,14 @@ def test_a_precision_without_its_own_layer_factors_gets_the_others_mean(profile,
 
 def test_a_spawned_probe_waits_for_a_fork_server_still_starting(monkeypatch):
     """Profiling may leave the fork server importing when the probe starts: a probe spawned beside it
-    (no OpenMP policy in our environment) waits for it to finish, so its imports never run beside the
-    timing; waiting starts no server."""
+    (on CUDA: a forked child cannot use it) waits for it to finish, so its imports never run beside
+    the timing; waiting starts no server."""
     from autofit.probes.device_rates import start_probe_child
 
     events = []
     monkeypatch.setattr(procs, "spawn", lambda entry, request, **kw: events.append("spawn") or "spawned")
     monkeypatch.setattr(forkserver, "wait_started", lambda: events.append("wait"))
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    assert start_probe_child("m:f", {}, "cpu", 1.0) == "spawned"
+    assert start_probe_child("m:f", {}, "cuda", 1.0) == "spawned"
     assert events == ["wait", "spawn"]
     monkeypatch.undo()
     forkserver.stop_server()
