@@ -2,7 +2,8 @@
 
 Runs ``autofit measure`` on ``--model`` for each ``--configs`` entry, alternating ``PASSIVE`` (what
 autofit's children run with when the environment sets no policy) and libgomp's default (spin, then
-sleep: an empty ``OMP_WAIT_POLICY``, which libgomp ignores), for ``--rounds`` rounds, then prints
+sleep: an empty ``OMP_WAIT_POLICY``, which libgomp rejects with a warning on stderr and then ignores),
+for ``--rounds`` rounds, then prints
 each config's samples/s per policy and their medians. Run it alone on the machine.
 
     python scripts/openmp_policy_ab.py [--model gpt-tiny] [--rounds 4] \\
