@@ -273,7 +273,7 @@ def probe_rates(device_type: str = "cpu", use_cache: bool = True,
 
     Cached under :func:`autofit.profiling.cache.cache_dir`. The probe runs in a child process (so the caller
     -- a search that runs trials in children -- never holds a CUDA context nor starts OpenMP's
-    threads) with ``OMP_WAIT_POLICY=PASSIVE`` (:func:`autofit.runtime.procs.child_env`), and measures twice: rates that
+    threads) in a trial's environment and OpenMP wait policy (:func:`autofit.runtime.procs.child_env`), and measures twice: rates that
     are zero, infinite or far off their repeat (:func:`implausible`, :func:`disagreement`) are probed
     again, and if they never settle the best plausible ones are used with a warning, never cached.
     Raises RuntimeError when the probe child fails or measures nothing plausible. ``note`` is
