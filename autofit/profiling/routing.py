@@ -49,6 +49,19 @@ _MAX_FACTORY_NUMEL = 1 << 16
 _DATA_DEPENDENT = (DynamicOutputShapeException, DataDependentOutputException)
 
 
+def _tensor_args(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors among an ``OpOverload``'s arguments. Its schema nests at most one list deep (``Tensor[]``,
+    ``Tensor?[]``), so one pass does what ``tree_flatten`` does at a fraction of its cost: this runs for
+    every operator of a profiled step (gpt-tiny's profile took about 14% longer with ``tree_flatten``)."""
+    out = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, (list, tuple)):
+            out.extend(v for v in value if isinstance(v, torch.Tensor))
+    return out
+
+
 def worst_case_picks(shape: list[int], k: int, dim: int) -> torch.Tensor:
     """Top-k indices for scores of ``shape`` along ``dim``: experts ``0 … k-1`` for every row, except the
     last few rows, which take the other experts, k at a time, so that every expert runs (as under any
@@ -83,10 +96,10 @@ class Routing(TorchDispatchMode):
             return self._top_k(*args, **kwargs)
         if not self.fake:
             return func(*args, **kwargs)
-        flat, spec = tree_flatten((args, kwargs))
-        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+        tensors = (_tensor_args(args, kwargs) if isinstance(func, torch._ops.OpOverload)
+                   else [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)])
         if tensors and all(t in self._values for t in tensors):
-            return self._on_values(func, flat, spec)
+            return self._on_values(func, *tree_flatten((args, kwargs)))
         if not tensors and func in _FACTORIES:
             return self._factory(func, args, kwargs)
         if func in (_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default) and self._has_mask(args[1]):
