@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from autofit.core.config import Precision
-from autofit.profiling.cache import profile_key
+from autofit.profiling.cache import cache_path, profile_key
 from autofit.profiling.data import Profile
 from autofit.profiling.precision import profile_precision
 from autofit.profiling.profile import profile_workload
@@ -106,10 +106,11 @@ def test_cache_round_trip_and_key_changes(tmp_path, monkeypatch, tiny):
 
 def test_corrupt_cache_is_rebuilt(tmp_path, monkeypatch, tiny):
     monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path))
-    profile_workload(tiny, [Precision.FP32])
-    for path in tmp_path.glob("*.json"):
-        path.write_text("{not json")
+    path = cache_path(tiny.name, "cpu", profile_key(tiny, "cpu")[0])  # where a profile would have been cached
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("{not json")
     assert profile_workload(tiny, [Precision.FP32]).for_precision("fp32").grad_bytes > 0
+    assert Profile.from_json(path.read_text()).for_precision("fp32").grad_bytes > 0  # rewritten whole
 
 
 def test_profiling_allocates_no_real_weights():
