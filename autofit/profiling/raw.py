@@ -25,6 +25,10 @@ class RawRegion(NamedTuple):
     points_nongrad: list[int]
 
 
+# A stretch with nothing in it (read only: its lists are shared).
+EMPTY_REGION = RawRegion(0, 0, 0, 0, [0], [0])
+
+
 @dataclass(frozen=True)
 class RawLayer:
     """One layer's part of a :class:`RawRun` (:class:`~autofit.profiling.data.LayerProfile`'s fields, unfitted)."""

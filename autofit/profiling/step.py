@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from autofit.core.config import Precision, TrainConfig
 from autofit.profiling.data import PROFILE_BATCHES
 from autofit.profiling.fake_kernels import FakeKernels
-from autofit.profiling.raw import RawLayer, RawRegion, RawRun
+from autofit.profiling.raw import EMPTY_REGION, RawLayer, RawRun
 from autofit.profiling.recompute_kept import recomputed_kept
 from autofit.profiling.routing import ROUTING_NOTE, Routing
 from autofit.profiling.timeline import (
@@ -167,10 +167,9 @@ def _trace(step: _Step, trace: StepTrace, tensor_mode, step_optimizer: bool,
         return list(zip(checkpointed, selective, kept))
 
 
-_NO_REGION = RawRegion(0, 0, 0, 0, [0], [0])
 # (checkpointed forward, retained), (selective forward, kept, output kept, saved FLOPs, recompute, its prefix),
 # what a recomputation keeps: the shape of one layer's entry from _trace
-_NO_RECOMPUTES = ((_NO_REGION, 0), (_NO_REGION, 0, False, 0.0, None, None), (0, 0, 0, 0))
+_NO_RECOMPUTES = ((EMPTY_REGION, 0), (EMPTY_REGION, 0, False, 0.0, None, None), (0, 0, 0, 0))
 
 
 def _traced_step(step: _Step, trace: StepTrace, tensor_mode, step_optimizer: bool, carried: list | None) -> None:

@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from autofit.profiling.raw import RawRegion
+from autofit.profiling.raw import EMPTY_REGION, RawRegion
 from autofit.runtime.optimizers import scalar_stand_ins
 
 __all__ = ["Mark", "Recorder", "Timeline", "first_tensor", "init_optimizer_state", "max_tensor_bytes", "round_up",
@@ -158,7 +158,7 @@ class Recorder:
         names = self.names()
         i, j = names.index(start), names.index(end)
         if j <= i:  # marked at once, end first: e.g. the last layer's output is the model's (one gradient, two hooks)
-            return RawRegion(0, 0, 0, 0, [0], [0])
+            return EMPTY_REGION
         first, last = self.marks[i], self.marks[j]
         live0, ng0 = first.live, first.nongrad
         peak = max(m.peak for m in self.marks[i + 1:j + 1])

@@ -71,7 +71,6 @@ def test_a_busy_core_is_a_separate_process_that_stops():
     assert not hog.is_alive()
 
 
-
 def test_quiet_trials_are_interleaved_and_scored_by_their_median(monkeypatch):
     """One lucky trial does not make an answer the fastest: the median scores it, and the table shows the spread."""
     import types
