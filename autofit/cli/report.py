@@ -13,6 +13,7 @@ from autofit.report.tables import (
     STATUSES,
     best_record,
     counts,
+    figure_basis,
     select,
     summary_markdown,
     trials_table,
@@ -81,11 +82,9 @@ def run(args: argparse.Namespace) -> int:
               f"{reason[:70]}")
     best = best_record(study)
     if best.get("config"):
-        samples = best.get("samples") or []
+        basis = figure_basis(best["measured"], len(best.get("samples") or []), best["median_samples_per_s"])
         print(f"best: {best['short']} (trial {best['trial']}): {best['measured']['samples_per_s']:,.2f} samples/s, "
-              f"peak {format_bytes(best['measured']['peak_bytes'])}"
-              + (f" (best of {len(samples)} samples; their median {best['median_samples_per_s']:,.2f})"
-                 if len(samples) > 1 else ""))
+              f"peak {format_bytes(best['measured']['peak_bytes'])}" + (f" ({basis})" if basis else ""))
         print(f"reproduce: {best['reproduce']}")
     else:
         print(f"best: none ({best.get('reason') or 'no trial ran ok under the budget yet'})")

@@ -18,7 +18,7 @@ from autofit.cli._args import (
 )
 from autofit.core.budget import format_budget, format_bytes
 from autofit.report.exports import TARGETS
-from autofit.report.tables import RAN, duration_text
+from autofit.report.tables import RAN, duration_text, figure_basis
 from autofit.study import PATIENCE, TRIAL_TIMEOUT_S, ProgressPrinter
 from autofit.workloads import DEFAULT_WORKLOAD
 
@@ -109,9 +109,8 @@ def _summary(result) -> None:
         rate = f"{m['samples_per_s']:,.2f} samples/s"
         if m.get("tokens_per_s"):
             rate += f", {m['tokens_per_s']:,.0f} tokens/s"
-        print(f"throughput {rate}; step {m['step_time_s']:.3f} s"
-              + (f" (best of {m['samples']} samples; their median {m['median_samples_per_s']:,.2f})"
-                 if m.get("samples", 1) > 1 else ""))
+        basis = figure_basis(m, m.get("samples", 1), m.get("median_samples_per_s", 0.0))
+        print(f"throughput {rate}; step {m['step_time_s']:.3f} s" + (f" ({basis})" if basis else ""))
     print(f"pruned     {result.n_pruned} of {result.n_configs} configs by the estimate" + (f" ({reasons})" if reasons else ""))
     print(f"trials     {result.n_real} real" + (f" ({statuses})" if statuses else ""))
     print(f"stopped    {result.stop_reason}")

@@ -28,7 +28,7 @@ details { margin: .4em 0; } summary { cursor: pointer; font-weight: 600; }
 
 PICTURE_CAPTIONS = {
     "throughput_vs_peak": "Throughput against peak memory: every real trial, the budget, the best config "
-                          "(starred on its best sample), and, hollow, the configs the estimate pruned (never ran) "
+                          "(starred on the sample it is ranked by), and, hollow, the configs the estimate pruned (never ran) "
                           "at their estimate, by why they were pruned",
     "predicted_vs_measured": "Predicted against measured peak memory and step time, every real trial",
     "memory_breakdown": "Memory at the peak of the top configs, predicted beside measured",

@@ -1,7 +1,7 @@
 """The search in pictures: four PNGs written with the tables, each readable on its own.
 
 - ``throughput_vs_peak.png``: every real trial's throughput (the search's objective) against its
-  measured peak, coloured by status, the best config starred on its best sample, the budget as a
+  measured peak, coloured by status, the best config starred on the sample it is ranked by, the budget as a
   vertical line (or, far right of the data, named at the axis' end rather than stretching it), and
   the configs the estimate pruned drawn hollow at their estimate, one legend entry per prune reason;
 - ``predicted_vs_measured.png``: predicted against measured peak, and step time, for every

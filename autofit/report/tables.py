@@ -9,9 +9,10 @@
   step time, the prediction errors, what the timed steps got from the machine (``starved_steps``:
   steps whose threads waited for a CPU, taken again; ``step_spread``, ``cpu_share``, ``threads``,
   ``cpus``, ``max_wait_share``), and ``wait_s``, how long it waited for its device (another trial held it);
-- ``best.json``: the best config (ranked by each config's best sample among configs that ran ok
-  under the budget: load only ever slows a trial down), that sample's measurements, every
-  sample, their median and spread, and the command that measures it again;
+- ``best.json``: the best config among configs that ran ok under the budget, each ranked by its best
+  sample (load only ever slows a trial down) or, if it was timed head to head, by that sample
+  (:func:`figure_basis`); that sample's measurements, every sample, their median and spread, and the
+  command that measures it again;
 - ``summary.md``: the top configs, what the estimate pruned and why, the calibration, the
   prediction error of every real trial, the device, versions and wall time;
 - ``calibration.json``: the calibration the next planning step would use.
@@ -239,6 +240,25 @@ def best_record(study: StudySnapshot) -> dict:
     }
 
 
+_BEST_SAMPLE_WHY = "a config is ranked by its best sample: another process only ever slows a trial down"
+_HEAD_TO_HEAD_WHY = ("leaders of one build are timed in turn in one process, so each saw the machine as the others "
+                     "did, and are ranked by that sample")
+
+
+def figure_basis(measured: dict, n_samples: int, median_samples_per_s: float) -> str:
+    """Which of the best config's samples its figure is, in words: every output that shows the best's
+    figure (the headline, ``autofit report``, ``summary.md``) says it the same way. "" for one sample.
+
+    A config timed head to head is ranked by that head-to-head's sample, which need not be its best
+    (:func:`autofit.core.records.ranked_samples`); any other by its best sample."""
+    if n_samples <= 1:
+        return ""
+    if measured.get("head_to_head") is not None:
+        return (f"its sample timed head to head with the other leaders; {n_samples} samples in all, "
+                f"median {median_samples_per_s:,.2f}")
+    return f"best of {n_samples} samples; their median {median_samples_per_s:,.2f}"
+
+
 def changes_training(config: TrainConfig) -> str | None:
     """What the best config changes in the training, in words (None: nothing): the ``optimizer`` lever's
     replacement of the workload's optimizer (the ``lean`` space's, opt-in)."""
@@ -400,8 +420,9 @@ def summary_markdown(study: StudySnapshot, table: pd.DataFrame | None = None, *,
                    + f"; step {_seconds(m.get('step_time_s'))}")
         if len(best["samples"]) > 1:
             out.append(f"- measured {len(best['samples'])} times: "
-                       + ", ".join(f"{x['samples_per_s']:.2f}" for x in best["samples"]) + " samples/s; a config is "
-                       "ranked by its best sample (another process only ever slows a trial down)")
+                       + ", ".join(f"{x['samples_per_s']:.2f}" for x in best["samples"]) + " samples/s; the figure "
+                       "above is " + figure_basis(m, len(best["samples"]), best["median_samples_per_s"]) + " ("
+                       + (_HEAD_TO_HEAD_WHY if m.get("head_to_head") is not None else _BEST_SAMPLE_WHY) + ")")
         if m.get("starved_steps"):
             out.append(f"- {m['starved_steps']} of its {m.get('timed_steps')} timed steps waited for a CPU (another "
                        "process was running) and were taken again; the figure is from a step that did not wait")

@@ -51,10 +51,13 @@ def test_the_isolated_child_answers_each_config_or_the_same_failure_for_all():
     assert [r.status.value for r in failed] == ["error", "error"] and all("no_such_model" in r.error for r in failed)
 
 
-def test_a_search_times_its_leaders_head_to_head_and_reports_that_figure(tmp_path, monkeypatch):
+def test_a_search_times_its_leaders_head_to_head_and_reports_that_figure(tmp_path, monkeypatch, capsys):
     """Every config a leader (the noise floor made huge): the two configs of the one build are timed
-    together after their own trials, and the answer, the tables and the headline use that head-to-head."""
+    together after their own trials, and the answer, the tables and the headline use that head-to-head,
+    and say so in the same words (not "best of N samples": the head-to-head's need not be the best)."""
     from autofit.api.run_study import search
+    from autofit.cli import main
+    from autofit.cli.search import _summary
     from autofit.core.records import best_of
     from autofit.study import leaders, load_snapshot
 
@@ -76,6 +79,17 @@ def test_a_search_times_its_leaders_head_to_head_and_reports_that_figure(tmp_pat
     h2h = trials[trials["sample"] == 2]
     assert len(h2h) == 2 and h2h["head_to_head"].nunique() == 1
     assert h2h["head_to_head"].iloc[0] == h2h["trial"].min()  # numbered as the user reads trials
+    figure = f"{best.measurement['samples_per_s']:,.2f} samples/s"
+    basis = "its sample timed head to head with the other leaders; 2 samples in all, median"
+    capsys.readouterr()
+    _summary(result)
+    headline = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("throughput"))
+    assert figure in headline and basis in headline and "best of" not in headline
+    assert main(["report", str(tmp_path / "s")]) == 0
+    reported = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("best:"))
+    assert figure in reported and basis in reported and "best of" not in reported
+    summary = (tmp_path / "s" / "summary.md").read_text()
+    assert f"the figure above is {basis}" in summary and "ranked by its best sample" not in summary
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
