@@ -9,13 +9,13 @@ import sys
 from autofit.cli._args import positive
 from autofit.core.budget import format_bytes
 from autofit.core.errors import ConfigError
+from autofit.report.summary import summary_markdown
 from autofit.report.tables import (
     STATUSES,
     best_record,
     counts,
     figure_basis,
     select,
-    summary_markdown,
     trials_table,
 )
 from autofit.report.write import write_reports

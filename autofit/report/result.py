@@ -15,13 +15,13 @@ from autofit.core.records import StudySnapshot, TrialRecord, trial_numbers
 from autofit.estimator.advice import nothing_fits
 from autofit.estimator.calibration import Calibration
 from autofit.report.tables import (
-    _n_configs,
     best_samples,
     best_trial,
     calibration_of,
     changes_training,
     counts,
     settings_of,
+    space_size,
     trials_table,
     wall_seconds,
 )
@@ -127,7 +127,7 @@ def search_result(study: StudySnapshot, out_dir: str | Path, wall_s: float | Non
         best_predicted=dict(trial.prediction) if trial else None,
         best_trial=trial_numbers(study.records)[trial.number] if trial else None,
         best_number=trial.number if trial else None,
-        n_configs=_n_configs(settings), n_pruned=c["pruned"], n_real=c["real"],
+        n_configs=space_size(settings), n_pruned=c["pruned"], n_real=c["real"],
         pruned_by_reason=c["pruned_by_reason"], stop_reason=study.stop_reason or "running",
         wall_s=wall_seconds(study) if wall_s is None else wall_s, calibration=calibration_of(study), table=table,
         workload_source=settings.get("workload_source"),

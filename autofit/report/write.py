@@ -7,10 +7,10 @@ from pathlib import Path
 
 from autofit.core.files import write_atomic
 from autofit.core.records import StudySnapshot
+from autofit.report.summary import summary_markdown
 from autofit.report.tables import (
     best_record,
     calibration_of,
-    summary_markdown,
     trials_table,
 )
 

@@ -12,7 +12,7 @@ import pytest
 
 from autofit.core.config import TrainConfig
 from autofit.core.objective import JOB, PER_DEVICE, basis, objective, replicas
-from autofit.report.tables import split_mode_comparison
+from autofit.report.summary import split_mode_comparison
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -19,10 +19,10 @@ from autofit.core.records import (
     trial_numbers,
 )
 from autofit.report import pictures
+from autofit.report.summary import summary_markdown
 from autofit.report.tables import (
     best_record,
     calibration_of,
-    summary_markdown,
     top_configs,
     trials_table,
 )

@@ -15,12 +15,12 @@ from autofit.core.config import TrainConfig
 from autofit.core.errors import StudyError
 from autofit.core.space import space_from_dict
 from autofit.report.result import search_result
+from autofit.report.summary import summary_markdown
 from autofit.report.tables import (
     COLUMNS,
     best_record,
     counts,
     select,
-    summary_markdown,
     trials_table,
 )
 from autofit.report.write import write_reports

@@ -153,7 +153,8 @@ def test_searches_at_once_never_run_trials_side_by_side(tmp_path):
 def test_the_summary_names_trials_that_waited():
     from autofit.core.config import TrainConfig
     from autofit.core.records import StudySnapshot, TrialRecord, TrialStatus
-    from autofit.report.tables import summary_markdown, trials_table
+    from autofit.report.summary import summary_markdown
+    from autofit.report.tables import trials_table
 
     def record(number, wait_s):
         return TrialRecord(number, TrainConfig("fp32", 2 * (number + 1)), TrialStatus.OK, value=10.0,
