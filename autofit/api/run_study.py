@@ -166,6 +166,10 @@ def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | 
         if removed:
             emit(starting_progress(f"removed {len(removed)} temporary file(s) a killed write left in {out}: "
                                    f"{', '.join(removed)}", started))
+        if device == "cpu" and workers == 1 and trial_runner is None and forkserver.enabled():
+            # its trials fork from it: its imports (seconds) overlap the profile and the probes instead of
+            # delaying the first trial (profiling starts it too, but only when it profiles)
+            forkserver.start_server_soon()
         profile = profile_workload(loaded, list(resolved.precision), device_type=device,  # user errors surface here
                                    split_ends=needs_split_ends(resolved.configs()),
                                    optimizers=optimizer_choices(resolved.configs()),

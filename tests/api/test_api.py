@@ -157,3 +157,29 @@ def test_search_prints_progress_by_default_and_is_silent_when_asked(tmp_path, ca
     assert events and events[-1].done and not capfd.readouterr().err.strip()
     with pytest.raises(autofit.StudyError, match="progress must be True"):
         autofit.search(TINY, "64MB", space=space, trials=1, out=out, device="cpu", progress="yes")
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("runner, starts", [(None, True), ("injected", False)])
+def test_a_cpu_search_starts_its_trials_fork_server_before_profiling(tmp_path, monkeypatch, runner, starts):
+    """With the profile in the cache nothing else starts it early, so without this the first trial would
+    wait for its imports; a search whose trials do not fork from it (an injected runner) starts none."""
+    from autofit.api import run_study
+    from autofit.runtime import forkserver
+
+    calls = []
+    monkeypatch.setattr(forkserver, "start_server_soon", lambda: calls.append("fork server"))
+
+    def profiled(*args, **kwargs):
+        calls.append("profile")
+        raise _Stop
+
+    monkeypatch.setattr(run_study, "profile_workload", profiled)
+    with pytest.raises(_Stop):
+        run_study.search(TINY, "64MB", space={"precision": ["fp32"], "micro_batch": [2], "global_batch": 2},
+                         out_dir=tmp_path / "s", device="cpu", progress=lambda event: None,
+                         trial_runner=None if runner is None else (lambda *a, **k: None))
+    assert calls == (["fork server", "profile"] if starts else ["profile"])
