@@ -58,6 +58,8 @@ def test_a_search_times_its_leaders_head_to_head_and_reports_that_figure(tmp_pat
     from autofit.api.run_study import search
     from autofit.cli import main
     from autofit.cli.search import _summary
+    from autofit.report.pictures import throughput_vs_peak
+    from autofit.report.tables import trials_table
     from autofit.core.records import best_of
     from autofit.study import leaders, load_snapshot
 
@@ -90,6 +92,12 @@ def test_a_search_times_its_leaders_head_to_head_and_reports_that_figure(tmp_pat
     assert figure in reported and basis in reported and "best of" not in reported
     summary = (tmp_path / "s" / "summary.md").read_text()
     assert f"the figure above is {basis}" in summary and "ranked by its best sample" not in summary
+    snapshot = load_snapshot(tmp_path / "s")
+    table = trials_table(snapshot)
+    fig = throughput_vs_peak(table, snapshot.settings["budget_bytes"], best.number, snapshot.study_name)
+    (star,) = [c for c in fig.axes[0].collections if c.get_gid() == "best"]
+    assert star.get_label() == f"best: trial {int(table.loc[table['number'] == best.number, 'trial'].iloc[0])}, timed head to head"
+    assert star.get_offsets()[0][1] == pytest.approx(best.value)
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
