@@ -58,9 +58,9 @@ def test_a_search_times_its_leaders_head_to_head_and_reports_that_figure(tmp_pat
     from autofit.api.run_study import search
     from autofit.cli import main
     from autofit.cli.search import _summary
+    from autofit.core.records import best_of
     from autofit.report.pictures import throughput_vs_peak
     from autofit.report.tables import trials_table
-    from autofit.core.records import best_of
     from autofit.study import leaders, load_snapshot
 
     monkeypatch.setattr(leaders, "NOISE_MIN", 10.0)
