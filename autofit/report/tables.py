@@ -140,8 +140,9 @@ def trials_table(study: StudySnapshot) -> pd.DataFrame:
 
 def top_configs(study: StudySnapshot, table: pd.DataFrame, top: int | None = None) -> pd.DataFrame:
     """One row per config that ran ok under the budget (:func:`autofit.core.records.config_samples`),
-    its best sample's, best first, with ``samples`` (how many feasible samples it has) and
-    ``spread`` (its best over its median, less one): the ranking :func:`best_trial` crowns from."""
+    the row of the sample it is ranked by (:func:`autofit.core.records.best_sample`), best first, with
+    ``samples`` (how many feasible samples it has) and ``spread`` (that sample over its median, less
+    one; below 0 where a head-to-head ranked it by a slower sample): the ranking :func:`best_trial` crowns from."""
     by_config = config_samples(list(study.records))
     best = {best_sample(s).number: (len(s), best_sample(s).value / median_value(s) - 1.0 if median_value(s) else None)
             for s in by_config.values()}
@@ -228,7 +229,8 @@ def best_record(study: StudySnapshot) -> dict:
                      "samples_per_s": r.measurement.get("samples_per_s")} for r in samples],
         "median_objective": median_value(samples),
         "median_samples_per_s": float(np.median([r.measurement.get("samples_per_s") or 0.0 for r in samples])),
-        # best sample over the median, less one: how much the config's samples disagreed
+        # the ranked sample over the median, less one: how much the config's samples disagreed
+        # (below 0 where a head-to-head ranked it by a slower sample)
         "sample_spread": (trial.value / median_value(samples) - 1.0) if median_value(samples) else None,
         "peak_fraction_of_budget": measured_peak(measured) / budget if budget and measured_peak(measured) else None,
         "reproduce": measure_command(settings, config),
