@@ -54,6 +54,12 @@ TIME_MARGIN_MIN = 0.10     # the time model's error margin is never taken below 
 # two precisions (ratio of their median measured/predicted step times) was at most 1.20x
 # (results/benchmarks/accuracy_prior.csv, the workload's own layer).
 CROSS_MARGIN_MIN = 0.3
+# Before any such trial the error across kinds is unmeasured: a kind is then still ruled out when, even
+# 10x faster than its calibrated prediction, it would not beat the best measured. That is over 8x the
+# worst bias between two precisions seen (1.23x on the committed grids, 1.49x on an AVX2 CPU whose bf16
+# runs ~20x slower than fp32, docs/facts.md#time-model-prior-bias), and a trial of such a kind takes over
+# ten times the best's.
+CROSS_MARGIN_PRIOR = 9.0
 REMEASURE_RESERVE = 4      # with a trial limit, exploration leaves up to 1/this of it for them
 # A trial runs DEFAULT_SCHEDULE (autofit.runtime.schedule); its time limit is sized from that schedule.
 
@@ -169,9 +175,12 @@ def cross_margin(records: Sequence[TrialRecord]) -> float | None:
     return max([CROSS_MARGIN_MIN] + across) if across else None
 
 
-def _margin_name(m: float, within: float | None) -> str:
-    return "the time model's measured error" if m == within else \
-        "the time model's measured error across precisions, layouts and checkpointing"
+def _margin_name(m: float, within: float | None, cross: float | None = None) -> str:
+    if m == within:
+        return "the time model's measured error"
+    if cross is None:
+        return "the widest error across precisions, layouts and checkpointing allowed before it is measured"
+    return "the time model's measured error across precisions, layouts and checkpointing"
 
 
 class Planner:
@@ -358,9 +367,9 @@ class Planner:
         measured error, does not beat the best measured median by the study's ``min_improvement``;
         else, config by config, those that cannot. The error: ``margin`` (within a group,
         :func:`time_margin`) for a config a trial that ran ok (``ran_ok``: per config) vouches for
-        (:func:`vouch_key`), ``cross`` (:func:`cross_margin`, None: not measured yet, so not
-        pruned) for the others. So a precision the calibrated model rules out by a wide margin
-        costs no trial, and one that ran costs no more trials than its own calibration allows."""
+        (:func:`vouch_key`), ``cross`` (:func:`cross_margin`; None: not measured yet, then
+        :data:`CROSS_MARGIN_PRIOR`) for the others. So a precision the calibrated model rules out by a
+        wide margin costs no trial, and one that ran costs no more trials than its own calibration allows."""
         if best_median is None:
             return
         # A config must be able to beat the best by more than min_improvement (below it a gain is
@@ -370,7 +379,8 @@ class Planner:
         for group in dict.fromkeys(self._groups):
             members = [i for i, g in enumerate(self._groups)
                        if g == group and reasons[i] is None and not claimed[i]]
-            margins = [margin if self._keys[i] in vouched else cross for i in members]
+            unmeasured = CROSS_MARGIN_PRIOR if cross is None else cross
+            margins = [margin if self._keys[i] in vouched else unmeasured for i in members]
             if not members:
                 continue
             if None not in margins and max(sps[i] * (1 + m) for i, m in zip(members, margins)) < bar:
@@ -378,13 +388,13 @@ class Planner:
                 for i in members:
                     reasons[i] = (PruneReason.SLOW_PRECISION,
                                   f"every {group_name(group)} config left is predicted at most {top:.3g} samples/s: "
-                                  f"even {widest:.0%} faster ({_margin_name(widest, margin)}) it would not beat the "
+                                  f"even {widest:.0%} faster ({_margin_name(widest, margin, cross)}) it would not beat the "
                                   f"best measured {best_median:.3g} by {self.settings.min_improvement:.0%}")
                 continue
             for i, m in zip(members, margins):  # the same rule, config by config
                 if m is not None and sps[i] * (1 + m) < bar:
                     reasons[i] = (PruneReason.TOO_SLOW,
-                                  f"predicted {sps[i]:.3g} samples/s: even {m:.0%} faster ({_margin_name(m, margin)}) "
+                                  f"predicted {sps[i]:.3g} samples/s: even {m:.0%} faster ({_margin_name(m, margin, cross)}) "
                                   f"it would not beat the best measured {best_median:.3g} by "
                                   f"{self.settings.min_improvement:.0%}")
 

@@ -846,7 +846,8 @@ def test_four_local_workers_on_the_journal_with_reports_while_they_run(tmp_path)
 def test_a_kind_no_trial_vouches_for_is_ruled_out_only_by_the_measured_cross_margin(tiny_profile, rates):
     """A precision that has not run is dropped once the calibrated model's error across kinds has been
     measured (another kind's first trial) and even that much faster it would not beat the best; before
-    that, it keeps its trial. The margin is the measured error, at least CROSS_MARGIN_MIN."""
+    that, it keeps its trial unless it is ten times too slow (the next test). The margin is the measured
+    error, at least CROSS_MARGIN_MIN."""
     from autofit.study.planner import CROSS_MARGIN_MIN, cross_margin
     planner = make_planner(tiny_profile, rates, precision=["fp32", "amp-bf16"], micro_batch=[2, 4],
                            global_batch=4, checkpoint_every=[0, 1])
@@ -877,6 +878,39 @@ def test_a_kind_no_trial_vouches_for_is_ruled_out_only_by_the_measured_cross_mar
     assert cross_margin(trials) == 9.0 and best_amp * 10 > bar
     assert not {planner.configs[p.index] for p in planner.step(trials).prunes
                 if p.reason.value in ("slow_precision", "too_slow")} & set(amp)
+
+
+@pytest.mark.parametrize("bf16_flops, ruled_out", [(3e7, True), (1e8, False)])
+def test_before_the_error_across_kinds_is_measured_only_a_kind_ten_times_too_slow_is_ruled_out(tiny_profile,
+                                                                                           bf16_flops, ruled_out):
+    """A bf16 matmul rate that makes amp-bf16 ~15x slower than fp32 here (not the 20x that prunes before
+    any trial) costs it its trial once fp32 has run: even CROSS_MARGIN_PRIOR faster it would not beat the
+    best measured. At ~5.5x slower it keeps its trial, which then measures the error across kinds."""
+    from autofit.probes.device_rates import DeviceRates
+    from autofit.study.planner import CROSS_MARGIN_PRIOR, cross_margin
+
+    slow_bf16 = DeviceRates("cpu", "test", 2, {"float32": 1e11, "bfloat16": bf16_flops, "float16": 1e9}, 1e10, 5e-6,
+                            0.0, "x")
+    planner = make_planner(tiny_profile, slow_bf16, precision=["fp32", "amp-bf16"], micro_batch=[2, 4],
+                           global_batch=4)
+    amp = {c for c in planner.configs if c.precision.value == "amp-bf16"}
+    step = planner.step([])
+    first = planner.configs[step.run]
+    assert first.precision.value == "fp32" and not {planner.configs[p.index] for p in step.prunes} & amp
+    measured = planner.prediction(planner.index[first], Calibration.prior())["samples_per_s"]
+    trials = [ran_trial(planner, first, 0, samples_per_s=measured)]
+    assert cross_margin(trials) is None
+    step = planner.step(trials)
+    best_amp = max(planner.prediction(planner.index[c], step.calibration)["samples_per_s"] for c in amp)
+    assert (best_amp * (1 + CROSS_MARGIN_PRIOR) < measured) == ruled_out  # the premise
+    slow = {planner.configs[p.index]: p for p in step.prunes
+            if p.reason in (PruneReason.SLOW_PRECISION, PruneReason.TOO_SLOW)}
+    if ruled_out:
+        assert amp <= set(slow)
+        assert "900% faster (the widest error across precisions, layouts and checkpointing allowed before it is " \
+               "measured)" in slow[next(iter(amp))].text
+    else:
+        assert not amp & set(slow)
 
 
 def test_a_checkpointed_trial_does_not_vouch_for_its_precision_without_checkpointing(tiny_profile, rates):
