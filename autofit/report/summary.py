@@ -37,8 +37,6 @@ _HEAD_TO_HEAD_WHY = ("leaders of one build are timed in turn in one process, so 
                      "did, and are ranked by that sample")
 
 
-
-
 def _md_table(frame: pd.DataFrame) -> str:
     if frame.empty:
         return "(none)\n"
@@ -63,8 +61,6 @@ def _bytes(value: Any) -> str:
 
 def _seconds(value: Any) -> str:
     return "" if _missing(value) else (f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.3f} s")
-
-
 
 
 def split_mode_comparison(table: pd.DataFrame) -> pd.DataFrame:
@@ -107,8 +103,6 @@ def split_modes_markdown(table: pd.DataFrame, devices: int) -> list[str]:
         "winner ahead by": frame["winner_ahead_by"].map(lambda v: f"{100 * v:.1f}%"),
     })))
     return lines
-
-
 
 
 def summary_markdown(study: StudySnapshot, table: pd.DataFrame | None = None, *, top: int = 10) -> str:
@@ -268,5 +262,3 @@ def _shown_path(source: str | None) -> str | None:
         except ValueError:
             continue
     return source
-
-

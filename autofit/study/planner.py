@@ -376,11 +376,11 @@ class Planner:
         # noise, as for patience) at the top of the model's error margin to be worth a trial.
         bar = best_median * (1 + self.settings.min_improvement)
         vouched = {self._keys[i] for i in np.flatnonzero(ran_ok)}
+        across = CROSS_MARGIN_PRIOR if cross is None else cross
         for group in dict.fromkeys(self._groups):
             members = [i for i, g in enumerate(self._groups)
                        if g == group and reasons[i] is None and not claimed[i]]
-            unmeasured = CROSS_MARGIN_PRIOR if cross is None else cross
-            margins = [margin if self._keys[i] in vouched else unmeasured for i in members]
+            margins = [margin if self._keys[i] in vouched else across for i in members]
             if not members:
                 continue
             if None not in margins and max(sps[i] * (1 + m) for i, m in zip(members, margins)) < bar:
