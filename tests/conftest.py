@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -73,6 +74,26 @@ def pytest_sessionfinish(session):
     # the controller (or a run without workers) has every report; a worker only its own
     if out and _measured_s and not hasattr(session.config, "workerinput"):
         Path(out).write_text(json.dumps({f: round(s, 1) for f, s in sorted(_measured_s.items())}, indent=1) + "\n")
+
+
+@pytest.fixture(autouse=True)
+def _machine_to_itself(request, tmp_path_factory):
+    """Under pytest-xdist, a test marked ``alone`` runs while no other worker runs a test: it takes a
+    lock on the machine that every other test shares (flock: an exclusive lock waits for the shared
+    ones to end, and they wait for it). Such a test needs a quiet machine as its reference, as a
+    user's search has when nothing else runs; another worker's trials would be the load it checks
+    autofit against."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    path = tmp_path_factory.getbasetemp().parent / "machine.lock"  # the workers' common base
+    alone = request.node.get_closest_marker("alone") is not None
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @pytest.fixture

@@ -22,6 +22,7 @@ def _search(out):
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # the quiet search is the reference: another worker's trials must not load it
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs Linux's per-thread schedstat")
 def test_a_search_beside_a_busy_core_gives_the_quiet_answer_and_records_the_wait(tmp_path, monkeypatch):
     # the premise: a trial's steps ask for a thread per core, as a user's do, so the busy loop takes one of them

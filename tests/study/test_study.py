@@ -72,16 +72,16 @@ def make_planner(profile, rates, budget_bytes=10**9, devices=1, **space) -> Plan
 
 
 def ran_trial(planner: Planner, config: TrainConfig, number: int, status="ok", samples_per_s=100.0,
-              peak_bytes=None, step_time_s=None, sample=1, head_to_head=None) -> TrialRecord:
+              peak_bytes=None, step_time_s=None, sample=1, head_to_head=None, **timing) -> TrialRecord:
     """A real trial's record as the worker writes it (``head_to_head``: the number of the head-to-head it was
-    timed in)."""
+    timed in; ``timing``: more measured keys, such as what its timed steps got from the machine)."""
     i = planner.index[config]
     predicted = planner.prediction(i, Calibration.prior())
     peak = predicted["peak_bytes"] if peak_bytes is None else peak_bytes
     ok = status == "ok"
     measured = {"peak_bytes": peak if ok else None, "samples_per_s": samples_per_s if ok else None,
                 "step_time_s": (step_time_s or config.samples_per_step / samples_per_s) if ok else None,
-                "head_to_head": head_to_head}
+                "head_to_head": head_to_head, **timing}
     errors = {"step_time": relative_error(predicted["step_time_s"], measured["step_time_s"])}
     return TrialRecord(number, config, TrialStatus(status), prediction=predicted, measurement=measured,
                        value=samples_per_s if ok else 0.0, sample=sample, errors=errors,
@@ -287,6 +287,29 @@ def test_leaders_of_one_build_are_timed_head_to_head_and_ranked_by_it(tiny_profi
     # a re-measurement that goes over the budget rules its config out
     trials.append(ran_trial(planner, b, len(trials), status="oom", sample=3))
     assert best_of(trials).config == a
+
+
+@pytest.mark.parametrize("starved_steps, timed_steps, share, head_to_head", [
+    (3, 3, 0.6, True),     # every step waited: 40 could have been 100, so b and a are timed together
+    (2, 5, 0.6, False),    # three clean steps: 40 is the config's figure, far below a's
+    (3, 3, 0.05, False),   # starved, but the wait explains little of the gap
+])
+def test_a_starved_figure_is_a_floor_and_its_config_is_timed_beside_the_leader(tiny_profile, rates, starved_steps,
+                                                                              timed_steps, share, head_to_head):
+    from autofit.study.leaders import reach
+
+    planner = make_planner(tiny_profile, rates, precision=["fp32"], micro_batch=[1, 16], global_batch=16)
+    a, b = TrainConfig("fp32", 1, 16), TrainConfig("fp32", 16, 1)
+    starved = ran_trial(planner, b, 0, samples_per_s=40.0, timed_steps=timed_steps, starved_steps=starved_steps,
+                        max_wait_share=share)
+    trials = [starved, ran_trial(planner, a, 1, samples_per_s=60.0, timed_steps=3, starved_steps=0,
+                                 max_wait_share=0.01)]
+    assert reach(starved) == pytest.approx(40.0 / (1 - share) if starved_steps == timed_steps else 40.0)
+    step = planner.step(trials)
+    if head_to_head:
+        assert step.sample == 2 and {planner.configs[step.run], *(planner.configs[i] for i, _ in step.together)} == {a, b}
+    else:
+        assert step.run is None
 
 
 def test_leaders_of_other_builds_are_measured_on_their_own(tiny_profile, rates):
