@@ -20,12 +20,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from autofit.workloads.base import Workload
 
 DIM, CLASSES = 32, 8
 LM_VOCAB, LM_DIM, LM_SEQ = 64, 32, 8
 TINY_LM = f"{Path(__file__).resolve()}:tiny_lm"  # the --model spec of tiny_lm()
+SLOW_TINY_LM = f"{Path(__file__).resolve()}:slow_tiny_lm"
+SLOW_STEP_S = 0.2
 
 
 class Block(nn.Module):
@@ -171,6 +174,20 @@ def tiny_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def tiny_lm() -> Workload:
     """The search tests' workload: a few hundred KiB, trials dominated by process start."""
     return Workload(name="tiny-lm", model=TinyLM, batch=tiny_lm_batch, loss=tiny_lm_loss, tokens_per_sample=LM_SEQ)
+
+
+class SlowLM(TinyLM):
+    """TinyLM whose real forward sleeps :data:`SLOW_STEP_S`: its trials last seconds, not a fraction
+    of one, so a test can catch one running (fake tensors, as when profiling, do not sleep)."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if not is_fake(tokens):
+            time.sleep(SLOW_STEP_S)
+        return super().forward(tokens)
+
+
+def slow_tiny_lm() -> Workload:
+    return Workload(name="slow-tiny-lm", model=SlowLM, batch=tiny_lm_batch, loss=tiny_lm_loss, tokens_per_sample=LM_SEQ)
 
 
 class TiedLM(TinyLM):
