@@ -127,6 +127,23 @@ def hang() -> Workload:
     return mlp_workload(name="hang", batch=hanging_batch)
 
 
+def picky() -> Workload:
+    """The tiny MLP, except that a batch of 3 segfaults and a batch of 5 hangs: several trials of one
+    source, some of which misbehave."""
+    _record_pid(os.getpid())
+    plain = mlp_workload()
+
+    def picky_batch(n: int):
+        if n == 3:
+            os.kill(os.getpid(), signal.SIGSEGV)
+            time.sleep(60)
+        if n == 5:
+            time.sleep(600)
+        return plain.batch(n)
+
+    return mlp_workload(name="picky", batch=picky_batch)
+
+
 def noisy() -> Workload:
     """Prints to stdout: must not reach the parent's stdout (the --json contract)."""
     print("hello from the workload")

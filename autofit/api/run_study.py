@@ -40,6 +40,7 @@ from autofit.study.settings import (
     space_to_dict,
 )
 from autofit.study.worker import TrialRunner, run_trial_isolated, run_worker
+from autofit.trial import host
 from autofit.workloads.base import Workload
 from autofit.workloads.load import load_workload
 
@@ -166,14 +167,16 @@ def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | 
         if removed:
             emit(starting_progress(f"removed {len(removed)} temporary file(s) a killed write left in {out}: "
                                    f"{', '.join(removed)}", started))
-        if device == "cpu" and workers == 1 and trial_runner is None and forkserver.enabled():
-            # its trials fork from it: its imports (seconds) overlap the profile and the probes instead of
-            # delaying the first trial (profiling starts it too, but only when it profiles)
-            forkserver.start_server_soon()
-        profile = profile_workload(loaded, list(resolved.precision), device_type=device,  # user errors surface here
-                                   split_ends=needs_split_ends(resolved.configs()),
-                                   optimizers=optimizer_choices(resolved.configs()),
-                                   note=None if progress is None else lambda line: emit(starting_progress(line, started)))
+        if workers == 1 and trial_runner is None:
+            _start_trial_processes(loaded, device)
+        try:
+            profile = profile_workload(loaded, list(resolved.precision), device_type=device,  # user errors surface here
+                                       split_ends=needs_split_ends(resolved.configs()),
+                                       optimizers=optimizer_choices(resolved.configs()),
+                                       note=None if progress is None else lambda line: emit(starting_progress(line, started)))
+        except BaseException:
+            host.release()
+            raise
         study = backend.create_or_load(settings)
         backend.record_profile(study, profile.key)
         note = None if progress is None else lambda line: emit(progress_of(backend.read_records(study), line, started))
@@ -200,6 +203,16 @@ def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | 
         # the stop reason is said once, by whoever shows the result (the CLI's summary), not in this line
         emit(progress_of(backend.read_records(study), "done", started, done=True, stop_reason=result.stop_reason))
         return result
+
+
+def _start_trial_processes(loaded: Workload, device: str) -> None:
+    """Start what this process's trials will run in now, so its imports (seconds) overlap the profile
+    and the probes instead of delaying the first trial: on the CPU the fork server they fork from
+    (profiling starts it too, but only when it profiles), on CUDA the trial host with its context."""
+    if device == "cpu" and forkserver.enabled():
+        forkserver.start_server_soon()
+    if loaded.source is not None and host.enabled(device):
+        host.start_soon(loaded.source, device)
 
 
 def _write_tables(study: optuna.Study, out: Path, storage: str | None, stop: str | None) -> None:

@@ -183,6 +183,7 @@ def _trial_overhead(quick: bool, progress) -> list[dict]:
             for runner, flag in (("fresh interpreter", "0"), ("fork server", "1")):
                 os.environ["AUTOFIT_TRIAL_SERVER"] = flag
                 rows += _one_trial_overhead(name, config, runner, schedule, run_trial, progress)
+            rows += _hosted_trial_overhead(name, config, schedule, run_trial, progress)
     finally:
         if previous is None:
             os.environ.pop("AUTOFIT_TRIAL_SERVER", None)
@@ -191,9 +192,38 @@ def _trial_overhead(quick: bool, progress) -> list[dict]:
     return rows
 
 
-def _one_trial_overhead(name: str, config: TrainConfig, runner: str, schedule, run_trial, progress) -> list[dict]:
-    floor = run_trial(name, config, budget_bytes=1, schedule=schedule, timeout_s=240)
+def _hosted_trial_overhead(name: str, config: TrainConfig, schedule, run_trial, progress) -> list[dict]:
+    """The same figures for a trial in a trial host (autofit.trial.host, CUDA's default) after its first
+    trial: what every trial of a CUDA search but the first (and those after a failure) costs."""
+    import os
+
+    from autofit.trial import host
+
+    host.release()
+    previous = os.environ.get("AUTOFIT_TRIAL_HOST")
+    os.environ["AUTOFIT_TRIAL_HOST"] = "1"
+    try:
+        first = run_trial(name, config, schedule=schedule, timeout_s=240)  # starts the host
+        rows = _one_trial_overhead(name, config, "trial host, after its first trial", schedule, run_trial, progress,
+                                   floor_last=True)
+    finally:
+        host.release()
+        if previous is None:
+            os.environ.pop("AUTOFIT_TRIAL_HOST", None)
+        else:
+            os.environ["AUTOFIT_TRIAL_HOST"] = previous
+    rows[0]["note"] += f" (the host's first trial, its start included: {first.wall_s:.2f} s)"
+    return rows
+
+
+def _one_trial_overhead(name: str, config: TrainConfig, runner: str, schedule, run_trial, progress,
+                        floor_last: bool = False) -> list[dict]:
+    """``floor_last``: the over-budget trial after the full one (in a host it ends the host)."""
+    if not floor_last:
+        floor = run_trial(name, config, budget_bytes=1, schedule=schedule, timeout_s=240)
     full = run_trial(name, config, schedule=schedule, timeout_s=240)
+    if floor_last:
+        floor = run_trial(name, config, budget_bytes=1, schedule=schedule, timeout_s=240)
     timed = schedule.timed_steps * (full.step_time_s or 0.0)   # the untracked optimizer steps
     progress(f"cost: trial {name} {config.short()} ({runner}): {full.wall_s:.1f} s in all, {floor.wall_s:.1f} s to "
              f"die at the first operator, {timed:.2f} s of timed steps")
@@ -203,9 +233,9 @@ def _one_trial_overhead(name: str, config: TrainConfig, runner: str, schedule, r
          "note": f"run_trial: {schedule.warmup_steps} warm-up + {schedule.measured_steps} tracked step, "
                  f"then {schedule.timed_steps} timed steps"},
         {"kind": "trial", "item": item, "metric": "start_and_build_s", "value": floor.wall_s, "unit": "s",
-         "note": f"the same trial with a 1-byte budget (status {floor.status.value}): process start"
-                 + (", imports" if runner == "fresh interpreter" else " (a fork)")
-                 + ", model and optimizer build, batches"},
+         "note": f"the same trial with a 1-byte budget (status {floor.status.value}): "
+                 + {"fresh interpreter": "process start, imports, ", "fork server": "process start (a fork), "}.get(runner, "")
+                 + "model and optimizer build, batches"},
         {"kind": "trial", "item": item, "metric": "timed_steps_s", "value": timed, "unit": "s",
          "note": f"3 x measured step time {full.step_time_s:.3f} s" if full.step_time_s else full.error or ""},
         {"kind": "trial", "item": item, "metric": "overhead_fraction",

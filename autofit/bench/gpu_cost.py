@@ -6,9 +6,11 @@ imports, a CUDA context and the model build before its first step: seconds, what
 This module re-charges each trial of a replayed run (:class:`~autofit.bench.search_data.RunResult`)
 by how the strategy would run it on a GPU:
 
-- **autofit** runs every trial in a process of its own (isolation is what makes an OOM harmless),
-  so each pays :data:`TRIAL_FIXED`; it also pays :data:`AUTOFIT_ONCE` once per search, in place of
-  the first use (profiling, device probe) the CPU replay charges;
+- **autofit** runs its trials on CUDA in a trial host (:mod:`autofit.trial.host`): a process that
+  runs one trial after another and ends after any that is not ok (isolation is what makes an OOM
+  harmless). A trial that starts a host pays :data:`TRIAL_FIXED`, a further one in it
+  :data:`IN_PROCESS_BUILD`, as a finder's retry; autofit also pays :data:`AUTOFIT_ONCE` once per
+  search, in place of the first use (profiling, device probe) the CPU replay charges;
 - a **batch-size finder** retries inside the training process (Accelerate's decorator, Lightning's
   tuner, DeepSpeed's autotuner loop): the first trial of a process pays :data:`TRIAL_FIXED`, each
   retry :data:`IN_PROCESS_BUILD` only. A per-precision *sweep* is the finder launched once per
@@ -105,14 +107,15 @@ class Processes(str, enum.Enum):
     """How a strategy's trials map to processes on a GPU."""
 
     PER_TRIAL = "a process per trial"
+    HOST = "a process until a trial that is not ok"
     ONE = "one process"
     PER_PRECISION = "a process per precision"
 
 
 def processes(strategy: Strategy) -> Processes:
-    """autofit isolates every trial; a sweep launches its finder once per precision; the rest run in one process."""
+    """autofit runs its trials in a host; a sweep launches its finder once per precision; the rest run in one process."""
     if strategy.name == AUTOFIT_NAME:
-        return Processes.PER_TRIAL
+        return Processes.HOST
     return Processes.PER_PRECISION if strategy.run is precision_sweep else Processes.ONE
 
 
@@ -140,6 +143,9 @@ def _new_process(policy: Processes, run: RunResult, i: int) -> bool:
     # a device split's stages or ranks are processes of their own, one per device, whoever runs it
     if policy is Processes.PER_TRIAL or i == 0 or run.history[i].outcome.config.device_split > 1:
         return True
+    if policy is Processes.HOST:  # a split's trial runs beside the host; a trial not ok ended it
+        before = [r.outcome for r in run.history[:i] if r.outcome.config.device_split == 1]
+        return not before or before[-1].status is not TrialStatus.OK
     # a sweep runs its finder one precision after another: a change of precision is a new launch
     return (policy is Processes.PER_PRECISION
             and run.history[i].outcome.config.precision != run.history[i - 1].outcome.config.precision)

@@ -23,7 +23,13 @@ from optuna.samplers import BaseSampler
 from autofit.core.budget import format_bytes
 from autofit.core.config import TrainConfig
 from autofit.core.procstat import GONE_STATES, stat_fields
-from autofit.core.records import PruneReason, TrialRecord, TrialStatus, config_samples, trial_number
+from autofit.core.records import (
+    PruneReason,
+    TrialRecord,
+    TrialStatus,
+    config_samples,
+    trial_number,
+)
 from autofit.estimator.calibration import relative_error
 from autofit.estimator.layer_prior import workload_prior
 from autofit.estimator.memory_model import needs_split_ends, optimizer_choices
@@ -37,6 +43,7 @@ from autofit.study import locks, storage
 from autofit.study.planner import Planner
 from autofit.study.progress import ProgressCallback, progress_of
 from autofit.study.settings import StudySettings
+from autofit.trial import host
 from autofit.trial.run import TrialResult, run_head_to_head, run_trial
 from autofit.workloads.base import Workload
 
@@ -159,7 +166,7 @@ class _Heartbeat:
             except Exception:  # noqa: BLE001 -- a missed heartbeat only delays recovery
                 pass
 
-    def __enter__(self) -> "_Heartbeat":
+    def __enter__(self) -> _Heartbeat:
         self._thread.start()
         return self
 
@@ -249,6 +256,14 @@ def run_worker(settings: StudySettings, workload: Workload, *, profile: Profile 
                      time.monotonic() if started is None else started)
     if "device_rates" not in worker.study.user_attrs:
         worker.study.set_user_attr("device_rates", rates.to_dict())
+    try:
+        return _run_trials(worker, workload, runner, head_to_head_runner)
+    finally:
+        host.release()  # an idle trial host holds its device (a CUDA context): not past the search
+
+
+def _run_trials(worker: _Worker, workload: Workload, runner: TrialRunner,
+                head_to_head_runner: HeadToHeadRunner | None) -> str:
     while True:
         step, trial, together = worker.plan_and_claim()
         if trial is None:  # the caller says why it stopped, once (SearchProgress.stop_reason)

@@ -9,11 +9,14 @@ processes) is killed with it, and the parent never initialises CUDA.
 How the workload reaches the child:
 
 - a workload with a ``source`` (every workload from :func:`autofit.workloads.load.load_workload`,
-  and a spec string) is re-loaded in a fresh process: on the CPU one forked from autofit's
+  and a spec string) is re-loaded in another process: on the CPU a fresh one forked from autofit's
   fork server (:mod:`autofit.runtime.forkserver`, a child of ours that imported torch and autofit once
-  and never runs an operator, so the fork is safe and a trial skips ~3 s of imports), on CUDA
-  (or with ``AUTOFIT_TRIAL_SERVER=0``) a fresh interpreter started with ``subprocess`` rather
-  than ``multiprocessing``, so the caller's ``__main__`` is never re-imported;
+  and never runs an operator, so the fork is safe and a trial skips ~3 s of imports); on CUDA
+  the trial host (:mod:`autofit.trial.host`, a process that runs one trial after another and ends
+  after any that is not ok, so trials after the first skip the interpreter, imports and CUDA
+  context); with ``AUTOFIT_TRIAL_SERVER=0`` and ``AUTOFIT_TRIAL_HOST=0``, and for a device split,
+  a fresh interpreter started with ``subprocess`` rather than ``multiprocessing``, so the caller's
+  ``__main__`` is never re-imported;
 - a Workload built in Python without a ``source`` (lambdas, closures: unpicklable) can only
   be inherited, so its child is forked. Fork copies the caller's state: CUDA cannot be used in
   a forked child of a process that initialised it, locks held by other threads are copied
@@ -44,6 +47,7 @@ from autofit.runtime.devicelock import DeviceLock, device_names
 from autofit.runtime.messages import result_status
 from autofit.runtime.schedule import MeasureSchedule
 from autofit.runtime.tracker import CATEGORIES
+from autofit.trial import host
 from autofit.workloads.base import Workload
 
 _MAX_ERROR_CHARS = 2000
@@ -179,6 +183,7 @@ def run_trial(workload: Workload | str, config: TrainConfig, *, device: str = "c
         start, started_at = time.monotonic(), time.time()
         outcome = _start_and_supervise(workload, source, name, request, device, timeout_s)
         wall_s = time.monotonic() - start
+    _release_a_shared_device(lock)
     return _to_result(outcome, name, config, device, budget_bytes, wall_s, lock.wait_s, started_at)
 
 
@@ -205,6 +210,7 @@ def run_head_to_head(workload: Workload | str, configs: list[TrainConfig], *, de
         start, started_at = time.monotonic(), time.time()
         outcome = _start_and_supervise(workload, source, name, request, device, timeout_s)
         wall_s = time.monotonic() - start
+    _release_a_shared_device(lock)
     each = outcome.get("results") if result_status(outcome) is TrialStatus.OK else None
     if not isinstance(each, list) or len(each) != len(configs):
         each = [{k: v for k, v in outcome.items() if k in ("status", "error")} or
@@ -216,6 +222,8 @@ def run_head_to_head(workload: Workload | str, configs: list[TrainConfig], *, de
 def _start_and_supervise(workload: Workload | str, source: str | None, name: str, request: dict, device: str,
                          timeout_s: float) -> dict:
     try:
+        if source is not None and host.enabled(device) and host.hosts_request(request):
+            return host.run(request, timeout_s)
         if source is not None:
             child = _start_child(request, device, timeout_s)
         else:
@@ -229,6 +237,13 @@ def _start_and_supervise(workload: Workload | str, source: str | None, name: str
         return _supervise(child)
     except Exception as exc:  # e.g. the interpreter cannot be started: still a result
         return {"status": "error", "error": _last_line(exc)}
+
+
+def _release_a_shared_device(lock: DeviceLock) -> None:
+    """A trial that waited for its device shares it with another process: no idle host of ours may
+    hold memory there while that one measures (:mod:`autofit.trial.host`)."""
+    if lock.waited_for is not None:
+        host.release()
 
 
 def _start_child(request: dict, device: str, timeout_s: float) -> procs.Child:

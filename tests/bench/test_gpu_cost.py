@@ -94,7 +94,7 @@ def test_trial_cost_charges_an_oom_up_to_its_point_and_a_fit_its_steps():
     assert gc.trial_steps(_config(4)) == FIT_STEPS[4] and gc.trial_steps(_config(1)) == FIT_STEPS[1]
 
 
-def test_finder_retries_are_charged_in_process_and_autofit_per_trial_plus_once():
+def test_finder_retries_are_charged_in_process_and_autofit_per_host_plus_once():
     trials = [_config(4), _config(2), _config(1)]          # OOM, then two fits
     finder = _run(HALVING_AT_ONE.name, trials, own_s=0.25)
     charged = gc.charge(finder, _grid(), HALVING_AT_ONE, COSTS)
@@ -102,12 +102,16 @@ def test_finder_retries_are_charged_in_process_and_autofit_per_trial_plus_once()
     retries = [0.5 + FIT_STEPS[2] * STEP_S, 0.5 + FIT_STEPS[1] * STEP_S]
     assert charged.clock_s == pytest.approx([0.25 + first, 0.5 + first + retries[0], 0.75 + first + sum(retries)])
     assert charged.wall_s == pytest.approx(charged.clock_s[-1])
-    # autofit: every trial its own process, its own cost once in place of the CPU first use (extra_s)
+    # autofit: a trial host, ended by a trial that is not ok; its own cost once in place of the CPU first use
     mine = _run("autofit", trials, own_s=0.25, extra_s=3.0, reached_at=1)
     charged = gc.charge(mine, _grid(), _strategy("autofit"), COSTS)
-    per_trial = [10.0 + STEP_S, 10.0 + FIT_STEPS[2] * STEP_S, 10.0 + FIT_STEPS[1] * STEP_S]
+    per_trial = [10.0 + STEP_S, 10.0 + FIT_STEPS[2] * STEP_S, 0.5 + FIT_STEPS[1] * STEP_S]  # the OOM ended a host
     assert charged.wall_s == pytest.approx(20.0 + 0.75 + sum(per_trial))
     assert charged.time_to_98_s == pytest.approx(20.0 + 0.5 + sum(per_trial[:2]))
+    later = _run("autofit", [_config(2), _config(1), _config(4), _config(2)])
+    charged = gc.charge(later, _grid(), _strategy("autofit"), COSTS)
+    per_trial = [10.0 + FIT_STEPS[2] * STEP_S, 0.5 + FIT_STEPS[1] * STEP_S, 0.5 + STEP_S, 10.0 + FIT_STEPS[2] * STEP_S]
+    assert charged.wall_s == pytest.approx(20.0 + sum(per_trial))
 
 
 def test_a_sweep_starts_a_process_per_precision_and_tpe_runs_in_one():
