@@ -139,6 +139,8 @@ def _measure_cuda(workload: Workload, config: TrainConfig, device: str, budget_b
         total = torch.cuda.get_device_properties(dev).total_memory
         cap = max(budget_bytes - expected, 1)
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), dev)
+    else:  # no cap left by an earlier trial of this process (a trial host runs several)
+        torch.cuda.set_per_process_memory_fraction(1.0, dev)
     trainee = build_trainee(workload, config, dev)
     batches = trial_micro_batches(workload, config, dev, schedule)
     run_steps(schedule, lambda: train_step(trainee, batches))
