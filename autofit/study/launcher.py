@@ -37,11 +37,20 @@ RESTARTS = 2               # rounds of workers started again for trials that kil
 log = logging.getLogger(__name__)
 
 
-def worker_env(settings: StudySettings, workers: int, gpus: list[str]) -> dict:
+def worker_env(settings: StudySettings, workers: int, gpus: list[str], shared: bool = False) -> dict:
     """A worker's environment: this autofit importable and its GPUs. Every core on the CPU: its
-    trials take turns with the other workers' (:mod:`autofit.runtime.devicelock`), never share them."""
+    trials take turns with the other workers' (:mod:`autofit.runtime.devicelock`), never share them.
+    ``shared``: its GPUs are another worker's too, so its trials start fresh processes rather than
+    run in a trial host, whose idle context would sit on a card the other worker measures on."""
     extra = {"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if settings.device_type == "cuda" else {}
+    if shared and settings.device_type == "cuda":
+        extra["AUTOFIT_TRIAL_HOST"] = "0"
     return procs.child_env(extra, secrets=True)  # a worker opens the storage itself
+
+
+def _shares_gpus(gpu_slices: list[list[str]], w: int) -> bool:
+    """Whether worker ``w``'s GPUs are another worker's too (more workers than GPUs)."""
+    return bool(gpu_slices) and any(set(other) & set(gpu_slices[w]) for i, other in enumerate(gpu_slices) if i != w)
 
 
 def run_workers(settings: StudySettings, workers: int, gpu_slices: list[list[str]], study: optuna.Study,
@@ -88,7 +97,8 @@ def _run_round(settings: StudySettings, workers: int, gpu_slices: list[list[str]
             log_path.write_text("")  # this run's log only
             children.append(procs.spawn(
                 "autofit.study.launcher:worker_entry", {"settings": settings.to_json()},
-                env=worker_env(settings, workers, gpu_slices[w] if gpu_slices else []), log_path=log_path))
+                env=worker_env(settings, workers, gpu_slices[w] if gpu_slices else [], _shares_gpus(gpu_slices, w)),
+                log_path=log_path))
         _watch(children, study, workers, emit, started)
     except BaseException:
         _stop(children)

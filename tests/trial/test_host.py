@@ -116,3 +116,17 @@ def test_a_search_starts_its_host_before_profiling_and_ends_it(tmp_path, monkeyp
     assert result.n_real >= 2 and result.best is not None
     assert len(started) == 1, "the trials did not run in the host started before profiling"
     assert host._hosts == {}, "the search left its host running"
+
+
+def test_workers_sharing_a_gpu_start_a_process_per_trial(monkeypatch):
+    from autofit.study.launcher import _shares_gpus, worker_env
+    from autofit.study.settings import StudySettings
+
+    assert not _shares_gpus([["0", "1"], ["2", "3"]], 0)
+    assert _shares_gpus([["0"], ["1"], ["0"]], 2) and _shares_gpus([["0"], ["1"], ["0"]], 0)
+    assert not _shares_gpus([["0"], ["1"], ["0"]], 1) and not _shares_gpus([], 0)
+    settings = StudySettings(workload_name="w", workload_source="gpt-tiny", budget_bytes=1 << 30, budget_text="1GB",
+                             space={}, device_type="cuda", devices=1, study_name="s", out_dir="o")
+    monkeypatch.delenv("AUTOFIT_TRIAL_HOST", raising=False)
+    assert worker_env(settings, 3, ["0"], shared=True)["AUTOFIT_TRIAL_HOST"] == "0"
+    assert "AUTOFIT_TRIAL_HOST" not in worker_env(settings, 2, ["0"], shared=False)
