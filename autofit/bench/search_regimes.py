@@ -154,7 +154,8 @@ def gpu_cost_section(cells: pd.DataFrame, strategies: tuple[Strategy, ...]) -> s
             for r in figures.itertuples()]
     return ("## GPU cost regime: time to 98%\n\n"
             "The replayed runs again, each trial charged what it would cost on a GPU (`autofit/bench/gpu_cost.py`): "
-            "autofit starts a process per trial and pays its own cost once; a batch-size finder retries inside "
+            "autofit runs its trials in a trial host (a process until a trial that is not ok) and pays its own "
+            "cost once; a batch-size finder retries inside "
             "one process (a sweep: one process per precision); Optuna TPE runs its trials in one process. Time "
             "to 98%: the clock when the config the strategy would answer first reached 98% of the optimum "
             "(medians over seeds; a seed that never does counts as never). It follows the answer the strategy "
