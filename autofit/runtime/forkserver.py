@@ -177,8 +177,10 @@ def ensure_server() -> TrialServer:
     """This process's zygote, started (or restarted, when our environment changed or it died) if need
     be. Raises OSError when it cannot start."""
     global _SERVER
-    env = _server_env()
     with _SERVER_LOCK:
+        # Read under the lock: a caller that waited (a background start) must judge the zygote against the
+        # environment as it is now, not as it was when it began waiting.
+        env = _server_env()
         if _SERVER is not None and (not _SERVER.serves(env) or not _SERVER.alive()):
             _SERVER.close()
             _SERVER = None

@@ -110,3 +110,19 @@ def test_importing_torch_dynamo_after_the_zygote_started_keeps_the_zygote(server
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["True"]
+
+
+def test_a_start_that_waited_for_the_lock_starts_the_zygote_for_the_environment_then(server_env, monkeypatch):
+    """A background start (start_server_soon) that waited while the environment changed (the next test,
+    the next search of a launcher) must not replace a zygote of the new environment with one of the old:
+    it did, and a profile that meanwhile found the zygote busy profiled every precision in its own process."""
+    import threading
+
+    with forkserver._SERVER_LOCK:  # a zygote is being started elsewhere: the background start waits
+        forkserver.start_server_soon()
+        time.sleep(0.2)  # the thread has begun and waits for the lock
+        monkeypatch.setenv("AUTOFIT_TEST_MARKER", "two")
+    for thread in threading.enumerate():
+        if thread.name == "autofit-zygote-start":
+            thread.join(timeout=300)
+    assert forkserver.ready(), "the background start left a zygote for the old environment"
