@@ -44,6 +44,7 @@ from autofit.core.records import (
     config_samples,
     head_to_head_of,
     median_value,
+    reach,
     trial_numbers,
 )
 from autofit.estimator.calibration import (
@@ -145,11 +146,15 @@ def top_configs(study: StudySnapshot, table: pd.DataFrame, top: int | None = Non
     ``samples`` (how many feasible samples it has) and ``spread`` (that sample over its median, less
     one; below 0 where a head-to-head ranked it by a slower sample): the ranking :func:`best_trial` crowns from."""
     by_config = config_samples(list(study.records))
-    best = {best_sample(s).number: (len(s), best_sample(s).value / median_value(s) - 1.0 if median_value(s) else None)
-            for s in by_config.values()}
+    ranked = {best_sample(s).number: best_sample(s) for s in by_config.values()}
+    best = {n: (len(s), r.value / median_value(s) - 1.0 if median_value(s) else None)
+            for (n, r), s in zip(ranked.items(), by_config.values())}
     rows = table[table["number"].isin(list(best))]
     rows = rows.assign(samples=[best[n][0] for n in rows["number"]], spread=[best[n][1] for n in rows["number"]])
-    return select(rows, top=top)
+    # in best_of's order: a starved sample ranks by its reach (autofit.core.records.reach)
+    rows = rows.assign(_rank=[reach(ranked[n]) for n in rows["number"]]).sort_values(
+        ["_rank", "number"], ascending=[False, True], kind="stable").drop(columns="_rank")
+    return rows.head(top) if top else rows
 
 
 def select(table: pd.DataFrame, *, status: str | None = None, top: int | None = None) -> pd.DataFrame:

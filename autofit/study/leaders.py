@@ -11,7 +11,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from autofit.core.config import TrainConfig
-from autofit.core.records import TrialRecord, TrialStatus, best_sample, head_to_head_of
+from autofit.core.records import (
+    TrialRecord,
+    TrialStatus,
+    best_sample,
+    head_to_head_of,
+    reach,
+)
 
 # Before the best is crowned, the leaders are measured again: one throughput sample is noisy. On
 # the committed CPU grid (results/benchmarks/search_grid.csv, two samples of each of 120 configs)
@@ -24,10 +30,6 @@ NOISE_MIN = 0.25           # a leader is re-measured if its best sample, raised 
 #                            the noise: the largest spread between two samples of a config so far, at
 #                            least this (the grid's two-sample spread at its 90th percentile)
 REMEASURE_MAX = 2 * REMEASURE_TOP * (REMEASURE_SAMPLES - 1)  # re-measurements in a study at most
-# A sample whose every timed step waited for a CPU is a floor, not a figure: it is raised by its longest
-# run-queue wait (a step of lock-step threads is late by about that share, docs/facts.md#run-queue-wait)
-# before the noise, with the share capped here so a sample that mostly waited still has a finite reach.
-STARVED_SHARE_MAX = 0.9
 # Leaders of one build are timed together in one process (autofit.trial.head_to_head), at most
 # this many times per study: a second head-to-head only when the first changed who leads.
 HEAD_TO_HEAD_MAX = 2
@@ -40,20 +42,6 @@ def sample_noise(by_config: dict) -> float:
     spreads = [max(r.value for r in s) / min(r.value for r in s) - 1.0 for s in by_config.values()
                if len(s) > 1 and min(r.value for r in s) > 0]
     return max([NOISE_MIN] + spreads)
-
-
-def reach(record: TrialRecord) -> float:
-    """The throughput a sample could have read without the load that starved it: its value, or, where
-    every timed step waited for a CPU, its value over one less the longest wait's share of a step.
-
-    Another process slows a trial by about the time its threads waited, so a starved sample is a floor:
-    ranked as it stands, a config timed during a burst of load loses to one timed after it (a quiet
-    reference search beside another test's processes answered micro-batch 1 over 16)."""
-    m = record.measurement
-    steps, starved, share = m.get("timed_steps"), m.get("starved_steps"), m.get("max_wait_share")
-    if not steps or starved != steps or share is None or record.value is None:
-        return float(record.value or 0.0)
-    return record.value / (1.0 - min(share, STARVED_SHARE_MAX))
 
 
 def remeasurements(records: Sequence[TrialRecord], by_config: dict, index: dict) -> list[list[tuple[int, int]]]:
@@ -70,6 +58,7 @@ def remeasurements(records: Sequence[TrialRecord], by_config: dict, index: dict)
     claimed = [r for r in records if r.claimed and r.config in index]
     if sum(r.sample > 1 for r in claimed) >= REMEASURE_MAX or not by_config:
         return []
+    # the bar is the best measured figure; a starved sample's reach only raises challengers to it
     ranked = sorted(by_config.items(), key=lambda kv: (-best_sample(kv[1]).value, kv[1][0].number))
     best, noise = best_sample(ranked[0][1]).value, sample_noise(by_config)
     leaders = [c for c, done in ranked if reach(best_sample(done)) * (1 + noise) >= best][:REMEASURE_TOP]

@@ -1,8 +1,10 @@
 """A search beside a busy core answers as a quiet one does, and its table shows what the trials got.
 
-The space holds two configs that differ by several times in quiet throughput (one sample at a time
-against sixteen), so only a measurement that load distorts by as much could swap them: the failure
-seen with OpenMP's spin-waiting, where a loaded trial read a tenth of its quiet figure at random."""
+The space holds two configs that differ in quiet throughput (one sample at a time against sixteen:
+several times on an AVX2 CPU, 1.6 times on one with AVX-512), which load can swap: OpenMP's
+spin-waiting made a loaded trial read a tenth of its quiet figure at random, and beside a busy core
+the config that parallelises well loses more than the other (both then read alike, so a starved
+sample ranks by what it reaches, autofit.core.records.reach)."""
 
 from __future__ import annotations
 

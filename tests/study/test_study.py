@@ -297,7 +297,7 @@ def test_leaders_of_one_build_are_timed_head_to_head_and_ranked_by_it(tiny_profi
 ])
 def test_a_starved_figure_is_a_floor_and_its_config_is_timed_beside_the_leader(tiny_profile, rates, starved_steps,
                                                                               timed_steps, share, head_to_head):
-    from autofit.study.leaders import reach
+    from autofit.core.records import reach
 
     planner = make_planner(tiny_profile, rates, precision=["fp32"], micro_batch=[1, 16], global_batch=16)
     a, b = TrainConfig("fp32", 1, 16), TrainConfig("fp32", 16, 1)
@@ -311,6 +311,29 @@ def test_a_starved_figure_is_a_floor_and_its_config_is_timed_beside_the_leader(t
         assert step.sample == 2 and {planner.configs[step.run], *(planner.configs[i] for i, _ in step.together)} == {a, b}
     else:
         assert step.run is None
+
+
+def test_beside_a_busy_core_the_best_is_ranked_by_what_its_starved_samples_reach(tiny_profile, rates):
+    """A CI run's loaded search: every step of both configs waited for a CPU, and the head-to-head read them
+    alike (31.26 against 31.27 samples/s), since losing one of two cores costs the config that parallelises
+    well (micro-batch 16: 56 quiet) more than the one that does not (micro-batch 1: 35 quiet). Raised by
+    its wait, micro-batch 16 ranks first, as a quiet search ranks it."""
+    from autofit.core.records import best_of, reach
+
+    planner = make_planner(tiny_profile, rates, precision=["fp32"], micro_batch=[1, 16], global_batch=16)
+    big, small = TrainConfig("fp32", 16, 1), TrainConfig("fp32", 1, 16)
+    starved = {"timed_steps": 3, "starved_steps": 3}
+    trials = [ran_trial(planner, big, 0, samples_per_s=33.47, max_wait_share=0.435, **starved),
+              ran_trial(planner, small, 1, samples_per_s=29.63, max_wait_share=0.373, **starved),
+              ran_trial(planner, big, 2, samples_per_s=31.256, max_wait_share=0.435, sample=2, head_to_head=2, **starved),
+              ran_trial(planner, small, 3, samples_per_s=31.265, max_wait_share=0.368, sample=2, head_to_head=2,
+                        **starved)]
+    best = best_of(trials)
+    assert best.config == big and best.number == 2  # its head-to-head sample, as the tables report it
+    assert reach(best) == pytest.approx(31.256 / (1 - 0.435))
+    quiet = [ran_trial(planner, c, k, samples_per_s=v, timed_steps=3, starved_steps=0, max_wait_share=0.02)
+             for k, (c, v) in enumerate([(big, 31.256), (small, 31.265)])]
+    assert best_of(quiet).config == small  # unstarved, a figure is itself: the faster one wins, however narrowly
 
 
 def test_leaders_of_other_builds_are_measured_on_their_own(tiny_profile, rates):
