@@ -272,8 +272,10 @@ def _run_trials(worker: _Worker, workload: Workload, runner: TrialRunner,
         records = storage.read_records(worker.study)
         duplicate = _claimed_elsewhere(records, trial.number, config, step.sample)
         if duplicate is not None:
-            storage.prune_claimed(worker.study, trial, PruneReason.DUPLICATE, f"claimed at the same time by trial "
-                                  f"{trial_number(records, duplicate)} (another machine)")
+            why = f"claimed at the same time by trial {trial_number(records, duplicate)} (another machine)"
+            storage.prune_claimed(worker.study, trial, PruneReason.DUPLICATE, why)
+            for member in together:  # its head-to-head goes with it: none is left running
+                storage.prune_claimed(worker.study, member, PruneReason.DUPLICATE, f"its head-to-head's first config {why}")
             continue
         source = workload if workload.source is None else workload.source
         if step.together:
