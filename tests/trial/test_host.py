@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from autofit.core.config import TrainConfig
+from autofit.core.procstat import GONE_STATES, stat_fields
 from autofit.runtime import forkserver
 from autofit.trial import host
 from autofit.trial.run import TrialStatus, run_trial
@@ -15,12 +16,8 @@ def _pids(pidfile) -> list[int]:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rfind(b")") + 2:].split()[0] != b"Z"
+    fields = stat_fields(pid)
+    return fields is not None and fields[0] not in GONE_STATES
 
 
 @pytest.fixture
