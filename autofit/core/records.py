@@ -164,16 +164,24 @@ def head_to_head_of(record: TrialRecord) -> int | None:
     return None if value is None else int(value)
 
 
-def ranked_samples(samples: Sequence[TrialRecord]) -> list[TrialRecord]:
-    """The samples of a config that rank it: those of the latest head-to-head it was timed in, else all.
+def outranked(by_config: Mapping[TrainConfig, Sequence[TrialRecord]]) -> dict[TrainConfig, TrainConfig]:
+    """The configs that lost the latest head-to-head they were timed in (``by_config``:
+    :func:`config_samples`), each with the config that won it: another config of that head-to-head,
+    still ranked, read a higher :func:`reach`.
 
-    Timed beside the other leaders in one process, a head-to-head sample saw the machine much as they
-    did; a sample of a trial of its own saw the machine at its own moment, whose speed drifts by
-    as much as close leaders differ (docs/facts.md#throughput-noise)."""
-    rounds = [h for h in map(head_to_head_of, samples) if h is not None]
-    if not rounds:
-        return list(samples)
-    return [r for r in samples if head_to_head_of(r) == max(rounds)]
+    Timed beside each other in one process, the members of a head-to-head saw the machine alike; their
+    own trials saw it at their own moments, whose speed drifts by as much as close leaders differ
+    (docs/facts.md#throughput-noise). So a head-to-head decides the order of its members, and only that:
+    each config still ranks against the rest by its best sample (:func:`best_sample`), as they do."""
+    rounds: dict[int, dict[TrainConfig, float]] = {}
+    latest: dict[TrainConfig, int] = {}
+    for config, samples in by_config.items():
+        for r in samples:
+            if (h := head_to_head_of(r)) is not None:
+                rounds.setdefault(h, {})[config] = reach(r)
+                latest[config] = max(h, latest.get(config, h))
+    winners = {h: max(members, key=members.__getitem__) for h, members in rounds.items()}
+    return {c: winners[h] for c, h in latest.items() if rounds[h][winners[h]] > rounds[h][c]}
 
 
 # A sample whose every timed step waited for a CPU is a floor, not a figure: it is raised by its longest
@@ -198,21 +206,38 @@ def reach(record: TrialRecord) -> float:
 
 
 def best_sample(samples: Sequence[TrialRecord]) -> TrialRecord:
-    """The sample of a config with the highest :func:`reach` among its :func:`ranked_samples` (the lowest
-    trial number among equals).
+    """The sample of a config with the highest :func:`reach` (the lowest trial number among equals),
+    whether it ran on its own or head to head.
 
     Another process on the machine only ever slows a trial down, so a config's fastest sample is
     the one its load inflated least: the sample it is ranked and reported by. Where no sample was
     starved (every timed step waited for a CPU), reach is the objective itself."""
-    return max(ranked_samples(samples), key=lambda r: (reach(r), -r.number))
+    return max(samples, key=lambda r: (reach(r), -r.number))
+
+
+def ranked_bests(records: Sequence[TrialRecord]) -> list[TrialRecord]:
+    """The best sample (:func:`best_sample`) of each config that ran ok under the budget
+    (:func:`config_samples`), best first: by :func:`reach`, except that a config a head-to-head outranked
+    (:func:`outranked`) ranks no higher than the config that won it, just after it (the lowest trial
+    number first among equals)."""
+    by_config = config_samples(records)
+    bests = {c: best_sample(samples) for c, samples in by_config.items()}
+    lost = outranked(by_config)
+
+    def key(config: TrainConfig) -> tuple:
+        own = reach(bests[config])
+        if config in lost:
+            return (-min(own, reach(bests[lost[config]])), 1, bests[config].number)
+        return (-own, 0, bests[config].number)
+
+    return [bests[c] for c in sorted(bests, key=key)]
 
 
 def best_of(records: Sequence[TrialRecord]) -> TrialRecord | None:
-    """The best sample (:func:`best_sample`) of the config whose best sample reaches highest
-    (:func:`reach`; :func:`config_samples`; the lowest trial number among equals), or None. Every table,
-    the headline and the pictures report this record's figures."""
-    bests = [best_sample(samples) for samples in config_samples(records).values()]
-    return max(bests, key=lambda r: (reach(r), -r.number), default=None)
+    """The first of :func:`ranked_bests`, or None. Every table, the headline and the pictures report
+    this record's figures."""
+    ranked = ranked_bests(records)
+    return ranked[0] if ranked else None
 
 
 @dataclass(frozen=True)

@@ -180,7 +180,7 @@ def throughput_vs_peak(table: pd.DataFrame, budget_bytes: int, best: int | None,
         ax.axvline(budget_bytes / size, color="black", linestyle="--", linewidth=1, label=budget_text, gid="budget")
     if best is not None and (table["number"] == best).any():
         row = table[table["number"] == best].iloc[0]
-        # a sample timed head to head ranks its config even below that config's own trial: said, as every output says it
+        # where the figure was timed (its own trial, or head to head beside the other leaders), as the tables say it
         together = "" if pd.isna(row.get("head_to_head")) else ", timed head to head"
         ax.scatter([float(row["measured_peak_bytes"]) / size], [float(row["objective"])], s=280, marker="*",
                    color="gold", edgecolors="black", zorder=4, label=f"best: trial {row['trial']}{together}", gid="best")

@@ -33,8 +33,8 @@ from autofit.report.tables import (
 )
 
 _BEST_SAMPLE_WHY = "a config is ranked by its best sample: another process only ever slows a trial down"
-_HEAD_TO_HEAD_WHY = ("leaders of one build are timed in turn in one process, so each saw the machine as the others "
-                     "did, and are ranked by that sample")
+_HEAD_TO_HEAD_WHY = ("; leaders of one build are also timed in turn in one process, where each saw the machine as "
+                     "the others did, and that head-to-head orders them")
 
 
 def _md_table(frame: pd.DataFrame) -> str:
@@ -172,7 +172,8 @@ def _best_lines(study: StudySnapshot) -> list[str]:
         out.append(f"- measured {len(best['samples'])} times: "
                    + ", ".join(f"{x['samples_per_s']:.2f}" for x in best["samples"]) + " samples/s; the figure "
                    "above is " + figure_basis(m, len(best["samples"]), best["median_samples_per_s"]) + " ("
-                   + (_HEAD_TO_HEAD_WHY if m.get("head_to_head") is not None else _BEST_SAMPLE_WHY) + ")")
+                   + _BEST_SAMPLE_WHY
+                   + (_HEAD_TO_HEAD_WHY if any(x.get("head_to_head") for x in best["samples"]) else "") + ")")
     if m.get("starved_steps"):
         out.append(f"- {m['starved_steps']} of its {m.get('timed_steps')} timed steps waited for a CPU (another "
                    "process was running) and were taken again; the figure is from a step that did not wait")

@@ -44,7 +44,7 @@ from autofit.core.records import (
     config_samples,
     head_to_head_of,
     median_value,
-    reach,
+    ranked_bests,
     trial_numbers,
 )
 from autofit.estimator.calibration import (
@@ -142,18 +142,19 @@ def trials_table(study: StudySnapshot) -> pd.DataFrame:
 
 def top_configs(study: StudySnapshot, table: pd.DataFrame, top: int | None = None) -> pd.DataFrame:
     """One row per config that ran ok under the budget (:func:`autofit.core.records.config_samples`),
-    the row of the sample it is ranked by (:func:`autofit.core.records.best_sample`), best first, with
-    ``samples`` (how many feasible samples it has) and ``spread`` (that sample over its median, less
-    one; below 0 where a head-to-head ranked it by a slower sample): the ranking :func:`best_trial` crowns from."""
+    the row of the sample it is ranked by (:func:`autofit.core.records.best_sample`), in the order
+    :func:`best_trial` crowns from (:func:`autofit.core.records.ranked_bests`), with ``samples`` (how
+    many feasible samples it has) and ``spread`` (that sample over its median, less one)."""
     by_config = config_samples(list(study.records))
-    ranked = {best_sample(s).number: best_sample(s) for s in by_config.values()}
-    best = {n: (len(s), r.value / median_value(s) - 1.0 if median_value(s) else None)
-            for (n, r), s in zip(ranked.items(), by_config.values())}
-    rows = table[table["number"].isin(list(best))]
+    order = [r.number for r in ranked_bests(list(study.records))]
+    best = {}
+    for samples in by_config.values():
+        r = best_sample(samples)
+        best[r.number] = (len(samples), r.value / median_value(samples) - 1.0 if median_value(samples) else None)
+    rows = table[table["number"].isin(order)]
     rows = rows.assign(samples=[best[n][0] for n in rows["number"]], spread=[best[n][1] for n in rows["number"]])
-    # in best_of's order: a starved sample ranks by its reach (autofit.core.records.reach)
-    rows = rows.assign(_rank=[reach(ranked[n]) for n in rows["number"]]).sort_values(
-        ["_rank", "number"], ascending=[False, True], kind="stable").drop(columns="_rank")
+    rank = {n: i for i, n in enumerate(order)}
+    rows = rows.assign(_rank=[rank[n] for n in rows["number"]]).sort_values("_rank", kind="stable").drop(columns="_rank")
     return rows.head(top) if top else rows
 
 
@@ -232,11 +233,12 @@ def best_record(study: StudySnapshot) -> dict:
         **record, "trial": shown[trial.number], "number": trial.number, "config": config.to_dict(),
         "short": config.short(), "measured": measured, "predicted": predicted,
         "samples": [{"trial": shown[r.number], "objective": r.value,
-                     "samples_per_s": r.measurement.get("samples_per_s")} for r in samples],
+                     "samples_per_s": r.measurement.get("samples_per_s"),
+                     "head_to_head": head_to_head_of(r) is not None} for r in samples],
         "median_objective": median_value(samples),
         "median_samples_per_s": float(np.median([r.measurement.get("samples_per_s") or 0.0 for r in samples])),
         # the ranked sample over the median, less one: how much the config's samples disagreed
-        # (below 0 where a head-to-head ranked it by a slower sample)
+        # (below 0 where a starved sample's reach ranked it by a slower sample)
         "sample_spread": (trial.value / median_value(samples) - 1.0) if median_value(samples) else None,
         "peak_fraction_of_budget": measured_peak(measured) / budget if budget and measured_peak(measured) else None,
         "reproduce": measure_command(settings, config),
@@ -248,13 +250,10 @@ def figure_basis(measured: dict, n_samples: int, median_samples_per_s: float) ->
     """Which of the best config's samples its figure is, in words: every output that shows the best's
     figure (the headline, ``autofit report``, ``summary.md``) says it the same way. "" for one sample.
 
-    A config timed head to head is ranked by that head-to-head's sample, which need not be its best
-    (:func:`autofit.core.records.ranked_samples`); any other by its best sample."""
+    A config's figure is its best sample, timed on its own or head to head with the other leaders
+    (:func:`autofit.core.records.best_sample`)."""
     if n_samples <= 1:
         return ""
-    if measured.get("head_to_head") is not None:
-        return (f"its sample timed head to head with the other leaders; {n_samples} samples in all, "
-                f"median {median_samples_per_s:,.2f}")
     return f"best of {n_samples} samples; their median {median_samples_per_s:,.2f}"
 
 

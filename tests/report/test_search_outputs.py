@@ -90,7 +90,11 @@ def test_optuna_dashboard_shows_every_trial_with_readable_attributes(finished, t
 
 def test_the_study_loads_in_optuna_itself(finished):
     study = open_study(finished.out_dir)
-    assert isinstance(study, optuna.Study) and study.best_trial.number == finished.best_number
+    assert isinstance(study, optuna.Study)
+    # Optuna's best_trial is the highest measured figure; autofit's best may rank a starved sample by its
+    # raised figure (autofit.core.records.reach), so only the stored trial itself is the same
+    best = study.trials[finished.best_number]
+    assert best.state is optuna.trial.TrialState.COMPLETE and TrainConfig.from_dict(best.params) == finished.best
     frame = study.trials_dataframe()
     assert {"params_precision", "params_micro_batch", "user_attrs_measured"} <= set(frame.columns)
 
