@@ -16,6 +16,7 @@ from autofit.core.records import (
     TrialStatus,
     best_sample,
     head_to_head_of,
+    outranked,
     reach,
 )
 
@@ -58,8 +59,11 @@ def remeasurements(records: Sequence[TrialRecord], by_config: dict, index: dict)
     claimed = [r for r in records if r.claimed and r.config in index]
     if sum(r.sample > 1 for r in claimed) >= REMEASURE_MAX or not by_config:
         return []
-    # the bar is the best measured figure; a starved sample's reach only raises challengers to it
-    ranked = sorted(by_config.items(), key=lambda kv: (-best_sample(kv[1]).value, kv[1][0].number))
+    # the bar is the best measured figure; a starved sample's reach only raises challengers to it. A config
+    # a head-to-head outranked is not a leader: the config that won it was timed beside it and stands for it
+    lost = outranked(by_config)
+    ranked = sorted(((c, done) for c, done in by_config.items() if c not in lost),
+                    key=lambda kv: (-best_sample(kv[1]).value, kv[1][0].number))
     best, noise = best_sample(ranked[0][1]).value, sample_noise(by_config)
     leaders = [c for c, done in ranked if reach(best_sample(done)) * (1 + noise) >= best][:REMEASURE_TOP]
     if len(leaders) < 2:

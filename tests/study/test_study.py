@@ -313,6 +313,25 @@ def test_a_head_to_head_orders_its_members_only_and_each_config_keeps_its_best_s
     assert [(r.config, r.value) for r in ranked_bests(trials)] == [(six, 109.0), (four, 120.0), (twelve, 102.1)]
 
 
+def test_a_config_a_head_to_head_outranked_is_not_a_leader_and_leaves_its_place_to_another(tiny_profile, rates):
+    """Up to four leaders are measured again; the loser of a head-to-head, whatever its own trial read, is
+    represented by its winner, and the fifth config within the noise takes its place."""
+    from autofit.core.records import config_samples
+    from autofit.study.leaders import remeasurements
+
+    planner = make_planner(tiny_profile, rates, precision=["fp32", "amp-bf16"], micro_batch=[4, 8],
+                           checkpoint_every=[0, 1], global_batch=8)
+    a, b = TrainConfig("fp32", 8, 1), TrainConfig("fp32", 4, 2)
+    c, d, e = TrainConfig("fp32", 8, 1, 1), TrainConfig("amp-bf16", 8, 1), TrainConfig("amp-bf16", 8, 1, 1)
+    trials = [ran_trial(planner, a, 0, samples_per_s=100.0), ran_trial(planner, b, 1, samples_per_s=99.0),
+              ran_trial(planner, a, 2, samples_per_s=95.0, sample=2, head_to_head=2),
+              ran_trial(planner, b, 3, samples_per_s=80.0, sample=2, head_to_head=2),
+              ran_trial(planner, c, 4, samples_per_s=90.0), ran_trial(planner, d, 5, samples_per_s=88.0),
+              ran_trial(planner, e, 6, samples_per_s=86.0)]
+    due = remeasurements(trials, config_samples(trials), planner.index)
+    assert {planner.configs[i] for (i, _), in due} == {c, d, e}
+
+
 @pytest.mark.parametrize("starved_steps, timed_steps, share, head_to_head", [
     (3, 3, 0.6, True),     # every step waited: 40 could have been 100, so b and a are timed together
     (2, 5, 0.6, False),    # three clean steps: 40 is the config's figure, far below a's
