@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
               f"{reason[:70]}")
     best = best_record(study)
     if best.get("config"):
-        basis = figure_basis(best["measured"], len(best.get("samples") or []), best["median_samples_per_s"])
+        basis = figure_basis(len(best.get("samples") or []), best["median_samples_per_s"])
         print(f"best: {best['short']} (trial {best['trial']}): {best['measured']['samples_per_s']:,.2f} samples/s, "
               f"peak {format_bytes(best['measured']['peak_bytes'])}" + (f" ({basis})" if basis else ""))
         print(f"reproduce: {best['reproduce']}")

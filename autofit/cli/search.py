@@ -109,7 +109,7 @@ def _summary(result) -> None:
         rate = f"{m['samples_per_s']:,.2f} samples/s"
         if m.get("tokens_per_s"):
             rate += f", {m['tokens_per_s']:,.0f} tokens/s"
-        basis = figure_basis(m, m.get("samples", 1), m.get("median_samples_per_s", 0.0))
+        basis = figure_basis(m.get("samples", 1), m.get("median_samples_per_s", 0.0))
         print(f"throughput {rate}; step {m['step_time_s']:.3f} s" + (f" ({basis})" if basis else ""))
     print(f"pruned     {result.n_pruned} of {result.n_configs} configs by the estimate" + (f" ({reasons})" if reasons else ""))
     print(f"trials     {result.n_real} real" + (f" ({statuses})" if statuses else ""))

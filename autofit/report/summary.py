@@ -171,7 +171,7 @@ def _best_lines(study: StudySnapshot) -> list[str]:
     if len(best["samples"]) > 1:
         out.append(f"- measured {len(best['samples'])} times: "
                    + ", ".join(f"{x['samples_per_s']:.2f}" for x in best["samples"]) + " samples/s; the figure "
-                   "above is " + figure_basis(m, len(best["samples"]), best["median_samples_per_s"]) + " ("
+                   "above is " + figure_basis(len(best["samples"]), best["median_samples_per_s"]) + " ("
                    + _BEST_SAMPLE_WHY
                    + (_HEAD_TO_HEAD_WHY if any(x.get("head_to_head") for x in best["samples"]) else "") + ")")
     if m.get("starved_steps"):

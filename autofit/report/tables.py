@@ -40,7 +40,6 @@ from autofit.core.records import (
     TrialRecord,
     TrialStatus,
     best_of,
-    best_sample,
     config_samples,
     head_to_head_of,
     median_value,
@@ -146,15 +145,13 @@ def top_configs(study: StudySnapshot, table: pd.DataFrame, top: int | None = Non
     :func:`best_trial` crowns from (:func:`autofit.core.records.ranked_bests`), with ``samples`` (how
     many feasible samples it has) and ``spread`` (that sample over its median, less one)."""
     by_config = config_samples(list(study.records))
-    order = [r.number for r in ranked_bests(list(study.records))]
-    best = {}
-    for samples in by_config.values():
-        r = best_sample(samples)
-        best[r.number] = (len(samples), r.value / median_value(samples) - 1.0 if median_value(samples) else None)
-    rows = table[table["number"].isin(order)]
+    best = {}  # in ranked order: trial number -> (samples, spread)
+    for r in ranked_bests(list(study.records)):
+        median = median_value(by_config[r.config])
+        best[r.number] = (len(by_config[r.config]), r.value / median - 1.0 if median else None)
+    rank = {n: i for i, n in enumerate(best)}
+    rows = table[table["number"].isin(best)].sort_values("number", key=lambda s: s.map(rank), kind="stable")
     rows = rows.assign(samples=[best[n][0] for n in rows["number"]], spread=[best[n][1] for n in rows["number"]])
-    rank = {n: i for i, n in enumerate(order)}
-    rows = rows.assign(_rank=[rank[n] for n in rows["number"]]).sort_values("_rank", kind="stable").drop(columns="_rank")
     return rows.head(top) if top else rows
 
 
@@ -246,7 +243,7 @@ def best_record(study: StudySnapshot) -> dict:
     }
 
 
-def figure_basis(measured: dict, n_samples: int, median_samples_per_s: float) -> str:
+def figure_basis(n_samples: int, median_samples_per_s: float) -> str:
     """Which of the best config's samples its figure is, in words: every output that shows the best's
     figure (the headline, ``autofit report``, ``summary.md``) says it the same way. "" for one sample.
 
