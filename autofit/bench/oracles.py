@@ -18,11 +18,11 @@ class ReplayOracle(Oracle):
 
     A strategy sees what a real trial would have shown it, noise included: the first run of a
     config answers the grid trial's own throughput, a second run (a re-measurement) the grid's
-    second sample, and further runs take the two in turn (the grid holds two samples per config
-    that fits one of its cell's budgets; over all of them a config has its trial's sample only).
-    The answer is still scored by the ground truth (the larger of the two). ``first_sample`` 1
-    answers the second sample first: the other draw of the noise, to see whether a strategy's
-    answer holds under it."""
+    second sample, and further runs the grid's further samples in the order taken, then from the first
+    again (a config that fits one of its cell's budgets has several; over all of them, its trial's
+    sample only). The answer is still scored by the ground truth (the best sample). ``first_sample`` 1
+    starts from the second sample: another draw of the noise, to see whether a strategy's answer
+    holds under it."""
 
     def __init__(self, grid: Grid, budget_bytes: int, first_sample: int = 0) -> None:
         super().__init__()
@@ -33,7 +33,7 @@ class ReplayOracle(Oracle):
 
     def sample(self, point: GridPoint) -> float | None:
         """The throughput this run of ``point`` measures (see the class docstring)."""
-        samples = [s for s in (point.trial_samples_per_s, point.second_samples_per_s) if s] or [point.samples_per_s]
+        samples = point.samples() or [point.samples_per_s]
         k = self.runs.get(point.config, 0)
         self.runs[point.config] = k + 1
         return samples[(k + self.first_sample) % len(samples)]

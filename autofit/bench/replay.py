@@ -49,6 +49,13 @@ def _number(value) -> float | None:
     return None if value is None or (isinstance(value, float) and math.isnan(value)) or value == "" else float(value)
 
 
+def _more_samples(value) -> tuple[float, ...]:
+    """The ``more_samples_per_s`` column (``;``-joined; empty, or absent in grids written before it: none)."""
+    if not isinstance(value, str) or not value.strip():
+        return ()
+    return tuple(float(x) for x in value.split(";"))
+
+
 def grid_costs(markdown: Path | None) -> dict[tuple[str, int, bool], tuple[float, float]]:
     """Per (workload, global batch, lean cell or not), (OOM floor s, first-use s) as ``search.md`` states them."""
     if markdown is None or not markdown.is_file():
@@ -72,7 +79,7 @@ def _param_count(workload_spec: str) -> int:
 
 def load_grids(csv_path: Path, markdown: Path | None = None) -> list[Grid]:
     """The grids of a ``search_grid.csv`` (and the costs its ``search.md`` states; 0 s when absent)."""
-    frame = pd.read_csv(csv_path)
+    frame = pd.read_csv(csv_path, dtype={"more_samples_per_s": str})  # one sample alone would read as a float
     costs = grid_costs(markdown if markdown is not None else csv_path.with_name("search.md"))
     grids = []
     # the config columns it has (split_mode, optimizer, checkpoint_policy: absent from grids written before them)
@@ -91,7 +98,8 @@ def load_grids(csv_path: Path, markdown: Path | None = None) -> list[Grid]:
                                        else int(row["measured_peak_bytes"]), _number(row["samples_per_s"]),
                                        _number(row["step_time_s"]), float(row["trial_wall_s"]),
                                        _number(row["predicted_peak_bytes"]), row.get("error") if isinstance(row.get("error"), str) and row["error"] else None,
-                                       _number(row["trial_samples_per_s"]), _number(row["second_samples_per_s"]))
+                                       _number(row["trial_samples_per_s"]), _number(row["second_samples_per_s"]),
+                                       _more_samples(row.get("more_samples_per_s")))
         configs = list(points)
         budgets = tuple(int(c[len("fits_"):-len("MiB")]) for c in rows.columns
                         if c.startswith("fits_") and rows[c].notna().any())

@@ -3,8 +3,10 @@
 For each workload a small grid (precision x micro-batch x checkpointing, a fixed global batch,
 for some cells a device split: pipeline stages or FSDP ranks, each a process on this
 machine's CPU, gloo; for the lean cells the optimizer and the checkpoint policy) is run for real, config by config, with the same trial runner the strategies use
-(:func:`autofit.trial.run.run_trial`, no budget). Its fastest config that fits a budget is the
-ground-truth optimum for that budget. Then each strategy searches:
+(:func:`autofit.trial.run.run_trial`, no budget), and each config that fits is sampled again in
+rounds until its two best samples agree (:mod:`autofit.bench.search_grid`): its best sample is its ground
+truth. The fastest config that fits a budget is the ground-truth optimum for that budget. Then each
+strategy searches:
 
 - **live**, once per strategy on one cell (a workload and budget): every trial a real,
   budget-enforced, isolated trial, timed by the wall clock;
@@ -12,8 +14,8 @@ ground-truth optimum for that budget. Then each strategy searches:
   as in HPOBench and NAS-Bench): a trial that fits costs the grid's measured wall time; one over
   the budget is an OOM that costs the measured time of a trial that dies at once (process start,
   imports, model build) plus one step of that config. A config's first run shows the strategy
-  the grid trial's own throughput, a re-run the grid's second sample (the noise a real search
-  meets). The strategy's own work (profiling, sampling) is timed for real.
+  the grid trial's own throughput, a re-run the grid's second sample, and so on (the noise a real
+  search meets). The strategy's own work (profiling, sampling) is timed for real.
   :mod:`autofit.bench.replay` replays against a committed ``search_grid.csv``.
 
 A strategy's answer is scored by the grid's throughput of the config it answered, so a live

@@ -59,8 +59,9 @@ class Cell:
 
 @dataclass(frozen=True)
 class GridPoint:
-    """One measured config. ``samples_per_s`` is the ground truth: the larger of the trial's own
-    figure and a second, separate sample (other processes' load only ever slows a step down)."""
+    """One measured config. ``samples_per_s`` is the ground truth: the best of its throughput samples
+    (:meth:`samples`: the trial's own figure, then separate samples taken at other moments), since
+    other processes' load only ever slows a step down."""
 
     config: TrainConfig
     status: TrialStatus
@@ -72,9 +73,41 @@ class GridPoint:
     error: str | None = None
     trial_samples_per_s: float | None = None
     second_samples_per_s: float | None = None
+    more_samples_per_s: tuple[float, ...] = ()   # samples after the second, in the order taken
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "status", TrialStatus(self.status))
+        object.__setattr__(self, "more_samples_per_s", tuple(self.more_samples_per_s))
+
+    def samples(self) -> list[float]:
+        """Every throughput sample of this config, in the order taken (the trial's first)."""
+        return [s for s in (self.trial_samples_per_s, self.second_samples_per_s, *self.more_samples_per_s) if s]
+
+    def truth_noise(self) -> float | None:
+        """How far the ground truth (the best sample) may sit from the config's quiet throughput: the gap
+        between its two best samples, as a fraction of the best (None with fewer than two samples)."""
+        top = sorted(self.samples(), reverse=True)[:2]
+        return 1.0 - top[1] / top[0] if len(top) == 2 else None
+
+
+TRUTH_NOISE_TARGET = 0.03   # the verdicts compare answers at 98% of an optimum: the truth itself must be closer
+
+
+@dataclass(frozen=True)
+class TruthNoise:
+    """How well a grid's ground truth is known: per config that has several samples, how many were taken
+    and the gap between its two best (:meth:`GridPoint.truth_noise`)."""
+
+    samples: tuple[int, ...]
+    gaps: tuple[float, ...]
+
+    @classmethod
+    def of(cls, grids: list[Grid]) -> TruthNoise:
+        points = [p for g in grids for p in g.points.values() if p.truth_noise() is not None]
+        return cls(tuple(len(p.samples()) for p in points), tuple(p.truth_noise() for p in points))
+
+    def over_target(self) -> int:
+        return sum(g >= TRUTH_NOISE_TARGET for g in self.gaps)
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Measuring a cell's grid: every config run for real with the study's own trial runner and no
-budget, a second throughput sample of each config that fits, and the cost of a trial that dies at
-once (the OOM cost floor). See :mod:`autofit.bench.search` for how the grid is used."""
+budget, more throughput samples of each config that fits (for a ground truth with little noise of
+its own), and the cost of a trial that dies at once (the OOM cost floor). See :mod:`autofit.bench.search` for how the grid is used."""
 
 from __future__ import annotations
 
@@ -16,11 +16,16 @@ from autofit.runtime.schedule import DEFAULT_SCHEDULE
 # Trial settings shared by the grid, the live runs and (through the grid) the replays.
 SCHEDULE = DEFAULT_SCHEDULE  # the steps of a study's trial (autofit.runtime.schedule), so grid and search measure alike
 TRIAL_TIMEOUT_S = 240.0
+# The ground truth of a config that fits is the best of its throughput samples; taken until its two
+# best agree within TRUTH_GAP (at least TRUTH_SAMPLES_MIN, at most TRUTH_SAMPLES_MAX, the trial's
+# own included), so the truth's own noise stays under the 3% the verdicts need (search.md reports it).
+TRUTH_SAMPLES_MIN = 3
+TRUTH_SAMPLES_MAX = 6
+TRUTH_GAP = 0.02
 
 
 def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) -> Grid:
     """Run every config of ``cell`` (no budget), plus one trial that dies at once (the OOM cost floor)."""
-    from autofit.bench.worker import run_jobs
     from autofit.estimator.memory_model import (
         estimate_table,
         needs_split_ends,
@@ -53,23 +58,20 @@ def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) 
         trials.append(r)
         progress(f"grid {cell.workload} [{i + 1}/{len(configs)}] {config.short()}: {r.status.value} "
                  f"{mib(r.peak_bytes)} MiB, {seconds(r.samples_per_s)} samples/s, {r.wall_s:.1f} s")
-    # A second throughput sample per config that fits one of the cell's budgets (over all of them, a
-    # config is only ever an OOM, whose cost uses the trial's step time), at another moment: 3
-    # untracked steps in one worker; a device split runs its ranks' processes through measure_trial
-    # (the trial's own code path), as long as a trial, so this skips most of a split cell's cost.
+    # More throughput samples of each config that fits one of the cell's budgets (over all of them, a
+    # config is only ever an OOM, whose cost uses the trial's step time), for a ground truth whose own
+    # noise is small (:func:`_truth_samples`).
     largest = max(cell.budgets_mib) * MiB
     sampled = [c for c, r in zip(configs, trials) if r.ok and r.peak_bytes is not None and r.peak_bytes <= largest]
-    second = run_jobs([_second_sample_job(cell.workload, c) for c in sampled], job_timeout_s=TRIAL_TIMEOUT_S)
-    second_by_config = dict(zip(sampled, second))
+    first = {c: r.samples_per_s for c, r in zip(configs, trials)}
+    extra = _truth_samples(cell.workload, sampled, first, progress)
     points = {}
     for config, r, pred in zip(configs, trials, predicted):
-        other = second_by_config.get(config, {}).get("samples_per_s")
-        best = max([x for x in (r.samples_per_s, other) if x], default=None)
+        more = extra.get(config, [])
+        best = max([x for x in (r.samples_per_s, *more) if x], default=None)
         step = config.samples_per_step / best if best else r.step_time_s
         points[config] = GridPoint(config, r.status, r.peak_bytes, best, step, r.wall_s, pred, r.error,
-                                   r.samples_per_s, other)
-    progress(f"grid {cell.workload}: second throughput sample of {len(second)} configs (those that fit "
-             f"{max(cell.budgets_mib)} MiB) done")
+                                   r.samples_per_s, more[0] if more else None, tuple(more[1:]))
     floor = run_trial(cell.workload, configs[0], device="cpu", budget_bytes=1, schedule=SCHEDULE,
                       timeout_s=TRIAL_TIMEOUT_S)
     progress(f"grid {cell.workload}: a trial over its budget at the first operator took {floor.wall_s:.1f} s "
@@ -123,6 +125,39 @@ def _first_use_locked_s(cell: Cell, workload, configs: list[TrainConfig], split_
     except ImportError:
         pass
     return first_use_s
+
+
+def _truth_samples(workload: str, configs: list[TrainConfig], first: dict[TrainConfig, float | None],
+                   progress: Callable[[str], None]) -> dict[TrainConfig, list[float]]:
+    """Throughput samples of each config beyond its trial's (``first``), taken in rounds (one sample of
+    each config still short of them per round, so one config's samples are a whole round apart and a
+    burst of load elsewhere spoils few of them): every config gets TRUTH_SAMPLES_MIN in all; one whose two
+    best samples still differ by more than TRUTH_GAP gets more, up to TRUTH_SAMPLES_MAX. A sample that
+    fails ends its config's sampling."""
+    extra: dict[TrainConfig, list[float]] = {c: [] for c in configs}
+    done: set[TrainConfig] = set()
+
+    def short(c: TrainConfig) -> bool:
+        have = [x for x in (first.get(c), *extra[c]) if x]
+        if c in done or len(have) >= TRUTH_SAMPLES_MAX:
+            return False
+        top = sorted(have, reverse=True)[:2]
+        return len(have) < TRUTH_SAMPLES_MIN or 1.0 - top[1] / top[0] > TRUTH_GAP
+
+    from autofit.bench.worker import run_jobs
+
+    for round_no in range(2, TRUTH_SAMPLES_MAX + 1):
+        todo = [c for c in configs if short(c)]
+        if not todo:
+            break
+        for c, out in zip(todo, run_jobs([_second_sample_job(workload, c) for c in todo],
+                                         job_timeout_s=TRIAL_TIMEOUT_S)):
+            if out.get("samples_per_s"):
+                extra[c].append(out["samples_per_s"])
+            else:
+                done.add(c)
+        progress(f"grid {workload}: throughput sample {round_no} of {len(todo)} configs done")
+    return extra
 
 
 def _second_sample_job(workload: str, config: TrainConfig) -> dict:

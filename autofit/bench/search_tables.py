@@ -24,12 +24,14 @@ from autofit.bench.common import (
     write_csv,
 )
 from autofit.bench.search_data import (
+    TRUTH_NOISE_TARGET,
     BenchMode,
     Cell,
     Grid,
     MiB,
     RunResult,
     SearchResults,
+    TruthNoise,
 )
 from autofit.bench.search_regimes import (
     cells_frame,
@@ -204,7 +206,8 @@ def _grid_rows(grids: list[Grid]) -> list[dict]:
             row = {"workload": grid.cell.workload, **p.config.to_dict(), "status": p.status,
                    "measured_peak_bytes": p.peak_bytes, "predicted_peak_bytes": p.predicted_peak_bytes,
                    "samples_per_s": p.samples_per_s, "trial_samples_per_s": p.trial_samples_per_s,
-                   "second_samples_per_s": p.second_samples_per_s, "step_time_s": p.step_time_s, "trial_wall_s": p.wall_s,
+                   "second_samples_per_s": p.second_samples_per_s,
+                   "more_samples_per_s": ";".join(repr(x) for x in p.more_samples_per_s), "step_time_s": p.step_time_s, "trial_wall_s": p.wall_s,
                    "error": p.error or "", "param_count": grid.param_count}
             for b in grid.cell.budgets_mib:
                 row[f"fits_{b}MiB"] = p.status is TrialStatus.OK and p.peak_bytes is not None and p.peak_bytes <= b * MiB
@@ -267,12 +270,25 @@ def _grid_section(grid: Grid) -> str:
     if pairs:
         diffs = [abs(a / b - 1) for a, b in pairs]
         lines.append(f"Measurement noise: the trial's throughput and a second sample of the same config differ by "
-                     f"{pct(median_and_spread(diffs).median, 0)} (median) and up to {pct(max(diffs), 0)}; the ground "
-                     "truth is the larger of the two (load from other processes only ever slows a step).")
+                     f"{pct(median_and_spread(diffs).median, 0)} (median) and up to {pct(max(diffs), 0)}. "
+                     + truth_noise_text(TruthNoise.of([grid])))
     bad = [p for p in grid.points.values() if p.status is not TrialStatus.OK]
     if bad:
         lines.append("Grid configs that did not run: " + "; ".join(f"{p.config.short()}: {p.status} ({p.error})" for p in bad))
     return "\n".join(lines)
+
+
+def truth_noise_text(noise: TruthNoise) -> str:
+    """The ground truth's samples and its own noise, in words (empty when no config has two samples)."""
+    if not noise.gaps:
+        return ""
+    counts = median_and_spread(noise.samples)
+    gaps = median_and_spread(noise.gaps)
+    return (f"The ground truth of each of {len(noise.gaps)} configs that fit is the best of its "
+            f"{counts.low:.0f}–{counts.high:.0f} throughput samples (median {counts.median:.0f}; load from other "
+            f"processes only ever slows a step); its own noise, the gap between a config's two best samples, "
+            f"is {pct(gaps.median, 1)} (median) and at most {pct(gaps.high, 1)}; {noise.over_target()} of "
+            f"{len(noise.gaps)} at or over {pct(TRUTH_NOISE_TARGET, 0)}.")
 
 
 def _budget_section(grid: Grid, budget_mib: int, runs: list[RunResult], strategies: tuple[Strategy, ...]) -> str:

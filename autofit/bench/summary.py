@@ -87,6 +87,8 @@ def headline(results) -> list[str]:
 def _search_lines(srch) -> list[str]:
     """Per cell: each strategy's median fraction and wall time, its handicap named; then the done-when verdicts."""
     from autofit.bench.own_search import AUTOFIT
+    from autofit.bench.search_data import TRUTH_NOISE_TARGET, TruthNoise
+    from autofit.bench.search_tables import truth_noise_text
     from autofit.bench.strategies import sweeps
     from autofit.bench.verdict import verdicts
 
@@ -115,6 +117,10 @@ def _search_lines(srch) -> list[str]:
                                  for r in live if not math.isnan(r.fraction)) + ".")
     if not any(r.strategy == AUTOFIT.name and not math.isnan(r.fraction) for r in srch.runs):
         lines.append("autofit's own search was not available to the benchmark in this run.")
+    noise = TruthNoise.of(srch.grids)
+    if noise.gaps:
+        lines.append(f"Search grids' ground truth: {truth_noise_text(noise)} — "
+                     f"{'PASS' if not noise.over_target() else 'FAIL'} against < {pct(TRUTH_NOISE_TARGET, 0)}.")
     for v in verdicts(srch.runs, tuple(s.name for s in sweeps(srch.strategies))):
         lines.append(f"Done when, {v.where}: " + ("PASS" if v.passed else
                      "FAIL on " + ", ".join(f"{c} ({v.figures.get(c, '-')})" for c in v.failed)) + ".")

@@ -283,6 +283,13 @@ def test_replay_answers_the_trial_sample_then_the_second_and_loads_back_from_csv
     assert loaded.cell.budgets_mib == (50, 100) and loaded.cell.micro_batches == (2, 4, 8)
     assert loaded.points[c].trial_samples_per_s == 9.0 and loaded.optimum(50 * MiB) == grid.optimum(50 * MiB)
     assert loaded.oom_floor_s == 1.5
+    assert loaded.points[c].more_samples_per_s == ()
+    # a config sampled more than twice: its further samples load back, and a re-run cycles through them all
+    grid.points[c] = dataclasses.replace(grid.points[c], more_samples_per_s=(11.5,))
+    cycling = ReplayOracle(grid, 10**12)
+    assert [cycling.run(c).samples_per_s for _ in range(4)] == [9.0, 12.0, 11.5, 9.0]
+    write_search(tmp_path, environment("test"), SearchResults([grid], runs, ("synthetic", 50 * MiB), 1, 0.0), (halving,))
+    assert load_grids(tmp_path / "search_grid.csv")[0].points[c].more_samples_per_s == (11.5,)
     # the DeepSpeed autotuner's model-state formula reads the parameter count: replayed as the bench ran it
     counted = dataclasses.replace(grid, param_count=123_456)
     write_search(tmp_path, environment("test"), SearchResults([counted], runs, ("synthetic", 50 * MiB), 1, 0.0),
@@ -423,6 +430,9 @@ def test_tiny_search_and_accuracy_suites(tmp_path, monkeypatch):
     assert len(res.grids[0].points) == 2 and all(p.status == "ok" for p in res.grids[0].points.values())
     text = (tmp_path / "search.md").read_text()
     assert "gpt-tiny @ 80 MiB" in text and "Where autofit loses" in text
+    fits = [p for p in res.grids[0].points.values() if p.peak_bytes <= 80 * MiB]
+    assert fits and all(3 <= len(p.samples()) <= 6 and p.truth_noise() is not None for p in fits)
+    assert "its own noise, the gap between a config's two best samples" in text
     assert len(list(csv.DictReader((tmp_path / "search_runs.csv").open()))) == 3
 
     monkeypatch.setattr(accuracy_cases, "_QUICK_CASES", {"gpt-tiny": [("fp32", 1), ("fp32", 2, 2, 1)]})
@@ -661,3 +671,34 @@ def test_search_cells_are_valid_problems_whose_workloads_load():
         load_workload(cell.workload)
     assert any(c.device_splits != (1,) for c in CELLS)
     assert any(c.workload.endswith(".py:workload") for c in CELLS)
+
+
+def test_ground_truth_samples_until_the_two_best_agree(monkeypatch):
+    """Rounds of samples: every config gets three in all; one whose two best still differ by over 2% gets
+    more, up to six; a failed sample ends its config's sampling."""
+    from autofit.bench import search_grid
+    from autofit.bench.search_data import TruthNoise
+
+    steady, noisy, broken = (TrainConfig(Precision.FP32, b, 1) for b in (1, 2, 4))
+    draws = {steady: iter([100.0, 99.5]), noisy: iter([60.0, 80.0, 70.0, 90.0, 85.0]), broken: iter([])}
+    rounds = []
+
+    def fake_jobs(jobs, job_timeout_s):
+        rounds.append(len(jobs))
+        outs = []
+        for job in jobs:
+            value = next(draws[TrainConfig.from_dict(job["config"])], None)
+            outs.append({"status": "ok", "samples_per_s": value} if value else {"status": "error"})
+        return outs
+
+    monkeypatch.setattr("autofit.bench.worker.run_jobs", fake_jobs)
+    first = {steady: 99.0, noisy: 50.0, broken: 10.0}
+    extra = search_grid._truth_samples("w", [steady, noisy, broken], first, lambda _m: None)
+    assert extra == {steady: [100.0, 99.5], noisy: [60.0, 80.0, 70.0, 90.0, 85.0], broken: []}
+    assert rounds == [3, 2, 1, 1, 1]
+    point = GridPoint(noisy, "ok", 1, 90.0, 1.0, 1.0, trial_samples_per_s=50.0, second_samples_per_s=60.0,
+                      more_samples_per_s=(80.0, 70.0, 90.0, 85.0))
+    assert point.samples() == [50.0, 60.0, 80.0, 70.0, 90.0, 85.0]
+    assert point.truth_noise() == pytest.approx(1 - 85 / 90)
+    noise = TruthNoise.of([Grid(Cell("w", 4, (1,), (Precision.FP32,), (1,)), {noisy: point}, 0.0, 1)])
+    assert noise.samples == (6,) and noise.over_target() == 1
