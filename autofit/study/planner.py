@@ -28,7 +28,7 @@ from autofit.core.records import (
     PruneReason,
     TrialRecord,
     TrialStatus,
-    best_sample,
+    best_of,
     config_samples,
 )
 from autofit.estimator.calibration import Calibration, calibrate, observations
@@ -290,9 +290,12 @@ class Planner:
                 failed_run[i] |= not r.feasible
                 if r.feasible and r.measurement.get("step_time_s"):
                     measured_step[i] = r.measurement["step_time_s"]
-        by_config = config_samples([r for r in records if r.config in self.index])
-        # A config's figure is its best sample: load only ever slows a trial down.
-        best_median = max((best_sample(v).value for v in by_config.values()), default=None)
+        ours = [r for r in records if r.config in self.index]
+        by_config = config_samples(ours)
+        # The bar is the answer's figure (a config's best sample, since load only ever slows a trial down;
+        # a config a head-to-head outranked is not the answer, whatever its own best sample read).
+        answer = best_of(ours)
+        best_median = None if answer is None else answer.value
         # Calibrated predictions.
         peak = self.table["peak_bytes"].to_numpy(dtype=np.float64)
         ratio = calibration.time_ratios(self.table)

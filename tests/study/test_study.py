@@ -313,6 +313,25 @@ def test_a_head_to_head_orders_its_members_only_and_each_config_keeps_its_best_s
     assert [(r.config, r.value) for r in ranked_bests(trials)] == [(six, 109.0), (four, 120.0), (twelve, 102.1)]
 
 
+def test_the_bar_a_config_must_beat_is_the_answer_not_a_sample_a_head_to_head_overruled(tiny_profile, rates,
+                                                                                        monkeypatch):
+    """Pruning a config as unable to beat the best measured compares it with the answer's figure: a config
+    a head-to-head outranked is not the answer, so its own higher sample raises no bar."""
+    planner = make_planner(tiny_profile, rates, precision=["fp32"], micro_batch=[4, 6, 12], checkpoint_every=[0, 1],
+                           global_batch=12)
+    six, four, twelve = TrainConfig("fp32", 6, 2), TrainConfig("fp32", 4, 3), TrainConfig("fp32", 12, 1, 1)
+    trials = [ran_trial(planner, six, 0, samples_per_s=109.0), ran_trial(planner, twelve, 1, samples_per_s=81.8),
+              ran_trial(planner, four, 2, samples_per_s=96.8),
+              ran_trial(planner, six, 3, samples_per_s=98.3, sample=2, head_to_head=3),
+              ran_trial(planner, four, 4, samples_per_s=79.1, sample=2, head_to_head=3),
+              ran_trial(planner, four, 5, samples_per_s=120.0, sample=3)]
+    bars = []
+    slow_precisions = planner._slow_precisions
+    monkeypatch.setattr(planner, "_slow_precisions", lambda *a: bars.append(a[4]) or slow_precisions(*a))
+    planner.step(trials)
+    assert bars == [109.0]
+
+
 def test_a_config_a_head_to_head_outranked_is_not_a_leader_and_leaves_its_place_to_another(tiny_profile, rates):
     """Up to four leaders are measured again; the loser of a head-to-head, whatever its own trial read, is
     represented by its winner, and the fifth config within the noise takes its place."""
