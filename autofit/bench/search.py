@@ -34,7 +34,7 @@ from autofit.bench.common import pct, seconds
 from autofit.bench.oracles import LiveOracle, ReplayOracle
 from autofit.bench.own_search import STRATEGIES
 from autofit.bench.scoring import run_strategy
-from autofit.bench.search_cells import CELLS, LEAN_CELLS, QUICK_CELLS
+from autofit.bench.search_cells import CELLS, HEAVY_CELLS, LEAN_CELLS, QUICK_CELLS
 from autofit.bench.search_data import (
     BenchMode,
     Cell,
@@ -76,12 +76,12 @@ def run_search_suite(out_dir: Path, env: dict, *, quick: bool = False, seeds: in
     ``live``: True runs :data:`LIVE` (:data:`QUICK_LIVE` with ``quick``) live once each (seed 0)
     on the first cell's first budget, and those of them in :data:`LIVE_EVERY_CELL` on every other
     cell too; a tuple of names runs only those; False none. ``tpe_trials``: Optuna TPE's
-    real-trial budget (default 12; 6 with ``quick``). ``cells`` default: :data:`CELLS` and :data:`LEAN_CELLS`;
+    real-trial budget (default 12; 6 with ``quick``). ``cells`` default: :data:`CELLS`, :data:`LEAN_CELLS` and :data:`HEAVY_CELLS`;
     :data:`QUICK_CELLS` with ``quick``; :data:`LEAN_CELLS` alone with ``lean_only`` (``quick`` then only
     cuts the seeds, TPE's trials and the live runs).
     """
     started = time.perf_counter()
-    cells = cells or (LEAN_CELLS if lean_only else QUICK_CELLS if quick else CELLS + LEAN_CELLS)
+    cells = cells or (LEAN_CELLS if lean_only else QUICK_CELLS if quick else CELLS + LEAN_CELLS + HEAVY_CELLS)
     seeds = seeds or (3 if quick else 5)
     tpe_trials = tpe_trials or (6 if quick else 12)
     strategies = tuple(dataclasses.replace(s, kwargs={**s.kwargs, "real_trials": tpe_trials})
