@@ -738,7 +738,7 @@ def part_c(args, clock: Clock, device: str, context: int | None, out_dir: Path) 
            "--trials", str(args.search_trials), "--timeout", str(new_trials_s), "--trial-timeout",
            str(SEARCH_TRIAL_TIMEOUT_S), "--out", str(study_dir), "--json"]
     log(clock, "c. " + " ".join(cmd[1:]))
-    started = time.monotonic()
+    started, started_wall = time.monotonic(), time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
     try:
         stdout, _ = proc.communicate(timeout=max(left - 3, 5))
@@ -760,7 +760,8 @@ def part_c(args, clock: Clock, device: str, context: int | None, out_dir: Path) 
               budget_bytes=result.get("budget_bytes"), wall_s=wall,
               note=f"{result.get('n_real')} real trials ({statuses}), {result.get('n_pruned')} of "
                    f"{result.get('n_configs')} pruned; stopped: {result.get('stop_reason')}; context "
-                   + ("measured in the trial" if m.get("context_bytes") else "from part a"))
+                   + ("measured in the trial" if m.get("context_bytes") else "from part a")
+                   + first_trial_note(study_dir / "trials.csv", started_wall))
     pred = (result.get("best_predicted") or {}).get("peak_bytes")
     row.predicted_bytes = int(pred) if pred else None
     fill_errors(row)
@@ -773,6 +774,23 @@ def part_c(args, clock: Clock, device: str, context: int | None, out_dir: Path) 
         row.check = judge_budget("edge", "ok", row.card_bytes, budget)
     log(clock, f"  best {row.config} card {mib(row.card_bytes)} {row.samples_per_s or 0:.1f} samples/s {row.check}")
     return [row]
+
+
+def first_trial_note(path: Path, started_wall: float) -> str:
+    """How long the search took before its first real trial started (its process, profiling, the CUDA
+    device probe, planning: what the bench's gpu-cost regime charges autofit once per search), and the
+    wall time of its real trials, read from its ``trials.csv`` (``started`` is local time to the second)."""
+    try:
+        with path.open() as f:
+            ran = [r for r in csv.DictReader(f) if r.get("status") not in ("pruned", "running") and r.get("started")]
+    except OSError:
+        return ""
+    if not ran:
+        return ""
+    first = min(dt.datetime.fromisoformat(r["started"]).timestamp() for r in ran)
+    walls = [float(r["trial_wall_s"]) for r in ran if r.get("trial_wall_s")]
+    return (f"; first real trial started {first - started_wall:.0f} s after the search (±1 s); "
+            f"{len(walls)} real trials took {sum(walls):.1f} s of wall time")
 
 
 def trial_statuses(path: Path) -> dict[str, int]:

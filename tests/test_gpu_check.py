@@ -177,3 +177,19 @@ def test_offload_configs_run_on_cuda_for_adamw_workloads_where_torchao_is(monkey
     assert gc.a_configs("gpt-tiny", SimpleNamespace(quick=True, device="cuda")) == gc.QUICK_CONFIGS
     monkeypatch.setattr(gc.importlib.util, "find_spec", lambda name: None)
     assert gc.a_configs("gpt-tiny", cuda) == gc.A_CONFIGS
+
+
+def test_the_search_part_says_how_long_autofit_took_before_its_first_trial(tmp_path):
+    """What the bench's gpu-cost regime charges autofit once per search, read from a search's trials.csv."""
+    import datetime as dt
+
+    started = dt.datetime(2026, 12, 3, 12, 0, 0).timestamp()
+    path = tmp_path / "trials.csv"
+    path.write_text("trial,status,started,trial_wall_s\n"
+                    "0,pruned,,\n"
+                    "1,ok,2026-12-03T12:00:16,9.5\n"
+                    "2,oom,2026-12-03T12:00:26,2.0\n"
+                    "3,running,2026-12-03T12:00:29,\n")
+    note = gc.first_trial_note(path, started)
+    assert "first real trial started 16 s after the search" in note and "2 real trials took 11.5 s" in note
+    assert gc.first_trial_note(tmp_path / "missing.csv", started) == ""
