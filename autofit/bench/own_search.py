@@ -49,10 +49,24 @@ def autofit_search(problem: Problem, oracle: Oracle, seed: int = 0, first_use_s:
         # devices: the grid's largest split (its stages or ranks are processes sharing this CPU)
         result = search(problem.workload, problem.budget_bytes, space=space, out_dir=out, device="cpu", seed=seed,
                         devices=max(problem.device_splits), trial_runner=run_trial)
+        oracle.answers = answers_after_each_trial(out, len(oracle.history))
     stop = getattr(result, "stop_reason", None)
     if stop:
         oracle.notes.append(f"stopped: {stop}")
     return result.best
+
+
+def answers_after_each_trial(out_dir: str, n_trials: int) -> list[TrainConfig | None] | None:
+    """autofit's answer after each of its real trials, as its report would give it then
+    (:func:`autofit.core.records.best_of` of the study's real trials up to that one, a head-to-head's order
+    included), in the order the oracle ran them; None when the study's real trials are not the oracle's."""
+    from autofit.core.records import best_of
+    from autofit.study.storage import load_snapshot
+
+    real = sorted((r for r in load_snapshot(out_dir).records if r.status.ran), key=lambda r: r.number)
+    if len(real) != n_trials:
+        return None
+    return [None if (best := best_of(real[: i + 1])) is None else best.config for i in range(len(real))]
 
 
 AUTOFIT = Strategy(AUTOFIT_NAME, autofit_search, Criterion.THROUGHPUT, False,

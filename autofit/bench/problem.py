@@ -140,6 +140,9 @@ class Oracle(ABC):
         self._in_trials_s = 0.0
         self._charged_s = 0.0
         self.extra_s = 0.0            # charged for work done elsewhere (see :meth:`charge`)
+        # The strategy's own answer after each of its trials, where it says so (autofit: its study's best
+        # then); None: the scoring reads it from what the strategy saw, by its criterion.
+        self.answers: list[TrainConfig | None] | None = None
 
     def run(self, config: TrainConfig) -> Outcome:
         start = time.perf_counter()

@@ -18,9 +18,19 @@ TARGET_FRACTION = 0.95   # time to target: the clock when the strategy's incumbe
 HEADLINE_FRACTION = 0.98  # the headline "time to 98%": the same, at 98% of the optimum
 
 
-def first_reaching(strategy: Strategy, grid: Grid, budget_bytes: int, records, fraction: float) -> int | None:
-    """Index of the first record after which the config the strategy would answer is >= ``fraction`` of the optimum."""
-    for i, config in enumerate(incumbent(records, strategy.criterion)):
+def answers_after_each(strategy: Strategy, oracle: Oracle) -> list[TrainConfig | None]:
+    """The config the strategy would answer after each of its trials: what it said itself (``oracle.answers``,
+    one per trial), else what its criterion picks from what it saw (:func:`autofit.bench.strategies.incumbent`)."""
+    records = oracle.history
+    if oracle.answers is not None and len(oracle.answers) == len(records):
+        return list(oracle.answers)
+    return incumbent(records, strategy.criterion)
+
+
+def first_reaching(answers: list[TrainConfig | None], grid: Grid, budget_bytes: int, fraction: float) -> int | None:
+    """Index of the first trial after which the config the strategy would answer (``answers``,
+    :func:`answers_after_each`) is >= ``fraction`` of the optimum."""
+    for i, config in enumerate(answers):
         if config is not None and grid.fraction(config, budget_bytes) >= fraction:
             return i
     return None
@@ -29,7 +39,8 @@ def first_reaching(strategy: Strategy, grid: Grid, budget_bytes: int, records, f
 def score(strategy: Strategy, grid: Grid, budget_bytes: int, seed: int, mode: BenchMode, oracle: Oracle,
           answer: TrainConfig | None, error: str | None = None) -> RunResult:
     records = oracle.history
-    at_95 = first_reaching(strategy, grid, budget_bytes, records, TARGET_FRACTION)
+    answers = answers_after_each(strategy, oracle)
+    at_95 = first_reaching(answers, grid, budget_bytes, TARGET_FRACTION)
     reached = None if at_95 is None else records[at_95].clock_s
     live_tput = None
     if BenchMode(mode) is BenchMode.LIVE and answer is not None:
@@ -41,7 +52,7 @@ def score(strategy: Strategy, grid: Grid, budget_bytes: int, seed: int, mode: Be
         failed_trials=sum(r.outcome.status in (TrialStatus.ERROR, TrialStatus.TIMEOUT) for r in records),
         time_to_target_s=reached, error=error, live_samples_per_s=live_tput, history=list(records),
         notes=list(oracle.notes), extra_s=oracle.extra_s,
-        reached_98_at=first_reaching(strategy, grid, budget_bytes, records, HEADLINE_FRACTION),
+        reached_98_at=first_reaching(answers, grid, budget_bytes, HEADLINE_FRACTION),
     )
 
 

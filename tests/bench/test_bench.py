@@ -434,6 +434,10 @@ def test_tiny_search_and_accuracy_suites(tmp_path, monkeypatch):
     assert fits and all(3 <= len(p.samples()) <= 6 and p.truth_noise() is not None for p in fits)
     assert "its own noise, the gap between a config's two best samples" in text
     assert len(list(csv.DictReader((tmp_path / "search_runs.csv").open()))) == 3
+    # autofit's time to 98% follows its own answer after each trial (its study's best), so an answer that
+    # reaches 98% was reached at some trial
+    mine = [r for r in res.runs if r.strategy == AUTOFIT.name]
+    assert mine and all(r.reached_98_at is not None for r in mine if r.fraction >= 0.98)
 
     monkeypatch.setattr(accuracy_cases, "_QUICK_CASES", {"gpt-tiny": [("fp32", 1), ("fp32", 2, 2, 1)]})
     acc = accuracy.run_accuracy(tmp_path, env, quick=True, workloads=("gpt-tiny",),
@@ -702,3 +706,24 @@ def test_ground_truth_samples_until_the_two_best_agree(monkeypatch):
     assert point.truth_noise() == pytest.approx(1 - 85 / 90)
     noise = TruthNoise.of([Grid(Cell("w", 4, (1,), (Precision.FP32,), (1,)), {noisy: point}, 0.0, 1)])
     assert noise.samples == (6,) and noise.over_target() == 1
+
+
+def test_time_to_98_follows_the_answer_the_strategy_itself_gives_after_each_trial():
+    """autofit's answer after a trial is its study's best (a head-to-head can put a config whose own sample
+    read lower first); time to 98% follows that answer, not the highest sample seen."""
+    from autofit.bench.scoring import answers_after_each, first_reaching
+
+    grid = _grid()
+    budget = 50 * MiB
+    best = grid.optimum(budget).config
+    other = next(p.config for p in grid.feasible(budget) if grid.fraction(p.config, budget) < 0.9)
+    oracle = ReplayOracle(grid, budget)
+    grid.points[other] = dataclasses.replace(grid.points[other], trial_samples_per_s=10 * grid.points[best].samples_per_s)
+    for config in (other, best, best):
+        oracle.run(config)
+    by_sample = answers_after_each(st.PEERS[0], oracle)   # no answers said: the highest sample seen
+    assert by_sample == [other, other, other] and first_reaching(by_sample, grid, budget, 0.98) is None
+    oracle.answers = [other, other, best]                 # what the strategy answered after each trial
+    assert first_reaching(answers_after_each(st.PEERS[0], oracle), grid, budget, 0.98) == 2
+    oracle.answers = [best]                               # not one per trial: not trusted
+    assert answers_after_each(st.PEERS[0], oracle) == by_sample
