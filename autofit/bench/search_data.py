@@ -86,8 +86,13 @@ class GridPoint:
     def truth_noise(self) -> float | None:
         """How far the ground truth (the best sample) may sit from the config's quiet throughput: the gap
         between its two best samples, as a fraction of the best (None with fewer than two samples)."""
-        top = sorted(self.samples(), reverse=True)[:2]
-        return 1.0 - top[1] / top[0] if len(top) == 2 else None
+        return top_two_gap(self.samples())
+
+
+def top_two_gap(samples: list[float]) -> float | None:
+    """The gap between the two best of ``samples``, as a fraction of the best (None with fewer than two)."""
+    top = sorted(samples, reverse=True)[:2]
+    return 1.0 - top[1] / top[0] if len(top) == 2 else None
 
 
 TRUTH_NOISE_TARGET = 0.03   # the verdicts compare answers at 98% of an optimum: the truth itself must be closer

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from autofit.bench.common import mib, seconds
 from autofit.bench.search_cells import problem_for
-from autofit.bench.search_data import Cell, Grid, GridPoint, MiB
+from autofit.bench.search_data import Cell, Grid, GridPoint, MiB, top_two_gap
 from autofit.core.config import TrainConfig
 from autofit.runtime.schedule import DEFAULT_SCHEDULE
 
@@ -141,8 +141,7 @@ def _truth_samples(workload: str, configs: list[TrainConfig], first: dict[TrainC
         have = [x for x in (first.get(c), *extra[c]) if x]
         if c in done or len(have) >= TRUTH_SAMPLES_MAX:
             return False
-        top = sorted(have, reverse=True)[:2]
-        return len(have) < TRUTH_SAMPLES_MIN or 1.0 - top[1] / top[0] > TRUTH_GAP
+        return len(have) < TRUTH_SAMPLES_MIN or top_two_gap(have) > TRUTH_GAP
 
     from autofit.bench.worker import run_jobs
 

@@ -291,6 +291,19 @@ def test_leaders_of_one_build_are_timed_head_to_head_and_ranked_by_it(tiny_profi
     assert best_of(trials).config == a
 
 
+def _head_to_head_at_94mib(profile, rates):
+    """The first trials of a search on gpt-tiny at 94 MiB: micro-batch 6 read 109.0 alone, then 98.3 head to
+    head with micro-batch 4 (96.8 alone, 79.1 there); micro-batch 12 with checkpointing read 81.8."""
+    planner = make_planner(profile, rates, precision=["fp32"], micro_batch=[4, 6, 12], checkpoint_every=[0, 1],
+                           global_batch=12)
+    six, four, twelve = TrainConfig("fp32", 6, 2), TrainConfig("fp32", 4, 3), TrainConfig("fp32", 12, 1, 1)
+    trials = [ran_trial(planner, six, 0, samples_per_s=109.0), ran_trial(planner, twelve, 1, samples_per_s=81.8),
+              ran_trial(planner, four, 2, samples_per_s=96.8),
+              ran_trial(planner, six, 3, samples_per_s=98.3, sample=2, head_to_head=3),
+              ran_trial(planner, four, 4, samples_per_s=79.1, sample=2, head_to_head=3)]
+    return planner, (six, four, twelve), trials
+
+
 def test_a_head_to_head_orders_its_members_only_and_each_config_keeps_its_best_sample(tiny_profile, rates):
     """As a search on gpt-tiny at 94 MiB ran it: micro-batches 6 and 4 (one build) timed head to head,
     micro-batch 12 with checkpointing (another build) measured twice on its own. Ranked by its head-to-head
@@ -298,14 +311,8 @@ def test_a_head_to_head_orders_its_members_only_and_each_config_keeps_its_best_s
     109.0; quietly (five runs of 20 timed steps each) 6 measured a median 105.8 samples/s, 12 101.0."""
     from autofit.core.records import best_of, ranked_bests
 
-    planner = make_planner(tiny_profile, rates, precision=["fp32"], micro_batch=[4, 6, 12], checkpoint_every=[0, 1],
-                           global_batch=12)
-    six, four, twelve = TrainConfig("fp32", 6, 2), TrainConfig("fp32", 4, 3), TrainConfig("fp32", 12, 1, 1)
-    trials = [ran_trial(planner, six, 0, samples_per_s=109.0), ran_trial(planner, twelve, 1, samples_per_s=81.8),
-              ran_trial(planner, four, 2, samples_per_s=96.8),
-              ran_trial(planner, six, 3, samples_per_s=98.3, sample=2, head_to_head=3),
-              ran_trial(planner, four, 4, samples_per_s=79.1, sample=2, head_to_head=3),
-              ran_trial(planner, twelve, 5, samples_per_s=102.1, sample=2)]
+    planner, (six, four, twelve), trials = _head_to_head_at_94mib(tiny_profile, rates)
+    trials.append(ran_trial(planner, twelve, 5, samples_per_s=102.1, sample=2))
     assert best_of(trials).config == six and best_of(trials).value == 109.0
     assert [r.config for r in ranked_bests(trials)] == [six, twelve, four]
     # a member the head-to-head outranked never ranks above the member that won it, whatever its own best
@@ -317,14 +324,8 @@ def test_the_bar_a_config_must_beat_is_the_answer_not_a_sample_a_head_to_head_ov
                                                                                         monkeypatch):
     """Pruning a config as unable to beat the best measured compares it with the answer's figure: a config
     a head-to-head outranked is not the answer, so its own higher sample raises no bar."""
-    planner = make_planner(tiny_profile, rates, precision=["fp32"], micro_batch=[4, 6, 12], checkpoint_every=[0, 1],
-                           global_batch=12)
-    six, four, twelve = TrainConfig("fp32", 6, 2), TrainConfig("fp32", 4, 3), TrainConfig("fp32", 12, 1, 1)
-    trials = [ran_trial(planner, six, 0, samples_per_s=109.0), ran_trial(planner, twelve, 1, samples_per_s=81.8),
-              ran_trial(planner, four, 2, samples_per_s=96.8),
-              ran_trial(planner, six, 3, samples_per_s=98.3, sample=2, head_to_head=3),
-              ran_trial(planner, four, 4, samples_per_s=79.1, sample=2, head_to_head=3),
-              ran_trial(planner, four, 5, samples_per_s=120.0, sample=3)]
+    planner, (_, four, _), trials = _head_to_head_at_94mib(tiny_profile, rates)
+    trials.append(ran_trial(planner, four, 5, samples_per_s=120.0, sample=3))
     bars = []
     slow_precisions = planner._slow_precisions
     monkeypatch.setattr(planner, "_slow_precisions", lambda *a: bars.append(a[4]) or slow_precisions(*a))
