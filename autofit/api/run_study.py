@@ -15,7 +15,7 @@ from autofit.core.errors import RunFailure, StudyError
 from autofit.core.files import remove_stale_temp_files
 from autofit.core.space import SearchSpace, load_space, space_from_dict
 from autofit.estimator.layer_prior import workload_prior
-from autofit.estimator.memory_model import needs_split_ends, optimizer_choices
+from autofit.estimator.memory_model import needs_selective, needs_split_ends, optimizer_choices
 from autofit.estimator.time_model import OpCounts
 from autofit.probes.device_rates import DeviceRates, probe_rates
 from autofit.probes.links import with_links
@@ -173,6 +173,7 @@ def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | 
             profile = profile_workload(loaded, list(resolved.precision), device_type=device,  # user errors surface here
                                        split_ends=needs_split_ends(resolved.configs()),
                                        optimizers=optimizer_choices(resolved.configs()),
+                                       selective=needs_selective(resolved.configs()),
                                        note=None if progress is None else lambda line: emit(starting_progress(line, started)))
         except BaseException:
             host.release()

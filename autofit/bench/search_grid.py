@@ -28,6 +28,7 @@ def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) 
     """Run every config of ``cell`` (no budget), plus one trial that dies at once (the OOM cost floor)."""
     from autofit.estimator.memory_model import (
         estimate_table,
+        needs_selective,
         needs_split_ends,
         optimizer_choices,
     )
@@ -41,15 +42,15 @@ def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) 
     problem = problem_for(cell, cell.budgets_mib[0] * MiB, param_count(workload))
     configs = problem.configs()
     # autofit's first-use cost on this workload, with cold caches (then the caches are filled for its runs),
-    # and no fork server yet (a search process starts one; an earlier cell's would be warm here). Split ends
-    # as the search over this space profiles them (autofit.api.run_study): only for a pipeline split.
-    split_ends = needs_split_ends(configs)
-    # and the replacement optimizers' states, as a search over a lean space profiles them
-    optimizers = optimizer_choices(configs)
-    first_use_s = _first_use_s(cell, workload, configs, split_ends, optimizers)
+    # and no fork server yet (a search process starts one; an earlier cell's would be warm here). Profiled
+    # as the search over this space profiles it (autofit.api.run_study): split ends only for a pipeline
+    # split, the selective forwards only for the selective policy, the replacement optimizers' states
+    # where a lean space asks for them.
+    profile_kw = {"split_ends": needs_split_ends(configs), "optimizers": optimizer_choices(configs),
+                  "selective": needs_selective(configs)}
+    first_use_s = _first_use_s(cell, workload, configs, profile_kw)
     progress(f"grid {cell.workload}: cold profile and device probe took {first_use_s:.1f} s")
-    profile = profile_workload(workload, list(cell.precisions), device_type="cpu", split_ends=split_ends,
-                               optimizers=optimizers)
+    profile = profile_workload(workload, list(cell.precisions), device_type="cpu", **profile_kw)
     predicted = estimate_table(profile, configs)["peak_bytes"].tolist()
     trials = []
     for i, config in enumerate(configs):
@@ -79,7 +80,7 @@ def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) 
     return Grid(cell, points, floor.wall_s, problem.param_count, time.perf_counter() - started, first_use_s)
 
 
-def _first_use_s(cell: Cell, workload, configs: list[TrainConfig], split_ends, optimizers: list[str]) -> float:
+def _first_use_s(cell: Cell, workload, configs: list[TrainConfig], profile_kw: dict) -> float:
     """Seconds autofit's first use of ``workload`` takes with cold caches: profiling on fake tensors, the
     device probe, the splits' collectives and the workload's own layer (each then cached for the runs)."""
     from autofit.runtime.devicelock import DeviceLock
@@ -87,17 +88,16 @@ def _first_use_s(cell: Cell, workload, configs: list[TrainConfig], split_ends, o
     # Held for the whole measurement (the probes take it again without waiting): its clocks start after any
     # wait for another process's trial, which is no part of autofit's first use.
     with DeviceLock(["cpu"], "first-use measurement"):
-        return _first_use_locked_s(cell, workload, configs, split_ends, optimizers)
+        return _first_use_locked_s(cell, workload, configs, profile_kw)
 
 
-def _first_use_locked_s(cell: Cell, workload, configs: list[TrainConfig], split_ends, optimizers: list[str]) -> float:
+def _first_use_locked_s(cell: Cell, workload, configs: list[TrainConfig], profile_kw: dict) -> float:
     from autofit.profiling.profile import profile_workload
     from autofit.runtime import forkserver
 
     forkserver.stop_server()
     cold = time.perf_counter()
-    profile_workload(workload, list(cell.precisions), device_type="cpu", use_cache=False, split_ends=split_ends,
-                     optimizers=optimizers)
+    profile_workload(workload, list(cell.precisions), device_type="cpu", use_cache=False, **profile_kw)
     first_use_s = time.perf_counter() - cold
     try:
         from autofit.probes.device_rates import probe_rates
@@ -116,8 +116,7 @@ def _first_use_locked_s(cell: Cell, workload, configs: list[TrainConfig], split_
         from autofit.estimator.layer_prior import workload_prior
 
         cold = time.perf_counter()  # the workload's own layer, timed for the prior (then cached for the runs)
-        cold_profile = profile_workload(workload, list(cell.precisions), device_type="cpu", split_ends=split_ends,
-                                        optimizers=optimizers)
+        cold_profile = profile_workload(workload, list(cell.precisions), device_type="cpu", **profile_kw)
         precisions = [p.value for p in cell.precisions]
         workload_prior(workload, cold_profile, rates, precisions, use_cache=False)
         first_use_s += time.perf_counter() - cold

@@ -83,7 +83,13 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from autofit.core.budget import format_bytes
-from autofit.core.config import Offload, PipelineSchedule, SplitMode, TrainConfig
+from autofit.core.config import (
+    CheckpointPolicy,
+    Offload,
+    PipelineSchedule,
+    SplitMode,
+    TrainConfig,
+)
 from autofit.core.errors import ConfigError
 from autofit.estimator.fsdp_memory import FSDP_EXTRA_COLUMNS
 from autofit.estimator.memory_table import BREAKDOWN, estimate_table, profile_for
@@ -147,6 +153,12 @@ def needs_split_ends(configs: Iterable[TrainConfig]) -> bool:
     """Whether estimating ``configs`` needs the profile's split ends (``profile_workload(split_ends=...)``):
     only a pipeline split gives its end stages their own copy of a tied weight (FSDP keeps it tied)."""
     return any(c.device_split > 1 and c.split_mode is SplitMode.PIPELINE for c in configs)
+
+
+def needs_selective(configs: Iterable[TrainConfig]) -> bool:
+    """Whether estimating ``configs`` needs the layers' selective forwards profiled
+    (``profile_workload(selective=...)``): only a config with the selective policy reads them."""
+    return any(c.checkpoint_policy is CheckpointPolicy.SELECTIVE for c in configs)
 
 
 def optimizer_choices(configs: Iterable[TrainConfig]) -> list[str]:

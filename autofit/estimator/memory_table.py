@@ -147,6 +147,11 @@ def estimate_table(profile: Profile, configs: list[TrainConfig], budget_bytes: i
         if offload is Offload.OPTIMIZER:  # the workload's Adam or AdamW is made fused, Adafactor is not
             pp = offloaded(pp, fused=choice is OptimizerChoice.AS_GIVEN)
         selective = policy is CheckpointPolicy.SELECTIVE
+        if selective and pp.selective_skipped:
+            raise ProfileError(
+                f"{profile.workload} {precision.value}: the selective checkpoint policy needs the layers' selective "
+                "forwards profiled, but the profile was made with selective=False; profile with "
+                "profile_workload(..., selective=True)")
         if mode is SplitMode.FSDP and split > 1:
             _score_fsdp_group(profile, pp, overhead or fallback_overhead(), every, split,
                               cols["micro_batch"][idx].astype(np.float64), cols["grad_accum"][idx].astype(np.int64),

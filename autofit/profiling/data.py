@@ -210,6 +210,10 @@ class PrecisionProfile:
     # True: weights are tied across the ends but split_ends was not profiled (profile_workload's
     # split_ends=False, for a search without pipeline splits); a pipeline split's estimate refuses it.
     split_ends_skipped: bool = False
+    # True: the layers' selectively checkpointed forwards were not traced (profile_workload's
+    # selective=False, for a search without the selective policy): their fields read 0, and an
+    # estimate of a selectively checkpointed config refuses the profile.
+    selective_skipped: bool = False
     # The ``optimizer`` lever's choices profiled for this precision (profile_workload(optimizers=...)),
     # in place of the workload's own optimizer; () when none was asked for.
     optimizer_options: tuple[OptimizerProfile, ...] = ()

@@ -34,22 +34,26 @@ __all__ = ["profile_precision", "profile_split_ends", "with_split_ends"]
 
 
 def profile_precision(workload: Workload, precision: Precision, device_type: str = "cpu",
-                      split_ends: bool = True) -> PrecisionProfile:
+                      split_ends: bool = True, selective: bool = True) -> PrecisionProfile:
     """Profile one precision on fake tensors. Raises WorkloadError if the model can't be traced.
 
     ``split_ends=False`` leaves out :func:`profile_split_ends` (a model with tied weights is then
-    marked ``split_ends_skipped``): for callers that estimate no pipeline split."""
+    marked ``split_ends_skipped``): for callers that estimate no pipeline split. ``selective=False``
+    leaves out the layers' selectively checkpointed forwards (marked ``selective_skipped``): for callers
+    that estimate no selectively checkpointed config."""
     runs = {}
     real_batches = {b: checked_batch(workload, b) for b in PROFILE_BATCHES}
     for b in PROFILE_BATCHES:
         try:
-            runs[b] = run_fake(workload, precision, b, device_type, real_batches[b])
+            runs[b] = run_fake(workload, precision, b, device_type, real_batches[b], selective=selective)
         except WorkloadError:
             raise
         except Exception as exc:
             raise WorkloadError(explain_failure(workload.name, exc)) from exc
-    runs, real_note, real_extra = check_runs(workload, precision, device_type, runs, real_batches)
+    runs, real_note, real_extra = check_runs(workload, precision, device_type, runs, real_batches, selective)
     pp = assemble(precision, runs, real_check=real_note, real_extra_bytes_per_sample=real_extra)
+    if not selective:
+        pp = dataclasses.replace(pp, selective_skipped=True)
     if not runs[PROFILE_BATCHES[0]].tied_bytes:
         return pp
     if not split_ends:

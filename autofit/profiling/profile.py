@@ -40,7 +40,7 @@ from autofit.workloads.base import (
 def profile_workload(workload: Workload, precisions: Iterable[Precision | str] = tuple(Precision),
                      device_type: str = "cpu", use_cache: bool = True, split_ends: bool = True,
                      note: Callable[[str], None] | None = None,
-                     optimizers: Iterable[OptimizerChoice | str] = ()) -> Profile:
+                     optimizers: Iterable[OptimizerChoice | str] = (), selective: bool = True) -> Profile:
     """Profile ``workload`` for each precision on fake tensors, using the on-disk cache.
 
     Returns a :class:`Profile`. Raises WorkloadError when the model cannot be built or
@@ -52,6 +52,10 @@ def profile_workload(workload: Workload, precisions: Iterable[Precision | str] =
     (read from the cache or traced). ``optimizers``: the ``optimizer`` lever's choices to profile too
     (:mod:`autofit.profiling.optimizers`; those the workload's optimizer or this environment rules out
     are skipped, and the estimate says why), added to a cached profile that lacks them.
+    ``selective=False``: a caller that estimates no selectively checkpointed config
+    (:func:`autofit.estimator.memory_model.needs_selective`) skips tracing the layers' selective forwards
+    (a quarter of a small transformer's profile); a cached profile without them is profiled again
+    when they are asked for.
     """
     started = time.perf_counter()
     precisions = [Precision(p) for p in precisions]
@@ -74,9 +78,9 @@ def profile_workload(workload: Workload, precisions: Iterable[Precision | str] =
             found = dict(Profile.from_json(path.read_text()).precisions)
         except (ValueError, TypeError, KeyError):
             found = {}  # an unreadable cache entry is rebuilt, never trusted
-    missing = [p for p in precisions if p.value not in found]
-    endless = [p for p in precisions if split_ends and p.value in found and found[p.value].split_ends_skipped]
-    found.update(profile_many(workload, missing, device_type, split_ends))
+    missing = [p for p in precisions if p.value not in found or (selective and found[p.value].selective_skipped)]
+    endless = [p for p in precisions if split_ends and p not in missing and found[p.value].split_ends_skipped]
+    found.update(_kept_options(found, profile_many(workload, missing, device_type, split_ends, selective=selective)))
     ends = profile_many(workload, endless, device_type, ends_only=True) if endless else {}
     found.update({name: with_split_ends(found[name], pp) for name, pp in ends.items()})
     with torch.device("meta"):  # over the model's own parameters: a factory may pick some (only matrices)
@@ -104,6 +108,14 @@ def profile_workload(workload: Workload, precisions: Iterable[Precision | str] =
             pass  # a read-only cache only costs time
     return profile
 
+
+
+def _kept_options(cached: dict[str, PrecisionProfile], traced: dict[str, PrecisionProfile]) -> dict[str, PrecisionProfile]:
+    """``traced`` with the optimizer choices a cached profile of the same precision had (a precision traced
+    again for its selective forwards keeps what was profiled of the optimizer lever: it does not change)."""
+    return {name: pp if pp.optimizer_options or name not in cached
+            else dataclasses.replace(pp, optimizer_options=cached[name].optimizer_options)
+            for name, pp in traced.items()}
 
 
 def _missing_options(found: dict[str, PrecisionProfile], precisions: list[Precision], optimizers,

@@ -151,10 +151,13 @@ def _replaced(run: RawRun, regions: dict[tuple[str, int | None], RawRegion]) -> 
     return dataclasses.replace(run, layers=layers, **{k: r for (k, at), r in regions.items() if at is None})
 
 
-def _real_run(workload: Workload, precision: Precision, b: int, device_type: str, real_batch) -> RawRun:
-    """The profiled step on real tensors (no FLOPs counted, no optimizer step)."""
+def _real_run(workload: Workload, precision: Precision, b: int, device_type: str, real_batch,
+              selective: bool) -> RawRun:
+    """The profiled step on real tensors (no FLOPs counted, no optimizer step; the selective forwards only
+    where the fake runs have them, else a region the fake runs lack would read as real bytes they missed)."""
     with torch.random.fork_rng(devices=[]):  # the caller's random stream is left as it was
-        return run_step(workload, precision, b, device_type, RealTensors(), real_batch, False, False)
+        return run_step(workload, precision, b, device_type, RealTensors(), real_batch, False, False,
+                        selective=selective)
 
 
 class Checked(NamedTuple):
@@ -164,7 +167,7 @@ class Checked(NamedTuple):
 
 
 def check_runs(workload: Workload, precision: Precision, device_type: str, runs: dict[int, RawRun],
-               real_batches: dict) -> Checked:
+               real_batches: dict, selective: bool = True) -> Checked:
     """The fake runs corrected by real steps at the profiled micro-batches, a note saying what was done,
     and the bytes per sample the real step keeps beyond the fake one."""
     b1, b2 = PROFILE_BATCHES
@@ -172,11 +175,11 @@ def check_runs(workload: Workload, precision: Precision, device_type: str, runs:
     if why is not None:
         return Checked(runs, f"no real step: {why}", 0.0)
     try:
-        real1 = _real_run(workload, precision, b1, device_type, real_batches[b1])
+        real1 = _real_run(workload, precision, b1, device_type, real_batches[b1], selective)
         # Most models match at b1: only a mismatch pays for the second real step.
         r1, r2, corrected, extra = correct_runs(runs[b1], runs[b2], real1, None, b1, b2)
         if corrected:
-            real2 = _real_run(workload, precision, b2, device_type, real_batches[b2])
+            real2 = _real_run(workload, precision, b2, device_type, real_batches[b2], selective)
             r1, r2, corrected, extra = correct_runs(runs[b1], runs[b2], real1, real2, b1, b2)
     except Exception as exc:  # noqa: BLE001 -- a step that fails for real fails in the trial too, with its error
         lines = [line for line in str(exc).splitlines() if line.strip()]

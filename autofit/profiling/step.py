@@ -64,17 +64,19 @@ class _Step(NamedTuple):
 
 def run_step(workload: Workload, precision: Precision, micro_batch: int, device_type: str,
              tensor_mode, real_batch, count_flops: bool = True, step_optimizer: bool = True,
-             layer_recomputes: bool = True) -> RawRun:
+             layer_recomputes: bool = True, selective: bool = True) -> RawRun:
     """One profiled micro-step at ``micro_batch`` samples under ``tensor_mode`` (a ``FakeTensorMode``, or
     :class:`~autofit.profiling.real_check.RealTensors`), plus the optimizer step (its state made first)
     when ``step_optimizer``. ``layer_recomputes=False`` skips the layers' checkpointed and selective
-    forwards (their fields read 0), for a caller that keeps only what lies outside the layers.
+    forwards (their fields read 0), for a caller that keeps only what lies outside the layers;
+    ``selective=False`` skips only the selective ones (a profile for configs that never use that policy).
     Raises WorkloadError where the backward pass cannot be followed."""
     round_bytes = CUDA_BLOCK_BYTES if device_type == "cuda" else 1
     tensor_mode = _StepModes(tensor_mode)
     step = _build(workload, precision, micro_batch, device_type, tensor_mode, real_batch, step_optimizer)
     trace = StepTrace(len(step.layers), round_bytes, count_flops)
-    checkpointed = _trace(step, trace, tensor_mode, step_optimizer, layer_recomputes=layer_recomputes)
+    checkpointed = _trace(step, trace, tensor_mode, step_optimizer, layer_recomputes=layer_recomputes,
+                          selective=selective)
     grads = [p.grad for p in step.params if p.grad is not None]
     left = trace.timeline.left_alive(step.params + step.buffers + step.state + grads)
     del grads
@@ -84,7 +86,7 @@ def run_step(workload: Workload, precision: Precision, micro_batch: int, device_
         # step after the first starts with them. Trace that step, on the same model, which now holds them.
         kept_bytes = sum(trace.timeline.counted_bytes(s) for s in left)
         trace = StepTrace(len(step.layers), round_bytes, count_flops)
-        checkpointed = _trace(step, trace, tensor_mode, step_optimizer, left, layer_recomputes)
+        checkpointed = _trace(step, trace, tensor_mode, step_optimizer, left, layer_recomputes, selective)
     layer_flops, fwd_flops, bwd_flops = [0.0] * len(step.layers), 0.0, 0.0
     if count_flops:
         layer_flops = trace.layer_flops(step.trainee.model, step.layers)
@@ -142,14 +144,16 @@ def _build(workload: Workload, precision: Precision, micro_batch: int, device_ty
 
 
 def _trace(step: _Step, trace: StepTrace, tensor_mode, step_optimizer: bool,
-           carried: list | None = None, layer_recomputes: bool = True) -> list[tuple[tuple, tuple, tuple]]:
+           carried: list | None = None, layer_recomputes: bool = True,
+           selective: bool = True) -> list[tuple[tuple, tuple, tuple]]:
     """Run ``step`` under ``trace``'s hooks and timeline, then the checkpointed forward and the selectively
     checkpointed one (per layer: :meth:`StepTrace.checkpointed_forwards`'s region and kept bytes, and
     :meth:`StepTrace.selective_forwards`'s four values, then what its recomputation leaves alive where a
     layer keeps tensors beyond autograd: :func:`~autofit.profiling.recompute_kept.recomputed_kept`).
     ``carried``: storages a step before left alive, counted from the start (the list is emptied: no
     reference here may keep them past their replacement). ``layer_recomputes=False``: none of these
-    forwards, zeros in their place."""
+    forwards, zeros in their place; ``selective=False``: no selective forward (a quarter of a fake run's
+    time on a small transformer), zeros in its place."""
     trainee, timeline = step.trainee, trace.timeline
     trace.attach(trainee.model, step.layers, step.params)
     try:
@@ -160,7 +164,8 @@ def _trace(step: _Step, trace: StepTrace, tensor_mode, step_optimizer: bool,
         return [_NO_RECOMPUTES] * trace.n
     with tensor_mode, timeline:
         checkpointed = trace.checkpointed_forwards(trainee, step.layers, step.inputs)
-        selective = trace.selective_forwards(trainee, step.layers, step.inputs)
+        selective = (trace.selective_forwards(trainee, step.layers, step.inputs) if selective
+                     else [_NO_RECOMPUTES[1]] * trace.n)
         # only a layer that keeps something beyond autograd (a key/value cache) changes what a recomputation keeps
         kept = (recomputed_kept(trainee, step.layers, step.inputs, timeline) if any(r for _, r in checkpointed)
                 else [(0, 0, 0, 0)] * trace.n)
@@ -297,7 +302,7 @@ def _weights(model: nn.Module, layers, params: list, buffers: list, module_phase
 
 
 def run_fake(workload: Workload, precision: Precision, micro_batch: int, device_type: str, real_batch,
-             layer_recomputes: bool = True) -> RawRun:
+             layer_recomputes: bool = True, selective: bool = True) -> RawRun:
     """One profiled step on fake tensors. On CUDA, a model whose cuDNN kernels refuse fake tensors
     (an RNN, :func:`cudnn_refused`) is profiled again with cuDNN off: its native kernels
     (``_thnn_fused_lstm_cell``…) have fake implementations. They save each step's gates where cuDNN
@@ -312,13 +317,13 @@ def run_fake(workload: Workload, precision: Precision, micro_batch: int, device_
     try:
         with _quiet_fake_kernels():
             return run_step(workload, precision, micro_batch, device_type, FakeTensorMode(), real_batch, full, full,
-                            layer_recomputes)
+                            layer_recomputes, selective)
     except Exception as exc:
         if device_type != "cuda" or not cudnn_refused(exc):
             raise
     with torch.backends.cudnn.flags(enabled=False), _quiet_fake_kernels():
         return run_step(workload, precision, micro_batch, device_type, FakeTensorMode(), real_batch, full, full,
-                        layer_recomputes)
+                        layer_recomputes, selective)
 
 
 def cudnn_refused(exc: BaseException) -> bool:

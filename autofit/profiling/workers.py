@@ -35,7 +35,7 @@ _ENTRY = "autofit.profiling.workers:profile_child"
 
 
 def profile_one(workload: Workload, precision: Precision, device_type: str, split_ends: bool,
-                ends_only: bool) -> PrecisionProfile:
+                ends_only: bool, selective: bool = True) -> PrecisionProfile:
     """:func:`autofit.profiling.precision.profile_precision` (``ends_only``: :func:`autofit.profiling.precision.profile_split_ends`)
     from one random stream in whichever process profiles (a model whose memory depends on its data,
     e.g. routing, gets one profile); the caller's stream is left as it was."""
@@ -45,7 +45,7 @@ def profile_one(workload: Workload, precision: Precision, device_type: str, spli
         torch.default_generator.manual_seed(0)
         if ends_only:
             return profile_split_ends(workload, precision, device_type)
-        return profile_precision(workload, precision, device_type, split_ends)
+        return profile_precision(workload, precision, device_type, split_ends, selective)
 
 
 def in_children(workload: Workload, precisions: list[Precision], device_type: str) -> bool:
@@ -64,10 +64,11 @@ def surely_forks(workload: Workload, precisions: list[Precision], device_type: s
 
 
 def profile_many(workload: Workload, precisions: list[Precision], device_type: str, split_ends: bool = True,
-                 ends_only: bool = False) -> dict[str, PrecisionProfile]:
+                 ends_only: bool = False, selective: bool = True) -> dict[str, PrecisionProfile]:
     """Profile several precisions, in parallel processes when there are spare cores (module docstring).
-    ``ends_only``: each precision's split ends instead of its profile. Raises WorkloadError."""
-    args = (workload, device_type, split_ends, ends_only)
+    ``ends_only``: each precision's split ends instead of its profile; ``selective``: as
+    :func:`autofit.profiling.precision.profile_precision`. Raises WorkloadError."""
+    args = (workload, device_type, split_ends, ends_only, selective)
     if not in_children(workload, precisions, device_type):
         return _here(precisions, *args)
     if device_type != "cpu" or not forkserver.enabled():
@@ -125,22 +126,22 @@ def _beside_starting_server(precisions: list[Precision], *args) -> dict[str, Pre
 
 
 def _here(precisions: list[Precision], workload: Workload, device_type: str, split_ends: bool,
-          ends_only: bool) -> dict[str, PrecisionProfile]:
+          ends_only: bool, selective: bool) -> dict[str, PrecisionProfile]:
     """Profile in this process as a worker does: on one thread (workers run beside it)."""
     if not precisions:
         return {}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return {p.value: profile_one(workload, p, device_type, split_ends, ends_only) for p in precisions}
+        return {p.value: profile_one(workload, p, device_type, split_ends, ends_only, selective) for p in precisions}
     finally:
         torch.set_num_threads(threads)
 
 
 def _request(precisions: list[Precision], workload: Workload, device_type: str, split_ends: bool,
-             ends_only: bool) -> dict:
+             ends_only: bool, selective: bool) -> dict:
     return {"source": workload.source, "device_type": device_type, "precisions": [p.value for p in precisions],
-            "threads": 1, "split_ends": split_ends, "ends_only": ends_only}
+            "threads": 1, "split_ends": split_ends, "ends_only": ends_only, "selective": selective}
 
 
 _ENV = {"AUTOFIT_PROFILE_WORKERS": "1", "OMP_NUM_THREADS": "1"}
@@ -202,7 +203,8 @@ def profile_child(request: dict, send: procs.Send | None = None) -> dict:
     try:
         workload = load_workload(request["source"])
         return {"profiles": {p: asdict(profile_one(workload, Precision(p), request["device_type"],
-                                                   request.get("split_ends", True), request.get("ends_only", False)))
+                                                   request.get("split_ends", True), request.get("ends_only", False),
+                                                   request.get("selective", True)))
                              for p in request["precisions"]}}
     except AutofitError as exc:
         return {"error": str(exc)}

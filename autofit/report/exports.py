@@ -128,7 +128,11 @@ def _peaks(notes: list[Note], ctx: Context) -> list[Note]:
     wanted = [n.nearest_config for n in notes if n.nearest_config is not None]
     if not wanted or (ctx.workload is None and not ctx.model_spec and ctx.profile is None):
         return [dataclasses.replace(n, budget_bytes=ctx.budget_bytes) for n in notes]
-    from autofit.estimator.memory_model import needs_split_ends, optimizer_choices
+    from autofit.estimator.memory_model import (
+        needs_selective,
+        needs_split_ends,
+        optimizer_choices,
+    )
     from autofit.estimator.memory_table import estimate_table
     from autofit.profiling.profile import profile_workload
     from autofit.workloads.load import load_workload
@@ -136,16 +140,17 @@ def _peaks(notes: list[Note], ctx: Context) -> list[Note]:
     precisions = sorted({c.precision for c in wanted}, key=str)
     split_ends = needs_split_ends(wanted)  # only where a note's config needs them (a search without splits skips them)
     optimizers = optimizer_choices(wanted)
+    selective = needs_selective(wanted)
     try:
-        profile = (ctx.profile if profile_covers(ctx.profile, precisions, split_ends, ctx.device_type, optimizers)
-                   else None)
+        profile = (ctx.profile if profile_covers(ctx.profile, precisions, split_ends, ctx.device_type, optimizers,
+                                                 selective) else None)
         if profile is None:
             if ctx.workload is None and not ctx.model_spec:
                 raise ConfigError(f"the profile given lacks {', '.join(p.value for p in precisions)} on {ctx.device_type} "
                                   "and no workload was given to profile")
             workload = ctx.workload if ctx.workload is not None else load_workload(ctx.model_spec)
             profile = profile_workload(workload, precisions, device_type=ctx.device_type, split_ends=split_ends,
-                                       optimizers=optimizers)
+                                       optimizers=optimizers, selective=selective)
     except AutofitError as exc:  # e.g. a cuda export on a CPU-only torch: the export itself still holds
         return [dataclasses.replace(n, budget_bytes=ctx.budget_bytes, no_peak_reason=str(exc)) for n in notes]
     table = estimate_table(profile, wanted, ctx.budget_bytes)
@@ -156,15 +161,15 @@ def _peaks(notes: list[Note], ctx: Context) -> list[Note]:
 
 
 def profile_covers(profile: Any, precisions: list, split_ends: bool, device_type: str,
-                   optimizers: list[str] = ()) -> bool:
+                   optimizers: list[str] = (), selective: bool = False) -> bool:
     """Whether ``profile`` (a Profile or None) estimates every one of ``precisions`` (with the untied
-    ends a pipeline split needs when ``split_ends``, and the ``optimizer`` lever's ``optimizers``) on
-    ``device_type``."""
+    ends a pipeline split needs when ``split_ends``, the ``optimizer`` lever's ``optimizers``, and the
+    selective forwards when ``selective``) on ``device_type``."""
     if profile is None or profile.device_type != device_type:
         return False
     held = [profile.precisions.get(Precision(p).value) for p in precisions]
     return all(pp is not None and not (split_ends and pp.split_ends_skipped)
-               and all(pp.optimizer_option(o) is not None for o in optimizers) for pp in held)
+               and not (selective and pp.selective_skipped) and all(pp.optimizer_option(o) is not None for o in optimizers) for pp in held)
 
 
 def export(config: TrainConfig | str | dict, target: str, *, workload: Any = None, budget: str | int | None = None,

@@ -127,7 +127,8 @@ def best_exports(config, settings, profile=None) -> dict[str, str]:
 
     workload = settings.get("workload_source")
     device = settings.get("device_type")
-    if not profile_covers(profile, list(Precision), config.device_split > 1, device):
+    if not profile_covers(profile, list(Precision), config.device_split > 1, device,
+                          selective=config.checkpoint_every > 0 and config.checkpoint_policy.value == "selective"):
         try:  # loaded once for every target (each export would load and key it again)
             workload = load_workload(workload) if workload else None
         except Exception:  # noqa: BLE001 -- each export below then says why it has no peaks

@@ -32,7 +32,7 @@ from autofit.core.records import (
 )
 from autofit.estimator.calibration import relative_error
 from autofit.estimator.layer_prior import workload_prior
-from autofit.estimator.memory_model import needs_split_ends, optimizer_choices
+from autofit.estimator.memory_model import needs_selective, needs_split_ends, optimizer_choices
 from autofit.estimator.time_model import OpCounts
 from autofit.probes.device_rates import DeviceRates, probe_rates
 from autofit.probes.links import with_links
@@ -245,7 +245,8 @@ def run_worker(settings: StudySettings, workload: Workload, *, profile: Profile 
     space = settings.search_space()
     profile = profile or profile_workload(workload, list(space.precision), device_type=settings.device_type,
                                           split_ends=needs_split_ends(space.configs()),
-                                          optimizers=optimizer_choices(space.configs()))
+                                          optimizers=optimizer_choices(space.configs()),
+                                          selective=needs_selective(space.configs()))
     rates = rates or probe_rates(settings.device_type)
     if rates.links is None:  # a worker started on its own: the splits' link costs, from the cache the search filled
         rates = with_links(rates, space.configs(), settings.devices)
