@@ -42,6 +42,7 @@ from autofit.core.config import (
 )
 
 _FLOOR_RE = re.compile(r"a trial that dies at its first operator: ([\d.]+) s\)\. autofit's clock is charged ([\d.]+) s")
+_WARM_RE = re.compile(r"with cold caches \(([\d.]+) s with them warm")
 _TITLE_RE = re.compile(r"(.+?): global batch (\d+),")
 
 
@@ -56,8 +57,9 @@ def _more_samples(value) -> tuple[float, ...]:
     return tuple(float(x) for x in value.split(";"))
 
 
-def grid_costs(markdown: Path | None) -> dict[tuple[str, int, bool], tuple[float, float]]:
-    """Per (workload, global batch, lean cell or not), (OOM floor s, first-use s) as ``search.md`` states them."""
+def grid_costs(markdown: Path | None) -> dict[tuple[str, int, bool], tuple[float, float, float | None]]:
+    """Per (workload, global batch, lean cell or not), (OOM floor s, first-use s, warm first-use s or None)
+    as ``search.md`` states them."""
     if markdown is None or not markdown.is_file():
         return {}
     out = {}
@@ -65,7 +67,9 @@ def grid_costs(markdown: Path | None) -> dict[tuple[str, int, bool], tuple[float
         found, title = _FLOOR_RE.search(section), _TITLE_RE.match(section)
         if found and title:
             lean = f", {LEAN_TITLE} " in section.splitlines()[0]
-            out[(title[1].strip(), int(title[2]), lean)] = (float(found[1]), float(found[2]))
+            warm = _WARM_RE.search(section)
+            out[(title[1].strip(), int(title[2]), lean)] = (float(found[1]), float(found[2]),
+                                                             float(warm[1]) if warm else None)
     return out
 
 
@@ -112,11 +116,11 @@ def load_grids(csv_path: Path, markdown: Path | None = None) -> list[Grid]:
                     tuple(dict.fromkeys(c.optimizer for c in configs)),
                     # full first, as a cell lists it (selective only ever comes with checkpointing)
                     tuple(sorted({c.checkpoint_policy for c in configs}, key=lambda k: k is not CheckpointPolicy.FULL)))
-        floor_s, first_use_s = costs.get((str(workload), int(global_batch), cell.lean), (0.0, 0.0))
+        floor_s, first_use_s, warm_use_s = costs.get((str(workload), int(global_batch), cell.lean), (0.0, 0.0, None))
         # the DeepSpeed autotuner's model-state formula needs the parameter count (0 made it replay
         # a different search than the bench ran); grids written before the column: counted again
         params = int(rows["param_count"].iloc[0]) if "param_count" in rows.columns else _param_count(str(workload))
-        grids.append(Grid(cell, points, floor_s, params, 0.0, first_use_s))
+        grids.append(Grid(cell, points, floor_s, params, 0.0, first_use_s, warm_use_s))
     return grids
 
 

@@ -48,8 +48,9 @@ def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) 
     # where a lean space asks for them.
     profile_kw = {"split_ends": needs_split_ends(configs), "optimizers": optimizer_choices(configs),
                   "selective": needs_selective(configs)}
-    first_use_s = _first_use_s(cell, workload, configs, profile_kw)
-    progress(f"grid {cell.workload}: cold profile and device probe took {first_use_s:.1f} s")
+    first_use_s, warm_use_s = _first_use_s(cell, workload, configs, profile_kw)
+    progress(f"grid {cell.workload}: cold profile and device probe took {first_use_s:.1f} s "
+             f"({warm_use_s:.2f} s read back from the caches)")
     profile = profile_workload(workload, list(cell.precisions), device_type="cpu", **profile_kw)
     predicted = estimate_table(profile, configs)["peak_bytes"].tolist()
     trials = []
@@ -77,21 +78,23 @@ def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) 
                       timeout_s=TRIAL_TIMEOUT_S)
     progress(f"grid {cell.workload}: a trial over its budget at the first operator took {floor.wall_s:.1f} s "
              f"({floor.status.value})")
-    return Grid(cell, points, floor.wall_s, problem.param_count, time.perf_counter() - started, first_use_s)
+    return Grid(cell, points, floor.wall_s, problem.param_count, time.perf_counter() - started, first_use_s, warm_use_s)
 
 
-def _first_use_s(cell: Cell, workload, configs: list[TrainConfig], profile_kw: dict) -> float:
-    """Seconds autofit's first use of ``workload`` takes with cold caches: profiling on fake tensors, the
-    device probe, the splits' collectives and the workload's own layer (each then cached for the runs)."""
+def _first_use_s(cell: Cell, workload, configs: list[TrainConfig], profile_kw: dict) -> tuple[float, float]:
+    """Seconds autofit's first use of ``workload`` takes with cold caches (profiling on fake tensors, the
+    device probe, the splits' collectives and the workload's own layer, each then cached for the runs),
+    and then with those caches warm (each read back, as a later search of this workload reads them)."""
     from autofit.runtime.devicelock import DeviceLock
 
     # Held for the whole measurement (the probes take it again without waiting): its clocks start after any
     # wait for another process's trial, which is no part of autofit's first use.
     with DeviceLock(["cpu"], "first-use measurement"):
-        return _first_use_locked_s(cell, workload, configs, profile_kw)
+        cold_s = _cold_use_locked_s(cell, workload, configs, profile_kw)
+        return cold_s, _warm_use_s(cell, workload, configs, profile_kw)
 
 
-def _first_use_locked_s(cell: Cell, workload, configs: list[TrainConfig], profile_kw: dict) -> float:
+def _cold_use_locked_s(cell: Cell, workload, configs: list[TrainConfig], profile_kw: dict) -> float:
     from autofit.profiling.profile import profile_workload
     from autofit.runtime import forkserver
 
@@ -124,6 +127,23 @@ def _first_use_locked_s(cell: Cell, workload, configs: list[TrainConfig], profil
     except ImportError:
         pass
     return first_use_s
+
+
+def _warm_use_s(cell: Cell, workload, configs: list[TrainConfig], profile_kw: dict) -> float:
+    """The first use again with every cache filled, in this process (torch and its fake-tensor machinery
+    already imported, as in a fork server's children)."""
+    from autofit.estimator.layer_prior import workload_prior
+    from autofit.probes.device_rates import probe_rates
+    from autofit.probes.links import split_sizes, with_links
+    from autofit.profiling.profile import profile_workload
+
+    warm = time.perf_counter()
+    profile = profile_workload(workload, list(cell.precisions), device_type="cpu", **profile_kw)
+    rates = probe_rates("cpu")
+    if split_sizes(configs, max(cell.device_splits)):
+        rates = with_links(rates, configs, max(cell.device_splits))
+    workload_prior(workload, profile, rates, [p.value for p in cell.precisions])
+    return time.perf_counter() - warm
 
 
 def _truth_samples(workload: str, configs: list[TrainConfig], first: dict[TrainConfig, float | None],

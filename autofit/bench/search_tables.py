@@ -263,7 +263,9 @@ def _grid_section(grid: Grid) -> str:
                 f"(median trial {seconds(median_and_spread([p.wall_s for p in grid.points.values()]).median)} s; "
                 f"a trial that dies at its first operator: {grid.oom_floor_s:.1f} s). autofit's clock is charged "
                 f"{grid.first_use_s:.1f} s per run for its first use on this workload: profiling on fake tensors "
-                "and probing the device (and, where a split runs, its collectives), with cold caches.")
+                "and probing the device (and, where a split runs, its collectives), with cold caches"
+                + (f" ({grid.warm_use_s:.2f} s with them warm: each read back in a process that has profiled)."
+                   if grid.warm_use_s is not None else "."))
     lines = [title, "", measured]
     pairs = [(p.trial_samples_per_s, p.second_samples_per_s) for p in grid.points.values()
              if p.trial_samples_per_s and p.second_samples_per_s]

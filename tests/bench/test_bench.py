@@ -727,3 +727,15 @@ def test_time_to_98_follows_the_answer_the_strategy_itself_gives_after_each_tria
     assert first_reaching(answers_after_each(st.PEERS[0], oracle), grid, budget, 0.98) == 2
     oracle.answers = [best]                               # not one per trial: not trusted
     assert answers_after_each(st.PEERS[0], oracle) == by_sample
+
+
+@pytest.mark.parametrize("warm_use_s", [0.12, None])
+def test_a_grids_first_use_costs_read_back_from_its_section_as_written(tmp_path, warm_use_s):
+    from autofit.bench.replay import grid_costs
+    from autofit.bench.search_tables import _grid_section
+
+    grid = dataclasses.replace(_grid(), first_use_s=3.4, warm_use_s=warm_use_s)
+    path = tmp_path / "search.md"
+    path.write_text("# Search\n\n" + _grid_section(grid) + "\n")
+    assert grid_costs(path) == {("synthetic", 8, False): (1.5, 3.4, warm_use_s)}
+    assert ("with them warm" in path.read_text()) is (warm_use_s is not None)
