@@ -18,7 +18,7 @@ def add_parser(subparsers) -> None:
                     "search against Optuna TPE, HF Accelerate, Lightning and DeepSpeed's method on exhaustively "
                     "measured grids; cost: estimator, profiler, trial runner and tracker costs; steady: the README's "
                     "searches run three times and beside a busy core, their answers measured quietly.",
-        epilog="On a 2-core CPU: all suites take about 75 minutes, --quick about 5.",
+        epilog="On a 2-core CPU: all suites take 60-75 minutes, --quick about 5.",
     )
     p.add_argument("--suite", choices=("accuracy", "search", "cost", "steady", "all"), default="all",
                    help="which suite to run (default: all)")
