@@ -13,6 +13,7 @@ from autofit.core.errors import ProfileError, WorkloadError
 from autofit.estimator.memory_model import estimate_table, needs_split_ends
 from autofit.profiling import precision as profile_module
 from autofit.profiling.profile import profile_workload
+from autofit.runtime import forkserver
 from autofit.workloads.load import load_workload
 
 
@@ -130,25 +131,14 @@ def test_the_search_profiles_split_ends_only_when_its_space_has_a_pipeline_split
     assert asked == [expected]
 
 
-def test_forked_workers_skip_and_complete_the_ends_as_this_process_does(tmp_path, monkeypatch, trial_workload_spec):
-    import os
-
-    from autofit.runtime import forkserver
-
-    monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)  # workers even on a one-core machine
-    forked = []
-    start = forkserver.start_trial
-    monkeypatch.setattr(forkserver, "start_trial", lambda entry, req, *a, **k: forked.append(req) or start(entry, req, *a, **k))
+def test_forked_workers_skip_and_complete_the_ends_as_this_process_does(forked_requests, monkeypatch,
+                                                                          trial_workload_spec):
     workload = load_workload(trial_workload_spec("tiny_tied_lm"))
     precisions = ["fp32", "bf16"]
-    try:
-        forkserver.ensure_server()  # up: one precision forked, the other profiled here beside it
-        lazy = profile_workload(workload, precisions, split_ends=False)
-        completed = profile_workload(workload, precisions)
-    finally:
-        forkserver.stop_server()
-    assert [(r["split_ends"], r["ends_only"]) for r in forked] == [(False, False), (True, True)]
+    forkserver.ensure_server()  # up: one precision forked, the other profiled here beside it
+    lazy = profile_workload(workload, precisions, split_ends=False)
+    completed = profile_workload(workload, precisions)
+    assert [(r["split_ends"], r["ends_only"]) for r in forked_requests] == [(False, False), (True, True)]
     assert all(lazy.for_precision(p).split_ends_skipped for p in precisions)
     monkeypatch.setenv("AUTOFIT_PROFILE_WORKERS", "1")
     assert _precisions(completed) == _precisions(profile_workload(workload, precisions, use_cache=False))
