@@ -83,67 +83,34 @@ def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) 
 
 def _first_use_s(cell: Cell, workload, configs: list[TrainConfig], profile_kw: dict) -> tuple[float, float]:
     """Seconds autofit's first use of ``workload`` takes with cold caches (profiling on fake tensors, the
-    device probe, the splits' collectives and the workload's own layer, each then cached for the runs),
-    and then with those caches warm (each read back, as a later search of this workload reads them)."""
+    device probe, the splits' collectives and the workload's own layer), and then with those caches warm
+    (each read back, as a later search of this workload reads them)."""
+    from autofit.runtime import forkserver
     from autofit.runtime.devicelock import DeviceLock
 
     # Held for the whole measurement (the probes take it again without waiting): its clocks start after any
     # wait for another process's trial, which is no part of autofit's first use.
     with DeviceLock(["cpu"], "first-use measurement"):
-        cold_s = _cold_use_locked_s(cell, workload, configs, profile_kw)
-        return cold_s, _warm_use_s(cell, workload, configs, profile_kw)
+        forkserver.stop_server()
+        cold_s = _use_s(cell, workload, configs, profile_kw, use_cache=False)
+        _use_s(cell, workload, configs, profile_kw, use_cache=True)  # untimed: fills the caches for the runs
+        return cold_s, _use_s(cell, workload, configs, profile_kw, use_cache=True)
 
 
-def _cold_use_locked_s(cell: Cell, workload, configs: list[TrainConfig], profile_kw: dict) -> float:
-    from autofit.profiling.profile import profile_workload
-    from autofit.runtime import forkserver
-
-    forkserver.stop_server()
-    cold = time.perf_counter()
-    profile_workload(workload, list(cell.precisions), device_type="cpu", use_cache=False, **profile_kw)
-    first_use_s = time.perf_counter() - cold
-    try:
-        from autofit.probes.device_rates import probe_rates
-
-        cold = time.perf_counter()
-        probe_rates("cpu", use_cache=False)
-        first_use_s += time.perf_counter() - cold
-        rates = probe_rates("cpu")
-        from autofit.probes.links import split_sizes, with_links
-
-        if split_sizes(configs, max(cell.device_splits)):  # the splits' collectives, timed as a search times them
-            cold = time.perf_counter()
-            with_links(rates, configs, max(cell.device_splits), use_cache=False)
-            first_use_s += time.perf_counter() - cold
-            with_links(rates, configs, max(cell.device_splits))
-        from autofit.estimator.layer_prior import workload_prior
-
-        cold = time.perf_counter()  # the workload's own layer, timed for the prior (then cached for the runs)
-        cold_profile = profile_workload(workload, list(cell.precisions), device_type="cpu", **profile_kw)
-        precisions = [p.value for p in cell.precisions]
-        workload_prior(workload, cold_profile, rates, precisions, use_cache=False)
-        first_use_s += time.perf_counter() - cold
-        workload_prior(workload, cold_profile, rates, precisions)
-    except ImportError:
-        pass
-    return first_use_s
-
-
-def _warm_use_s(cell: Cell, workload, configs: list[TrainConfig], profile_kw: dict) -> float:
-    """The first use again with every cache filled, in this process (torch and its fake-tensor machinery
-    already imported, as in a fork server's children)."""
+def _use_s(cell: Cell, workload, configs: list[TrainConfig], profile_kw: dict, use_cache: bool) -> float:
+    """Seconds of what a search does before planning, in this process, with or without the caches."""
     from autofit.estimator.layer_prior import workload_prior
     from autofit.probes.device_rates import probe_rates
     from autofit.probes.links import split_sizes, with_links
     from autofit.profiling.profile import profile_workload
 
-    warm = time.perf_counter()
-    profile = profile_workload(workload, list(cell.precisions), device_type="cpu", **profile_kw)
-    rates = probe_rates("cpu")
-    if split_sizes(configs, max(cell.device_splits)):
-        rates = with_links(rates, configs, max(cell.device_splits))
-    workload_prior(workload, profile, rates, [p.value for p in cell.precisions])
-    return time.perf_counter() - warm
+    started = time.perf_counter()
+    profile = profile_workload(workload, list(cell.precisions), device_type="cpu", use_cache=use_cache, **profile_kw)
+    rates = probe_rates("cpu", use_cache=use_cache)
+    if split_sizes(configs, max(cell.device_splits)):  # the splits' collectives, timed as a search times them
+        rates = with_links(rates, configs, max(cell.device_splits), use_cache=use_cache)
+    workload_prior(workload, profile, rates, [p.value for p in cell.precisions], use_cache=use_cache)
+    return time.perf_counter() - started
 
 
 def _truth_samples(workload: str, configs: list[TrainConfig], first: dict[TrainConfig, float | None],

@@ -164,12 +164,12 @@ def _trace(step: _Step, trace: StepTrace, tensor_mode, step_optimizer: bool,
         return [_NO_RECOMPUTES] * trace.n
     with tensor_mode, timeline:
         checkpointed = trace.checkpointed_forwards(trainee, step.layers, step.inputs)
-        selective = (trace.selective_forwards(trainee, step.layers, step.inputs) if selective
-                     else [_NO_RECOMPUTES[1]] * trace.n)
+        selective_runs = (trace.selective_forwards(trainee, step.layers, step.inputs) if selective
+                          else [_NO_RECOMPUTES[1]] * trace.n)
         # only a layer that keeps something beyond autograd (a key/value cache) changes what a recomputation keeps
         kept = (recomputed_kept(trainee, step.layers, step.inputs, timeline) if any(r for _, r in checkpointed)
                 else [(0, 0, 0, 0)] * trace.n)
-        return list(zip(checkpointed, selective, kept))
+        return list(zip(checkpointed, selective_runs, kept))
 
 
 # (checkpointed forward, retained), (selective forward, kept, output kept, saved FLOPs, recompute, its prefix),

@@ -122,13 +122,14 @@ def best_exports(config, settings, profile=None) -> dict[str, str]:
     profiling when it holds every precision)."""
     from autofit.core.config import Precision
     from autofit.core.errors import AutofitError
+    from autofit.estimator.memory_model import needs_selective
     from autofit.report.exports import TARGETS, export, profile_covers
     from autofit.workloads.load import load_workload
 
     workload = settings.get("workload_source")
     device = settings.get("device_type")
     if not profile_covers(profile, list(Precision), config.device_split > 1, device,
-                          selective=config.checkpoint_every > 0 and config.checkpoint_policy.value == "selective"):
+                          selective=needs_selective([config])):
         try:  # loaded once for every target (each export would load and key it again)
             workload = load_workload(workload) if workload else None
         except Exception:  # noqa: BLE001 -- each export below then says why it has no peaks
