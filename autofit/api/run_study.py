@@ -253,5 +253,5 @@ def device_prior(workload: Workload, profile, device: str, space: SearchSpace,
     device splits that run on ``devices``, :func:`autofit.probes.links.with_links`) and the time model's
     prior of ``workload`` (:func:`autofit.estimator.layer_prior.workload_prior`), each read from the disk cache or
     measured (and cached); ``note`` is told which, a line at a time."""
-    rates = with_links(probe_rates(device, note=note), space.configs(), devices, note=note)
+    rates = with_links(probe_rates(device, note=note, precisions=space.precision), space.configs(), devices, note=note)
     return rates, workload_prior(workload, profile, rates, [p.value for p in space.precision], note=note)

@@ -106,7 +106,7 @@ def _use_s(cell: Cell, workload, configs: list[TrainConfig], profile_kw: dict, u
 
     started = time.perf_counter()
     profile = profile_workload(workload, list(cell.precisions), device_type="cpu", use_cache=use_cache, **profile_kw)
-    rates = probe_rates("cpu", use_cache=use_cache)
+    rates = probe_rates("cpu", use_cache=use_cache, precisions=cell.precisions)
     if split_sizes(configs, max(cell.device_splits)):  # the splits' collectives, timed as a search times them
         rates = with_links(rates, configs, max(cell.device_splits), use_cache=use_cache)
     workload_prior(workload, profile, rates, [p.value for p in cell.precisions], use_cache=use_cache)

@@ -37,7 +37,10 @@ MODEL = "gpt-tiny"
 BUDGETS = ("8GB", "200MB")   # the README's first command, and its CPU demo where the budget binds
 BUSY_BUDGET = "200MB"
 REPEATS = 3
-QUIET_ROUNDS = 7   # quiet trials per answer (the median of seven moves little with one outlier either way)
+# Quiet trials per answer. Two answers a few percent apart are told apart by their medians only if those
+# are steadier than the gap: one config's quiet trials have spanned ±15% here, and the median of 15 such
+# trials has about half the spread of the median of 7 (a standard error ~1.25σ/√n).
+QUIET_ROUNDS = 15
 TARGET_SHARE = 0.95
 COLUMNS = ["check", "budget", "run", "answer", "search_samples_per_s", "quiet_samples_per_s", "quiet_min_per_s",
            "quiet_max_per_s", "quiet_trials", "share_of_best", "wall_s", "real_trials", "starved_steps", "max_wait_share"]

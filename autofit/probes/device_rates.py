@@ -37,6 +37,8 @@ PROBE_TIMEOUT_S = 300.0  # the probe child's wall-clock limit
 # disturbed: another process, a frequency change); up to PROBE_ATTEMPTS children try again.
 RATE_AGREEMENT = 3.0
 PROBE_ATTEMPTS = 3
+ALL_DTYPES = ("float32", "bfloat16", "float16")
+_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 _PROBE_TARGET_S = 0.01
 _PROBE_SIZES = (128, 256, 512, 1024, 2048)
 _PROBE_REPEATS = 3
@@ -119,7 +121,7 @@ def _time_min(fn, sync, repeats: int) -> float:
     return best
 
 
-def measure_rates(device_type: str = "cpu", dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")) -> DeviceRates:
+def measure_rates(device_type: str = "cpu", dtypes: tuple[str, ...] = ALL_DTYPES) -> DeviceRates:
     """Run the probe in this process (on CUDA this creates a context: prefer :func:`probe_rates`).
 
     The best of a few runs is kept: on a shared machine that is closest to what the device can do.
@@ -224,12 +226,13 @@ def start_probe_child(entry: str, request: dict, device_type: str, timeout_s: fl
     return procs.spawn(entry, request, timeout_s=timeout_s, env=procs.child_env())
 
 
-def _probe_once(device_type: str) -> list[DeviceRates]:
-    """One probe child: its measurements (two, back to back). Raises RuntimeError when it fails, saying
-    why in one line (the child's traceback logged at DEBUG: :mod:`autofit.probes.failures`)."""
+def _probe_once(device_type: str, dtypes: tuple[str, ...] = ALL_DTYPES) -> list[DeviceRates]:
+    """One probe child: its measurements of ``dtypes``' matmuls (two, back to back). Raises RuntimeError when
+    it fails, saying why in one line (the child's traceback logged at DEBUG: :mod:`autofit.probes.failures`)."""
     from autofit.probes.failures import child_failure
 
-    child = start_probe_child("autofit.probes.device_rates:probe_child", {"device_type": device_type, "repeats": 2},
+    child = start_probe_child("autofit.probes.device_rates:probe_child",
+                              {"device_type": device_type, "repeats": 2, "dtypes": list(dtypes)},
                               device_type, PROBE_TIMEOUT_S)
     try:
         finished = child.wait()
@@ -242,7 +245,8 @@ def _probe_once(device_type: str) -> list[DeviceRates]:
     return [DeviceRates.from_dict(m) for m in messages]
 
 
-def measure_checked(device_type: str, attempts: int = PROBE_ATTEMPTS) -> tuple[DeviceRates, str | None]:
+def measure_checked(device_type: str, attempts: int = PROBE_ATTEMPTS,
+                    dtypes: tuple[str, ...] = ALL_DTYPES) -> tuple[DeviceRates, str | None]:
     """Probe in children until two measurements in a row are plausible and agree.
 
     Returns the rates and None, or -- when no attempt agreed -- the best plausible measurement and
@@ -251,7 +255,7 @@ def measure_checked(device_type: str, attempts: int = PROBE_ATTEMPTS) -> tuple[D
     """
     doubt, fallback = None, None
     for _ in range(attempts):
-        measured = _probe_once(device_type)
+        measured = _probe_once(device_type, dtypes)
         plausible = [r for r in measured if implausible(r) is None]
         if len(plausible) < len(measured):
             doubt = f"implausible rates ({implausible(next(r for r in measured if implausible(r)))})"
@@ -268,7 +272,7 @@ def measure_checked(device_type: str, attempts: int = PROBE_ATTEMPTS) -> tuple[D
 
 
 def probe_rates(device_type: str = "cpu", use_cache: bool = True,
-                note: Callable[[str], None] | None = None) -> DeviceRates:
+                note: Callable[[str], None] | None = None, precisions=None) -> DeviceRates:
     """The device's rates, measured once per machine, device type, thread count and torch version.
 
     Cached under :func:`autofit.profiling.cache.cache_dir`. The probe runs in a child process (so the caller
@@ -278,24 +282,32 @@ def probe_rates(device_type: str = "cpu", use_cache: bool = True,
     again, and if they never settle the best plausible ones are used with a warning, never cached.
     Raises RuntimeError when the probe child fails or measures nothing plausible. ``note`` is
     called with a line for a user: the rates read from the cache, or the probe starting and done.
+
+    ``precisions`` (default: all) limits the matmuls timed to the dtypes those precisions compute in:
+    the probe runs before a search's first trial, and a dtype no config uses (fp16 on a CPU without its
+    kernels: tens of ms a matmul) is time the user waits for nothing. A cached entry lacking a dtype asked
+    for has it probed and added (its memory and operator figures kept).
     """
     note = note or (lambda line: None)
+    dtypes = _dtypes(precisions)
     path = _cache_path(device_type)
-    if use_cache and path.is_file():
-        try:
-            cached = DeviceRates.from_dict(json.loads(path.read_text()))
-            if implausible(cached) is None:
-                note(f"{device_type} rates read from the cache ({path})")
-                return cached
-        except (ValueError, TypeError, KeyError):
-            pass  # an unreadable (or implausible) cache entry is re-measured
+    cached = _read_cache(path) if use_cache else None
+    if cached is not None and all(d in cached.matmul_flops_per_s for d in dtypes):
+        note(f"{device_type} rates read from the cache ({path})")
+        return cached
+    if cached is not None:
+        dtypes = tuple(d for d in dtypes if d not in cached.matmul_flops_per_s)
     note(f"probing the {device_type}'s rates (matmuls and operator latency in a child; once per machine)...")
     started = time.perf_counter()
     with DeviceLock(device_names(device_type), "device probe"):  # a trial beside it would halve its rates
-        rates, doubt = measure_checked(device_type)
+        rates, doubt = measure_checked(device_type, dtypes=dtypes)
     note(f"probed the {device_type} in {time.perf_counter() - started:.1f} s: "
-         f"{rates.matmul_flops_per_s.get('float32', 0.0) / 1e9:,.1f} GFLOP/s fp32 matmul, "
-         f"{rates.op_latency_s * 1e6:,.1f} us per operator")
+         + "".join(f"{rate / 1e9:,.1f} GFLOP/s {_SHORT.get(name, name)} matmul, "
+                   for name, rate in rates.matmul_flops_per_s.items())
+         + f"{rates.op_latency_s * 1e6:,.1f} us per operator")
+    if cached is not None:
+        rates = dataclasses.replace(cached, matmul_flops_per_s={**cached.matmul_flops_per_s, **rates.matmul_flops_per_s},
+                                    probe_s=cached.probe_s + rates.probe_s)
     if doubt is not None:
         warnings.warn(f"the {device_type} rate probe is unsteady ({doubt}): using its best rates for this run "
                       "only; the time model's prior is rougher until trials calibrate it", RuntimeWarning,
@@ -308,6 +320,23 @@ def probe_rates(device_type: str = "cpu", use_cache: bool = True,
         except OSError:
             pass
     return rates
+
+
+def _dtypes(precisions) -> tuple[str, ...]:
+    """The matmul dtypes ``precisions`` compute in (:data:`MATMUL_DTYPE`), in :data:`ALL_DTYPES`' order; all for None."""
+    if precisions is None:
+        return ALL_DTYPES
+    wanted = {MATMUL_DTYPE[Precision(p)] for p in precisions}
+    return tuple(d for d in ALL_DTYPES if d in wanted)
+
+
+def _read_cache(path: Path) -> DeviceRates | None:
+    """The plausible rates cached at ``path``, or None (none there, unreadable or implausible: probed again)."""
+    try:
+        cached = DeviceRates.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    return cached if implausible(cached) is None else None
 
 
 def probe_child(request: dict, send=None) -> dict:
@@ -327,8 +356,9 @@ def probe_child(request: dict, send=None) -> dict:
 
             overhead = measure_overhead("cuda").to_dict()
         repeats = max(int(request.get("repeats", 1)), 1)
+        dtypes = tuple(request.get("dtypes") or ALL_DTYPES)
         for i in range(repeats):
-            rates = measure_rates(request["device_type"]).to_dict()
+            rates = measure_rates(request["device_type"], dtypes).to_dict()
             rates["cuda_overhead"] = overhead
             if i < repeats - 1 and send is not None:
                 send(rates)

@@ -247,7 +247,7 @@ def run_worker(settings: StudySettings, workload: Workload, *, profile: Profile 
                                           split_ends=needs_split_ends(space.configs()),
                                           optimizers=optimizer_choices(space.configs()),
                                           selective=needs_selective(space.configs()))
-    rates = rates or probe_rates(settings.device_type)
+    rates = rates or probe_rates(settings.device_type, precisions=space.precision)
     if rates.links is None:  # a worker started on its own: the splits' link costs, from the cache the search filled
         rates = with_links(rates, space.configs(), settings.devices)
     # The prior's operator counts, rescaled by the workload's own layer timed in a child (cached).

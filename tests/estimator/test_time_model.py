@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -139,13 +140,13 @@ def test_a_probe_far_off_its_repeat_is_probed_again_and_never_cached(monkeypatch
     monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path))
     runs = iter([[_rates(fp32=1e11), _rates(fp32=1e9)], [_rates(fp32=0.0), _rates(fp32=2e11)],
                  [_rates(fp32=1e11), _rates(fp32=5e11)]])
-    monkeypatch.setattr(time_model, "_probe_once", lambda device_type: next(runs))
+    monkeypatch.setattr(time_model, "_probe_once", lambda device_type, dtypes=None: next(runs))
     with pytest.warns(RuntimeWarning, match="disagree"):
         rates = probe_rates("cpu")
     assert rates.matmul_flops_per_s["float32"] == 5e11  # the best plausible figure, the zero left out
     assert not list(tmp_path.glob("rates-cpu-*.json"))
     agreeing = iter([[_rates(memory=math.inf), _rates()], [_rates(fp32=1e11), _rates(fp32=1.5e11)]])
-    monkeypatch.setattr(time_model, "_probe_once", lambda device_type: next(agreeing))
+    monkeypatch.setattr(time_model, "_probe_once", lambda device_type, dtypes=None: next(agreeing))
     assert probe_rates("cpu").matmul_flops_per_s["float32"] == 1.5e11
     assert len(list(tmp_path.glob("rates-cpu-*.json"))) == 1
 
@@ -154,11 +155,33 @@ def test_an_implausible_cached_entry_is_measured_again(monkeypatch, tmp_path):
     from autofit.probes import device_rates as time_model
 
     monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(time_model, "_probe_once", lambda device_type: [_rates(), _rates()])
+    monkeypatch.setattr(time_model, "_probe_once", lambda device_type, dtypes=None: [_rates(), _rates()])
     path = time_model._cache_path("cpu")
     path.write_text(json.dumps(_rates(fp32=-1.0).to_dict()))
     assert probe_rates("cpu").matmul_flops_per_s["float32"] == 1e11
     assert json.loads(path.read_text())["matmul_flops_per_s"]["float32"] == 1e11
+
+
+def test_the_probe_times_only_the_dtypes_asked_for_and_adds_a_missing_one_to_the_cache(monkeypatch, tmp_path):
+    from autofit.probes import device_rates as time_model
+
+    monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path))
+    asked = []
+
+    def probe_once(device_type, dtypes=time_model.ALL_DTYPES):
+        asked.append(tuple(dtypes))
+        full = _rates()
+        flops = {"float32": 1e11, "bfloat16": 4e11, "float16": 1e9}
+        return [dataclasses.replace(full, matmul_flops_per_s={d: flops[d] for d in dtypes})] * 2
+
+    monkeypatch.setattr(time_model, "_probe_once", probe_once)
+    first = probe_rates("cpu", precisions=["fp32", "amp-bf16", "bf16"])
+    assert asked == [("float32", "bfloat16")] and set(first.matmul_flops_per_s) == {"float32", "bfloat16"}
+    assert probe_rates("cpu", precisions=["bf16"]) == first and len(asked) == 1  # read back
+    both = probe_rates("cpu", precisions=["amp-fp16", "fp32"])
+    assert asked[1] == ("float16",)  # only what the cache lacked
+    assert both.matmul_flops_per_s == {"float32": 1e11, "bfloat16": 4e11, "float16": 1e9}
+    assert probe_rates("cpu") == both and len(asked) == 2  # every dtype now cached
 
 
 def test_children_run_with_a_passive_openmp_policy_unless_the_user_chose_one(monkeypatch):

@@ -761,7 +761,13 @@ def test_start_up_progress_says_what_was_computed_then_what_came_from_the_cache(
     monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path / "cache"))  # cold: profile, device probe, layer timing
     fixed = time_model.DeviceRates("cpu", "test", 2, {"float32": 1e11, "bfloat16": 5e10, "float16": 1e9}, 1e10, 5e-6,
                                    0.0, "x")
-    monkeypatch.setattr(time_model, "measure_checked", lambda device_type: (fixed, None))  # the probe's seconds spared
+    asked = []
+
+    def measure_checked(device_type, dtypes=time_model.ALL_DTYPES):  # the probe's seconds spared
+        asked.append(tuple(dtypes))
+        return dataclasses.replace(fixed, matmul_flops_per_s={d: fixed.matmul_flops_per_s[d] for d in dtypes}), None
+
+    monkeypatch.setattr(time_model, "measure_checked", measure_checked)
     space = {**SMALL_SPACE, "precision": ["fp32"], "micro_batch": [2], "checkpoint_every": [0]}
     runs = []
     for out in ("cold", "warm"):
@@ -775,6 +781,7 @@ def test_start_up_progress_says_what_was_computed_then_what_came_from_the_cache(
     assert cold[2].startswith("study ")
     assert cold[3].startswith("probing the cpu's rates") and cold[4].startswith("probed the cpu in ")
     assert cold[4].startswith("probed the cpu in ") and "100.0 GFLOP/s fp32 matmul, 5.0 us per operator" in cold[4]
+    assert asked == [("float32",)]  # an fp32 space: no other dtype's matmuls timed
     assert cold[5].startswith("timing one layer of the workload for real (fp32;")
     assert cold[6].startswith("timed the layer in ")
     assert "read from the cache" not in " ".join(cold)
