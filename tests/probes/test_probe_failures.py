@@ -48,7 +48,7 @@ def test_one_line_is_the_type_and_the_first_line():
 
 
 def test_the_rate_probe_child_replies_with_its_error_and_the_parent_says_it(monkeypatch, debug_lines):
-    monkeypatch.setattr(device_rates, "measure_rates", lambda device_type: _raise(ValueError("no rate\nat all")))
+    monkeypatch.setattr(device_rates, "measure_rates", lambda device_type, dtypes=None: _raise(ValueError("no rate\nat all")))
     reply = device_rates.probe_child({"device_type": "cpu", "repeats": 2})
     assert reply["error"] == "ValueError: no rate" and "measure_rates" in reply["traceback"]
     monkeypatch.setattr(device_rates, "start_probe_child", lambda *a, **k: _Child([reply]))
