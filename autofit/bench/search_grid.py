@@ -9,7 +9,14 @@ from collections.abc import Callable
 
 from autofit.bench.common import mib, seconds
 from autofit.bench.search_cells import problem_for
-from autofit.bench.search_data import Cell, Grid, GridPoint, MiB, contenders, top_two_gap
+from autofit.bench.search_data import (
+    Cell,
+    Grid,
+    GridPoint,
+    MiB,
+    contenders,
+    top_two_gap,
+)
 from autofit.core.config import TrainConfig
 from autofit.runtime.schedule import DEFAULT_SCHEDULE
 

@@ -119,7 +119,7 @@ def _search_lines(srch) -> list[str]:
         lines.append("autofit's own search was not available to the benchmark in this run.")
     noise, near = TruthNoise.of(srch.grids), TruthNoise.of(srch.grids, contenders_only=True)
     if noise.gaps:
-        verdict = lambda n: "PASS" if not n.over_target() else "FAIL"  # noqa: E731
+        verdict = lambda n: "PASS" if not n.over_target() else "FAIL"
         lines.append(f"Search grids' ground truth: {truth_noise_text(noise, near)} Against < "
                      f"{pct(TRUTH_NOISE_TARGET, 0)}: the contenders {verdict(near)}, every config {verdict(noise)}.")
     for v in verdicts(srch.runs, tuple(s.name for s in sweeps(srch.strategies))):
