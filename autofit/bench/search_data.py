@@ -96,23 +96,6 @@ def top_two_gap(samples: list[float]) -> float | None:
 
 
 TRUTH_NOISE_TARGET = 0.03   # the verdicts compare answers at 98% of an optimum: the truth itself must be closer
-# A contender is within this share of a budget's optimum: the configs whose truth can decide a verdict
-# (an answer at 98% of the optimum, a time to 98%); one further below cannot be mistaken for the optimum
-# by a truth off by a few percent.
-CONTENDER_SHARE = 0.9
-
-
-def contenders(best_per_s: dict[TrainConfig, float | None], peaks: dict[TrainConfig, int | None],
-               budgets) -> set[TrainConfig]:
-    """The configs within :data:`CONTENDER_SHARE` of the best that fits one of ``budgets`` (bytes), by
-    ``best_per_s`` (a config's best throughput; None: not measured) and ``peaks`` (its measured peak)."""
-    out: set[TrainConfig] = set()
-    for budget in budgets:
-        fits = {c: v for c, v in best_per_s.items() if v and peaks.get(c) is not None and peaks[c] <= budget}
-        if fits:
-            top = max(fits.values())
-            out |= {c for c, v in fits.items() if v >= CONTENDER_SHARE * top}
-    return out
 
 
 @dataclass(frozen=True)
@@ -124,11 +107,8 @@ class TruthNoise:
     gaps: tuple[float, ...]
 
     @classmethod
-    def of(cls, grids: list[Grid], contenders_only: bool = False) -> TruthNoise:
-        """Over every config with several samples, or (``contenders_only``) over each grid's
-        :meth:`Grid.contenders`."""
-        points = [p for g in grids for c, p in g.points.items() if p.truth_noise() is not None
-                  and (not contenders_only or c in g.contenders())]
+    def of(cls, grids: list[Grid]) -> TruthNoise:
+        points = [p for g in grids for p in g.points.values() if p.truth_noise() is not None]
         return cls(tuple(len(p.samples()) for p in points), tuple(p.truth_noise() for p in points))
 
     def over_target(self) -> int:
@@ -150,12 +130,6 @@ class Grid:
     def feasible(self, budget_bytes: int) -> list[GridPoint]:
         return [p for p in self.points.values()
                 if p.status is TrialStatus.OK and p.peak_bytes is not None and p.peak_bytes <= budget_bytes]
-
-    def contenders(self) -> set[TrainConfig]:
-        """The configs within :data:`CONTENDER_SHARE` of the optimum of one of the cell's budgets."""
-        ok = {c: p for c, p in self.points.items() if p.status is TrialStatus.OK}
-        return contenders({c: p.samples_per_s for c, p in ok.items()}, {c: p.peak_bytes for c, p in ok.items()},
-                          [b * MiB for b in self.cell.budgets_mib])
 
     def optimum(self, budget_bytes: int) -> GridPoint | None:
         feasible = self.feasible(budget_bytes)

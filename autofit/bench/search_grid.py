@@ -9,14 +9,7 @@ from collections.abc import Callable
 
 from autofit.bench.common import mib, seconds
 from autofit.bench.search_cells import problem_for
-from autofit.bench.search_data import (
-    Cell,
-    Grid,
-    GridPoint,
-    MiB,
-    contenders,
-    top_two_gap,
-)
+from autofit.bench.search_data import Cell, Grid, GridPoint, MiB, top_two_gap
 from autofit.core.config import TrainConfig
 from autofit.runtime.schedule import DEFAULT_SCHEDULE
 
@@ -26,12 +19,8 @@ TRIAL_TIMEOUT_S = 240.0
 # The ground truth of a config that fits is the best of its throughput samples; taken until its two
 # best agree within TRUTH_GAP (at least TRUTH_SAMPLES_MIN, at most TRUTH_SAMPLES_MAX, the trial's
 # own included), so the truth's own noise stays under the 3% the verdicts need (search.md reports it).
-# A contender (:func:`autofit.bench.search_data.contenders`: near a budget's optimum, where the verdicts
-# compare answers) may take up to TRUTH_SAMPLES_CONTENDER_MAX: a config's samples here can spread by
-# ±10% from one process to the next, and six do not always bring the two best within the gap.
 TRUTH_SAMPLES_MIN = 3
 TRUTH_SAMPLES_MAX = 6
-TRUTH_SAMPLES_CONTENDER_MAX = 12
 TRUTH_GAP = 0.02
 
 
@@ -77,9 +66,7 @@ def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) 
     largest = max(cell.budgets_mib) * MiB
     sampled = [c for c, r in zip(configs, trials) if r.ok and r.peak_bytes is not None and r.peak_bytes <= largest]
     first = {c: r.samples_per_s for c, r in zip(configs, trials)}
-    peaks = {c: r.peak_bytes for c, r in zip(configs, trials)}
-    extra = _truth_samples(cell.workload, sampled, first, progress,
-                           budgets=[b * MiB for b in cell.budgets_mib], peaks=peaks)
+    extra = _truth_samples(cell.workload, sampled, first, progress)
     points = {}
     for config, r, pred in zip(configs, trials, predicted):
         more = extra.get(config, [])
@@ -127,32 +114,25 @@ def _use_s(cell: Cell, workload, configs: list[TrainConfig], profile_kw: dict, u
 
 
 def _truth_samples(workload: str, configs: list[TrainConfig], first: dict[TrainConfig, float | None],
-                   progress: Callable[[str], None], budgets: list[int] = (),
-                   peaks: dict[TrainConfig, int | None] | None = None) -> dict[TrainConfig, list[float]]:
+                   progress: Callable[[str], None]) -> dict[TrainConfig, list[float]]:
     """Throughput samples of each config beyond its trial's (``first``), taken in rounds (one sample of
     each config still short of them per round, so one config's samples are a whole round apart and a
     burst of load elsewhere spoils few of them): every config gets TRUTH_SAMPLES_MIN in all; one whose two
-    best samples still differ by more than TRUTH_GAP gets more, up to TRUTH_SAMPLES_MAX, or up to
-    TRUTH_SAMPLES_CONTENDER_MAX while it is a contender of one of ``budgets`` by its samples so far (its
-    peak in ``peaks``). A sample that fails ends its config's sampling."""
+    best samples still differ by more than TRUTH_GAP gets more, up to TRUTH_SAMPLES_MAX. A sample that
+    fails ends its config's sampling."""
     extra: dict[TrainConfig, list[float]] = {c: [] for c in configs}
     done: set[TrainConfig] = set()
 
-    def have(c: TrainConfig) -> list[float]:
-        return [x for x in (first.get(c), *extra[c]) if x]
-
-    def short(c: TrainConfig, near: set[TrainConfig]) -> bool:
-        cap = TRUTH_SAMPLES_CONTENDER_MAX if c in near else TRUTH_SAMPLES_MAX
-        if c in done or len(have(c)) >= cap:
+    def short(c: TrainConfig) -> bool:
+        have = [x for x in (first.get(c), *extra[c]) if x]
+        if c in done or len(have) >= TRUTH_SAMPLES_MAX:
             return False
-        return len(have(c)) < TRUTH_SAMPLES_MIN or top_two_gap(have(c)) > TRUTH_GAP
+        return len(have) < TRUTH_SAMPLES_MIN or top_two_gap(have) > TRUTH_GAP
 
     from autofit.bench.worker import run_jobs
 
-    for round_no in range(2, TRUTH_SAMPLES_CONTENDER_MAX + 1):
-        best = {c: max(have(c), default=None) for c in configs}
-        near = contenders(best, peaks or {}, budgets)
-        todo = [c for c in configs if short(c, near)]
+    for round_no in range(2, TRUTH_SAMPLES_MAX + 1):
+        todo = [c for c in configs if short(c)]
         if not todo:
             break
         for c, out in zip(todo, run_jobs([_second_sample_job(workload, c) for c in todo],

@@ -24,7 +24,6 @@ from autofit.bench.common import (
     write_csv,
 )
 from autofit.bench.search_data import (
-    CONTENDER_SHARE,
     TRUTH_NOISE_TARGET,
     BenchMode,
     Cell,
@@ -274,32 +273,24 @@ def _grid_section(grid: Grid) -> str:
         diffs = [abs(a / b - 1) for a, b in pairs]
         lines.append(f"Measurement noise: the trial's throughput and a second sample of the same config differ by "
                      f"{pct(median_and_spread(diffs).median, 0)} (median) and up to {pct(max(diffs), 0)}. "
-                     + truth_noise_text(TruthNoise.of([grid]), TruthNoise.of([grid], contenders_only=True)))
+                     + truth_noise_text(TruthNoise.of([grid])))
     bad = [p for p in grid.points.values() if p.status is not TrialStatus.OK]
     if bad:
         lines.append("Grid configs that did not run: " + "; ".join(f"{p.config.short()}: {p.status} ({p.error})" for p in bad))
     return "\n".join(lines)
 
 
-def truth_noise_text(noise: TruthNoise, near: TruthNoise | None = None) -> str:
-    """The ground truth's samples and its own noise, in words (empty when no config has two samples);
-    with ``near`` (:meth:`TruthNoise.of` the contenders only), theirs too."""
+def truth_noise_text(noise: TruthNoise) -> str:
+    """The ground truth's samples and its own noise, in words (empty when no config has two samples)."""
     if not noise.gaps:
         return ""
-    text = (f"The ground truth of each of {len(noise.gaps)} configs that fit is the best of its "
-            f"{_noise_figures(noise)} (load from other processes only ever slows a step).")
-    if near is not None and near.gaps:
-        text += (f" Of these, the {len(near.gaps)} contenders (within {pct(CONTENDER_SHARE, 0)} of a budget's "
-                 f"optimum: the configs a verdict can turn on) are the best of {_noise_figures(near)}.")
-    return text
-
-
-def _noise_figures(noise: TruthNoise) -> str:
     counts = median_and_spread(noise.samples)
     gaps = median_and_spread(noise.gaps)
-    return (f"{counts.low:.0f}–{counts.high:.0f} throughput samples (median {counts.median:.0f}); its own noise, "
-            f"the gap between a config's two best samples, is {pct(gaps.median, 1)} (median) and at most "
-            f"{pct(gaps.high, 1)}; {noise.over_target()} of {len(noise.gaps)} at or over {pct(TRUTH_NOISE_TARGET, 0)}")
+    return (f"The ground truth of each of {len(noise.gaps)} configs that fit is the best of its "
+            f"{counts.low:.0f}–{counts.high:.0f} throughput samples (median {counts.median:.0f}; load from other "
+            f"processes only ever slows a step); its own noise, the gap between a config's two best samples, "
+            f"is {pct(gaps.median, 1)} (median) and at most {pct(gaps.high, 1)}; {noise.over_target()} of "
+            f"{len(noise.gaps)} at or over {pct(TRUTH_NOISE_TARGET, 0)}.")
 
 
 def _budget_section(grid: Grid, budget_mib: int, runs: list[RunResult], strategies: tuple[Strategy, ...]) -> str:

@@ -708,33 +708,6 @@ def test_ground_truth_samples_until_the_two_best_agree(monkeypatch):
     assert noise.samples == (6,) and noise.over_target() == 1
 
 
-def test_a_contender_of_a_budget_is_sampled_further_until_its_two_best_agree(monkeypatch):
-    """A config within 90% of a budget's optimum may take up to twelve samples; one further below stops at six;
-    and the report counts the contenders' noise apart."""
-    from autofit.bench import search_grid
-    from autofit.bench.search_data import TruthNoise, contenders
-
-    top, near, far, big = (TrainConfig(Precision.FP32, b, 1) for b in (1, 2, 4, 8))
-    peaks = {top: 10, near: 10, far: 10, big: 100}  # big fits no budget: never a contender
-    assert contenders({top: 100.0, near: 91.0, far: 80.0, big: 500.0}, peaks, [50]) == {top, near}
-    wobbly = [100.0, 90.0, 95.0, 85.0, 92.0, 88.0, 97.0, 99.0]  # the two best within 2% at the ninth sample
-    draws = {top: iter(wobbly), near: iter([float(x) * 0.92 for x in wobbly]), far: iter([70.0, 60.0, 65.0] * 4)}
-    monkeypatch.setattr("autofit.bench.worker.run_jobs", lambda jobs, job_timeout_s: [
-        {"status": "ok", "samples_per_s": next(draws[TrainConfig.from_dict(j["config"])])} for j in jobs])
-    first = {top: 80.0, near: 73.6, far: 75.0}
-    extra = search_grid._truth_samples("w", [top, near, far], first, lambda _m: None, budgets=[50], peaks=peaks)
-    assert len(extra[top]) == 8 and len(extra[near]) == 8  # nine samples in all: 99 and 100 agree
-    assert len(extra[far]) == search_grid.TRUTH_SAMPLES_MAX - 1  # not a contender: six in all, still apart
-    cell = Cell("w", 4, (1,), (Precision.FP32,), (1,))
-    points = {c: GridPoint(c, "ok", 2**19, max(first[c], *extra[c]), 1.0, 1.0, trial_samples_per_s=first[c],
-                           second_samples_per_s=extra[c][0], more_samples_per_s=tuple(extra[c][1:]))
-              for c in (top, near, far)}
-    grid = Grid(cell, points, 0.0, 1)
-    assert grid.contenders() == {top, near}
-    assert TruthNoise.of([grid], contenders_only=True).over_target() == 0
-    assert TruthNoise.of([grid]).over_target() == 1  # far's 75 against 70
-
-
 def test_time_to_98_follows_the_answer_the_strategy_itself_gives_after_each_trial():
     """autofit's answer after a trial is its study's best (a head-to-head can put a config whose own sample
     read lower first); time to 98% follows that answer, not the highest sample seen."""
