@@ -163,8 +163,12 @@ def _autofit_time(runs: list[RunResult], cell: Cell, budget: int) -> str:
             f"{seconds(own)} s of its own work (estimate, time model, calibration, Optuna storage, reports).")
 
 
-def _after_table(stops: list[str], time_text: str) -> str:
-    parts = (["autofit " + "; ".join(stops) + "."] if stops else []) + ([time_text] if time_text else [])
+def _after_table(stops: dict[BenchMode, list[str]], time_text: str) -> str:
+    """The line under a cell's table: how autofit's replayed and live runs stopped (each run's own words, the
+    two kinds named apart: a live run's stop may differ from its replays'), then where its time went."""
+    said = [f"autofit {mode.value}{'s' if len(lines) > 1 else ''} " + "; ".join(lines) + "."
+            for mode, lines in stops.items() if lines]
+    parts = said + ([time_text] if time_text else [])
     return "\n\n" + " ".join(parts) if parts else ""
 
 
@@ -318,8 +322,9 @@ def _budget_section(grid: Grid, budget_mib: int, runs: list[RunResult], strategi
                 and r.budget_bytes == budget]
         if mine:
             rows.append(_strategy_row(s.name, mine))
-    stops = sorted({n for r in runs if r.strategy == AUTOFIT_NAME and r.workload == cell.workload
-                    and r.budget_bytes == budget for n in r.notes if n.startswith("stopped:")})
+    ours = [r for r in runs if r.strategy == AUTOFIT_NAME and r.workload == cell.workload and r.budget_bytes == budget]
+    stops = {mode: sorted({n for r in ours if r.mode is mode for n in r.notes if n.startswith("stopped:")})
+             for mode in (BenchMode.REPLAY, BenchMode.LIVE)}
     return ("\n".join(head) + markdown_table(
         ["strategy", "best found / optimum", "wall time (s)", "real trials", "OOM trials", "time to 95% (s)",
          "answer(s)", "figures"], rows, "lrrrrrll")

@@ -180,3 +180,17 @@ def test_lean_is_refused_with_a_suite_that_has_no_lean_part_in_one_line(capsys, 
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("autofit: error: ") and "--lean" in lines[0]
     assert not (tmp_path / "b").exists()
+
+
+def test_after_table_names_replayed_and_live_stops_apart():
+    """A live run that stopped otherwise than its replays is said as such, never run together with them."""
+    from autofit.bench.search_data import BenchMode
+    from autofit.bench.search_tables import _after_table
+
+    text = _after_table({BenchMode.REPLAY: ["stopped: exhausted; then 2 re-measurements"],
+                         BenchMode.LIVE: ["stopped: exhausted"]}, "time text")
+    assert text == ("\n\nautofit replay stopped: exhausted; then 2 re-measurements. "
+                    "autofit live stopped: exhausted. time text")
+    both = _after_table({BenchMode.REPLAY: ["stopped: a", "stopped: b"], BenchMode.LIVE: []}, "")
+    assert both == "\n\nautofit replays stopped: a; stopped: b."
+    assert _after_table({BenchMode.REPLAY: [], BenchMode.LIVE: []}, "") == ""
