@@ -278,3 +278,22 @@ def test_a_user_built_model_that_caches_keys_while_training_is_warned_about(use_
     profile_workload(workload, ["fp32"], use_cache=False)
     warned = [r for r in caplog.records if r.levelname == "WARNING" and "set use_cache=False" in r.getMessage()]
     assert len(warned) == (1 if use_cache else 0)
+
+
+def test_a_model_type_resolves_where_transformers_exports_no_top_level_config_mapping(monkeypatch, tmp_path):
+    # transformers 5.17 (the H200's) has no transformers.CONFIG_MAPPING; the spec reads the auto module's
+    monkeypatch.delattr(transformers, "CONFIG_MAPPING", raising=False)
+    lazy_getattr = type(transformers).__getattr__  # transformers' lazy module would import it again
+
+    def getattr_without_config_mapping(module, name):
+        if name == "CONFIG_MAPPING":
+            raise AttributeError("module 'transformers' has no attribute 'CONFIG_MAPPING'")
+        return lazy_getattr(module, name)
+
+    monkeypatch.setattr(type(transformers), "__getattr__", getattr_without_config_mapping)
+    from autofit.workloads.hf.spec import resolve_config
+
+    assert type(resolve_config("llama?num_hidden_layers=2")).__name__ == "LlamaConfig"
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+    assert resolve_config(str(path)).n_layer == 2

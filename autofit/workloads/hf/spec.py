@@ -35,6 +35,15 @@ def require_transformers():
     return transformers
 
 
+def config_mapping():
+    """``model_type`` -> config class. Read from its defining module: the top-level ``transformers.CONFIG_MAPPING``
+    is not exported by every 5.x release (5.17 lacks it)."""
+    require_transformers()
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return CONFIG_MAPPING
+
+
 SOURCE_OPTIONS = ("seq_len", "task", "lora")  # a workload source's ``#`` options, in the order it writes them
 
 
@@ -119,10 +128,10 @@ def _from_json_file(path: Path, overrides: dict[str, Any], spec: str):
     except (OSError, ValueError) as exc:
         raise WorkloadError(f"hf:{spec}: cannot read {path} as JSON ({exc})") from None
     model_type = data.get("model_type") if isinstance(data, dict) else None
-    if model_type not in transformers.CONFIG_MAPPING:
+    if model_type not in config_mapping():
         raise WorkloadError(f"hf:{spec}: {path} has no model_type known to transformers {transformers.__version__} "
                             f"(got {model_type!r})")
-    config_cls = transformers.CONFIG_MAPPING[model_type]
+    config_cls = config_mapping()[model_type]
     _check_fields(config_cls, overrides, spec)
     data = {k: v for k, v in data.items() if k not in ("model_type", "transformers_version")}
     try:
@@ -178,7 +187,7 @@ def _last_line(exc: BaseException) -> str:
 
 def resolve_config(spec: str):
     """The ``transformers`` config named by ``spec`` (without the ``hf:`` prefix), overrides applied."""
-    transformers = require_transformers()
+    require_transformers()
     base, raw = split_spec(spec)
     overrides = {k: parse_value(v) for k, v in raw.items()}
     path = Path(base)
@@ -190,8 +199,8 @@ def resolve_config(spec: str):
         if not path.is_file():
             raise WorkloadError(f"hf:{spec}: no such file {base}")
         return _from_json_file(path, overrides, spec)
-    if base in transformers.CONFIG_MAPPING:
-        config_cls = transformers.CONFIG_MAPPING[base]
+    if base in config_mapping():
+        config_cls = config_mapping()[base]
         _check_fields(config_cls, overrides, spec)
         return _build(config_cls, overrides, spec)
     return _from_hub(base, overrides, spec)
