@@ -67,7 +67,13 @@ def storage_bytes(obj: Any) -> int:
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the tensors in ``optimizer.state``, e.g. AdamW's two moments and step counters."""
+    """Bytes of the tensors in ``optimizer.state``, e.g. AdamW's two moments and step counters.
+
+    torchao's ``CPUOffloadOptimizer`` (``offload=optimizer``) has no ``state`` of its own: the device keeps
+    only its optimizer of the small parameters (``d_opt``, None when every parameter went to the host);
+    the offloaded parameters' states are on the host."""
+    if not hasattr(optimizer, "state") and hasattr(optimizer, "d_opt"):
+        return 0 if optimizer.d_opt is None else optimizer_state_bytes(optimizer.d_opt)
     return storage_bytes(list(optimizer.state.values()))
 
 

@@ -20,6 +20,23 @@ def _adamw_step(model, optimizer, x, loss_fn):
     optimizer.step()
 
 
+class _OffloadWrapper:
+    """What a trial's breakdown sees of torchao's CPUOffloadOptimizer: no ``state``, the device's optimizer
+    of the small parameters as ``d_opt`` (None when every parameter went to the host)."""
+
+    def __init__(self, d_opt):
+        self.d_opt = d_opt
+
+
+def test_optimizer_state_bytes_of_an_offload_wrapper_counts_its_device_optimizer_only():
+    small = nn.Linear(4, 2)  # 10 values: exp_avg and exp_avg_sq of 40 B each, and a 4 B step per tensor
+    d_opt = torch.optim.AdamW(small.parameters())
+    small(torch.randn(1, 4)).sum().backward()
+    d_opt.step()
+    assert optimizer_state_bytes(_OffloadWrapper(d_opt)) == optimizer_state_bytes(d_opt) == 2 * 40 + 2 * 4
+    assert optimizer_state_bytes(_OffloadWrapper(None)) == 0
+
+
 def test_linear_adamw_peak_breakdown_by_hand():
     torch.manual_seed(0)
     model = nn.Linear(64, 32)  # W: 32*64*4 = 8192 B, b: 32*4 = 128 B
