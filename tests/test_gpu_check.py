@@ -88,10 +88,41 @@ def test_a_child_cut_short_leaves_its_configs_marked():
     child = [{"kind": "init"}, {"kind": "config", "status": "ok", "peak_bytes": 10, "peak_reserved_bytes": 20,
                                 "context_bytes": 5}]
     rows = gc.rows_from_child("a", "w", ["c1", "c2", "c1"], {"c1": (30, 9), "c2": "estimate failed: E"}, child,
-                              "time guard: child killed after 9 s", repeat_of="c1")
+                              "time guard: child killed after 9 s", repeat_at=2)
     assert [r.status for r in rows] == ["ok", "skipped", "skipped"]
     assert rows[0].card_bytes == 25 and rows[0].error_card == pytest.approx(0.2)
     assert "time guard" in rows[1].note and rows[2].repeat
+
+
+def test_a_child_ends_after_a_failed_config_and_a_fresh_one_runs_the_rest(monkeypatch, capsys):
+    import autofit.trial.measure as measure
+
+    ran = []
+
+    def fake_measure(workload, config, **kw):
+        ran.append(config.micro_batch)
+        if config.micro_batch == 2:
+            raise RuntimeError("boom")
+        return {"status": "ok", "peak_bytes": 1}
+
+    monkeypatch.setattr(measure, "measure_trial", fake_measure)
+    gc.child_main({"spec": "gpt-tiny", "device": "cpu",
+                   "configs": ["micro_batch=1", "micro_batch=2", "micro_batch=4"]})
+    assert ran == [1, 2]  # the third is left to a fresh child
+    assert capsys.readouterr().out.count(gc.ROW_PREFIX) == 2
+
+    asked = []
+
+    def fake_child(request, timeout_s, clock):
+        asked.append(request["configs"])
+        rows = [{"kind": "config", "status": "ok" if c != "c2" else "error"} for c in request["configs"]]
+        cut = next((i + 1 for i, r in enumerate(rows) if r["status"] != "ok"), len(rows))
+        return rows[:cut], None
+
+    monkeypatch.setattr(gc, "run_child", fake_child)
+    rows, why = gc.run_children({"configs": ["c1", "c2", "c3"]}, 60, gc.Clock(100))
+    assert asked == [["c1", "c2", "c3"], ["c3"]] and why is None
+    assert [r["status"] for r in rows] == ["ok", "error", "ok"]
 
 
 def test_a_crashed_child_fails_the_verdict_but_the_time_guard_does_not():
