@@ -50,6 +50,7 @@ class Problem:
     # the workload's own optimizer and full checkpointing, as the real tools do: config()'s defaults.
     optimizers: tuple[OptimizerChoice, ...] = (OptimizerChoice.AS_GIVEN,)
     checkpoint_policies: tuple[CheckpointPolicy, ...] = (CheckpointPolicy.FULL,)
+    device: str = "cpu"                # what autofit's search estimates and probes for (the grid's device)
 
     def __post_init__(self) -> None:
         bad = [m for m in self.micro_batches if self.global_batch is not None and self.global_batch % m]

@@ -115,7 +115,9 @@ def load_grids(csv_path: Path, markdown: Path | None = None) -> list[Grid]:
                     tuple(dict.fromkeys(c.split_mode for c in configs if c.device_split > 1)) or (SplitMode.PIPELINE,),
                     tuple(dict.fromkeys(c.optimizer for c in configs)),
                     # full first, as a cell lists it (selective only ever comes with checkpointing)
-                    tuple(sorted({c.checkpoint_policy for c in configs}, key=lambda k: k is not CheckpointPolicy.FULL)))
+                    tuple(sorted({c.checkpoint_policy for c in configs}, key=lambda k: k is not CheckpointPolicy.FULL)),
+                    # grids written before the column were all measured on the CPU
+                    str(rows["device"].iloc[0]) if "device" in rows.columns else "cpu")
         floor_s, first_use_s, warm_use_s = costs.get((str(workload), int(global_batch), cell.lean), (0.0, 0.0, None))
         # the DeepSpeed autotuner's model-state formula needs the parameter count (0 made it replay
         # a different search than the bench ran); grids written before the column: counted again

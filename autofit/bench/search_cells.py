@@ -132,4 +132,4 @@ def problem_for(cell: Cell, budget_bytes: int, param_count: int) -> Problem:
     return Problem(workload=cell.workload, budget_bytes=budget_bytes, global_batch=cell.global_batch,
                    precisions=cell.precisions, default_precision=default, micro_batches=cell.micro_batches, checkpoints=cell.checkpoints,
                    param_count=param_count, device_splits=cell.device_splits, split_modes=cell.split_modes,
-                   optimizers=cell.optimizers, checkpoint_policies=cell.checkpoint_policies)
+                   optimizers=cell.optimizers, checkpoint_policies=cell.checkpoint_policies, device=cell.device)

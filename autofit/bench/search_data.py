@@ -46,6 +46,7 @@ class Cell:
     # the lean levers (autofit's search is given them; the finders keep the workload's optimizer, full policy)
     optimizers: tuple[OptimizerChoice, ...] = (OptimizerChoice.AS_GIVEN,)
     checkpoint_policies: tuple[CheckpointPolicy, ...] = (CheckpointPolicy.FULL,)
+    device: str = "cpu"   # where the grid is measured (``cuda``: scripts/gpu_grid.py on a GPU)
 
     @property
     def lean(self) -> bool:

@@ -24,8 +24,12 @@ TRUTH_SAMPLES_MAX = 6
 TRUTH_GAP = 0.02
 
 
-def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) -> Grid:
-    """Run every config of ``cell`` (no budget), plus one trial that dies at once (the OOM cost floor)."""
+def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None,
+                 samples_until: float | None = None) -> Grid:
+    """Run every config of ``cell`` (no budget), plus one trial that dies at once (the OOM cost floor).
+
+    ``samples_until``: a ``time.monotonic()`` after which no further round of truth samples starts (a
+    short loan of a GPU); the grid's heading reports how many samples each config got."""
     from autofit.estimator.memory_model import (
         estimate_table,
         needs_selective,
@@ -51,30 +55,31 @@ def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None) 
     first_use_s, warm_use_s = _first_use_s(cell, workload, configs, profile_kw)
     progress(f"grid {cell.workload}: cold profile and device probe took {first_use_s:.1f} s "
              f"({warm_use_s:.2f} s read back from the caches)")
-    profile = profile_workload(workload, list(cell.precisions), device_type="cpu", **profile_kw)
+    profile = profile_workload(workload, list(cell.precisions), device_type=_device_type(cell), **profile_kw)
     predicted = estimate_table(profile, configs)["peak_bytes"].tolist()
     trials = []
     for i, config in enumerate(configs):
-        r = run_trial(cell.workload, config, device="cpu", schedule=SCHEDULE,
+        r = run_trial(cell.workload, config, device=cell.device, schedule=SCHEDULE,
                       timeout_s=TRIAL_TIMEOUT_S)
         trials.append(r)
         progress(f"grid {cell.workload} [{i + 1}/{len(configs)}] {config.short()}: {r.status.value} "
-                 f"{mib(r.peak_bytes)} MiB, {seconds(r.samples_per_s)} samples/s, {r.wall_s:.1f} s")
+                 f"{mib(r.judged_peak_bytes)} MiB, {seconds(r.samples_per_s)} samples/s, {r.wall_s:.1f} s")
     # More throughput samples of each config that fits one of the cell's budgets (over all of them, a
     # config is only ever an OOM, whose cost uses the trial's step time), for a ground truth whose own
     # noise is small (:func:`_truth_samples`).
     largest = max(cell.budgets_mib) * MiB
-    sampled = [c for c, r in zip(configs, trials) if r.ok and r.peak_bytes is not None and r.peak_bytes <= largest]
+    sampled = [c for c, r in zip(configs, trials)
+               if r.ok and r.judged_peak_bytes is not None and r.judged_peak_bytes <= largest]
     first = {c: r.samples_per_s for c, r in zip(configs, trials)}
-    extra = _truth_samples(cell.workload, sampled, first, progress)
+    extra = _truth_samples(cell.workload, sampled, first, progress, cell.device, samples_until)
     points = {}
     for config, r, pred in zip(configs, trials, predicted):
         more = extra.get(config, [])
         best = max([x for x in (r.samples_per_s, *more) if x], default=None)
         step = config.samples_per_step / best if best else r.step_time_s
-        points[config] = GridPoint(config, r.status, r.peak_bytes, best, step, r.wall_s, pred, r.error,
+        points[config] = GridPoint(config, r.status, r.judged_peak_bytes, best, step, r.wall_s, pred, r.error,
                                    r.samples_per_s, more[0] if more else None, tuple(more[1:]))
-    floor = run_trial(cell.workload, configs[0], device="cpu", budget_bytes=1, schedule=SCHEDULE,
+    floor = run_trial(cell.workload, configs[0], device=cell.device, budget_bytes=1, schedule=SCHEDULE,
                       timeout_s=TRIAL_TIMEOUT_S)
     progress(f"grid {cell.workload}: a trial over its budget at the first operator took {floor.wall_s:.1f} s "
              f"({floor.status.value})")
@@ -90,7 +95,7 @@ def _first_use_s(cell: Cell, workload, configs: list[TrainConfig], profile_kw: d
 
     # Held for the whole measurement (the probes take it again without waiting): its clocks start after any
     # wait for another process's trial, which is no part of autofit's first use.
-    with DeviceLock(["cpu"], "first-use measurement"):
+    with DeviceLock([cell.device], "first-use measurement"):
         forkserver.stop_server()
         cold_s = _use_s(cell, workload, configs, profile_kw, use_cache=False)
         _use_s(cell, workload, configs, profile_kw, use_cache=True)  # untimed: fills the caches for the runs
@@ -105,16 +110,22 @@ def _use_s(cell: Cell, workload, configs: list[TrainConfig], profile_kw: dict, u
     from autofit.profiling.profile import profile_workload
 
     started = time.perf_counter()
-    profile = profile_workload(workload, list(cell.precisions), device_type="cpu", use_cache=use_cache, **profile_kw)
-    rates = probe_rates("cpu", use_cache=use_cache, precisions=cell.precisions)
+    profile = profile_workload(workload, list(cell.precisions), device_type=_device_type(cell), use_cache=use_cache,
+                               **profile_kw)
+    rates = probe_rates(cell.device, use_cache=use_cache, precisions=cell.precisions)
     if split_sizes(configs, max(cell.device_splits)):  # the splits' collectives, timed as a search times them
         rates = with_links(rates, configs, max(cell.device_splits), use_cache=use_cache)
     workload_prior(workload, profile, rates, [p.value for p in cell.precisions], use_cache=use_cache)
     return time.perf_counter() - started
 
 
+def _device_type(cell: Cell) -> str:
+    return cell.device.split(":")[0]
+
+
 def _truth_samples(workload: str, configs: list[TrainConfig], first: dict[TrainConfig, float | None],
-                   progress: Callable[[str], None]) -> dict[TrainConfig, list[float]]:
+                   progress: Callable[[str], None], device: str = "cpu",
+                   until: float | None = None) -> dict[TrainConfig, list[float]]:
     """Throughput samples of each config beyond its trial's (``first``), taken in rounds (one sample of
     each config still short of them per round, so one config's samples are a whole round apart and a
     burst of load elsewhere spoils few of them): every config gets TRUTH_SAMPLES_MIN in all; one whose two
@@ -129,20 +140,34 @@ def _truth_samples(workload: str, configs: list[TrainConfig], first: dict[TrainC
             return False
         return len(have) < TRUTH_SAMPLES_MIN or top_two_gap(have) > TRUTH_GAP
 
-    from autofit.bench.worker import run_jobs
-
     for round_no in range(2, TRUTH_SAMPLES_MAX + 1):
         todo = [c for c in configs if short(c)]
         if not todo:
             break
-        for c, out in zip(todo, run_jobs([_second_sample_job(workload, c) for c in todo],
-                                         job_timeout_s=TRIAL_TIMEOUT_S)):
+        if until is not None and time.monotonic() > until:
+            progress(f"grid {workload}: throughput samples stopped at round {round_no - 1} (time box)")
+            break
+        for c, out in zip(todo, _sample_round(workload, todo, device)):
             if out.get("samples_per_s"):
                 extra[c].append(out["samples_per_s"])
             else:
                 done.add(c)
         progress(f"grid {workload}: throughput sample {round_no} of {len(todo)} configs done")
     return extra
+
+
+def _sample_round(workload: str, configs: list[TrainConfig], device: str) -> list[dict]:
+    """One more throughput sample of each config: on the CPU by the bench's worker (a warm process, its
+    threads pinned as a trial's); elsewhere by another trial of the config (on CUDA in the trial host, a
+    process kept warm between trials)."""
+    if device == "cpu":
+        from autofit.bench.worker import run_jobs
+
+        return run_jobs([_second_sample_job(workload, c) for c in configs], job_timeout_s=TRIAL_TIMEOUT_S)
+    from autofit.trial.run import run_trial
+
+    return [{"samples_per_s": run_trial(workload, c, device=device, schedule=SCHEDULE,
+                                        timeout_s=TRIAL_TIMEOUT_S).samples_per_s} for c in configs]
 
 
 def _second_sample_job(workload: str, config: TrainConfig) -> dict:

@@ -212,7 +212,7 @@ def _grid_rows(grids: list[Grid]) -> list[dict]:
                    "samples_per_s": p.samples_per_s, "trial_samples_per_s": p.trial_samples_per_s,
                    "second_samples_per_s": p.second_samples_per_s,
                    "more_samples_per_s": ";".join(repr(x) for x in p.more_samples_per_s), "step_time_s": p.step_time_s, "trial_wall_s": p.wall_s,
-                   "error": p.error or "", "param_count": grid.param_count}
+                   "error": p.error or "", "param_count": grid.param_count, "device": grid.cell.device}
             for b in grid.cell.budgets_mib:
                 row[f"fits_{b}MiB"] = p.status is TrialStatus.OK and p.peak_bytes is not None and p.peak_bytes <= b * MiB
             grid_rows.append(row)
