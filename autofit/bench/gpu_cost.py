@@ -69,10 +69,11 @@ IN_PROCESS_BUILD = CostFigure(
 AUTOFIT_ONCE = CostFigure(
     "autofit's own cost once per search: its process, profiling on fake tensors, the CUDA device probe, "
     "estimate, planner, study storage, reports",
-    15.4, "s",
-    f"{GPU_DIR}/run2-h200-abc.csv lines 72-73: `autofit search` on gpt2 at 8 GB, wall_s 61.69 with 5 real trials, "
-    "less 5 × 9.26 s (line 72: one `run_trial` that fit); derived, and for a larger model than the grids'. The "
-    "replay's timed own work is added on top, so autofit's planning is counted twice: against autofit")
+    12.5, "s",
+    f"{GPU_DIR}/run5-h200.csv line 85: `autofit search` on gpt2 at 8 GB with its trials in a trial host, wall_s "
+    "26.59, of which its 4 real trials took 14.1 s (the row's note, from trials.csv; the first started 10 s after "
+    "the search). The replay's timed own work is added on top, so autofit's planning is counted twice: against "
+    "autofit")
 OOM_STEPS = CostFigure(
     "steps a trial over its budget runs before its out-of-memory error",
     1, "step(s)",
