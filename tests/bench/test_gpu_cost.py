@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
 import re
 from pathlib import Path
@@ -37,7 +38,8 @@ from autofit.core.config import Precision, TrainConfig
 from autofit.core.records import TrialStatus
 
 ROOT = Path(__file__).resolve().parents[2]
-COSTS = gc.GpuCosts(trial_fixed_s=10.0, in_process_build_s=0.5, autofit_once_s=20.0, oom_steps=1, step_scale=1.0)
+COSTS = gc.GpuCosts(trial_fixed_s=10.0, in_process_build_s=0.5, autofit_once_s=20.0, host_head_start_s=0.0,
+                    oom_steps=1, step_scale=1.0)
 STEP_S = 0.1
 BUDGET = 100 * MiB
 # global batch 4: mb=4 runs 1 micro-step per step (6 trial steps), mb=1 runs 3 of its 4 (6 x 3/4 = 4.5)
@@ -113,6 +115,14 @@ def test_finder_retries_are_charged_in_process_and_autofit_per_host_plus_once():
     charged = gc.charge(later, _grid(), _strategy("autofit"), COSTS)
     per_trial = [10.0 + FIT_STEPS[2] * STEP_S, 0.5 + FIT_STEPS[1] * STEP_S, 0.5 + STEP_S, 10.0 + FIT_STEPS[2] * STEP_S]
     assert charged.wall_s == pytest.approx(20.0 + sum(per_trial))
+    # with a head start the first host's start is waited for only beyond it; a later host gets none
+    ahead = gc.charge(later, _grid(), _strategy("autofit"), dataclasses.replace(COSTS, host_head_start_s=6.0))
+    assert ahead.wall_s == pytest.approx(charged.wall_s - 6.0)
+    ahead = gc.charge(later, _grid(), _strategy("autofit"), dataclasses.replace(COSTS, host_head_start_s=60.0))
+    assert ahead.wall_s == pytest.approx(charged.wall_s - 9.5)   # never below the build's 0.5 s
+    finder = _run(HALVING_AT_ONE.name, trials)   # only autofit starts a host ahead of its first trial
+    assert (gc.charge(finder, _grid(), HALVING_AT_ONE, dataclasses.replace(COSTS, host_head_start_s=6.0)).wall_s
+            == pytest.approx(gc.charge(finder, _grid(), HALVING_AT_ONE, COSTS).wall_s))
 
 
 def test_a_sweep_starts_a_process_per_precision_and_tpe_runs_in_one():
@@ -177,8 +187,10 @@ def test_cells_csv_has_exactly_its_columns_both_regimes_and_empty_when_never(tmp
     per_precision = gc.DEFAULT_COSTS.trial_fixed_s + STEP_S + gc.DEFAULT_COSTS.in_process_build_s + 6 * STEP_S
     assert float(by[("gpu-cost", HALVING_SWEEP.name)]["time_to_98_s"]) == pytest.approx(3 * per_precision, abs=0.5)
     assert by[("gpu-cost", "autofit")]["real_trials"] == "1" and by[("gpu-cost", "autofit")]["oom_trials"] == "0"
+    d = gc.DEFAULT_COSTS  # autofit's first host started during its own cost: only the rest of its start is waited for
+    host_wait = max(d.trial_fixed_s - d.in_process_build_s - d.host_head_start_s, 0.0)
     assert float(by[("gpu-cost", "autofit")]["time_to_98_s"]) == pytest.approx(
-        gc.DEFAULT_COSTS.autofit_once_s + gc.DEFAULT_COSTS.trial_fixed_s + FIT_STEPS[2] * STEP_S, abs=0.5)
+        d.autofit_once_s + host_wait + d.in_process_build_s + FIT_STEPS[2] * STEP_S, abs=0.5)
     text = (tmp_path / "search.md").read_text()
     assert "## GPU cost regime: time to 98%" in text and "**not measured, assumed**" in text
     assert "run2-h200-abc.csv line 71" in text
@@ -216,6 +228,10 @@ def test_figures_are_the_committed_gpu_measurements_they_cite():
     trials_s = float(re.search(r"4 real trials took ([\d.]+) s of wall time", search["note"])[1])
     assert search["config"].startswith("search:") and search["note"].startswith("4 real")
     assert gc.AUTOFIT_ONCE.value == pytest.approx(search["wall_s"] - trials_s, abs=0.05)
+    fastest_trial_s = line("run5-h200.csv", 80)["wall_s"]   # gpt2 in a running process
+    waited_at_most_s = trials_s - 4 * fastest_trial_s
+    head_start_s = gc.TRIAL_FIXED.value - gc.IN_PROCESS_BUILD.value - waited_at_most_s
+    assert gc.HOST_HEAD_START.value == math.floor(head_start_s * 10) / 10
     builds = [line(f, n)["wall_s"] - 5 * line(f, n)["step_time_s"]
               for f in ("run3-h200-a.csv", "run4-h200-a.csv") for n in range(3, 13)]
     assert gc.IN_PROCESS_BUILD.value == pytest.approx(pd.Series(builds).median(), abs=0.001)
