@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from autofit.bench.search_data import Cell, Grid, MiB  # noqa: E402
 from autofit.core.config import Precision  # noqa: E402
+from autofit.core.records import TrialStatus  # noqa: E402
 
 # fp32 and micro-batch 2 are left out to fit a short loan: in a first run on an H200 (stopped before its truth
 # samples), gpt2's fp32 step gave about a third of bf16's throughput at micro-batches 8 and 16 (182 vs 511 and
@@ -60,7 +61,7 @@ def cells(device: str, quick: bool) -> list[Cell]:
 
 def budgets_from(grid: Grid) -> tuple[int, ...]:
     """The card peaks (MiB, rounded down) at the 1/3 and 2/3 quantiles of the configs that ran."""
-    peaks = sorted(p.peak_bytes for p in grid.points.values() if p.status.value == "ok" and p.peak_bytes)
+    peaks = sorted(p.peak_bytes for p in grid.points.values() if p.status is TrialStatus.OK and p.peak_bytes)
     if not peaks:
         return ()
     picks = {peaks[min(len(peaks) - 1, (len(peaks) * k) // 3)] // MiB for k in (1, 2)}

@@ -47,8 +47,8 @@ def autofit_search(problem: Problem, oracle: Oracle, seed: int = 0, first_use_s:
                         checkpoint_policy=problem.checkpoint_policies, global_batch=problem.global_batch)
     with tempfile.TemporaryDirectory(prefix="autofit-bench-study-") as out:
         # devices: the grid's largest split (its stages or ranks are processes sharing this CPU)
-        result = search(problem.workload, problem.budget_bytes, space=space, out_dir=out, device=problem.device, seed=seed,
-                        devices=max(problem.device_splits), trial_runner=run_trial)
+        result = search(problem.workload, problem.budget_bytes, space=space, out_dir=out, device=problem.device,
+                        seed=seed, devices=max(problem.device_splits), trial_runner=run_trial)
         oracle.answers = answers_after_each_trial(out, len(oracle.history))
     stop = getattr(result, "stop_reason", None)
     if stop:

@@ -128,10 +128,11 @@ def _from_json_file(path: Path, overrides: dict[str, Any], spec: str):
     except (OSError, ValueError) as exc:
         raise WorkloadError(f"hf:{spec}: cannot read {path} as JSON ({exc})") from None
     model_type = data.get("model_type") if isinstance(data, dict) else None
-    if model_type not in config_mapping():
+    mapping = config_mapping()  # a lazy mapping: its .get() does not see unloaded classes, ``in`` and [] do
+    if model_type not in mapping:
         raise WorkloadError(f"hf:{spec}: {path} has no model_type known to transformers {transformers.__version__} "
                             f"(got {model_type!r})")
-    config_cls = config_mapping()[model_type]
+    config_cls = mapping[model_type]
     _check_fields(config_cls, overrides, spec)
     data = {k: v for k, v in data.items() if k not in ("model_type", "transformers_version")}
     try:
@@ -199,8 +200,9 @@ def resolve_config(spec: str):
         if not path.is_file():
             raise WorkloadError(f"hf:{spec}: no such file {base}")
         return _from_json_file(path, overrides, spec)
-    if base in config_mapping():
-        config_cls = config_mapping()[base]
+    mapping = config_mapping()
+    if base in mapping:
+        config_cls = mapping[base]
         _check_fields(config_cls, overrides, spec)
         return _build(config_cls, overrides, spec)
     return _from_hub(base, overrides, spec)
