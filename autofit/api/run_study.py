@@ -39,7 +39,7 @@ from autofit.study.settings import (
     redact,
     space_to_dict,
 )
-from autofit.study.worker import TrialRunner, run_trial_isolated, run_worker
+from autofit.study.worker import HeadToHeadRunner, TrialRunner, run_trial_isolated, run_worker
 from autofit.trial import host
 from autofit.workloads.base import Workload
 from autofit.workloads.load import load_workload
@@ -89,7 +89,7 @@ def _devices(device: str, workers: int, devices: int | None) -> tuple[int, list[
     return spread_gpus(_visible_gpus(), workers, devices)
 
 
-def _check(device: str, workers, trials, workload: Workload, trial_runner) -> None:
+def _check(device: str, workers, trials, workload: Workload, own_runner) -> None:
     """Raise StudyError for arguments no search can run with."""
     if device not in ("cpu", "cuda"):
         raise StudyError(f"device {device!r}: expected cpu or cuda")
@@ -100,8 +100,8 @@ def _check(device: str, workers, trials, workload: Workload, trial_runner) -> No
     if workers > 1 and workload.source is None:
         raise StudyError("workers > 1 needs a workload that other processes can load: pass a --model spec or "
                          "autofit.load_workload('path/to/file.py:function')")
-    if workers > 1 and trial_runner is not None:
-        raise StudyError("a trial_runner runs in this process only: use workers=1 with it")
+    if workers > 1 and own_runner is not None:
+        raise StudyError("a trial_runner or head_to_head_runner runs in this process only: use workers=1 with it")
 
 
 def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | str | Path | dict | None = None,
@@ -110,7 +110,8 @@ def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | 
            out_dir: str | Path | None = None, device: str | None = None, devices: int | None = None, seed: int = 0,
            patience: int = PATIENCE, min_improvement: float = MIN_IMPROVEMENT,
            trial_timeout_s: float = TRIAL_TIMEOUT_S, progress: ProgressCallback | None = None,
-           command: str | None = None, trial_runner: TrialRunner | None = None):
+           command: str | None = None, trial_runner: TrialRunner | None = None,
+           head_to_head_runner: HeadToHeadRunner | None = None):
     """Search ``space`` for the fastest config of ``workload`` whose measured peak fits ``budget``.
 
     - ``workload``: a Workload or a ``--model`` spec; ``budget``: ``"8GB"`` or bytes.
@@ -128,9 +129,9 @@ def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | 
       above it are estimated, never run. On the CPU, ``devices=N`` runs splits up to N as
       pipeline stage processes sharing the CPU.
     - ``progress``: called with a :class:`SearchProgress` after every step (the library never prints).
-    - ``trial_runner``: runs each real trial (a :class:`autofit.study.worker.TrialRunner`;
-      default: an isolated child process). Only with ``workers=1``: other processes cannot
-      receive it.
+    - ``trial_runner``, ``head_to_head_runner`` (workers=1 only): run each real trial, and time leaders of
+      one build together (:class:`autofit.study.worker.TrialRunner`, ``HeadToHeadRunner``; default: isolated
+      children; with a trial_runner alone, each leader by it, one after another).
 
     Returns a :class:`autofit.report.result.SearchResult`; the tables ``trials.csv``, ``best.json`` and
     ``summary.md`` are written to ``out_dir`` (where temporary files that a killed write of them left are
@@ -141,13 +142,12 @@ def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | 
     # Long on purpose: its order is the contract (every check before profiling, the search lock around the study, the tables in `finally`), read top to bottom.
     from autofit.report.result import search_result
 
-    started_wall = time.time()
-    started = time.monotonic()
+    started_wall, started = time.time(), time.monotonic()
     budget_bytes = parse_budget(budget)
     loaded = load_workload(workload)
     resolved = resolve_space(space, global_batch)
     device = device or default_device()
-    _check(device, workers, trials, loaded, trial_runner)
+    _check(device, workers, trials, loaded, trial_runner or head_to_head_runner)
     devices, gpu_slices = _devices(device, workers, devices)
     name = check_study_name(study_name) if study_name is not None else default_study_name(loaded.name, budget_bytes)
     backend.check_storage_url(storage)
@@ -160,8 +160,7 @@ def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | 
             budget_text=budget if isinstance(budget, str) else f"{budget}B", space=space_to_dict(resolved),
             device_type=device, devices=devices, study_name=name, out_dir=str(out), storage=storage, seed=seed,
             trials=trials, deadline=None if timeout_s is None else started_wall + timeout_s, patience=patience,
-            min_improvement=min_improvement, trial_timeout_s=trial_timeout_s, command=redact(command),
-        )
+            min_improvement=min_improvement, trial_timeout_s=trial_timeout_s, command=redact(command))
         emit = progress or (lambda event: None)
         removed = remove_stale_temp_files(out)  # left by a killed write (write_atomic); never a live writer's
         if removed:
@@ -187,7 +186,8 @@ def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | 
             rates, counts = device_prior(loaded, profile, device, resolved, note, devices)
             if workers == 1:
                 stop = run_worker(settings, loaded, profile=profile, rates=rates, counts=counts, progress=progress,
-                                  started=started, runner=trial_runner or run_trial_isolated)
+                                  started=started, runner=trial_runner or run_trial_isolated,
+                                  head_to_head_runner=head_to_head_runner)
             else:
                 # Each worker reads the device's rates and the workload's layer timings from the disk cache
                 # filled above once, so no worker starts its trials late (or times its probes against another's);

@@ -379,7 +379,7 @@ class _Worker:
             head_to_head_runner = run_head_to_head_isolated
         if head_to_head_runner is not None:
             return head_to_head_runner(workload, configs, device=self.settings.device_type, timeout_s=timeout_s)
-        # Another runner (the bench's replay, a test's): its trials one after another.
+        # Another trial runner and no head-to-head runner (a test's): its trials one after another.
         share = timeout_s / len(configs)
         return [runner(workload, c, device=self.settings.device_type, budget_bytes=self.settings.budget_bytes,
                        timeout_s=share) for c in configs]

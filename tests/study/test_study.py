@@ -754,6 +754,34 @@ def test_a_search_runs_its_trials_through_the_injected_runner(tmp_path):
     assert (tmp_path / "s" / "trials.csv").is_file()
 
 
+def test_a_search_times_its_leaders_through_the_injected_head_to_head_runner(tmp_path, monkeypatch):
+    from autofit.api import run_study
+    from autofit.study import worker
+
+    seen = {}
+
+    def recording_worker(*args, **kwargs):
+        seen.update(kwargs)
+        return "exhausted: recorded"
+
+    def head_to_head(workload, configs, *, device, timeout_s):
+        return [FakeRunner()(workload, c, device=device, budget_bytes=64_000_000, timeout_s=timeout_s) for c in configs]
+
+    monkeypatch.setattr(run_study, "run_worker", recording_worker)
+    run_study.search(TINY, "64MB", space=SMALL_SPACE, out_dir=tmp_path / "s", device="cpu",
+                     trial_runner=FakeRunner(), head_to_head_runner=head_to_head)
+    assert seen["head_to_head_runner"] is head_to_head and isinstance(seen["runner"], FakeRunner)
+    # the worker times a head-to-head by the runner it was given, not each leader one after another
+    calls = []
+    stub = type("W", (), {"settings": type("S", (), {"device_type": "cpu", "budget_bytes": 1})()})()
+    configs = [TrainConfig("bf16", 2, 2), TrainConfig("bf16", 4, 1)]
+    timed = worker._Worker._time_together(stub, TINY, configs, 10.0, FakeRunner(),
+                                          lambda w, c, **kw: calls.append(c) or ["together"])
+    assert timed == ["together"] and calls == [configs]
+    runner = FakeRunner()
+    assert len(worker._Worker._time_together(stub, TINY, configs, 10.0, runner, None)) == 2 and len(runner.calls) == 2
+
+
 def test_start_up_progress_says_what_was_computed_then_what_came_from_the_cache(tmp_path, monkeypatch):
     from autofit.api.run_study import search
     from autofit.probes import device_rates as time_model
@@ -804,7 +832,7 @@ def test_an_interrupted_trial_is_recorded_interrupted_and_the_interrupt_propagat
         search(TINY, "64MB", space=SMALL_SPACE, out_dir=tmp_path / "s", device="cpu", trial_runner=FakeRunner(2))
     statuses = [r.status.value for r in load_snapshot(tmp_path / "s").records if r.status.value != "pruned"]
     assert len(statuses) == 2 and statuses[0] in ("ok", "oom") and statuses[1] == "interrupted"
-    with pytest.raises(StudyError, match="trial_runner runs in this process only"):
+    with pytest.raises(StudyError, match="trial_runner or head_to_head_runner runs in this process only"):
         search(TINY, "64MB", space=SMALL_SPACE, out_dir=tmp_path / "t", workers=2, trial_runner=FakeRunner())
     with pytest.raises(StudyError, match="device 'tpu': expected cpu or cuda"):
         search(TINY, "64MB", space=SMALL_SPACE, out_dir=tmp_path / "t", device="tpu")
