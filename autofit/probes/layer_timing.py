@@ -6,7 +6,8 @@ rate that can be several times lower (the uncalibrated prior was 13-65% fast on 
 grids). So before a search, a child process builds the model on the meta device (no memory),
 captures what its first repeated layer receives at two small micro-batches, materialises that
 one layer and those inputs with random values, and times a forward and backward of it in each
-precision (``autocast`` for the amp modes, the layer cast for bf16). Against the time model's
+precision (``autocast`` for the amp modes, the layer cast for bf16), the repeats in rounds over every
+precision and micro-batch (:func:`_best_interleaved`). Against the time model's
 own prediction for that layer (:func:`autofit.estimator.time_model.layer_time_line`) this gives two
 factors per precision -- one for the per-sample part (FLOPs, activation traffic), one for the
 fixed part (operators, weight traffic) -- which :func:`autofit.estimator.time_model.predict_table`
@@ -34,7 +35,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from autofit.core.files import write_atomic
 from autofit.runtime import forkserver, procs
@@ -44,7 +45,8 @@ MAX_LAYER_S = 0.5      # predicted seconds of one layer's forward + backward at 
 SCALE_RANGE = (0.2, 20.0)  # factors outside it are taken as a failed measurement, not a layer
 PROBE_TIMEOUT_S = 180.0
 _REPEATS = 5
-LAYER_PROBE_VERSION = 2  # 2: untouched floats drawn, not left uninitialised; a real model where meta cannot run
+LAYER_PROBE_VERSION = 3  # 2: untouched floats drawn, not left uninitialised; a real model where meta cannot run;
+                         # 3: repeats interleaved over precisions and micro-batches
 
 
 class _Captured(Exception):
@@ -157,8 +159,8 @@ def _real_layer(workload, precision, real_model=None):
     return layer.to(dtype=param_dtype(precision))
 
 
-def _time_layer(layer, args, kwargs, precision) -> float:
-    """Best of a few forward + backward passes of ``layer`` (seconds)."""
+def _layer_step(layer, args, kwargs, precision) -> Callable[[], None]:
+    """One forward and backward of ``layer`` on these inputs, as a closure to time."""
     import torch
 
     from autofit.runtime.training import autocast_context
@@ -171,18 +173,36 @@ def _time_layer(layer, args, kwargs, precision) -> float:
         torch.autograd.backward([t.float().sum() for t in outs])
         layer.zero_grad(set_to_none=True)
 
-    step()  # warm-up: kernel selection, thread pool start
-    best = float("inf")
-    for _ in range(_REPEATS):
-        start = time.perf_counter()
-        step()
-        best = min(best, time.perf_counter() - start)
-    return best
+    return step
+
+
+def _timed_interleaved(steps: dict[tuple[str, int], Callable[[], None]], repeats: int = _REPEATS,
+                       failed: Callable[[str, Exception], None] = lambda name, exc: None
+                       ) -> dict[tuple[str, int], list[float]]:
+    """Each step's ``repeats`` timed calls (seconds, fastest first), taken in rounds (every step once per
+    round), so a slowdown that lasts a while (another process, a frequency change) spreads over all the
+    steps instead of inflating every repeat of one: the fixed part of a line is the small difference of two
+    timings, which one slowed point turns by several times. A step that raises is dropped with
+    ``failed(its precision, error)``, and the rest of its precision with it."""
+    times: dict[tuple[str, int], list[float]] = {key: [] for key in steps}
+    for _ in range(repeats):
+        for key in list(times):
+            if key not in times:
+                continue  # its precision failed earlier in this round
+            start = time.perf_counter()
+            try:
+                steps[key]()
+            except Exception as exc:  # noqa: BLE001 -- reported per precision by the caller
+                failed(key[0], exc)
+                times = {k: v for k, v in times.items() if k[0] != key[0]}
+                continue
+            times[key].append(time.perf_counter() - start)
+    return {key: sorted(v) for key, v in times.items()}
 
 
 def layer_probe_child(request: dict, send=None) -> dict:
-    """In a probe child: ``{"seconds": {precision: [seconds at each of LAYER_BATCHES]}, "failed": {precision:
-    error reply}}`` of the workload's first layer. A precision whose layer fails (a kernel this device lacks
+    """In a probe child: ``{"seconds": {precision: [best seconds at each of LAYER_BATCHES]}, "spread_s":
+    {precision: [next best less best, at each]}, "failed": {precision: error reply}}`` of the workload's first layer. A precision whose layer fails (a kernel this device lacks
     for it: oneDNN's LSTM under bf16 autocast on an AVX2 CPU) is left out of ``seconds``, the others kept;
     a failure before any precision is timed is the child's error reply."""
     import torch
@@ -196,18 +216,30 @@ def layer_probe_child(request: dict, send=None) -> dict:
         captured, real_model = _capture(workload, request["batches"])
     except Exception as exc:  # noqa: BLE001 -- the parent says it in one line, the traceback under --debug
         return error_reply(exc)
-    out, failed = {}, {}
+    batches, steps, failed = request["batches"], {}, {}
     for name in request["precisions"]:
         try:
-            out[name] = _time_precision(workload, name, real_model, captured, request["batches"])
+            steps.update(_precision_steps(workload, name, real_model, captured, batches))
         except Exception as exc:  # noqa: BLE001 -- as above, per precision
             failed[name] = error_reply(exc)
-    if not out and failed:
+    times = _timed_interleaved(steps, failed=lambda name, exc: failed.setdefault(name, error_reply(exc)))
+    names = [name for name in request["precisions"]
+             if name not in failed and all(times.get((name, b)) for b in batches)]
+    if not names and failed:
         return next(iter(failed.values()))
-    return {"seconds": out, "failed": failed}
+    # the best call of each point, and how far the next best is from it (how well the best is known)
+    return {"seconds": {name: [times[(name, b)][0] for b in batches] for name in names},
+            "spread_s": {name: [_next_gap(times[(name, b)]) for b in batches] for name in names},
+            "failed": failed}
 
 
-def _time_precision(workload, name: str, real_model, captured, batches) -> list[float]:
+def _next_gap(times: list[float]) -> float:
+    return times[1] - times[0] if len(times) > 1 else 0.0
+
+
+def _precision_steps(workload, name: str, real_model, captured, batches) -> dict[tuple[str, int], Callable[[], None]]:
+    """The layer's step at each micro-batch in precision ``name``, each run once (kernel selection, the
+    thread pool's start) so that every timed call is warm. Raises what the layer raises."""
     import torch
 
     from autofit.core.config import Precision
@@ -216,11 +248,12 @@ def _time_precision(workload, name: str, real_model, captured, batches) -> list[
     torch.manual_seed(0)
     layer = _real_layer(workload, precision, real_model)
     float_dtype = torch.bfloat16 if precision is Precision.BF16 else None
-    seconds = []
+    steps = {}
     for b in batches:
         args, kwargs = _materialise(captured[b], float_dtype)
-        seconds.append(_time_layer(layer, args, kwargs, precision))
-    return seconds
+        steps[(name, b)] = _layer_step(layer, args, kwargs, precision)
+        steps[(name, b)]()  # warm-up
+    return steps
 
 
 def _cache_path(key: str, precisions: list[str], device_type: str) -> Path:
@@ -236,10 +269,26 @@ def _cache_path(key: str, precisions: list[str], device_type: str) -> Path:
     return cache_dir() / f"layer-{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json"
 
 
+class LayerTimings(NamedTuple):
+    """Per precision, the best seconds of the layer's forward + backward at each of :data:`LAYER_BATCHES`,
+    and how much slower the next best call was (how well each best is known; empty when not measured)."""
+
+    seconds: dict[str, list[float]]
+    spread_s: dict[str, list[float]]
+
+
 def measure_layer_seconds(source: str, precisions: list[str], device_type: str = "cpu",
                           use_cache: bool = True, note: Callable[[str], None] | None = None,
                           key: str | None = None) -> dict[str, list[float]] | None:
-    """Seconds of the first layer's forward + backward at :data:`LAYER_BATCHES`, per precision, measured
+    """:attr:`LayerTimings.seconds` of :func:`measure_layer_timings` (the same arguments), or None."""
+    timings = measure_layer_timings(source, precisions, device_type, use_cache, note, key)
+    return timings.seconds if timings is not None else None
+
+
+def measure_layer_timings(source: str, precisions: list[str], device_type: str = "cpu",
+                          use_cache: bool = True, note: Callable[[str], None] | None = None,
+                          key: str | None = None) -> LayerTimings | None:
+    """Timings of the first layer's forward + backward at :data:`LAYER_BATCHES`, per precision, measured
     in a child forked from the trials' fork server (in the trials' environment), else a fresh one
     (in the same environment: :func:`autofit.runtime.procs.child_env`), and cached. None when the
     workload has no layer to time or the child fails (the prior stays the bare-matmul one).
@@ -254,9 +303,9 @@ def measure_layer_seconds(source: str, precisions: list[str], device_type: str =
     path = _cache_path(key or "", precisions, device_type)
     if use_cache and path.is_file():
         try:
-            seconds = json.loads(path.read_text())["seconds"]
+            timings = _timings(json.loads(path.read_text()))
             note(f"the workload's layer timings read from the cache ({path})")
-            return seconds
+            return timings
         except (OSError, ValueError, KeyError):
             pass
     note(f"timing one layer of the workload for real ({', '.join(precisions)}; micro-batches "
@@ -291,4 +340,8 @@ def measure_layer_seconds(source: str, precisions: list[str], device_type: str =
             write_atomic(path, json.dumps(message))  # a concurrent reader never sees half a file
         except OSError:
             pass
-    return message["seconds"]
+    return _timings(message)
+
+
+def _timings(message: dict) -> LayerTimings:
+    return LayerTimings(dict(message["seconds"]), dict(message.get("spread_s") or {}))

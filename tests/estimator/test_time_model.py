@@ -193,8 +193,14 @@ def test_children_run_with_a_passive_openmp_policy_unless_the_user_chose_one(mon
 
 
 def test_the_cpu_probe_forks_from_the_trial_server_which_has_the_probes_policy(monkeypatch):
+    import threading
+
     from autofit.probes.device_rates import start_probe_child
 
+    # a fork server an earlier test's profiling started in the background must not spawn through the fakes below
+    for thread in threading.enumerate():
+        if thread.name in ("autofit-zygote-start", "autofit-profile-fork"):
+            thread.join(timeout=120)
     spawned, forked = [], []
     monkeypatch.setattr(procs, "spawn", lambda entry, request, **kw: spawned.append(kw["env"]) or "spawned")
     monkeypatch.setattr(forkserver, "start_trial", lambda entry, request, **kw: forked.append(entry) or "forked")
@@ -243,13 +249,14 @@ def test_layer_scales_are_the_measured_line_over_the_models_and_rescale_the_micr
 def test_a_precision_without_its_own_layer_factors_gets_the_others_mean(profile, monkeypatch):
     from autofit.estimator import layer_prior
     from autofit.estimator.time_model import layer_time_line
-    from autofit.probes.layer_timing import LAYER_BATCHES
+    from autofit.probes.layer_timing import LAYER_BATCHES, LayerTimings
 
     rates = _rates()
     counts = op_counts(load_workload(TINY))
     fixed, per_sample = layer_time_line(profile, "fp32", rates, counts)
     line = [fixed + 4 * per_sample * b for b in LAYER_BATCHES]  # fixed x1, per sample x4
-    monkeypatch.setattr(layer_prior, "measure_layer_seconds", lambda *a, **k: {"fp32": line, "amp-bf16": [1.0, 0.5]})
+    monkeypatch.setattr(layer_prior, "measure_layer_timings",
+                        lambda *a, **k: LayerTimings({"fp32": line, "amp-bf16": [1.0, 0.5]}, {}))
     notes = []
     prior = layer_prior.workload_prior(load_workload(TINY), profile, rates, ["fp32", "amp-bf16"], note=notes.append)
     assert prior.scales("fp32") == pytest.approx((4.0, 1.0)) and prior.scales("amp-bf16") == pytest.approx((4.0, 1.0))
@@ -272,3 +279,28 @@ def test_a_spawned_probe_waits_for_a_fork_server_still_starting(monkeypatch):
     forkserver.stop_server()
     forkserver.wait_started()  # none starting: returns at once
     assert not forkserver.ready()
+
+
+def test_the_fixed_factor_moves_only_by_what_the_timing_resolves(profile):
+    """The fixed part is the small intercept of two timed points: a few percent of noise on a point moves
+    it several times over, so within the points' noise band the prediction stays, beyond it the factor
+    moves by the excess only."""
+    from autofit.estimator.layer_prior import _fixed_seconds, layer_scales
+    from autofit.estimator.time_model import layer_time_line
+    from autofit.probes.layer_timing import LAYER_BATCHES
+
+    rates = _rates()
+    counts = op_counts(load_workload(TINY))
+    fixed, per_sample = layer_time_line(profile, "fp32", rates, counts)
+    line = [3 * fixed + per_sample * b for b in LAYER_BATCHES]  # measured: fixed x3, per sample x1
+    assert layer_scales(profile, rates, counts, {"fp32": line})["fp32"] == pytest.approx((1.0, 3.0))
+    b1, b2 = LAYER_BATCHES
+    # a band as wide as the difference: the prediction stays
+    wide = 2 * fixed * (b2 - b1) / b2
+    assert layer_scales(profile, rates, counts, {"fp32": line}, {"fp32": [wide, 0.0]})["fp32"] == pytest.approx((1.0, 1.0))
+    # a band of half of it: the factor moves half way
+    half = fixed * (b2 - b1) / b2
+    assert layer_scales(profile, rates, counts, {"fp32": line}, {"fp32": [half, 0.0]})["fp32"] == pytest.approx((1.0, 2.0))
+    # below the prediction the same way, down to it and no further
+    assert _fixed_seconds((0.010, 0.040), (0.0, 0.0), 0.002) == pytest.approx(0.0)
+    assert _fixed_seconds((0.010, 0.040), (0.003, 0.0), 0.002) == pytest.approx(0.002)

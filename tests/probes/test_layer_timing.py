@@ -8,6 +8,7 @@ import torch
 
 from autofit.probes.layer_timing import (
     _capture,
+    _timed_interleaved,
     layer_probe_child,
     measure_layer_seconds,
 )
@@ -59,3 +60,29 @@ def test_a_precision_whose_layer_fails_is_said_and_the_others_are_kept(trial_wor
     failed = [line for line in notes if "failed" in line]
     assert len(failed) == 1 and "at amp-bf16" in failed[0] and "primitive descriptor" in failed[0], notes
     assert "other precisions' factors" in failed[0]
+
+
+def test_the_repeats_are_taken_in_rounds_and_a_failing_precision_is_dropped():
+    # a slowdown that lasts a while must spread over every point, not inflate all repeats of one
+    order, failures = [], []
+
+    def step(key, fail=False):
+        def run():
+            order.append(key)
+            if fail and order.count(key) == 2:
+                raise RuntimeError("no kernel")
+        return run
+
+    steps = {("fp32", 2): step(("fp32", 2)), ("fp32", 8): step(("fp32", 8)),
+             ("bf16", 2): step(("bf16", 2), fail=True), ("bf16", 8): step(("bf16", 8))}
+    times = _timed_interleaved(steps, repeats=3, failed=lambda name, exc: failures.append((name, str(exc))))
+    assert order[:4] == [("fp32", 2), ("fp32", 8), ("bf16", 2), ("bf16", 8)]  # one of each per round
+    assert order[4:7] == [("fp32", 2), ("fp32", 8), ("bf16", 2)]  # bf16 fails here: its 8 is not run again
+    assert failures == [("bf16", "no kernel")] and set(times) == {("fp32", 2), ("fp32", 8)}
+    assert all(len(v) == 3 and v == sorted(v) for v in times.values())
+
+
+def test_the_child_reports_how_well_each_best_time_is_known(trial_workload_spec, one_thread):
+    out = layer_probe_child({"source": trial_workload_spec("tiny_lm"), "precisions": ["fp32"], "batches": [1, 2]})
+    assert len(out["seconds"]["fp32"]) == 2 and len(out["spread_s"]["fp32"]) == 2
+    assert all(s >= 0 for s in out["spread_s"]["fp32"])
