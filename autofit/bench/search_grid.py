@@ -12,6 +12,7 @@ from autofit.bench.search_cells import problem_for
 from autofit.bench.search_data import Cell, Grid, GridPoint, MiB, top_two_gap
 from autofit.core.config import TrainConfig
 from autofit.runtime.schedule import DEFAULT_SCHEDULE
+from autofit.study.leaders import by_build
 
 # Trial settings shared by the grid, the live runs and (through the grid) the replays.
 SCHEDULE = DEFAULT_SCHEDULE  # the steps of a study's trial (autofit.runtime.schedule), so grid and search measure alike
@@ -163,11 +164,7 @@ def _truth_samples(workload: str, configs: list[TrainConfig], first: dict[TrainC
 
 def head_to_head_groups(configs: list[TrainConfig]) -> list[list[TrainConfig]]:
     """The configs a search may time head to head, by build (:attr:`TrainConfig.build`): two or more of one."""
-    groups: dict[tuple, list[TrainConfig]] = {}
-    for c in configs:
-        if c.build is not None:
-            groups.setdefault(c.build, []).append(c)
-    return [g for g in groups.values() if len(g) > 1]
+    return [g for g in by_build(configs).values() if len(g) > 1]
 
 
 def _head_to_heads(workload: str, configs: list[TrainConfig], progress: Callable[[str], None], device: str = "cpu",

@@ -68,10 +68,7 @@ def remeasurements(records: Sequence[TrialRecord], by_config: dict, index: dict)
     leaders = [c for c, done in ranked if reach(best_sample(done)) * (1 + noise) >= best][:REMEASURE_TOP]
     if len(leaders) < 2:
         return []
-    builds: dict[tuple, list[TrainConfig]] = {}
-    for config in leaders:
-        if config.build is not None:
-            builds.setdefault(config.build, []).append(config)
+    builds = by_build(leaders)
     together = {c for group in builds.values() if len(group) > 1 for c in group}
     head_to_head = _head_to_head(claimed, builds, index)
     due = [head_to_head] if head_to_head else []
@@ -81,6 +78,16 @@ def remeasurements(records: Sequence[TrialRecord], by_config: dict, index: dict)
         if config not in together and len(by_config[config]) + running < REMEASURE_SAMPLES:
             due.append([(index[config], 1 + max(r.sample for r in mine))])
     return due
+
+
+def by_build(configs) -> dict[tuple, list[TrainConfig]]:
+    """``configs`` by the build they share (:attr:`TrainConfig.build`), in their order; a config without
+    one (it shares no build: a device split) is left out."""
+    builds: dict[tuple, list[TrainConfig]] = {}
+    for config in configs:
+        if config.build is not None:
+            builds.setdefault(config.build, []).append(config)
+    return builds
 
 
 def _head_to_head(claimed: list[TrialRecord], builds: dict[tuple, list[TrainConfig]],
