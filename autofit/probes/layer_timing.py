@@ -7,7 +7,7 @@ grids). So before a search, a child process builds the model on the meta device 
 captures what its first repeated layer receives at two small micro-batches, materialises that
 one layer and those inputs with random values, and times a forward and backward of it in each
 precision (``autocast`` for the amp modes, the layer cast for bf16), the repeats in rounds over every
-precision and micro-batch (:func:`_best_interleaved`). Against the time model's
+precision and micro-batch (:func:`_timed_interleaved`). Against the time model's
 own prediction for that layer (:func:`autofit.estimator.time_model.layer_time_line`) this gives two
 factors per precision -- one for the per-sample part (FLOPs, activation traffic), one for the
 fixed part (operators, weight traffic) -- which :func:`autofit.estimator.time_model.predict_table`
@@ -202,9 +202,10 @@ def _timed_interleaved(steps: dict[tuple[str, int], Callable[[], None]], repeats
 
 def layer_probe_child(request: dict, send=None) -> dict:
     """In a probe child: ``{"seconds": {precision: [best seconds at each of LAYER_BATCHES]}, "spread_s":
-    {precision: [next best less best, at each]}, "failed": {precision: error reply}}`` of the workload's first layer. A precision whose layer fails (a kernel this device lacks
-    for it: oneDNN's LSTM under bf16 autocast on an AVX2 CPU) is left out of ``seconds``, the others kept;
-    a failure before any precision is timed is the child's error reply."""
+    {precision: [next best less best, at each]}, "failed": {precision: error reply}}`` of the workload's
+    first layer. A precision whose layer fails (a kernel this device lacks for it: oneDNN's LSTM under
+    bf16 autocast on an AVX2 CPU) is left out of ``seconds``, the others kept; a failure before any
+    precision is timed is the child's error reply."""
     import torch
 
     from autofit.probes.failures import error_reply

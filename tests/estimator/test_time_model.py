@@ -297,10 +297,12 @@ def test_the_fixed_factor_moves_only_by_what_the_timing_resolves(profile):
     b1, b2 = LAYER_BATCHES
     # a band as wide as the difference: the prediction stays
     wide = 2 * fixed * (b2 - b1) / b2
-    assert layer_scales(profile, rates, counts, {"fp32": line}, {"fp32": [wide, 0.0]})["fp32"] == pytest.approx((1.0, 1.0))
+    scales = layer_scales(profile, rates, counts, {"fp32": line}, {"fp32": [wide, 0.0]})
+    assert scales["fp32"] == pytest.approx((1.0, 1.0))
     # a band of half of it: the factor moves half way
     half = fixed * (b2 - b1) / b2
-    assert layer_scales(profile, rates, counts, {"fp32": line}, {"fp32": [half, 0.0]})["fp32"] == pytest.approx((1.0, 2.0))
+    scales = layer_scales(profile, rates, counts, {"fp32": line}, {"fp32": [half, 0.0]})
+    assert scales["fp32"] == pytest.approx((1.0, 2.0))
     # below the prediction the same way, down to it and no further
     assert _fixed_seconds((0.010, 0.040), (0.0, 0.0), 0.002) == pytest.approx(0.0)
     assert _fixed_seconds((0.010, 0.040), (0.003, 0.0), 0.002) == pytest.approx(0.002)
