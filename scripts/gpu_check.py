@@ -786,7 +786,7 @@ def part_c(args, clock: Clock, device: str, context: int | None, out_dir: Path) 
               note=f"{result.get('n_real')} real trials ({statuses}), {result.get('n_pruned')} of "
                    f"{result.get('n_configs')} pruned; stopped: {result.get('stop_reason')}; context "
                    + ("measured in the trial" if m.get("context_bytes") else "from part a")
-                   + first_trial_note(study_dir / "trials.csv", started_wall))
+                   + first_trial_note(study_dir / "trials.csv", started_wall, started_wall + wall))
     pred = (result.get("best_predicted") or {}).get("peak_bytes")
     row.predicted_bytes = int(pred) if pred else None
     fill_errors(row)
@@ -801,10 +801,12 @@ def part_c(args, clock: Clock, device: str, context: int | None, out_dir: Path) 
     return [row]
 
 
-def first_trial_note(path: Path, started_wall: float) -> str:
+def first_trial_note(path: Path, started_wall: float, ended_wall: float | None = None) -> str:
     """How long the search took before its first real trial started (its process, profiling, the CUDA
-    device probe, planning: what the bench's gpu-cost regime charges autofit once per search), and the
-    wall time of its real trials, read from its ``trials.csv`` (``started`` is local time to the second)."""
+    device probe, planning: what the bench's gpu-cost regime charges autofit once per search), the wall
+    time of its real trials, and (with ``ended_wall``) how long the search ran on after its last trial
+    ended (re-measurement planning, reports): work that delays its wall time but not its answer. Read
+    from its ``trials.csv`` (``started`` is local time to the second)."""
     try:
         with path.open() as f:
             ran = [r for r in csv.DictReader(f) if r.get("status") not in ("pruned", "running") and r.get("started")]
@@ -812,10 +814,14 @@ def first_trial_note(path: Path, started_wall: float) -> str:
         return ""
     if not ran:
         return ""
-    first = min(dt.datetime.fromisoformat(r["started"]).timestamp() for r in ran)
+    starts = [dt.datetime.fromisoformat(r["started"]).timestamp() for r in ran]
     walls = [float(r["trial_wall_s"]) for r in ran if r.get("trial_wall_s")]
-    return (f"; first real trial started {first - started_wall:.0f} s after the search (±1 s); "
+    note = (f"; first real trial started {min(starts) - started_wall:.0f} s after the search (±1 s); "
             f"{len(walls)} real trials took {sum(walls):.1f} s of wall time")
+    ends = [t + float(r["trial_wall_s"]) for t, r in zip(starts, ran) if r.get("trial_wall_s")]
+    if ended_wall is not None and ends:
+        note += f"; the last ended {ended_wall - max(ends):.0f} s before the search did (±1 s)"
+    return note
 
 
 def trial_statuses(path: Path) -> dict[str, int]:

@@ -224,3 +224,6 @@ def test_the_search_part_says_how_long_autofit_took_before_its_first_trial(tmp_p
     note = gc.first_trial_note(path, started)
     assert "first real trial started 16 s after the search" in note and "2 real trials took 11.5 s" in note
     assert gc.first_trial_note(tmp_path / "missing.csv", started) == ""
+    # given the search's end: how long it ran on after its last trial (the oom one ended at 12:00:28)
+    assert "the last ended 4 s before the search did" in gc.first_trial_note(path, started, started + 32)
+    assert "before the search did" not in note
