@@ -53,12 +53,7 @@ def score(profile, rates, counts, rows: pd.DataFrame, timings: LayerTimings, ban
     configs = [TrainConfig(precision=Precision(r.precision), micro_batch=int(r.micro_batch),
                            grad_accum=int(r.grad_accum), checkpoint_every=int(r.checkpoint_every))
                for r in rows.itertuples()]
-    saved = layer_prior.FIXED_NOISE_BANDS
-    layer_prior.FIXED_NOISE_BANDS = bands
-    try:
-        scales = layer_prior.layer_scales(profile, rates, counts, timings.seconds, timings.spread_s)
-    finally:
-        layer_prior.FIXED_NOISE_BANDS = saved
+    scales = layer_prior.layer_scales(profile, rates, counts, timings.seconds, timings.spread_s, bands)
     scaled = dataclasses.replace(counts, layer_scales=tuple((p, c, f) for p, (c, f) in scales.items()))
     return rank_correlation(predict_table(profile, configs, rates, scaled)["samples_per_s"].to_numpy(),
                             rows.samples_per_s.to_numpy())

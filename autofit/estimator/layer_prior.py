@@ -19,12 +19,13 @@ FIXED_NOISE_BANDS = 1.0  # how far (in its noise bands) the fixed part must move
 
 
 def layer_scales(profile, rates, counts, seconds: dict[str, list[float]],
-                 spread_s: dict[str, list[float]] | None = None) -> dict[str, tuple[float, float]]:
+                 spread_s: dict[str, list[float]] | None = None,
+                 bands: float = FIXED_NOISE_BANDS) -> dict[str, tuple[float, float]]:
     """Per precision, (per-sample factor, fixed factor): the measured layer's line over the time model's
     (:func:`autofit.estimator.time_model.layer_time_line`). Precisions whose factors fall outside
     :data:`SCALE_RANGE` are left out (the prior stays as it was for them). ``spread_s``: per precision and
     point, how much slower the next best call was than the best; the fixed part, a small difference of the
-    two points, moves the prediction only by what it differs beyond :data:`FIXED_NOISE_BANDS` of its noise
+    two points, moves the prediction only by what it differs beyond ``bands`` of its noise
     (:func:`_fixed_seconds`)."""
     from autofit.estimator.time_model import layer_time_line
 
@@ -35,7 +36,7 @@ def layer_scales(profile, rates, counts, seconds: dict[str, list[float]],
         if per_sample <= 0 or per_sample_pred <= 0 or fixed_pred <= 0:
             continue  # noise swamped the slope: no evidence either way
         e1, e2 = (spread_s or {}).get(precision) or (0.0, 0.0)
-        fixed = _fixed_seconds((t1, t2), (e1, e2), fixed_pred)
+        fixed = _fixed_seconds((t1, t2), (e1, e2), fixed_pred, bands)
         compute, overhead = per_sample / per_sample_pred, max(fixed, 0.0) / fixed_pred
         lo, hi = SCALE_RANGE
         if lo <= compute <= hi:
@@ -43,18 +44,19 @@ def layer_scales(profile, rates, counts, seconds: dict[str, list[float]],
     return scales
 
 
-def _fixed_seconds(points_s: tuple[float, float], spread_s: tuple[float, float], predicted_s: float) -> float:
+def _fixed_seconds(points_s: tuple[float, float], spread_s: tuple[float, float], predicted_s: float,
+                   bands: float = FIXED_NOISE_BANDS) -> float:
     """The line's intercept through the two timed points, soft-thresholded towards the prediction.
 
     The intercept t1 * b2/(b2-b1) - t2 * b1/(b2-b1) is a few percent of either point for a layer whose time
     grows with its batch, so a point a few percent slow moves it by several times (one timing of the same
     layer read 0.2x, another 15x the prediction). Its noise band is the points' spreads carried through those
-    coefficients; within FIXED_NOISE_BANDS of them the timing says nothing and the prediction stays, beyond
+    coefficients; within ``bands`` of them the timing says nothing and the prediction stays, beyond
     them it moves by the excess only (a soft threshold, the usual estimator of a signal in noise)."""
     (b1, b2), (t1, t2), (e1, e2) = LAYER_BATCHES, points_s, spread_s
     a1, a2 = b2 / (b2 - b1), b1 / (b2 - b1)
     measured = a1 * t1 - a2 * t2
-    band = FIXED_NOISE_BANDS * math.hypot(a1 * e1, a2 * e2)
+    band = bands * math.hypot(a1 * e1, a2 * e2)
     excess = abs(measured - predicted_s) - band
     return predicted_s if excess <= 0 else predicted_s + math.copysign(excess, measured - predicted_s)
 
