@@ -168,7 +168,7 @@ def write_replay(out_dir: Path, grid_csv: Path, grids: list[Grid], runs: list[Ru
             "strategy and cell. The cpu clock charges each trial the grid's measured wall time, and times each "
             "strategy's own work on this machine now.")
     rep.add(gpu_cost_section(cells, strategies))
-    rep.add(done_when_table(runs, strategies))
+    rep.add(done_when_table(grids, runs, strategies))
     rep.add("## Replayed medians, cpu clock\n\n" + table(runs))
     return [write_cells_csv(out_dir / "search_cells.csv", cells), rep.write(out_dir / "search_replay.md")]
 
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {path}")
     print(table(runs))
     if args.done_when:
-        print(done_when_table(runs, strategies))
+        print(done_when_table(grids, runs, strategies))
     for r in runs:
         if r.seed == 0:
             print(f"{r.strategy} {r.workload} @ {r.budget_bytes / MiB:.0f} MiB: "

@@ -56,7 +56,7 @@ def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None,
     # where a lean space asks for them.
     profile_kw = {"split_ends": needs_split_ends(configs), "optimizers": optimizer_choices(configs),
                   "selective": needs_selective(configs)}
-    first_use_s, warm_use_s = _first_use_s(cell, workload, configs, profile_kw)
+    first_use_s, warm_use_s, first_use_parts = _first_use_s(cell, workload, configs, profile_kw)
     progress(f"grid {cell.workload}: cold profile and device probe took {first_use_s:.1f} s "
              f"({warm_use_s:.2f} s read back from the caches)")
     profile = profile_workload(workload, list(cell.precisions), device_type=_device_type(cell), **profile_kw)
@@ -89,13 +89,14 @@ def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None,
                       timeout_s=TRIAL_TIMEOUT_S)
     progress(f"grid {cell.workload}: a trial over its budget at the first operator took {floor.wall_s:.1f} s "
              f"({floor.status.value})")
-    return Grid(cell, points, floor.wall_s, problem.param_count, time.perf_counter() - started, first_use_s, warm_use_s)
+    return Grid(cell, points, floor.wall_s, problem.param_count, time.perf_counter() - started, first_use_s, warm_use_s,
+                first_use_parts)
 
 
-def _first_use_s(cell: Cell, workload, configs: list[TrainConfig], profile_kw: dict) -> tuple[float, float]:
+def _first_use_s(cell: Cell, workload, configs: list[TrainConfig], profile_kw: dict) -> tuple[float, float, dict]:
     """Seconds autofit's first use of ``workload`` takes with cold caches (profiling on fake tensors, the
     device probe, the splits' collectives and the workload's own layer), and then with those caches warm
-    (each read back, as a later search of this workload reads them)."""
+    (each read back, as a later search of this workload reads them); and the cold one's parts."""
     from autofit.runtime import forkserver
     from autofit.runtime.devicelock import DeviceLock
 
@@ -103,26 +104,29 @@ def _first_use_s(cell: Cell, workload, configs: list[TrainConfig], profile_kw: d
     # wait for another process's trial, which is no part of autofit's first use.
     with DeviceLock([cell.device], "first-use measurement"):
         forkserver.stop_server()
-        cold_s = _use_s(cell, workload, configs, profile_kw, use_cache=False)
+        cold = _use_s(cell, workload, configs, profile_kw, use_cache=False)
         _use_s(cell, workload, configs, profile_kw, use_cache=True)  # untimed: fills the caches for the runs
-        return cold_s, _use_s(cell, workload, configs, profile_kw, use_cache=True)
+        return sum(cold.values()), sum(_use_s(cell, workload, configs, profile_kw, use_cache=True).values()), cold
 
 
-def _use_s(cell: Cell, workload, configs: list[TrainConfig], profile_kw: dict, use_cache: bool) -> float:
-    """Seconds of what a search does before planning, in this process, with or without the caches."""
+def _use_s(cell: Cell, workload, configs: list[TrainConfig], profile_kw: dict, use_cache: bool) -> dict[str, float]:
+    """Seconds of each part of what a search does before planning, in this process, with or without the caches."""
     from autofit.estimator.layer_prior import workload_prior
     from autofit.probes.device_rates import probe_rates
     from autofit.probes.links import split_sizes, with_links
     from autofit.profiling.profile import profile_workload
 
-    started = time.perf_counter()
+    parts, started = {}, time.perf_counter()
     profile = profile_workload(workload, list(cell.precisions), device_type=_device_type(cell), use_cache=use_cache,
                                **profile_kw)
+    parts["profiling"], started = time.perf_counter() - started, time.perf_counter()
     rates = probe_rates(cell.device, use_cache=use_cache, precisions=cell.precisions)
     if split_sizes(configs, max(cell.device_splits)):  # the splits' collectives, timed as a search times them
         rates = with_links(rates, configs, max(cell.device_splits), use_cache=use_cache)
+    parts["device probe"], started = time.perf_counter() - started, time.perf_counter()
     workload_prior(workload, profile, rates, [p.value for p in cell.precisions], use_cache=use_cache)
-    return time.perf_counter() - started
+    parts["layer timing"] = time.perf_counter() - started
+    return parts
 
 
 def _device_type(cell: Cell) -> str:

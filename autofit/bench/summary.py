@@ -88,9 +88,8 @@ def _search_lines(srch) -> list[str]:
     """Per cell: each strategy's median fraction and wall time, its handicap named; then the done-when verdicts."""
     from autofit.bench.own_search import AUTOFIT
     from autofit.bench.search_data import TRUTH_NOISE_TARGET, TruthNoise
-    from autofit.bench.search_tables import truth_noise_text
-    from autofit.bench.strategies import sweeps
-    from autofit.bench.verdict import verdicts
+    from autofit.bench.search_tables import cell_verdicts, truth_noise_text
+    from autofit.bench.verdict import tallies
 
     handicap = {s.name: s.handicap for s in srch.strategies}
     named = lambda n: f"{n} ({handicap[n]})" if handicap.get(n) else n
@@ -121,7 +120,9 @@ def _search_lines(srch) -> list[str]:
     if noise.gaps:
         lines.append(f"Search grids' ground truth: {truth_noise_text(noise)} — "
                      f"{'PASS' if not noise.over_target() else 'FAIL'} against < {pct(TRUTH_NOISE_TARGET, 0)}.")
-    for v in verdicts(srch.runs, tuple(s.name for s in sweeps(srch.strategies))):
+    cells = cell_verdicts(srch.grids, srch.runs, srch.strategies)
+    lines += [f"Done when, {t.text()}." for t in tallies(cells)]
+    for v in cells:
         lines.append(f"Done when, {v.where}: " + ("PASS" if v.passed else
                      "FAIL on " + ", ".join(f"{c} ({v.figures.get(c, '-')})" for c in v.failed)) + ".")
     return lines

@@ -1,18 +1,21 @@
 """The search suite's done-when criteria, checked per cell of the search suite, and where autofit fails them.
 
-For each cell (a workload and a budget), from the scored runs of :mod:`autofit.bench.search`:
+For each cell (a workload and a budget), from the scored runs of :mod:`autofit.bench.search` and the
+cell's measured grid:
 
 - autofit's answer is at least 98% of the grid optimum (median over the replayed seeds);
 - the live run, where the cell ran live, at least 95%;
 - no OOM trial, in any replayed seed or the live run;
-- fewer real trials and less wall time (medians) than the best per-precision finder sweep (the
-  sweep with the highest median fraction of the optimum, then the least wall time);
-- time to 95% of the optimum at least 2x sooner than Optuna TPE (medians; a seed that never
-  reaches 95% counts as never, so a strategy that misses in most seeds has no median time).
+- time to 98% of the optimum (the headline) sooner than the per-precision finder sweep that reaches
+  98% soonest (medians; a seed that never reaches 98% counts as never);
+- total wall time at most 1.5x the best sweep's (the sweep with the highest median fraction of the
+  optimum, then the least wall time).
 
-A check that does not apply (no live run in the cell, no sweep or TPE among the strategies) is
-``None`` and neither passes nor fails. Where a check fails, :attr:`CellVerdict.notes` says where
-and, from the figures at hand, why.
+The time-to-98% target is held per kind of cell (:func:`tallies`): every cell where a lever other than
+batch size and precision matters (:func:`lever_kind`), every cell whose trials cost 10 s or more, and
+at least 6 of today's 8 cells. A check that does not apply (no live run in the cell, no sweep among the
+strategies) is ``None`` and neither passes nor fails. Where a check fails, :attr:`CellVerdict.notes`
+says where and, from the measured figures, why.
 """
 
 from __future__ import annotations
@@ -31,7 +34,12 @@ MiB = 2**20
 
 REPLAY_TARGET = 0.98       # autofit's answer, median over seeds, of the grid optimum
 LIVE_TARGET = 0.95         # the live run
-TPE_SPEEDUP = 2.0          # time to 95%: at least this many times sooner than TPE
+WALL_RATIO = 1.5           # autofit's total wall time over the best sweep's, at most
+TODAY_SHARE = 6 / 8        # of today's cells, at least this share sooner to 98% than the best sweep (6 of 8)
+HEAVY_TRIAL_S = 10.0       # a cell whose trials cost this much (median) is in the heavy regime
+
+# The kinds of cell the time-to-98% target names (:attr:`CellVerdict.kinds`).
+TODAY, LEVER, HEAVY = "today's", "lever", "heavy"
 
 
 @dataclass(frozen=True)
@@ -41,9 +49,8 @@ class CheckLabels:
     answer: str = "≥98% of optimum"
     live: str = "live ≥95%"
     no_oom: str = "no OOM trial"
-    fewer_trials: str = "fewer trials than best sweep"
-    less_wall: str = "less wall time than best sweep"
-    tpe: str = "95% ≥2× sooner than TPE"
+    t98: str = "98% sooner than best sweep"
+    wall: str = "wall ≤1.5× best sweep"
 
 
 CHECK = CheckLabels()
@@ -57,6 +64,7 @@ class CellVerdict:
     figures: dict[str, str] = field(default_factory=dict)     # check -> what was measured
     checks: dict[str, bool | None] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    kinds: dict[str, str] = field(default_factory=dict)       # TODAY / LEVER / HEAVY -> why this cell is one
 
     @property
     def where(self) -> str:
@@ -76,9 +84,9 @@ def _median(xs) -> float:
     return statistics.median(xs) if xs else math.nan
 
 
-def _t95(runs) -> float:
-    """Median time to 95%, a run that never reached it counting as infinitely late."""
-    return _median([math.inf if r.time_to_target_s is None else r.time_to_target_s for r in runs])
+def _t98(runs) -> float:
+    """Median time to 98%, a run that never reached it counting as infinitely late."""
+    return _median([math.inf if r.time_to_98_s is None else r.time_to_98_s for r in runs])
 
 
 def _secs(x: float) -> str:
@@ -92,19 +100,69 @@ class SweepRuns(NamedTuple):
     runs: list
 
 
+def _sweep_runs(cell_runs, sweep_names: tuple[str, ...]) -> list[SweepRuns]:
+    found = [SweepRuns(name, [r for r in cell_runs if r.strategy == name]) for name in sweep_names]
+    return [f for f in found if f.runs and not all(math.isnan(r.fraction) for r in f.runs)]
+
+
 def best_sweep(cell_runs, sweep_names: tuple[str, ...]) -> SweepRuns | None:
     """The sweep with the highest median fraction of the optimum, then the least median wall time."""
-    found = [SweepRuns(name, [r for r in cell_runs if r.strategy == name]) for name in sweep_names]
-    found = [f for f in found if f.runs and not all(math.isnan(r.fraction) for r in f.runs)]
+    found = _sweep_runs(cell_runs, sweep_names)
     if not found:
         return None
     return max(found, key=lambda f: (_median([r.fraction for r in f.runs]), -_median([r.wall_s for r in f.runs])))
 
 
-def cell_verdict(runs, workload: str, budget_bytes: int, sweep_names: tuple[str, ...],
-                 tpe_name: str = "optuna-tpe") -> CellVerdict:
-    """Check one cell; ``runs`` are all the suite's scored runs (replayed and live)."""
-    v = CellVerdict(workload, budget_bytes)
+def soonest_sweep(cell_runs, sweep_names: tuple[str, ...]) -> SweepRuns | None:
+    """The sweep whose median time to 98% is least (one that never reaches it: the best sweep)."""
+    found = _sweep_runs(cell_runs, sweep_names)
+    reaching = [f for f in found if not math.isinf(_t98(f.runs))]
+    if not reaching:
+        return best_sweep(cell_runs, sweep_names)
+    return min(reaching, key=lambda f: _t98(f.runs))
+
+
+def lever_kind(grid, budget_bytes: int) -> str | None:
+    """Why a lever other than batch size and precision matters in this cell, measured on its grid (None: none
+    does): the optimum uses checkpointing, a device split or a lean lever, and without it the best config that
+    fits is under 98% of the optimum, or nothing fits. Accumulation is the batch size's own lever here: at a
+    fixed global batch it only trades micro-batch for steps."""
+    best = grid.optimum(budget_bytes) if grid is not None else None
+    if best is None:
+        return None
+    for lever, without in grid.lever_margins(budget_bytes):
+        if lever == "accumulation":
+            continue
+        if without is None:
+            return f"{lever}: nothing fits without it"
+        if without.samples_per_s < REPLAY_TARGET * best.samples_per_s:
+            return f"{lever}: {pct(without.samples_per_s / best.samples_per_s)} without it"
+    return None
+
+
+def median_trial_s(grid) -> float:
+    """The grid's median trial wall time (every config, each run once without a budget)."""
+    return _median([p.wall_s for p in grid.points.values()]) if grid is not None and grid.points else math.nan
+
+
+def cell_kinds(grid, budget_bytes: int, today: bool, heavy: bool) -> dict[str, str]:
+    """The kinds of cell the time-to-98% target names that this one is, each with why."""
+    kinds = {}
+    if today:
+        kinds[TODAY] = "one of today's cells"
+    if (why := lever_kind(grid, budget_bytes)) is not None:
+        kinds[LEVER] = why
+    trial_s = median_trial_s(grid)
+    if heavy or trial_s >= HEAVY_TRIAL_S:
+        kinds[HEAVY] = f"median trial {seconds(trial_s)} s" + ("" if trial_s >= HEAVY_TRIAL_S
+                                                                 else f", under the {HEAVY_TRIAL_S:g} s it stands for")
+    return kinds
+
+
+def cell_verdict(runs, workload: str, budget_bytes: int, sweep_names: tuple[str, ...], grid=None,
+                 kinds: dict[str, str] | None = None) -> CellVerdict:
+    """Check one cell; ``runs`` are all the suite's scored runs (replayed and live), ``grid`` the cell's."""
+    v = CellVerdict(workload, budget_bytes, kinds=dict(kinds or {}))
     here = [r for r in runs if r.workload == workload and r.budget_bytes == budget_bytes]
     replay = [r for r in here if r.mode is BenchMode.REPLAY]
     mine = [r for r in replay if r.strategy == AUTOFIT_NAME]
@@ -115,13 +173,10 @@ def cell_verdict(runs, workload: str, budget_bytes: int, sweep_names: tuple[str,
         return v
     _check_answer(v, mine, live)
     _check_ooms(v, mine + live)
-    _check_sweep(v, mine, replay, sweep_names)
-    _check_tpe(v, mine, [r for r in replay if r.strategy == tpe_name])
-    # Why, once: how autofit's search stopped, and where its time went.
-    if any(v.checks.get(c) is False for c in (CHECK.answer, CHECK.fewer_trials)) and _stop_reasons(mine):
+    _check_t98(v, mine, replay, sweep_names, grid)
+    _check_wall(v, mine, replay, sweep_names)
+    if v.checks.get(CHECK.answer) is False and _stop_reasons(mine):
         v.notes.append(_stop_reasons(mine))
-    if v.checks.get(CHECK.less_wall) is False or v.checks.get(CHECK.tpe) is False:
-        v.notes.append(_time_parts(mine))
     return v
 
 
@@ -156,35 +211,70 @@ def _check_ooms(v: CellVerdict, runs) -> None:
         v.notes.append(f"OOM trial(s): {', '.join(f'`{c}`' for c in ooms)}")
 
 
-def _check_sweep(v: CellVerdict, mine, replay, sweep_names) -> None:
+def _check_t98(v: CellVerdict, mine, replay, sweep_names, grid) -> None:
+    sweep = soonest_sweep(replay, sweep_names)
+    if sweep is None:
+        v.checks[CHECK.t98], v.figures[CHECK.t98] = None, "no sweep"
+        return
+    a, b = _t98(mine), _t98(sweep.runs)
+    v.figures[CHECK.t98] = f"{_secs(a)} vs {_secs(b)}"
+    v.checks[CHECK.t98] = not math.isinf(a) and a < b
+    if not v.checks[CHECK.t98]:
+        v.notes.append(_t98_cause(mine, sweep, a, b, grid))
+
+
+def _t98_cause(mine, sweep: SweepRuns, a: float, b: float, grid) -> str:
+    """Where autofit's time to 98% went, against the soonest sweep's: its first use, its trials up to then,
+    and what the trials before the one that reached 98% found."""
+    theirs = next((r for r in sweep.runs if (r.time_to_98_s or math.inf) == b), sweep.runs[0])
+    against = (f"{sweep.name} {_secs(b)} s ({_trials_text(theirs, theirs.reached_98_at)})" if not math.isinf(b)
+               else "no sweep reaches 98%")
+    if math.isinf(a):
+        return f"autofit never reaches 98% (its answer: {pct(_median([r.fraction for r in mine]))}); {against}"
+    run = next((r for r in mine if r.time_to_98_s == a), mine[0])
+    k = run.reached_98_at
+    parts = [f"first use {seconds(run.extra_s)} s", _trials_text(run, k)]
+    before = run.history[:k]
+    if before and grid is not None:
+        parts.append("before it " + ", ".join(_found(x.outcome, grid, run.budget_bytes) for x in before[:3])
+                     + (" ..." if len(before) > 3 else ""))
+    cause = f"autofit {_secs(a)} s: " + "; ".join(parts) + f"; against {against}"
+    if run.extra_s >= b:
+        cause += f"; its first use alone is {seconds(run.extra_s)} s"
+    return cause
+
+
+def _found(outcome, grid, budget_bytes: int) -> str:
+    """A trial as the verdict names it: its config, what the grid's truth makes of it, and what it read."""
+    best = grid.optimum(budget_bytes)
+    read = (f", read {pct(outcome.samples_per_s / best.samples_per_s)}"
+            if best is not None and outcome.samples_per_s else f", {outcome.status.value}")
+    return f"`{outcome.config.short()}` ({pct(grid.fraction(outcome.config, budget_bytes))} of the optimum{read})"
+
+
+def _trials_text(run, upto: int | None) -> str:
+    """``n trial(s), x s`` of ``run``'s history up to and with index ``upto`` (all of it: None)."""
+    done = run.history if upto is None else run.history[:upto + 1]
+    ooms = sum(x.outcome.status is TrialStatus.OOM for x in done)
+    return (f"{len(done)} trial(s) in {seconds(sum(x.outcome.cost_s for x in done))} s"
+            + (f", {ooms} OOM" if ooms else ""))
+
+
+def _check_wall(v: CellVerdict, mine, replay, sweep_names) -> None:
     best = best_sweep(replay, sweep_names)
     if best is None:
-        for c in (CHECK.fewer_trials, CHECK.less_wall):
-            v.checks[c], v.figures[c] = None, "no sweep"
+        v.checks[CHECK.wall], v.figures[CHECK.wall] = None, "no sweep"
         return
-    name, theirs = best
-    against = f"{name}, {pct(_median([r.fraction for r in theirs]))} of the optimum"
-    for check, key, fmt in ((CHECK.fewer_trials, "trials", lambda x: f"{x:g}"),
-                            (CHECK.less_wall, "wall_s", seconds)):
-        a, b = _median([getattr(r, key) for r in mine]), _median([getattr(r, key) for r in theirs])
-        v.figures[check] = f"{fmt(a)} vs {fmt(b)}"
-        v.checks[check] = a < b
-        if not v.checks[check]:
-            v.notes.append(f"{'real trials' if key == 'trials' else 'wall time (s)'} {fmt(a)} vs {fmt(b)} "
-                           f"({against})")
-
-
-def _check_tpe(v: CellVerdict, mine, tpe) -> None:
-    if not tpe:
-        v.checks[CHECK.tpe], v.figures[CHECK.tpe] = None, "no TPE"
-        return
-    a, b = _t95(mine), _t95(tpe)
-    v.figures[CHECK.tpe] = f"{_secs(a)} vs {_secs(b)}"
-    v.checks[CHECK.tpe] = not math.isinf(a) and a * TPE_SPEEDUP <= b
-    if not v.checks[CHECK.tpe]:
-        v.notes.append("autofit's median never reaches 95%" + ("" if math.isinf(b) else f" (TPE: {_secs(b)} s)")
-                       if math.isinf(a) else
-                       f"time to 95% {_secs(a)} s vs TPE {_secs(b)} s (2x sooner needs ≤ {_secs(b / TPE_SPEEDUP)} s)")
+    a, b = _median([r.wall_s for r in mine]), _median([r.wall_s for r in best.runs])
+    found = _median([r.fraction for r in best.runs])
+    v.figures[CHECK.wall] = f"{seconds(a)} vs {seconds(b)}"
+    v.checks[CHECK.wall] = a <= WALL_RATIO * b
+    if not v.checks[CHECK.wall]:
+        against = (f"against {best.name} {seconds(b)} s, {pct(found)} of the optimum" if found > 0 else
+                   f"no sweep finds a config that fits, and the quickest to give up, {best.name}, stops after "
+                   f"{seconds(b)} s")
+        v.notes.append(f"wall time {seconds(a)} s ({_time_parts(mine)}); {against}; "
+                       f"{WALL_RATIO:g}× is {seconds(WALL_RATIO * b)} s")
 
 
 def _stop_reasons(runs) -> str:
@@ -196,14 +286,66 @@ def _time_parts(runs) -> str:
     first = _median([r.extra_s for r in runs])
     trials = _median([r.trials_s for r in runs])
     own = _median([r.wall_s - r.trials_s - r.extra_s for r in runs])
-    return (f"autofit's time: {seconds(first)} s first use + {seconds(trials)} s in "
-            f"{_median([r.trials for r in runs]):g} trials + {seconds(own)} s own work")
+    repeats = _median([len(r.history) - len({x.outcome.config for x in r.history}) for r in runs])
+    return (f"{seconds(first)} s first use + {seconds(trials)} s in {_median([r.trials for r in runs]):g} trial(s)"
+            + (f" ({repeats:g} of them re-measurements)" if repeats else "") + f" + {seconds(own)} s own work")
 
 
-def verdicts(runs, sweep_names: tuple[str, ...], tpe_name: str = "optuna-tpe") -> list[CellVerdict]:
-    """One :class:`CellVerdict` per replayed cell, in the order the cells first appear."""
+def verdicts(runs, sweep_names: tuple[str, ...], grids=(), today: frozenset = frozenset(),
+             heavy: frozenset = frozenset()) -> list[CellVerdict]:
+    """One :class:`CellVerdict` per replayed cell, in the order the cells first appear. ``grids``: the cells'
+    measured grids (for each cell's kinds and its trials' findings); ``today`` and ``heavy``: the
+    ``(workload, budget_bytes)`` of today's cells and of the heavy cells (:mod:`autofit.bench.search_cells`)."""
+    grid_of = {(g.cell.workload, b * MiB): g for g in grids for b in g.cell.budgets_mib}
     keys = dict.fromkeys((r.workload, r.budget_bytes) for r in runs if r.mode is BenchMode.REPLAY)
-    return [cell_verdict(runs, w, b, sweep_names, tpe_name) for w, b in keys]
+    out = []
+    for w, b in keys:
+        grid = grid_of.get((w, b))
+        kinds = cell_kinds(grid, b, (w, b) in today, (w, b) in heavy) if grid is not None else {}
+        out.append(cell_verdict(runs, w, b, sweep_names, grid, kinds))
+    return out
 
 
-__all__ = ["CHECK", "CHECKS", "CellVerdict", "CheckLabels", "best_sweep", "cell_verdict", "verdicts"]
+@dataclass(frozen=True)
+class Tally:
+    """One line of the done-when reading: how many cells of a kind pass a check, against how many must."""
+
+    label: str
+    passed: int
+    of: int
+    needed: int
+    failing: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.of > 0 and self.passed >= self.needed
+
+    def text(self) -> str:
+        if not self.of:
+            return f"{self.label}: no such cell in this run"
+        return (f"{self.label}: {self.passed} of {self.of} (needs {self.needed}) — {'PASS' if self.ok else 'FAIL'}"
+                + (f"; not in {', '.join(self.failing)}" if self.failing else ""))
+
+
+def tallies(cells: list[CellVerdict]) -> list[Tally]:
+    """The done-when criteria over all cells: answers, OOMs, time to 98% per kind of cell, wall time."""
+    def tally(label: str, check: str, among: list[CellVerdict], needed: int | None = None) -> Tally:
+        judged = [v for v in among if v.checks.get(check) is not None]
+        good = [v for v in judged if v.checks[check]]
+        return Tally(label, len(good), len(judged), len(judged) if needed is None else min(needed, len(judged)),
+                     tuple(v.where for v in judged if not v.checks[check]))
+
+    of_kind = lambda kind: [v for v in cells if kind in v.kinds]
+    return [tally("answer ≥98% of the optimum, replayed", CHECK.answer, cells),
+            tally("live answer ≥95%", CHECK.live, cells),
+            tally("no OOM trial", CHECK.no_oom, cells),
+            tally("time to 98% sooner than the best sweep, cells where a lever other than batch size and precision "
+                  "matters", CHECK.t98, of_kind(LEVER)),
+            tally("time to 98% sooner than the best sweep, heavy cells", CHECK.t98, of_kind(HEAVY)),
+            tally("time to 98% sooner than the best sweep, today's cells", CHECK.t98, of_kind(TODAY),
+                  needed=math.ceil(TODAY_SHARE * len(of_kind(TODAY)) - 1e-9)),
+            tally("wall time ≤1.5× the best sweep's", CHECK.wall, cells)]
+
+
+__all__ = ["CHECK", "CHECKS", "CellVerdict", "CheckLabels", "HEAVY", "LEVER", "TODAY", "Tally", "best_sweep",
+           "cell_kinds", "cell_verdict", "lever_kind", "soonest_sweep", "tallies", "verdicts"]

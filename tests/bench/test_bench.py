@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import math
+import re
 
 import pytest
 
@@ -408,38 +409,86 @@ def _verdict_runs(autofit_fn, budget_mib: int):
 
 
 def test_done_when_passes_a_search_that_goes_straight_to_the_optimum(tmp_path):
-    from autofit.bench.search_tables import write_search
+    from autofit.bench.search_tables import cell_verdicts, write_search
     from autofit.bench.summary import headline
-    from autofit.bench.verdict import CHECK, CHECKS, verdicts
+    from autofit.bench.verdict import CHECK, CHECKS, tallies
 
     def straight(problem, oracle, seed):
         return oracle.run(_grid().optimum(problem.budget_bytes).config).config
 
     res, _ = _verdict_runs(straight, 100)
-    [v] = verdicts(res.runs, tuple(s.name for s in st.sweeps(st.PEERS)))
+    [v] = cell_verdicts(res.grids, res.runs, res.strategies)
     assert v.checks == {c: True for c in CHECKS} and v.passed and not v.notes
-    assert v.figures[CHECK.fewer_trials] == "1 vs 3"        # one trial against the sweep's one per precision
+    mine, theirs = v.figures[CHECK.t98].split(" vs ")
+    assert float(mine) == pytest.approx(3.0, abs=0.5) and float(theirs) > float(mine)  # one 3-s trial, plus own work
+    assert [t.ok for t in tallies([v]) if t.of] == [True] * 4   # answer, live, no OOM, wall: no kind holds t98 here
     write_search(tmp_path, {"date": "today"}, res, res.strategies)
     text = (tmp_path / "search.md").read_text()
-    assert "## Done when" in text and "| synthetic @ 100 MiB | 100.0% ✓" in text and "| PASS |" in text
+    assert "## Done when" in text and "| synthetic @ 100 MiB | - | 100.0% ✓" in text and "| PASS |" in text
+    assert "- no OOM trial: 1 of 1 (needs 1) — PASS" in text and "time to 98% (s)" in text
     lines = headline(type("R", (), {"suites": {"search": res}, "wall_s": {}})())
     assert "Done when, synthetic @ 100 MiB: PASS." in lines
+    assert "Done when, answer ≥98% of the optimum, replayed: 1 of 1 (needs 1) — PASS." in lines
     assert any("accelerate-x0.5 sweep (no checkpointing)" in line for line in lines)
 
 
 def test_done_when_fails_and_says_where_and_why():
-    from autofit.bench.verdict import CHECK, CHECKS, verdicts
+    from autofit.bench.search_tables import cell_verdicts
+    from autofit.bench.verdict import CHECK, CHECKS
 
     def clumsy(problem, oracle, seed):   # an OOM first, then a small fp32 micro-batch
         oracle.run(problem.config(8))
         return oracle.run(problem.config(2)).config
 
     res, optimum = _verdict_runs(clumsy, 50)
-    [v] = verdicts(res.runs, tuple(s.name for s in st.sweeps(st.PEERS)))
+    [v] = cell_verdicts(res.grids, res.runs, res.strategies)
     assert not v.passed
-    assert {c for c in CHECKS if v.checks[c] is False} >= {CHECK.answer, CHECK.live, CHECK.no_oom, CHECK.tpe}
+    assert {c for c in CHECKS if v.checks[c] is False} >= {CHECK.answer, CHECK.live, CHECK.no_oom, CHECK.t98}
     notes = " ".join(v.notes)
-    assert "`fp32 mb=8" in notes and "OOM" in notes and "`fp32 mb=2" in notes and "never" in notes
+    assert "`fp32 mb=8" in notes and "OOM" in notes and "`fp32 mb=2" in notes and "never reaches 98%" in notes
+
+
+def test_done_when_says_why_autofit_reached_98_late_and_why_its_wall_time_is_over():
+    """The cause is in the measured figures: the first use, the trials up to 98% with what each found, the peer's."""
+    from autofit.bench.search_tables import cell_verdicts
+    from autofit.bench.verdict import CHECK
+
+    def slow(problem, oracle, seed):   # first use, two slow configs, then the optimum and four re-measurements
+        oracle.charge(40.0, "cold profile and device probe")
+        best = _grid().optimum(problem.budget_bytes).config
+        for config in (problem.config(2), problem.config(2, checkpoint_every=1), best, best, best, best, best):
+            oracle.run(config)
+        return best
+
+    res, _ = _verdict_runs(slow, 100)
+    [v] = cell_verdicts(res.grids, res.runs, res.strategies)
+    assert v.checks[CHECK.t98] is False and v.checks[CHECK.wall] is False
+    t98, wall = v.notes
+    assert re.match(r"autofit 49\.\d s: first use 40\.0 s; 3 trial\(s\) in 9\.0 s; before it `fp32 mb=2", t98)
+    assert "of the optimum, read" in t98 and "sweep" in t98 and "its first use alone is 40.0 s" in t98
+    assert "40.0 s first use + 21.0 s in 7 trial(s) (4 of them re-measurements)" in wall and "1.5× is" in wall
+
+
+def test_cell_kinds_come_from_the_grid_and_the_suite_cells():
+    """A lever other than batch size and precision matters when the best config without it is under 98% of
+    the optimum (or nothing fits); accumulation is the batch size's own; a heavy cell says its trials' cost."""
+    from autofit.bench.verdict import HEAVY, LEVER, TODAY, Tally, cell_kinds, lever_kind, tallies
+
+    grid = _grid()
+    budget = 100 * MiB
+    ckpt = dataclasses.replace(grid.optimum(budget).config, checkpoint_every=1)
+    plain = TrainConfig(Precision.BF16, 2, 4)
+    grid.points = {plain: GridPoint(plain, "ok", 10 * MiB, 10.0, 0.1, 3.0, 10 * MiB),
+                   ckpt: GridPoint(ckpt, "ok", 10 * MiB, 12.0, 0.1, 12.0, 10 * MiB)}
+    assert lever_kind(grid, budget) == "checkpointing: 83.3% without it"
+    grid.points[plain] = dataclasses.replace(grid.points[plain], samples_per_s=11.9)
+    assert lever_kind(grid, budget) is None                                   # 99.2% without it: it does not matter
+    kinds = cell_kinds(grid, budget, today=True, heavy=True)
+    assert set(kinds) == {TODAY, HEAVY} and kinds[HEAVY] == "median trial 7.5 s, under the 10 s it stands for"
+    assert Tally("x", 5, 8, 6, ("a", "b", "c")).text() == "x: 5 of 8 (needs 6) — FAIL; not in a, b, c"
+    assert not Tally("x", 0, 0, 0).ok and "no such cell" in Tally("x", 0, 0, 0).text()
+    assert [t.needed for t in tallies([]) if "today" in t.label] == [0]
+    assert LEVER == "lever"
 
 
 # --- tables ---------------------------------------------------------------------------------------
@@ -696,7 +745,7 @@ def test_suite_runs_peers_live_on_the_first_cell_and_autofit_live_on_every_cell(
     live = [(r.strategy, r.budget_bytes // MiB) for r in res.runs if r.mode is BenchMode.LIVE]
     assert live == [("autofit", 50), ("accelerate-x0.5 sweep", 50), ("autofit", 100)]
     text = (tmp_path / "search.md").read_text()
-    assert "| synthetic @ 100 MiB | autofit |" in text and "| synthetic @ 100 MiB | 100.0% ✓ | 100.0% ✓ |" in text
+    assert "| synthetic @ 100 MiB | autofit |" in text and "| synthetic @ 100 MiB | - | 100.0% ✓ | 100.0% ✓ |" in text
 
 
 def test_accuracy_workloads_are_selected_by_parts_of_their_names():
@@ -787,8 +836,10 @@ def test_a_grids_first_use_costs_read_back_from_its_section_as_written(tmp_path,
     from autofit.bench.replay import grid_costs
     from autofit.bench.search_tables import _grid_section
 
-    grid = dataclasses.replace(_grid(), first_use_s=3.4, warm_use_s=warm_use_s)
+    parts = {"profiling": 2.0, "device probe": 0.8, "layer timing": 0.6} if warm_use_s else {}
+    grid = dataclasses.replace(_grid(), first_use_s=3.4, warm_use_s=warm_use_s, first_use_parts_s=parts)
     path = tmp_path / "search.md"
     path.write_text("# Search\n\n" + _grid_section(grid) + "\n")
     assert grid_costs(path) == {("synthetic", 8, False): (1.5, 3.4, warm_use_s)}
     assert ("with them warm" in path.read_text()) is (warm_use_s is not None)
+    assert ("Its parts, cold: profiling 2.0 s, device probe 0.8 s, layer timing 0.6 s." in path.read_text()) is bool(parts)
