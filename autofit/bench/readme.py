@@ -5,9 +5,9 @@
 committed README's block is what :func:`readme_block` makes of the committed summary.
 
 The block is a headline: at most :data:`MAX_LINES` lines between the markers. It keeps the
-summary's bullets that start with one of :data:`HEADLINES` verbatim, folds the per-cell search
-bullets into one line (autofit against the best other strategy in each cell) and the per-cell
-acceptance checks into a count, and links ``docs/benchmarks.md`` and the suites' tables for the rest.
+summary's bullets that start with one of :data:`HEADLINES` verbatim (the search's done-when criteria,
+tallied over the cells, among them), folds the per-cell search bullets into one line (autofit against
+the best other strategy in each cell), and links ``docs/benchmarks.md`` and the suites' tables for the rest.
 """
 
 from __future__ import annotations
@@ -22,13 +22,12 @@ DOCS_PAGE = "docs/benchmarks.md"
 MAX_LINES = 10  # lines between the markers: the link line, a blank line, the bullets
 # Summary bullets kept verbatim, in this order (the first bullet starting with each).
 HEADLINES = ("Peak memory, estimate vs measured", "At the search budgets:", "Time model prior error",
-             "Estimator:", "Profiling ", "Trial runner:")
-# Where the search digest and the acceptance count go among them (after this many verbatim bullets).
+             "Search done-when criteria", "Estimator:", "Profiling ", "Trial runner:")
+# Where the search digest goes among them (after this many verbatim bullets).
 SEARCH_AFTER = 3
 
 _SEARCH = re.compile(r"^- Search, (?P<cell>.+?) \(best found / optimum, median wall time\): (?P<runs>.*?)\.?$")
 _RUN = re.compile(r"^(?P<label>[^(]+?)(?: \([^)]*\))? (?P<pct>\d+(?:\.\d+)?)% in (?P<s>\d+(?:\.\d+)?) s$")
-_CHECK = re.compile(r"^- Done when\b.*?: (?P<verdict>PASS|FAIL)\b")
 
 
 def _search_digest(bullets: list[str]) -> str | None:
@@ -55,20 +54,11 @@ def _search_digest(bullets: list[str]) -> str | None:
             "other strategy in each cell: " + "; ".join(cells) + ".")
 
 
-def _checks_count(bullets: list[str]) -> str | None:
-    """How many cells pass every acceptance check of the search suite, from its per-cell verdict bullets."""
-    verdicts = [m["verdict"] for m in map(_CHECK.match, bullets) if m is not None]
-    if not verdicts:
-        return None
-    return (f"- Search acceptance checks per cell (each check, where and why: search.md): {verdicts.count('PASS')} "
-            f"of {len(verdicts)} cells pass all of them.")
-
-
 def readme_block(summary_text: str, results_dir: str = "results/benchmarks") -> str:
     """The README block (markers included) for ``summary_text``, the contents of ``summary.md``.
 
     The bullets named in :data:`HEADLINES` are kept verbatim, the search's per-cell bullets are
-    folded into two lines, and the rest is left to the linked pages; at most :data:`MAX_LINES`
+    folded into one line, and the rest is left to the linked pages; at most :data:`MAX_LINES`
     lines between the markers.
     """
     bullets = [line for line in summary_text.splitlines() if line.startswith("- ")]
@@ -77,7 +67,7 @@ def readme_block(summary_text: str, results_dir: str = "results/benchmarks") -> 
         first = next((line for line in bullets if line[2:].startswith(prefix)), None)
         if first is not None:
             kept.append(first)
-    search = [line for line in (_search_digest(bullets), _checks_count(bullets)) if line is not None]
+    search = [line for line in (_search_digest(bullets),) if line is not None]
     split = sum(1 for line in kept if any(line[2:].startswith(p) for p in HEADLINES[:SEARCH_AFTER]))
     chosen = (kept[:split] + search + kept[split:])[:MAX_LINES - 2]
     links = ", ".join(f"[{name}.md]({results_dir}/{name}.md)" for name in SUITE_FILES)

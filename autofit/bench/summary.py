@@ -121,7 +121,8 @@ def _search_lines(srch) -> list[str]:
         lines.append(f"Search grids' ground truth: {truth_noise_text(noise)} — "
                      f"{'PASS' if not noise.over_target() else 'FAIL'} against < {pct(TRUTH_NOISE_TARGET, 0)}.")
     cells = cell_verdicts(srch.grids, srch.runs, srch.strategies)
-    lines += [f"Done when, {t.text()}." for t in tallies(cells)]
+    lines.append("Search done-when criteria, over the cells (each cell, where and why: search.md): "
+                 + "; ".join(t.text(where=False) for t in tallies(cells)) + ".")
     for v in cells:
         lines.append(f"Done when, {v.where}: " + ("PASS" if v.passed else
                      "FAIL on " + ", ".join(f"{c} ({v.figures.get(c, '-')})" for c in v.failed)) + ".")

@@ -320,11 +320,12 @@ class Tally:
     def ok(self) -> bool:
         return self.of > 0 and self.passed >= self.needed
 
-    def text(self) -> str:
+    def text(self, where: bool = True) -> str:
+        """The line; ``where``: with the cells that fail it."""
         if not self.of:
             return f"{self.label}: no such cell in this run"
         return (f"{self.label}: {self.passed} of {self.of} (needs {self.needed}) — {'PASS' if self.ok else 'FAIL'}"
-                + (f"; not in {', '.join(self.failing)}" if self.failing else ""))
+                + (f"; not in {', '.join(self.failing)}" if self.failing and where else ""))
 
 
 def tallies(cells: list[CellVerdict]) -> list[Tally]:

@@ -428,7 +428,8 @@ def test_done_when_passes_a_search_that_goes_straight_to_the_optimum(tmp_path):
     assert "- no OOM trial: 1 of 1 (needs 1) — PASS" in text and "time to 98% (s)" in text
     lines = headline(type("R", (), {"suites": {"search": res}, "wall_s": {}})())
     assert "Done when, synthetic @ 100 MiB: PASS." in lines
-    assert "Done when, answer ≥98% of the optimum, replayed: 1 of 1 (needs 1) — PASS." in lines
+    assert ("Search done-when criteria, over the cells (each cell, where and why: search.md): answer ≥98% of the "
+            "optimum, replayed: 1 of 1 (needs 1) — PASS;") in lines[-2]
     assert any("accelerate-x0.5 sweep (no checkpointing)" in line for line in lines)
 
 
@@ -610,6 +611,8 @@ def test_readme_block_is_a_headline_of_the_summary():
         "- Search, b @ 4 MiB (best found / optimum, median wall time): autofit 100% in 9 s; "
         "finder @amp-bf16 (amp-bf16 only) 51% in 2 s.",
         "- Live, a @ 8 MiB (one real run each): autofit 100% in 16 s.",
+        "- Search done-when criteria, over the cells (each cell, where and why: search.md): no OOM trial: 2 of 2 "
+        "(needs 2) — PASS; wall time ≤1.5× the best sweep's: 1 of 2 (needs 2) — FAIL.",
         "- Done when (targets), a @ 8 MiB: FAIL on less wall time than best sweep (16 vs 7).",
         "- Done when (targets), b @ 4 MiB: PASS.",
         "- Estimator: 1,000 configs scored per second.",
@@ -623,7 +626,7 @@ def test_readme_block_is_a_headline_of_the_summary():
     # per cell: autofit's figures beside the best other strategy's (highest fraction, then least time)
     assert ("a @ 8 MiB 93% in 16 s vs 100% in 7 s (finder sweep); b @ 4 MiB 100% in 9 s vs 51% in 2 s "
             "(finder @amp-bf16).") in bullets[2]
-    assert bullets[3].endswith("1 of 2 cells pass all of them.")
+    assert bullets[3].startswith("- Search done-when criteria") and bullets[3].endswith("1 of 2 (needs 2) — FAIL.")
     assert bullets[4] == "- Estimator: 1,000 configs scored per second."
     assert not any(b.startswith(("- lstm-lm", "- Live", "- Done when", "- Suite")) for b in bullets)
 
