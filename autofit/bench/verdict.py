@@ -226,12 +226,13 @@ def _check_t98(v: CellVerdict, mine, replay, sweep_names, grid) -> None:
 def _t98_cause(mine, sweep: SweepRuns, a: float, b: float, grid) -> str:
     """Where autofit's time to 98% went, against the soonest sweep's: its first use, its trials up to then,
     and what the trials before the one that reached 98% found."""
-    theirs = next((r for r in sweep.runs if (r.time_to_98_s or math.inf) == b), sweep.runs[0])
-    against = (f"{sweep.name} {_secs(b)} s ({_trials_text(theirs, theirs.reached_98_at)})" if not math.isinf(b)
-               else "no sweep reaches 98%")
+    against = "no sweep reaches 98%"
+    if not math.isinf(b):
+        theirs = _at_median([r for r in sweep.runs if r.time_to_98_s is not None], b)
+        against = f"{sweep.name} {_secs(b)} s ({_trials_text(theirs, theirs.reached_98_at)})"
     if math.isinf(a):
         return f"autofit never reaches 98% (its answer: {pct(_median([r.fraction for r in mine]))}); {against}"
-    run = next((r for r in mine if r.time_to_98_s == a), mine[0])
+    run = _at_median([r for r in mine if r.time_to_98_s is not None], a)
     k = run.reached_98_at
     parts = [f"first use {seconds(run.extra_s)} s", _trials_text(run, k)]
     before = run.history[:k]
@@ -242,6 +243,11 @@ def _t98_cause(mine, sweep: SweepRuns, a: float, b: float, grid) -> str:
     if run.extra_s >= b:
         cause += f"; its first use alone is {seconds(run.extra_s)} s"
     return cause
+
+
+def _at_median(runs, t98_s: float):
+    """The run whose time to 98% is the median ``t98_s`` (with an even count of seeds, one of the two middle ones)."""
+    return min(runs, key=lambda r: abs(r.time_to_98_s - t98_s))
 
 
 def _found(outcome, grid, budget_bytes: int) -> str:
