@@ -223,6 +223,11 @@ class RunResult:
         }
 
 
+def grids_by_cell(grids: list[Grid]) -> dict[tuple[str, int], Grid]:
+    """Each grid under every cell it serves: ``(workload, budget_bytes)``, one key per budget."""
+    return {(g.cell.workload, b * MiB): g for g in grids for b in g.cell.budgets_mib}
+
+
 # --------------------------------------------------------------------------------------
 # The suite
 

@@ -22,7 +22,7 @@ import pandas as pd
 from autofit.bench.common import markdown_table, pct, seconds
 from autofit.bench.finders import at_user_precision
 from autofit.bench.gpu_cost import DEFAULT_COSTS, GpuCosts, charge, figures_table
-from autofit.bench.search_data import BenchMode, Grid, MiB, RunResult
+from autofit.bench.search_data import BenchMode, Grid, MiB, RunResult, grids_by_cell
 from autofit.bench.strategies import Strategy, sweeps
 from autofit.bench.verdict import AUTOFIT_NAME
 
@@ -36,15 +36,11 @@ def cell_label(workload: str, budget_bytes: int) -> str:
     return f"{workload} @ {budget_bytes / MiB:.0f} MiB"
 
 
-def _grid_of(grids: list[Grid]) -> dict[tuple[str, int], Grid]:
-    return {(g.cell.workload, b * MiB): g for g in grids for b in g.cell.budgets_mib}
-
-
 def run_rows(runs: list[RunResult], grids: list[Grid], strategies: tuple[Strategy, ...],
              costs: GpuCosts = DEFAULT_COSTS) -> pd.DataFrame:
     """One row per replayed run and regime (seed level); runs of a strategy that did not run are left out."""
     by_name = {s.name: s for s in strategies}
-    grid_of = _grid_of(grids)
+    grid_of = grids_by_cell(grids)
     rows = []
     for r in runs:
         if r.mode is not BenchMode.REPLAY or math.isnan(r.fraction) or r.strategy not in by_name:

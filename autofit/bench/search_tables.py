@@ -32,6 +32,7 @@ from autofit.bench.search_data import (
     RunResult,
     SearchResults,
     TruthNoise,
+    grids_by_cell,
 )
 from autofit.bench.search_regimes import (
     cells_frame,
@@ -134,7 +135,7 @@ def cell_sets(grids: list[Grid]) -> tuple[frozenset, frozenset]:
     (:data:`autofit.bench.search_cells.CELLS`, :data:`~autofit.bench.search_cells.HEAVY_CELLS`)."""
     from autofit.bench.search_cells import CELLS, HEAVY_CELLS
 
-    present = {(g.cell.workload, b * MiB) for g in grids for b in g.cell.budgets_mib}
+    present = grids_by_cell(grids)
     keys = lambda group: frozenset(k for c in group for b in c.budgets_mib if (k := (c.workload, b * MiB)) in present)
     return keys(CELLS), keys(HEAVY_CELLS)
 

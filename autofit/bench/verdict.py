@@ -26,7 +26,7 @@ from dataclasses import astuple, dataclass, field
 from typing import NamedTuple
 
 from autofit.bench.common import pct, seconds
-from autofit.bench.search_data import BenchMode
+from autofit.bench.search_data import BenchMode, grids_by_cell
 from autofit.core.records import TrialStatus
 
 AUTOFIT_NAME = "autofit"
@@ -127,7 +127,7 @@ def lever_kind(grid, budget_bytes: int) -> str | None:
     does): the optimum uses checkpointing, a device split or a lean lever, and without it the best config that
     fits is under 98% of the optimum, or nothing fits. Accumulation is the batch size's own lever here: at a
     fixed global batch it only trades micro-batch for steps."""
-    best = grid.optimum(budget_bytes) if grid is not None else None
+    best = grid.optimum(budget_bytes)
     if best is None:
         return None
     for lever, without in grid.lever_margins(budget_bytes):
@@ -142,7 +142,7 @@ def lever_kind(grid, budget_bytes: int) -> str | None:
 
 def median_trial_s(grid) -> float:
     """The grid's median trial wall time (every config, each run once without a budget)."""
-    return _median([p.wall_s for p in grid.points.values()]) if grid is not None and grid.points else math.nan
+    return _median([p.wall_s for p in grid.points.values()])
 
 
 def cell_kinds(grid, budget_bytes: int, today: bool, heavy: bool) -> dict[str, str]:
@@ -302,7 +302,7 @@ def verdicts(runs, sweep_names: tuple[str, ...], grids=(), today: frozenset = fr
     """One :class:`CellVerdict` per replayed cell, in the order the cells first appear. ``grids``: the cells'
     measured grids (for each cell's kinds and its trials' findings); ``today`` and ``heavy``: the
     ``(workload, budget_bytes)`` of today's cells and of the heavy cells (:mod:`autofit.bench.search_cells`)."""
-    grid_of = {(g.cell.workload, b * MiB): g for g in grids for b in g.cell.budgets_mib}
+    grid_of = grids_by_cell(grids)
     keys = dict.fromkeys((r.workload, r.budget_bytes) for r in runs if r.mode is BenchMode.REPLAY)
     out = []
     for w, b in keys:

@@ -278,14 +278,6 @@ class LayerTimings(NamedTuple):
     spread_s: dict[str, list[float]]
 
 
-def measure_layer_seconds(source: str, precisions: list[str], device_type: str = "cpu",
-                          use_cache: bool = True, note: Callable[[str], None] | None = None,
-                          key: str | None = None) -> dict[str, list[float]] | None:
-    """:attr:`LayerTimings.seconds` of :func:`measure_layer_timings` (the same arguments), or None."""
-    timings = measure_layer_timings(source, precisions, device_type, use_cache, note, key)
-    return timings.seconds if timings is not None else None
-
-
 def measure_layer_timings(source: str, precisions: list[str], device_type: str = "cpu",
                           use_cache: bool = True, note: Callable[[str], None] | None = None,
                           key: str | None = None) -> LayerTimings | None:

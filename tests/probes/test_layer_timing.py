@@ -10,7 +10,7 @@ from autofit.probes.layer_timing import (
     _capture,
     _timed_interleaved,
     layer_probe_child,
-    measure_layer_seconds,
+    measure_layer_timings,
 )
 from autofit.workloads.load import load_workload
 
@@ -42,7 +42,7 @@ def test_a_user_model_that_reads_a_value_is_captured_on_a_real_model(trial_workl
 
 def test_a_failing_layer_probe_says_why_and_logs_the_traceback(trial_workload_spec, debug_lines):
     notes: list[str] = []
-    assert measure_layer_seconds(trial_workload_spec("exploding_layer"), ["fp32"], use_cache=False,
+    assert measure_layer_timings(trial_workload_spec("exploding_layer"), ["fp32"], use_cache=False,
                                  note=notes.append) is None
     failed = [line for line in notes if "failed" in line]
     assert len(failed) == 1 and "(ValueError: the layer exploded)" in failed[0], notes
@@ -54,8 +54,9 @@ def test_a_failing_layer_probe_says_why_and_logs_the_traceback(trial_workload_sp
 def test_a_precision_whose_layer_fails_is_said_and_the_others_are_kept(trial_workload_spec, one_thread):
     # one precision without a kernel on this device must not cost the others their timing
     notes: list[str] = []
-    seconds = measure_layer_seconds(trial_workload_spec("autocast_refusing_layer"), ["fp32", "amp-bf16"],
+    timings = measure_layer_timings(trial_workload_spec("autocast_refusing_layer"), ["fp32", "amp-bf16"],
                                     use_cache=False, note=notes.append)
+    seconds = timings and timings.seconds
     assert seconds is not None and set(seconds) == {"fp32"} and all(s > 0 for s in seconds["fp32"]), seconds
     failed = [line for line in notes if "failed" in line]
     assert len(failed) == 1 and "at amp-bf16" in failed[0] and "primitive descriptor" in failed[0], notes
