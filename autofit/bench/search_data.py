@@ -120,6 +120,13 @@ class TruthNoise:
         return sum(g >= TRUTH_NOISE_TARGET for g in self.gaps)
 
 
+def sample_spreads(grids: list[Grid]) -> list[float]:
+    """Per config with both, how far its trial's throughput and its second sample differ (larger / smaller
+    - 1, as :func:`autofit.study.leaders.sample_noise` measures a study's): what one sample's noise is."""
+    return [max(a, b) / min(a, b) - 1.0 for g in grids for p in g.points.values()
+            if (a := p.trial_samples_per_s) and (b := p.second_samples_per_s)]
+
+
 @dataclass
 class Grid:
     """Every config of a cell, measured once without a budget."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
+
 from autofit.bench.common import median_and_spread, pct, seconds
 from autofit.bench.search_data import BenchMode
 
@@ -87,7 +89,7 @@ def headline(results) -> list[str]:
 def _search_lines(srch) -> list[str]:
     """Per cell: each strategy's median fraction and wall time, its handicap named; then the done-when verdicts."""
     from autofit.bench.own_search import AUTOFIT
-    from autofit.bench.search_data import TRUTH_NOISE_TARGET, TruthNoise
+    from autofit.bench.search_data import TRUTH_NOISE_TARGET, TruthNoise, sample_spreads
     from autofit.bench.search_tables import cell_verdicts, truth_noise_text
     from autofit.bench.verdict import tallies
 
@@ -120,6 +122,8 @@ def _search_lines(srch) -> list[str]:
     if noise.gaps:
         lines.append(f"Search grids' ground truth: {truth_noise_text(noise)} — "
                      f"{'PASS' if not noise.over_target() else 'FAIL'} against < {pct(TRUTH_NOISE_TARGET, 0)}.")
+    if spread := spread_text(sample_spreads(srch.grids)):
+        lines.append(spread)
     cells = cell_verdicts(srch.grids, srch.runs, srch.strategies)
     lines.append("Search done-when criteria, over the cells (each cell, where and why: search.md): "
                  + "; ".join(t.text(where=False) for t in tallies(cells)) + ".")
@@ -127,6 +131,20 @@ def _search_lines(srch) -> list[str]:
         lines.append(f"Done when, {v.where}: " + ("PASS" if v.passed else
                      "FAIL on " + ", ".join(f"{c} ({v.figures.get(c, '-')})" for c in v.failed)) + ".")
     return lines
+
+
+def spread_text(spreads: list[float]) -> str:
+    """One sample's noise over the search grids, in quantiles, beside the search's re-measurement floor."""
+    from autofit.study.leaders import NOISE_MIN
+
+    if not spreads:
+        return ""
+    q = np.quantile(spreads, [0.5, 0.75, 0.9, 0.95])
+    return (f"One throughput sample's noise, over the search grids' {len(spreads)} configs with two (the trial's "
+            f"and the next; larger / smaller - 1): {pct(q[0], 1)} median, {pct(q[1], 1)} at the 75th percentile, "
+            f"{pct(q[2], 1)} at the 90th, {pct(q[3], 1)} at the 95th, {pct(max(spreads), 1)} at most; a search "
+            f"re-measures the leaders a spread of at least {pct(NOISE_MIN, 0)} could reorder "
+            "(`autofit.study.leaders.NOISE_MIN`, this 90th percentile as last measured).")
 
 
 def write_summary(out_dir: Path, results, command: str, complete: bool) -> Path | None:

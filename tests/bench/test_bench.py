@@ -534,7 +534,10 @@ def test_tiny_search_and_accuracy_suites(tmp_path, monkeypatch):
     text = (tmp_path / "search.md").read_text()
     assert "gpt-tiny @ 80 MiB" in text and "Where autofit loses" in text
     fits = [p for p in res.grids[0].points.values() if p.peak_bytes <= 80 * MiB]
-    assert fits and all(3 <= len(p.samples()) <= 6 and p.truth_noise() is not None for p in fits)
+    from autofit.bench.search_grid import TRUTH_SAMPLES_MAX, TRUTH_SAMPLES_MIN
+
+    assert fits and all(TRUTH_SAMPLES_MIN <= len(p.samples()) <= TRUTH_SAMPLES_MAX and p.truth_noise() is not None
+                        for p in fits)
     assert "its own noise, the gap between a config's two best samples" in text
     assert len(list(csv.DictReader((tmp_path / "search_runs.csv").open()))) == 3
     # autofit's time to 98% follows its own answer after each trial (its study's best), so an answer that
@@ -784,9 +787,11 @@ def test_search_cells_are_valid_problems_whose_workloads_load():
 
 def test_ground_truth_samples_until_the_two_best_agree(monkeypatch):
     """Rounds of samples: every config gets three in all; one whose two best still differ by over 2% gets
-    more, up to six; a failed sample ends its config's sampling."""
+    more, up to TRUTH_SAMPLES_MAX (six here); a failed sample ends its config's sampling."""
     from autofit.bench import search_grid
     from autofit.bench.search_data import TruthNoise
+
+    monkeypatch.setattr(search_grid, "TRUTH_SAMPLES_MAX", 6)
 
     steady, noisy, broken = (TrainConfig(Precision.FP32, b, 1) for b in (1, 2, 4))
     draws = {steady: iter([100.0, 99.5]), noisy: iter([60.0, 80.0, 70.0, 90.0, 85.0]), broken: iter([])}
@@ -846,3 +851,22 @@ def test_a_grids_first_use_costs_read_back_from_its_section_as_written(tmp_path,
     assert grid_costs(path) == {("synthetic", 8, False): (1.5, 3.4, warm_use_s)}
     assert ("with them warm" in path.read_text()) is (warm_use_s is not None)
     assert ("Its parts, cold: profiling 2.0 s, device probe 0.8 s, layer timing 0.6 s." in path.read_text()) is bool(parts)
+
+
+def test_sample_spread_reports_one_samples_noise_beside_the_remeasurement_floor():
+    """The summary's noise line: larger / smaller - 1 of each config's trial and second sample (configs with
+    one sample left out), in quantiles, naming the study's floor it is the evidence for."""
+    from autofit.bench.search_data import sample_spreads
+    from autofit.bench.summary import spread_text
+    from autofit.study.leaders import NOISE_MIN
+
+    configs = [TrainConfig(Precision.FP32, b, 1) for b in (1, 2, 4, 8)]
+    pairs = [(100.0, 110.0), (90.0, 60.0), (50.0, 50.0), (70.0, None)]
+    points = {c: GridPoint(c, "ok", 1, max(a, b or 0), 1.0, 1.0, trial_samples_per_s=a, second_samples_per_s=b)
+              for c, (a, b) in zip(configs, pairs)}
+    grid = Grid(Cell("w", 8, (1, 2, 4, 8), (Precision.FP32,), (1,)), points, 0.0, 1)
+    assert sample_spreads([grid]) == pytest.approx([0.1, 0.5, 0.0])
+    text = spread_text(sample_spreads([grid]))
+    assert "over the search grids' 3 configs" in text and "10.0% median" in text and "50.0% at most" in text
+    assert f"at least {100 * NOISE_MIN:.0f}%" in text
+    assert spread_text([]) == ""
