@@ -144,7 +144,7 @@ def spread_text(spreads: list[float]) -> str:
             f"and the next; larger / smaller - 1): {pct(q[0], 1)} median, {pct(q[1], 1)} at the 75th percentile, "
             f"{pct(q[2], 1)} at the 90th, {pct(q[3], 1)} at the 95th, {pct(max(spreads), 1)} at most; a search "
             f"re-measures the leaders a spread of at least {pct(NOISE_MIN, 0)} could reorder "
-            "(`autofit.study.leaders.NOISE_MIN`, this 90th percentile as last measured).")
+            "(`autofit.study.leaders.NOISE_MIN`; wider once its own samples spread more).")
 
 
 def write_summary(out_dir: Path, results, command: str, complete: bool) -> Path | None:

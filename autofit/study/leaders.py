@@ -21,15 +21,18 @@ from autofit.core.records import (
 )
 
 # Before the best is crowned, the leaders are measured again: one throughput sample is noisy. On
-# the committed CPU grids (results/benchmarks/summary.md, "One throughput sample's noise": the trial's
-# sample and the next of each of 129 configs) two samples of one config differ by 5.1% in the median,
-# 8.9% at the 75th percentile and 13.9% at the 90th (docs/facts.md#throughput-noise), so a slow first
-# sample of the true best can leave it third or fourth among the leaders:
+# the committed CPU grids (results/benchmarks/summary.md, "One throughput sample's noise": each
+# config's trial sample and the next) two samples of one config differ by 5.1% in the median and 13.9%
+# at the 90th percentile on a quiet day (129 configs), 7.3% and 24.5% on a noisier one
+# (docs/facts.md#throughput-noise), so a slow first sample of the true best can leave it third or
+# fourth among the leaders:
 REMEASURE_TOP = 4          # the configs with the highest best sample that may be re-measured...
 REMEASURE_SAMPLES = 2      # ...each brought to this many samples; the best is the highest best sample
 NOISE_MIN = 0.14           # a leader is re-measured if its best sample, raised by the noise, reaches the best's;
 #                            the noise: the largest spread between two samples of a config so far, at
-#                            least this (the grids' two-sample spread at its 90th percentile)
+#                            least this (the quiet day's 90th percentile). On a noisier day the study's
+#                            own spreads raise it; replayed on both days' grids, a floor of 0.25 answered
+#                            no better and re-measured more (docs/facts.md#throughput-noise)
 REMEASURE_MAX = 2 * REMEASURE_TOP * (REMEASURE_SAMPLES - 1)  # re-measurements in a study at most
 # Leaders of one build are timed together in one process (autofit.trial.head_to_head), at most
 # this many times per study: a second head-to-head only when the first changed who leads.
