@@ -67,7 +67,8 @@ def readme_block(summary_text: str, results_dir: str = "results/benchmarks") -> 
         first = next((line for line in bullets if line[2:].startswith(prefix)), None)
         if first is not None:
             kept.append(first)
-    search = [line for line in (_search_digest(bullets),) if line is not None]
+    digest = _search_digest(bullets)
+    search = [digest] if digest is not None else []
     split = sum(1 for line in kept if any(line[2:].startswith(p) for p in HEADLINES[:SEARCH_AFTER]))
     chosen = (kept[:split] + search + kept[split:])[:MAX_LINES - 2]
     links = ", ".join(f"[{name}.md]({results_dir}/{name}.md)" for name in SUITE_FILES)
