@@ -9,6 +9,8 @@ The model itself is described in :mod:`autofit.estimator.memory_model`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pandas as pd
 
@@ -144,8 +146,11 @@ def estimate_table(profile: Profile, configs: list[TrainConfig], budget_bytes: i
             continue
         pp = profile_for(profile, precision, choice)
         model_state[idx] = pp.static_param_bytes + pp.grad_bytes + pp.optimizer_bytes
+        device_overhead = overhead or fallback_overhead()
         if offload is Offload.OPTIMIZER:  # the workload's Adam or AdamW is made fused, Adafactor is not
             pp = offloaded(pp, fused=choice is OptimizerChoice.AS_GIVEN)
+            device_overhead = dataclasses.replace(
+                device_overhead, context_bytes=device_overhead.context_bytes + device_overhead.offload_context_bytes)
         selective = policy is CheckpointPolicy.SELECTIVE
         if selective and pp.selective_skipped:
             raise ProfileError(
@@ -162,7 +167,7 @@ def estimate_table(profile: Profile, configs: list[TrainConfig], budget_bytes: i
                 f"{profile.workload} {precision.value}: device_split {split} (pipeline) needs the profile's split ends "
                 "(each end stage holds its own copy of the weights tied across the model's ends), but it was made "
                 "with split_ends=False; profile with profile_workload(..., split_ends=True)")
-        _score_group(profile, pp, overhead or fallback_overhead(), min(every, profile.n_layers), split,
+        _score_group(profile, pp, device_overhead, min(every, profile.n_layers), split,
                      cols["micro_batch"][idx].astype(np.float64), cols["grad_accum"][idx].astype(np.int64),
                      schedule, idx, out, per_device, phase, selective)
     _refuse_splits(profile, configs, valid, reason)

@@ -27,6 +27,11 @@ from dataclasses import asdict, dataclass, fields
 # beyond its tensors is the estimate's own model (autofit.estimator.reserved_model), not the device's.
 FALLBACK_CONTEXT_BYTES = 450 * 2**20
 FALLBACK_WORKSPACE_BYTES = 0
+# A process that offloads its optimizer (torchao's CPUOffloadOptimizer: pinned host buffers, a side stream)
+# holds more context: 70-72 MiB more on an H200 with torch 2.11 and torchao 0.18, the same for two models
+# of different sizes (results/benchmarks/gpu/README.md, run 7). Measured by the probe where torchao is
+# installed; this is the fallback.
+FALLBACK_OFFLOAD_CONTEXT_BYTES = 72 * 2**20
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,7 @@ class CudaOverhead:
     workspace_bytes: int
     measured: bool = False
     method: str = "assumed: not measured"
+    offload_context_bytes: int = FALLBACK_OFFLOAD_CONTEXT_BYTES  # more context with offload=optimizer
 
     def note(self) -> str:
         """One line for an estimate's notes."""
@@ -132,4 +138,25 @@ def measure_overhead(device="cuda") -> CudaOverhead:
     if context is None:
         return CudaOverhead(FALLBACK_CONTEXT_BYTES, workspace, False,
                             f"workspace measured, context assumed: {method}")
-    return CudaOverhead(int(context), workspace, True, method)
+    return CudaOverhead(int(context), workspace, True, method, _offload_context_bytes(device, int(context)))
+
+
+def _offload_context_bytes(device, context_bytes: int) -> int:
+    """How much more context a process holds once it has stepped an offloaded optimizer (measured after the
+    plain context, on one parameter torchao offloads); the fallback where torchao is missing or it fails."""
+    import torch
+
+    from autofit.runtime.offload import MIN_OFFLOAD_NUMEL, missing_library, offload_optimizer
+
+    if missing_library() is not None:
+        return FALLBACK_OFFLOAD_CONTEXT_BYTES
+    try:
+        weight = torch.nn.Parameter(torch.zeros(MIN_OFFLOAD_NUMEL, device=device))
+        optimizer = offload_optimizer(torch.optim.AdamW([weight]))
+        (weight * 2).sum().backward()
+        optimizer.step()
+        torch.cuda.synchronize(device)
+        grown, _ = context_bytes_now(device)
+    except Exception:  # noqa: BLE001 -- the fallback stands, as it does without torchao
+        return FALLBACK_OFFLOAD_CONTEXT_BYTES
+    return max(0, int(grown) - context_bytes) if grown is not None else FALLBACK_OFFLOAD_CONTEXT_BYTES

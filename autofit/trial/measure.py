@@ -31,6 +31,7 @@ pattern and the same work, and the composition above accounts for them.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import statistics
 import time
 from typing import Any, Callable
@@ -45,6 +46,7 @@ from autofit.probes.cuda_overhead import (
     warm_up_kernels,
 )
 from autofit.runtime.messages import result_status
+from autofit.runtime.offload import release_offloaded
 from autofit.runtime.schedule import MeasureSchedule, run_steps
 from autofit.runtime.timing import (
     StepClock,
@@ -129,7 +131,10 @@ def _measure_cuda(workload: Workload, config: TrainConfig, device: str, budget_b
         dev = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.set_device(dev)
     warm_up_kernels(dev)  # the context grows as kernel modules load lazily: measure it grown
-    torch.cuda.empty_cache()  # nothing cached by an earlier run in this process counts as this config's
+    # Nothing left by an earlier run in this process counts as this config's: what a reference cycle of
+    # Python objects holds waits for the collector (one through C++: release_offloaded).
+    gc.collect()
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(dev)
     expected = expected_context_bytes(dev)
     if budget_bytes is not None:
@@ -142,6 +147,16 @@ def _measure_cuda(workload: Workload, config: TrainConfig, device: str, budget_b
     else:  # no cap left by an earlier trial of this process (a trial host runs several)
         torch.cuda.set_per_process_memory_fraction(1.0, dev)
     trainee = build_trainee(workload, config, dev)
+    try:
+        return _steps_on_cuda(trainee, dev, budget_bytes, schedule, expected)
+    finally:
+        release_offloaded(trainee.optimizer)
+
+
+def _steps_on_cuda(trainee, dev: torch.device, budget_bytes: int | None, schedule: MeasureSchedule,
+                   expected: int) -> dict:
+    """The measured steps of a CUDA trial, on ``trainee`` built for it (:func:`_measure_cuda`)."""
+    workload, config = trainee.workload, trainee.config
     batches = trial_micro_batches(workload, config, dev, schedule)
     run_steps(schedule, lambda: train_step(trainee, batches))
     torch.cuda.synchronize(dev)

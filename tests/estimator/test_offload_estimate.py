@@ -17,6 +17,7 @@ from autofit.core.errors import ConfigError
 from autofit.estimator.memory_model import estimate
 from autofit.estimator.memory_table import estimate_table
 from autofit.estimator.offload_memory import host_need
+from autofit.probes.cuda_overhead import fallback_overhead
 from autofit.profiling.profile import profile_workload
 from autofit.runtime import offload as offload_runtime
 from autofit.runtime.offload import MIN_OFFLOAD_NUMEL
@@ -74,7 +75,11 @@ def test_the_device_keeps_only_the_small_parameters_state(workload, cuda_profile
     assert large - 3 * 512 * small_tensors <= given.optimizer_bytes - offloaded.optimizer_bytes <= large
     assert offloaded.params_bytes == given.params_bytes
     assert offloaded.model_state_bytes == given.model_state_bytes  # the whole state, wherever it lives
-    assert offloaded.peak_bytes < given.peak_bytes
+    # the card holds more context in a process that offloads (no card here: the fallback's figure), and
+    # the allocator's reserve shrinks a little with the state that left
+    more_context = fallback_overhead().offload_context_bytes
+    assert 0 < more_context - (offloaded.overhead_bytes - given.overhead_bytes) < 0.1 * more_context
+    assert offloaded.peak_bytes - more_context < given.peak_bytes
     assert any(n.startswith("offload=optimizer: ") and "on the host" in n for n in offloaded.notes)
 
 
@@ -131,9 +136,12 @@ def test_offload_with_adafactor_moves_adafactors_state(cuda_profile):
     assert 0 < offloaded.optimizer_bytes < lean.optimizer_bytes
 
 
-def test_advice_says_when_offload_would_fit_one_device(cuda_profile, cpu_profile):
+def test_advice_says_when_offload_would_fit_one_device(cpu_profile):
     from autofit.estimator.advice import advise
 
+    # blocks large enough that their Adam state outweighs the context an offloading process adds
+    wide = profile_workload(mlp_workload(name="wider-mlp", dim=2048), ["fp32"], optimizers=["adafactor"])
+    cuda_profile = dataclasses.replace(wide, device_type="cuda")
     given = estimate(cuda_profile, TrainConfig("fp32", 1), host_bytes=LARGE_HOST)
     offloaded = estimate(cuda_profile, TrainConfig("fp32", 1, offload="optimizer"), host_bytes=LARGE_HOST)
     budget = (given.peak_bytes + offloaded.peak_bytes) // 2  # fits only with the state on the host
