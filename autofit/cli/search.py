@@ -18,7 +18,7 @@ from autofit.cli._args import (
 )
 from autofit.core.budget import format_budget, format_bytes
 from autofit.report.exports import TARGETS
-from autofit.report.tables import RAN, duration_text, figure_basis
+from autofit.report.tables import RAN, duration_text, figure_basis, load_warning
 from autofit.study import PATIENCE, TRIAL_TIMEOUT_S, ProgressPrinter
 from autofit.workloads import DEFAULT_WORKLOAD
 
@@ -111,6 +111,8 @@ def _summary(result) -> None:
             rate += f", {m['tokens_per_s']:,.0f} tokens/s"
         basis = figure_basis(m.get("samples", 1), m.get("median_samples_per_s", 0.0))
         print(f"throughput {rate}; step {m['step_time_s']:.3f} s" + (f" ({basis})" if basis else ""))
+        if (loaded := load_warning(m)) is not None:
+            print(f"load       {loaded}")
     print(f"pruned     {result.n_pruned} of {result.n_configs} configs by the estimate" + (f" ({reasons})" if reasons else ""))
     print(f"trials     {result.n_real} real" + (f" ({statuses})" if statuses else ""))
     print(f"stopped    {result.stop_reason}")

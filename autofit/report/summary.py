@@ -24,6 +24,7 @@ from autofit.report.tables import (
     counts,
     duration_text,
     figure_basis,
+    load_warning,
     model_flags,
     settings_of,
     space_size,
@@ -174,7 +175,9 @@ def _best_lines(study: StudySnapshot) -> list[str]:
                    "above is " + figure_basis(len(best["samples"]), best["median_samples_per_s"]) + " ("
                    + _BEST_SAMPLE_WHY
                    + (_HEAD_TO_HEAD_WHY if any(x.get("head_to_head") for x in best["samples"]) else "") + ")")
-    if m.get("starved_steps"):
+    if (loaded := load_warning(m)) is not None:
+        out.append(f"- **measured under load**: {loaded}")
+    elif m.get("starved_steps"):
         out.append(f"- {m['starved_steps']} of its {m.get('timed_steps')} timed steps waited for a CPU (another "
                    "process was running) and were taken again; the figure is from a step that did not wait")
     out.append(f"- measured peak: {_bytes(m.get('peak_bytes'))} = {100 * best['peak_fraction_of_budget']:.1f}% of "

@@ -254,6 +254,20 @@ def figure_basis(n_samples: int, median_samples_per_s: float) -> str:
     return f"best of {n_samples} samples; their median {median_samples_per_s:,.2f}"
 
 
+def load_warning(measured: dict) -> str | None:
+    """What to tell a user whose answer was measured while another process held a CPU for its whole run
+    (every timed step of its figure waited), in words; None otherwise. The headline and ``summary.md`` say it.
+
+    Such a figure is raised by its wait for ranking (:func:`autofit.core.records.reach`), but no raise can
+    restore the order a quiet machine gives: with a core lost, configs that parallelise differently lose
+    differently (docs/facts.md#run-queue-wait)."""
+    steps, starved = measured.get("timed_steps"), measured.get("starved_steps")
+    if not steps or starved != steps:
+        return None
+    return (f"all {steps} timed steps waited for a CPU (another process held one throughout): this is the fastest "
+            "config beside that load, which may not be the fastest on a quiet machine; search again when it is quiet")
+
+
 def changes_training(config: TrainConfig) -> str | None:
     """What the best config changes in the training, in words (None: nothing): the ``optimizer`` lever's
     replacement of the workload's optimizer (the ``lean`` space's, opt-in)."""

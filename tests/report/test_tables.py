@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -266,3 +267,41 @@ def test_an_export_overriding_the_best_says_how_it_changes_the_training(study_di
     assert [c.text().split(":")[0] for c in exp.changes] == ["global batch 4 -> 8 (x2)", "precision fp32 -> amp-bf16"]
     assert json.loads(exp.text)["changes"] == exp.warnings()
     assert not export_study(study_dir, "json", override="micro_batch=4,grad_accum=1").changes  # 4 samples a step still
+
+
+def _with_loaded_best(study_dir, starved_steps: int):
+    """A re-measured fp32 mb=4 whose 3 timed steps include ``starved_steps`` that waited for a CPU: the best."""
+    study = open_study(study_dir)
+    row = _trial(TrainConfig("fp32", 4, 1), TrialState.COMPLETE, "ok", value=50.0, peak=600_000, sample=2)
+    row["user_attrs"]["measured"].update(timed_steps=3, starved_steps=starved_steps, max_wait_share=0.41)
+    study.add_trial(create_trial(distributions=distributions(space_from_dict(dict(SPACE))), **row))
+    return load_snapshot(study_dir)
+
+
+def test_an_answer_whose_every_step_waited_for_a_cpu_says_it_was_measured_under_load(study_dir):
+    from autofit.cli.search import _summary
+
+    snapshot = _with_loaded_best(study_dir, starved_steps=3)
+    assert best_record(snapshot)["measured"]["samples_per_s"] == 50.0
+    summary = summary_markdown(snapshot)
+    assert ("- **measured under load**: all 3 timed steps waited for a CPU (another process held one throughout): "
+            "this is the fastest config beside that load, which may not be the fastest on a quiet machine; search "
+            "again when it is quiet") in summary
+    assert "were taken again" not in summary
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        _summary(search_result(snapshot, study_dir))
+    assert "\nload       all 3 timed steps waited for a CPU" in out.getvalue()
+
+
+def test_an_answer_with_some_steps_taken_again_says_only_that(study_dir):
+    from autofit.cli.search import _summary
+
+    snapshot = _with_loaded_best(study_dir, starved_steps=1)
+    summary = summary_markdown(snapshot)
+    assert "- 1 of its 3 timed steps waited for a CPU (another process was running) and were taken again" in summary
+    assert "measured under load" not in summary
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        _summary(search_result(snapshot, study_dir))
+    assert "\nload " not in out.getvalue()
