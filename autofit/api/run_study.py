@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 
 import optuna
 
 from autofit.core.budget import parse_budget
+from autofit.core.config import Precision
 from autofit.core.errors import RunFailure, StudyError
 from autofit.core.files import remove_stale_temp_files
 from autofit.core.space import SearchSpace, load_space, space_from_dict
@@ -168,22 +171,17 @@ def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | 
                                    f"{', '.join(removed)}", started))
         if workers == 1 and trial_runner is None:
             _start_trial_processes(loaded, device)
-        try:
-            profile = profile_workload(loaded, list(resolved.precision), device_type=device,  # user errors surface here
-                                       split_ends=needs_split_ends(resolved.configs()),
-                                       optimizers=optimizer_choices(resolved.configs()),
-                                       selective=needs_selective(resolved.configs()),
-                                       note=None if progress is None else lambda line: emit(starting_progress(line, started)))
-        except BaseException:
-            host.release()
-            raise
+        starting = None if progress is None else lambda line: emit(starting_progress(line, started))
+        early = probe_beside_profiling(device, resolved.precision, starting)
+        profile = _profile(loaded, resolved, device, starting)
         study = backend.create_or_load(settings)
         backend.record_profile(study, profile.key)
         note = None if progress is None else lambda line: emit(progress_of(backend.read_records(study), line, started))
         emit(progress_of(backend.read_records(study), f"study {name} in {out}", started))
         stop = None
         try:
-            rates, counts = device_prior(loaded, profile, device, resolved, note, devices)
+            rates, counts = device_prior(loaded, profile, device, resolved, note, devices,
+                                         probed=early.result() if early is not None else None)
             if workers == 1:
                 stop = run_worker(settings, loaded, profile=profile, rates=rates, counts=counts, progress=progress,
                                   started=started, runner=trial_runner or run_trial_isolated,
@@ -214,6 +212,44 @@ def _start_trial_processes(loaded: Workload, device: str) -> None:
         forkserver.start_server_soon()
     if loaded.source is not None and host.enabled(device):
         host.start_soon(loaded.source, device)
+
+
+def _profile(loaded: Workload, space: SearchSpace, device: str, note: Callable[[str], None] | None):
+    """The workload's profile for ``space`` (:func:`autofit.profiling.profile.profile_workload`), where a user's
+    errors in the model surface; the trial host started for this search goes if it fails."""
+    configs = space.configs()
+    try:
+        return profile_workload(loaded, list(space.precision), device_type=device, split_ends=needs_split_ends(configs),
+                                optimizers=optimizer_choices(configs), selective=needs_selective(configs), note=note)
+    except BaseException:
+        host.release()
+        raise
+
+
+# CPUs a machine needs before the device probe runs beside profiling: one for the profiling, one for the
+# probe's kernel launches (its operator latency is a CPU's time), the rest for the trial host's start.
+PROBE_BESIDE_PROFILING_CPUS = 4
+
+
+def probe_beside_profiling(device: str, precisions: Sequence[Precision], note: Callable[[str], None] | None = None,
+                           use_cache: bool = True) -> Future | None:
+    """On a GPU, the device probe (:func:`autofit.probes.device_rates.probe_rates`: a child that makes a CUDA
+    context and times the card's matmuls, seconds when not cached) started in a thread now, so that it runs
+    while this process profiles on fake tensors (seconds more); None on the CPU, whose rates would be timed
+    against the profiling, or with fewer than PROBE_BESIDE_PROFILING_CPUS CPUs. A daemon thread, not an
+    executor's: a search that fails while profiling exits without waiting for the probe."""
+    if device == "cpu" or (os.cpu_count() or 1) < PROBE_BESIDE_PROFILING_CPUS:
+        return None
+    probed: Future = Future()
+
+    def probe() -> None:
+        try:
+            probed.set_result(probe_rates(device, use_cache=use_cache, note=note, precisions=precisions))
+        except BaseException as exc:  # noqa: BLE001 -- raised where the rates are read, as the probe's own
+            probed.set_exception(exc)
+
+    threading.Thread(target=probe, name="autofit-probe", daemon=True).start()
+    return probed
 
 
 def _write_tables(study: optuna.Study, out: Path, storage: str | None, stop: str | None) -> None:
@@ -248,10 +284,13 @@ def _record_run(study: optuna.Study, settings: StudySettings, started_wall: floa
 
 
 def device_prior(workload: Workload, profile, device: str, space: SearchSpace,
-                 note: Callable[[str], None] | None = None, devices: int = 1) -> tuple[DeviceRates, OpCounts | None]:
-    """The device's rates (:func:`autofit.probes.device_rates.probe_rates`; with the collectives' costs of the
-    device splits that run on ``devices``, :func:`autofit.probes.links.with_links`) and the time model's
-    prior of ``workload`` (:func:`autofit.estimator.layer_prior.workload_prior`), each read from the disk cache or
-    measured (and cached); ``note`` is told which, a line at a time."""
-    rates = with_links(probe_rates(device, note=note, precisions=space.precision), space.configs(), devices, note=note)
+                 note: Callable[[str], None] | None = None, devices: int = 1,
+                 probed: DeviceRates | None = None) -> tuple[DeviceRates, OpCounts | None]:
+    """The device's rates (:func:`autofit.probes.device_rates.probe_rates`, or ``probed`` where they were
+    probed already; with the collectives' costs of the device splits that run on ``devices``,
+    :func:`autofit.probes.links.with_links`) and the time model's prior of ``workload``
+    (:func:`autofit.estimator.layer_prior.workload_prior`), each read from the disk cache or measured (and
+    cached); ``note`` is told which, a line at a time."""
+    rates = probed if probed is not None else probe_rates(device, note=note, precisions=space.precision)
+    rates = with_links(rates, space.configs(), devices, note=note)
     return rates, workload_prior(workload, profile, rates, [p.value for p in space.precision], note=note)

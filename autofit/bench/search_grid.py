@@ -111,16 +111,21 @@ def _first_use_s(cell: Cell, workload, configs: list[TrainConfig], profile_kw: d
 
 def _use_s(cell: Cell, workload, configs: list[TrainConfig], profile_kw: dict, use_cache: bool) -> dict[str, float]:
     """Seconds of each part of what a search does before planning, in this process, with or without the caches."""
+    from autofit.api.run_study import probe_beside_profiling
     from autofit.estimator.layer_prior import workload_prior
     from autofit.probes.device_rates import probe_rates
     from autofit.probes.links import split_sizes, with_links
     from autofit.profiling.profile import profile_workload
 
     parts, started = {}, time.perf_counter()
+    # as a search does it: on a GPU the probe's child runs while this process profiles, and only what is
+    # left of it after the profiling counts as the probe's part
+    early = probe_beside_profiling(_device_type(cell), cell.precisions, use_cache=use_cache)
     profile = profile_workload(workload, list(cell.precisions), device_type=_device_type(cell), use_cache=use_cache,
                                **profile_kw)
     parts["profiling"], started = time.perf_counter() - started, time.perf_counter()
-    rates = probe_rates(cell.device, use_cache=use_cache, precisions=cell.precisions)
+    rates = early.result() if early is not None else probe_rates(cell.device, use_cache=use_cache,
+                                                                 precisions=cell.precisions)
     if split_sizes(configs, max(cell.device_splits)):  # the splits' collectives, timed as a search times them
         rates = with_links(rates, configs, max(cell.device_splits), use_cache=use_cache)
     parts["device probe"], started = time.perf_counter() - started, time.perf_counter()
