@@ -41,7 +41,7 @@ from autofit.bench.search_regimes import (
     write_cells_csv,
 )
 from autofit.bench.strategies import Strategy, sweeps
-from autofit.bench.verdict import AUTOFIT_NAME, CHECKS, tallies, verdicts
+from autofit.bench.verdict import AUTOFIT_NAME, CHECKS, WALL_RATIO, tallies, verdicts
 from autofit.core.records import TrialStatus
 from autofit.runtime.schedule import DEFAULT_SCHEDULE as SCHEDULE
 
@@ -157,7 +157,7 @@ def done_when_table(grids: list[Grid], runs: list[RunResult], strategies: tuple[
     return ("## Done when\n\nPer cell: autofit's replayed answer ≥ 98% of the optimum (median over seeds), "
             "the live run ≥ 95% (where the cell ran live), no OOM trial in any run, time to 98% of the optimum "
             "sooner than the per-precision finder sweep that reaches it soonest (medians over seeds; a seed that "
-            "never reaches 98% counts as never), and total wall time at most 1.5× the best sweep's (highest "
+            f"never reaches 98% counts as never), and total wall time at most {WALL_RATIO:g}× the best sweep's (highest "
             "median fraction of the optimum, then least wall time). Time to 98% is held to in every cell where a "
             "lever other than batch size and precision matters (the optimum uses it, and the best config without "
             "it is under 98% of the optimum or nothing fits), in every heavy cell (trials of about 10 s), and in "

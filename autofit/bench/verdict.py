@@ -50,7 +50,7 @@ class CheckLabels:
     live: str = "live ≥95%"
     no_oom: str = "no OOM trial"
     t98: str = "98% sooner than best sweep"
-    wall: str = "wall ≤1.5× best sweep"
+    wall: str = f"wall ≤{WALL_RATIO:g}× best sweep"
 
 
 CHECK = CheckLabels()
@@ -351,7 +351,7 @@ def tallies(cells: list[CellVerdict]) -> list[Tally]:
             tally("time to 98% sooner than the best sweep, heavy cells", CHECK.t98, of_kind(HEAVY)),
             tally("time to 98% sooner than the best sweep, today's cells", CHECK.t98, of_kind(TODAY),
                   needed=math.ceil(TODAY_SHARE * len(of_kind(TODAY)) - 1e-9)),
-            tally("wall time ≤1.5× the best sweep's", CHECK.wall, cells)]
+            tally(f"wall time ≤{WALL_RATIO:g}× the best sweep's", CHECK.wall, cells)]
 
 
 __all__ = ["CHECK", "CHECKS", "CellVerdict", "CheckLabels", "HEAVY", "LEVER", "TODAY", "Tally", "best_sweep",

@@ -33,6 +33,12 @@ from autofit.workloads.base import Workload, checked_batch, explain_failure
 __all__ = ["profile_precision", "profile_split_ends", "with_split_ends"]
 
 
+# What an estimate of a model profiled on its native RNN kernels says (autofit.profiling.step.run_fake).
+CUDNN_OFF_NOTE = ("profiled with cuDNN off (its RNN kernels refuse fake tensors): the native kernels' memory, "
+                  "not cuDNN's, which differs both ways (on an H200, lstm-lm's allocator peak was 9-12% above this "
+                  "estimate at fp32 and bf16 and 29-32% below it under autocast); trials measure the real step")
+
+
 def profile_precision(workload: Workload, precision: Precision, device_type: str = "cpu",
                       split_ends: bool = True, selective: bool = True) -> PrecisionProfile:
     """Profile one precision on fake tensors. Raises WorkloadError if the model can't be traced.
@@ -51,6 +57,8 @@ def profile_precision(workload: Workload, precision: Precision, device_type: str
         except Exception as exc:
             raise WorkloadError(explain_failure(workload.name, exc)) from exc
     runs, real_note, real_extra = check_runs(workload, precision, device_type, runs, real_batches, selective)
+    if any(run.cudnn_off for run in runs.values()):
+        real_note = "; ".join(x for x in (CUDNN_OFF_NOTE, real_note) if x)
     pp = assemble(precision, runs, real_check=real_note, real_extra_bytes_per_sample=real_extra)
     if not selective:
         pp = dataclasses.replace(pp, selective_skipped=True)

@@ -99,6 +99,8 @@ class RawRun:
     head_backward: RawRegion | None = None
     optimizer_bytes: int | None = None
     opt_region: RawRegion | None = None
+    # on CUDA, an RNN whose cuDNN kernels refuse fake tensors was run on its native kernels instead
+    cudnn_off: bool = False
     # what the step before left alive for this one beyond weights, gradients and optimizer state (a hook's
     # stash, a buffer the forward replaced); this step was traced with it alive from the start
     kept_bytes: int = 0

@@ -322,8 +322,9 @@ def run_fake(workload: Workload, precision: Precision, micro_batch: int, device_
         if device_type != "cuda" or not cudnn_refused(exc):
             raise
     with torch.backends.cudnn.flags(enabled=False), _quiet_fake_kernels():
-        return run_step(workload, precision, micro_batch, device_type, FakeTensorMode(), real_batch, full, full,
-                        layer_recomputes, selective)
+        run = run_step(workload, precision, micro_batch, device_type, FakeTensorMode(), real_batch, full, full,
+                       layer_recomputes, selective)
+    return dataclasses.replace(run, cudnn_off=True)
 
 
 def cudnn_refused(exc: BaseException) -> bool:
