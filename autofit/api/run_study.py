@@ -237,7 +237,12 @@ def probe_beside_profiling(device: str, precisions: Sequence[Precision], note: C
     context and times the card's matmuls, seconds when not cached) started in a thread now, so that it runs
     while this process profiles on fake tensors (seconds more); None on the CPU, whose rates would be timed
     against the profiling, or with fewer than PROBE_BESIDE_PROFILING_CPUS CPUs. A daemon thread, not an
-    executor's: a search that fails while profiling exits without waiting for the probe."""
+    executor's: a search that fails while profiling exits without waiting for the probe.
+
+    The profiling children's real-step checks (:mod:`autofit.profiling.real_check`: a step at micro-batch 2,
+    sometimes 4) may land on the card beside the probe's timing; the probe measures twice and probes again
+    when its readings disagree (:func:`autofit.probes.device_rates.measure_checked`), and its rates are only
+    the prior that the first trials calibrate."""
     if device == "cpu" or (os.cpu_count() or 1) < PROBE_BESIDE_PROFILING_CPUS:
         return None
     probed: Future = Future()
