@@ -74,6 +74,18 @@ def test_verdict_fails_outside_the_targets_and_on_a_failed_check():
     assert not ok and "predicted over 8GB but ok" in line
 
 
+def test_an_under_estimate_over_the_allowed_share_fails_even_within_the_median_and_max():
+    def row(name: str, predicted: int):
+        return gc.fill_errors(gc.Row("a", "w", name, "ok", predicted_bytes=predicted, predicted_allocated_bytes=500,
+                                     allocated_bytes=500, reserved_bytes=600, context_bytes=400))
+
+    good = [row(f"c{i}", 1000 + i) for i in range(9)]
+    ok, _ = gc.verdict(good + [row("under-2%", 980)], "cuda")
+    assert ok  # 2% under the card: allowed
+    ok, line = gc.verdict(good + [row("under-5%", 950)], "cuda")  # within max 6%, but 5% under
+    assert not ok and "1 config(s) under-estimated by more than 3% (worst -5.0%)" in line
+
+
 def test_a_workload_measured_but_not_estimated_fails_the_verdict():
     ok_row = gc.fill_errors(gc.Row("a", "w", "c0", "ok", predicted_bytes=1000, predicted_allocated_bytes=500,
                                    allocated_bytes=500, reserved_bytes=600, context_bytes=400))
