@@ -133,3 +133,49 @@ def test_modules_and_functions_stay_small():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 100:
                 long_functions.append(f"{path.relative_to(package)}:{node.name}")
     assert not long_modules and not long_functions, (long_modules, long_functions)
+
+
+# One row each in docs/architecture.md's table (their submodules are theirs).
+TABLE_GROUPS = ("autofit.bench", "autofit.cli", "autofit.trial.pipeline", "autofit.workloads.hf")
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+TABLE_HEAD = "| module | imports within autofit |\n|---|---|\n"
+
+
+def _grouped(name: str) -> str:
+    return next((g for g in TABLE_GROUPS if name == g or name.startswith(g + ".")), name)
+
+
+def import_table() -> str:
+    """docs/architecture.md's "Who imports whom" table, from :func:`graph` (``autofit.core``, which any module
+    may use, left out; each row's imports in layer order)."""
+    rows: dict[str, set[str]] = {}
+    for name, targets in graph().items():
+        rows.setdefault(_grouped(name), set()).update(_grouped(t) for t in targets)
+
+    def shown(name: str) -> str:
+        return name if name in TOP else name.removeprefix("autofit.")
+
+    def order(name: str) -> tuple:
+        return layer_of(name), shown(name)
+
+    lines = []
+    for row in sorted((r for r in rows if not r.startswith("autofit.core")), key=order):
+        used = sorted((t for t in rows[row] if t != row and not t.startswith("autofit.core")), key=order)
+        lines.append(f"| `{shown(row)}` | " + (", ".join(f"`{shown(t)}`" for t in used) or "—") + " |")
+    return TABLE_HEAD + "\n".join(lines) + "\n"
+
+
+def test_the_architecture_docs_import_table_is_the_codes():
+    """Regenerate with ``AUTOFIT_WRITE_DOCS=1 python -m pytest tests/test_layers.py -k import_table``."""
+    import os
+    import re
+
+    text = ARCHITECTURE.read_text()
+    pattern = re.compile(re.escape(TABLE_HEAD) + r"(?:\|.*\|\n)+")
+    assert pattern.search(text), f"{ARCHITECTURE}: no import table"
+    expected = import_table()
+    if os.environ.get("AUTOFIT_WRITE_DOCS") == "1":
+        ARCHITECTURE.write_text(pattern.sub(lambda _m: expected, text, count=1))
+        text = ARCHITECTURE.read_text()
+    assert pattern.search(text).group(0) == expected, \
+        "docs/architecture.md's import table is not the code's: regenerate it (this test's docstring)"
