@@ -425,6 +425,9 @@ def estimates(spec: str, configs: list[str], device_type: str, overhead=None) ->
         profile = profile_workload(load_workload(spec), precisions, device_type=device_type)
     except Exception as exc:  # noqa: BLE001
         return dict.fromkeys(configs, f"estimate failed: {_first_line(exc)}")
+    # what the profile's real steps found beside the fake runs, per precision (the log says it: on CUDA these
+    # run in the profiling children, with cuDNN where the fake runs went without)
+    PROFILE_NOTES[spec] = {p: profile.for_precision(p).real_check for p in precisions}
     measured = overhead() if overhead is not None and device_type == "cuda" else None
     out: dict[str, tuple[int, int] | str] = {}
     for text, config in parsed.items():
@@ -447,6 +450,7 @@ def predicted_allocated(est, overhead) -> int:
     return int(round(est.peak_bytes - est.overhead_bytes + o.workspace_bytes))
 
 
+PROFILE_NOTES: dict = {}  # workload spec -> {precision: the profile's real-check note}
 OVERHEAD_NOTE: dict = {}  # "cuda" -> the probe's note, for the table's header
 OVERHEAD: dict = {}  # "cuda" -> Future of the device probe's CudaOverhead (started before the estimates)
 
@@ -592,6 +596,8 @@ def all_estimates(jobs: dict, device: str, clock: Clock, overhead=None) -> dict[
             out[name] = dict.fromkeys(jobs[name][1], f"estimate failed: {why}")
         failed = sum(isinstance(v, str) for v in out[name].values())
         log(clock, f"  {name}: {len(out[name]) - failed} estimated" + (f", {failed} failed" if failed else ""))
+        for precision, note in PROFILE_NOTES.get(jobs[name][0], {}).items():
+            log(clock, f"    {precision} profile: {note or 'no note'}")
     return out
 
 
