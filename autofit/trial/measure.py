@@ -31,7 +31,6 @@ pattern and the same work, and the composition above accounts for them.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import statistics
 import time
 from typing import Any, Callable
@@ -131,10 +130,7 @@ def _measure_cuda(workload: Workload, config: TrainConfig, device: str, budget_b
         dev = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.set_device(dev)
     warm_up_kernels(dev)  # the context grows as kernel modules load lazily: measure it grown
-    # Nothing left by an earlier run in this process counts as this config's: what a reference cycle of
-    # Python objects holds waits for the collector (one through C++: release_offloaded).
-    gc.collect()
-    torch.cuda.empty_cache()
+    torch.cuda.empty_cache()  # nothing cached by an earlier run in this process counts as this config's
     torch.cuda.reset_peak_memory_stats(dev)
     expected = expected_context_bytes(dev)
     if budget_bytes is not None:
