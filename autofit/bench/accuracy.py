@@ -9,10 +9,11 @@ real step (:mod:`autofit.profiling.real_check`) measures it, and lstm-lm counts 
 (median <= 2%, largest <= 8% over every built-in). Beside the tracker, every single-device config
 is read against an independent ground truth (:mod:`autofit.trial.ground_truth`, the allocator's and the
 OS's view, repeated for their noise; :mod:`autofit.bench.truth_table`). It adds tiny
-configs of six Hugging Face families (:data:`HF_WORKLOADS`) and two models written in a
+configs of six Hugging Face families (:data:`HF_WORKLOADS`) and three models written in a
 user's file (:data:`USER_WORKLOADS`: a ViT from ``nn.TransformerEncoderLayer`` with AdamW, an
-MLP-Mixer with RMSprop), device split included. ``autofit bench --suite accuracy --workloads hf:,user_models``
-measures only the workloads whose name contains one of the given parts.
+MLP-Mixer with RMSprop, a ResNet with BatchNorm and SGD), device split included.
+``autofit bench --suite accuracy --workloads hf:,user_models`` measures only the workloads whose name
+contains one of the given parts.
 
 Measurement: a worker process per workload (:mod:`autofit.bench.worker`) runs each config on a
 fresh model with :func:`autofit.trial.measure.measure_trial` -- the trial runner's own code, steady-

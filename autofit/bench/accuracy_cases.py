@@ -28,7 +28,8 @@ HF_WORKLOADS = (
 # Models written as a user would write them in a file (not built-ins), loaded by
 # module path here so the tables name them the same on every machine; as files they load the
 # same way (``--model path/to/vit.py:workload``).
-USER_WORKLOADS = ("autofit.bench.user_models.vit:workload", "autofit.bench.user_models.mixer:workload")
+USER_WORKLOADS = ("autofit.bench.user_models.vit:workload", "autofit.bench.user_models.mixer:workload",
+                  "autofit.bench.user_models.resnet:workload")
 
 
 def _c(precision: str, micro_batch: int, grad_accum: int = 1, checkpoint_every: int = 0,

@@ -96,11 +96,10 @@ class _StageWalk(_Walk):
         # (its forward cache) until the micro-batch's backward returns, and the output's gradient
         # lives in a receive buffer (counted in memory_table's ``_pipeline_buffers``). The profile
         # saw the last layer's backward free both: the gradient always, the output too where the
-        # layer saves it (a final ReLU). Here neither is freed: add them back from the end of that
-        # backward on. Inside it, the profile's peak is kept: a lower bound, since it cannot say
-        # whether the peak came before those frees (nn.LSTM's fused backward) or after them (a conv
-        # block's, where stage 0 of convnet-bn without checkpointing stays ~2% under); counting them
-        # through the whole region instead over-estimates a Linear+ReLU stack by 8%.
+        # layer saves it (a final ReLU). Here neither is freed: they are added back from the end of
+        # that backward on, and inside it the peaks are the profile's with each kept from where it
+        # died (``LayerProfile.backward_output_kept``; under checkpointing the recomputed copy of
+        # the output is what the backward frees, so only the gradient is kept: ``backward_grad_kept``).
         self.boundary = layers[end - 1].output if not last_stage else (0.0, 0.0)
 
     def _kept(self, i: int, e: int) -> Line:
@@ -181,7 +180,13 @@ class _StageWalk(_Walk):
             self.region(*self._bwd(pp.pre_backward), "backward", 0.0 if self.later else pp.pre_grad_bytes)
 
     def _layer_backward(self, i: int, output_freed: bool, held: Line = (0.0, 0.0)) -> None:
-        self.region(*self._bwd(self.layers[i].backward), "backward", self._grad_of(i), held=held)
+        layer = self.layers[i]
+        peaks, delta = self._bwd(layer.backward)
+        if i == self.end - 1 and not self.last_stage:  # the stage's output and its gradient stay (see __init__)
+            kept = layer.backward_grad_kept if self.every else layer.backward_output_kept
+            if kept is not None:
+                peaks = self._bwd(kept)[0]
+        self.region(peaks, delta, "backward", self._grad_of(i), held=held)
         if i == self.end - 1:
             self.live = _add(self.live, _add(self.boundary, self.boundary, 1.0 if output_freed else 0.0))
 

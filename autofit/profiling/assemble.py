@@ -61,6 +61,8 @@ def _layer(l1: RawLayer, l2: RawLayer) -> LayerProfile:
         recompute=_region_lines(l1.recompute, l2.recompute),
         checkpointed_forward=_region_lines(l1.checkpointed_forward, l2.checkpointed_forward),
         backward=_region_lines(l1.backward, l2.backward), after=_line(l1.after, l2.after),
+        backward_grad_kept=_both(l1.backward_grad_kept, l2.backward_grad_kept),
+        backward_output_kept=_both(l1.backward_output_kept, l2.backward_output_kept),
         input_freed_late=_line(l1.input_freed_late, l2.input_freed_late),
         args_freed_late=_line(l1.args_freed_late, l2.args_freed_late),
         forward_flops=_flops_line(l2.forward_flops),

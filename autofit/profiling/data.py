@@ -17,7 +17,7 @@ __all__ = ["OUTPUT_REGIONS", "PROFILE_BATCHES", "PROFILE_VERSION", "LayerProfile
            "with_optimizer"]
 
 # The profile's format: a cache entry of another version is never read (autofit.profiling.cache).
-PROFILE_VERSION = 22
+PROFILE_VERSION = 23
 # Micro-batch sizes profiled; every per-sample quantity is fitted as a line through them.
 PROFILE_BATCHES = (2, 4)
 
@@ -125,6 +125,12 @@ class LayerProfile:
     # Its other tensor arguments first taken here (rotary tables every layer takes, under the first), where
     # that graph keeps them: they outlive the checkpoints, which would have let them go (``args_freed_late``).
     recomputed_args_kept: Line = (0.0, 0.0)
+    # Its backward as a pipeline stage that ends with it runs it: the output's gradient stays in the stage's
+    # receive buffer (``backward_grad_kept``) and, without checkpointing, the output in the schedule's
+    # forward cache too (``backward_output_kept``), where the profile's backward freed them as it went. Their
+    # peaks are the stage's, wherever in the backward the profile's peak fell (None: not profiled).
+    backward_grad_kept: Region | None = None
+    backward_output_kept: Region | None = None
 
     def recomputed(self, last: bool, selective: bool = False) -> Region:
         """This layer's forward as a checkpointed segment's recomputation runs it (``last``: the
@@ -314,7 +320,8 @@ def precision_from_dict(pp: dict) -> PrecisionProfile:
     layers = tuple(LayerProfile(**{**lp, "forward": region_from_dict(lp["forward"]), "backward": region_from_dict(lp["backward"]),
                                    **{k: region_from_dict(lp[k]) if lp.get(k) else None
                                       for k in ("recompute", "checkpointed_forward", "selective_forward",
-                                                "selective_recompute", "selective_recompute_prefix")},
+                                                "selective_recompute", "selective_recompute_prefix",
+                                                "backward_grad_kept", "backward_output_kept")},
                                    "output": tuple(lp["output"]), "forward_flops": tuple(lp["forward_flops"]),
                                    **{k: tuple(lp.get(k, (0.0, 0.0))) for k in _LINE_FIELDS},
                                    "grad_rows": rows_from_json(lp.get("grad_rows", ()))})

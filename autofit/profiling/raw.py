@@ -65,6 +65,10 @@ class RawLayer:
     retained_recomputed: int = 0
     recomputed_input_kept: int = 0  # its input, where that graph keeps it
     recomputed_args_kept: int = 0  # its other arguments first taken there (rotary tables), where it keeps them
+    # its backward as a pipeline stage ending with it runs it: its output's gradient kept to the end, and its
+    # output too (StepTrace.backward_kept; None in a run traced without them)
+    backward_grad_kept: RawRegion | None = None
+    backward_output_kept: RawRegion | None = None
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ REGION_KEYS = ("pre_forward", "post_forward", "post_backward", "head_forward", "
                "head_backward", "pre_backward")
 # RawLayer's regions.
 LAYER_REGION_KEYS = ("forward", "backward", "recompute", "checkpointed_forward", "selective_forward",
-                     "selective_recompute", "selective_recompute_prefix")
+                     "selective_recompute", "selective_recompute_prefix", "backward_grad_kept", "backward_output_kept")
 
 
 class RealTensors(contextlib.nullcontext):

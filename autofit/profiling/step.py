@@ -267,6 +267,8 @@ def _raw_layer(trace: StepTrace, i: int, params: list, buffers: list, forwards: 
         # this layer's input, when no backward keeps it
         after=trace.region(f"F{i}", "layers_done" if last else f"f{i + 1}").delta,
         backward=trace.region(f"b{i}", f"B{i}"),
+        backward_grad_kept=trace.backward_kept(i, output_too=False),
+        backward_output_kept=trace.backward_kept(i, output_too=True),
         input_freed_late=trace.freed_late(i, True),
         args_freed_late=trace.freed_late(i, False),
         forward_flops=flops,

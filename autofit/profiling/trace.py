@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import weakref
 
 import torch
 from torch import nn
@@ -78,6 +79,10 @@ class StepTrace:
         self.calls = {"pre": 0, "post": 0, "c": 0, "C": 0, "s": 0, "S": 0, "r": 0, "R": 0}
         self.input_grad: list[bool] = [True] * n
         self.output_grad: list[bool] = [True] * n
+        # Each layer's output and its output's gradient, as (counted bytes, timeline index at which it died):
+        # a pipeline stage keeps both past the layer's backward (:meth:`backward_kept`).
+        self.output_death: list[list] = [[0, None] for _ in range(n)]
+        self.grad_death: list[list] = [[0, None] for _ in range(n)]
         # FLOPs for the time model: one counter over the forward, another over the backward.
         self.fwd_counter, self.bwd_counter = flop_counter(), flop_counter()
         if not count_flops:  # counting costs time; FLOPs are counted at one batch size only
@@ -144,6 +149,8 @@ class StepTrace:
         out = first_tensor(output)
         self.layer_out[i] = round_up(out.untyped_storage().nbytes(), self.round_bytes) if out is not None else 0
         self.output_saved[i] = out is not None and out.untyped_storage()._cdata in self.saved_ptrs[i]
+        if out is not None:
+            self._watch_death(out, self.output_death[i])
         self.rec.mark(f"F{i}")
         if i == self.n - 1:
             self.phase = "post"
@@ -151,7 +158,7 @@ class StepTrace:
             self.rec.mark_before_next_op("layers_done")
         self.output_grad[i] = out is not None and out.requires_grad
         if self.output_grad[i]:
-            out.register_hook(functools.partial(self._gradient_arrives, f"b{i}"))
+            out.register_hook(functools.partial(self._output_gradient_arrives, i))
         inp = first_tensor(args)
         self.input_grad[i] = inp is not None and inp.requires_grad
         if self.input_grad[i]:
@@ -159,6 +166,18 @@ class StepTrace:
 
     def _gradient_arrives(self, name: str, grad: torch.Tensor) -> None:
         self.rec.mark(name)
+
+    def _output_gradient_arrives(self, i: int, grad: torch.Tensor) -> None:
+        self.rec.mark(f"b{i}")
+        self._watch_death(grad, self.grad_death[i])
+
+    def _watch_death(self, t: torch.Tensor, death: list) -> None:
+        """Record in ``death`` the bytes the timeline counts for ``t``'s storage and, once it is freed, the
+        timeline index at which it died (a free between two operators lands before the next one's point).
+        No reference to the tensor is kept."""
+        storage, timeline = t.untyped_storage(), self.timeline
+        death[0], death[1] = timeline.counted_bytes(storage), None
+        weakref.finalize(storage, lambda: death.__setitem__(1, len(timeline.trace)))
 
     def _outer_module_starts(self, module, args) -> None:
         self.module_phase.setdefault(id(module), self.phase)
@@ -383,6 +402,23 @@ class StepTrace:
         points = self.timeline.trace[at:stop] if stop is not None and stop > at else [(live0, ng0)]
         live = [p[0] - live0 for p in points]
         nongrad = [p[1] - ng0 for p in points]
+        return RawRegion(live[-1], max(live), nongrad[-1], max(nongrad), live, nongrad)
+
+    def backward_kept(self, i: int, output_too: bool) -> RawRegion:
+        """Layer ``i``'s backward as a pipeline stage that ends with it runs it: its output's gradient (and,
+        ``output_too``, its output) never freed in it. The stage's receive buffer holds the gradient and its
+        schedule's forward cache the output until the micro-batch's backward returns, where this profile's
+        backward freed them as it went: each counts from where it died here to the region's end, so the
+        peak is the one the stage reaches, wherever in the backward it falls."""
+        start, end = self.rec.find(f"b{i}").at, self.rec.find(f"B{i}").at
+        base = self.region(f"b{i}", f"B{i}")
+        if end <= start:
+            return base
+        held = [self.grad_death[i]] + ([self.output_death[i]] if output_too else [])
+        extra = [sum(nbytes for nbytes, died in held if died is not None and start < died <= k)
+                 for k in range(start, start + len(base.points))]
+        live = [p + x for p, x in zip(base.points, extra)]
+        nongrad = [p + x for p, x in zip(base.points_nongrad, extra)]
         return RawRegion(live[-1], max(live), nongrad[-1], max(nongrad), live, nongrad)
 
     def output_regions(self) -> dict[str, RawRegion]:
