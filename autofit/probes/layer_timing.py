@@ -45,11 +45,6 @@ MAX_LAYER_S = 0.5      # predicted seconds of one layer's forward + backward at 
 SCALE_RANGE = (0.2, 20.0)  # factors outside it are taken as a failed measurement, not a layer
 PROBE_TIMEOUT_S = 180.0
 _REPEATS = 5
-# Rounds stop early once every point's two best calls agree within _AGREE of the best (after at least
-# _MIN_REPEATS): the best is then known to that, and a long layer (a 512-token sequence: 0.1 s a call)
-# does not pay all five rounds.
-_MIN_REPEATS = 2
-_AGREE = 0.01
 LAYER_PROBE_VERSION = 3  # 2: untouched floats drawn, not left uninitialised; a real model where meta cannot run;
                          # 3: repeats interleaved over precisions and micro-batches
 
@@ -182,19 +177,15 @@ def _layer_step(layer, args, kwargs, precision) -> Callable[[], None]:
 
 
 def _timed_interleaved(steps: dict[tuple[str, int], Callable[[], None]], repeats: int = _REPEATS,
-                       failed: Callable[[str, Exception], None] = lambda name, exc: None, agree: float = _AGREE
+                       failed: Callable[[str, Exception], None] = lambda name, exc: None
                        ) -> dict[tuple[str, int], list[float]]:
-    """Each step's timed calls (seconds, fastest first), taken in rounds (every step once per round), so a
-    slowdown that lasts a while (another process, a frequency change) spreads over all the steps instead
-    of inflating every repeat of one: the fixed part of a line is the small difference of two timings,
-    which one slowed point turns by several times. ``repeats`` rounds at most; fewer (at least
-    _MIN_REPEATS) once every step's two best calls agree within ``agree`` of its best. A step that raises
-    is dropped with ``failed(its precision, error)``, and the rest of its precision with it."""
+    """Each step's ``repeats`` timed calls (seconds, fastest first), taken in rounds (every step once per
+    round), so a slowdown that lasts a while (another process, a frequency change) spreads over all the
+    steps instead of inflating every repeat of one: the fixed part of a line is the small difference of two
+    timings, which one slowed point turns by several times. A step that raises is dropped with
+    ``failed(its precision, error)``, and the rest of its precision with it."""
     times: dict[tuple[str, int], list[float]] = {key: [] for key in steps}
-    for round_no in range(1, repeats + 1):
-        if round_no > _MIN_REPEATS and times and all(_next_gap(sorted(v)) <= agree * min(v)
-                                                     for v in times.values()):
-            break
+    for _ in range(repeats):
         for key in list(times):
             if key not in times:
                 continue  # its precision failed earlier in this round

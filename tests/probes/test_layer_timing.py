@@ -76,34 +76,11 @@ def test_the_repeats_are_taken_in_rounds_and_a_failing_precision_is_dropped():
 
     steps = {("fp32", 2): step(("fp32", 2)), ("fp32", 8): step(("fp32", 8)),
              ("bf16", 2): step(("bf16", 2), fail=True), ("bf16", 8): step(("bf16", 8))}
-    times = _timed_interleaved(steps, repeats=3, failed=lambda name, exc: failures.append((name, str(exc))),
-                               agree=-1.0)  # never known well enough: every round runs
+    times = _timed_interleaved(steps, repeats=3, failed=lambda name, exc: failures.append((name, str(exc))))
     assert order[:4] == [("fp32", 2), ("fp32", 8), ("bf16", 2), ("bf16", 8)]  # one of each per round
     assert order[4:7] == [("fp32", 2), ("fp32", 8), ("bf16", 2)]  # bf16 fails here: its 8 is not run again
     assert failures == [("bf16", "no kernel")] and set(times) == {("fp32", 2), ("fp32", 8)}
     assert all(len(v) == 3 and v == sorted(v) for v in times.values())
-
-
-def test_the_rounds_stop_once_every_best_time_is_known(monkeypatch):
-    # a fake clock: each call of a step takes the next of its durations
-    import autofit.probes.layer_timing as layer_timing
-
-    now = [0.0]
-    monkeypatch.setattr(layer_timing.time, "perf_counter", lambda: now[0])
-
-    def step(durations):
-        calls = iter(durations)
-
-        def run():
-            now[0] += next(calls)
-        return run
-
-    steady = {("fp32", 2): step([1.0, 1.0, 1.0, 1.0, 1.0]), ("fp32", 8): step([4.0, 4.02, 4.0, 4.0, 4.0])}
-    assert [len(v) for v in _timed_interleaved(steady).values()] == [2, 2]  # both agree within 1% after two
-    noisy = {("fp32", 2): step([1.0, 1.0, 1.0, 1.0, 1.0]), ("fp32", 8): step([4.0, 4.4, 4.3, 4.2, 4.1])}
-    assert [len(v) for v in _timed_interleaved(noisy).values()] == [5, 5]  # 4.0 and 4.1 still 2.5% apart
-    settles = {("fp32", 2): step([1.0, 1.0, 1.0, 1.0, 1.0]), ("fp32", 8): step([4.4, 4.0, 4.03, 4.2, 4.1])}
-    assert [len(v) for v in _timed_interleaved(settles).values()] == [3, 3]
 
 
 def test_the_child_reports_how_well_each_best_time_is_known(trial_workload_spec, one_thread):
