@@ -78,6 +78,11 @@ class Timeline(TorchDispatchMode):
         """``id`` of every storage seen and alive now."""
         return {id(s) for s in list(self._storages.keys())}
 
+    def when_freed(self, storage, record: Callable[[int], None]) -> None:
+        """Call ``record`` with the timeline index at which ``storage`` dies (a free between two operators
+        lands before the next one's point). Holds no reference to the storage."""
+        weakref.finalize(storage, lambda: record(len(self.trace)))
+
     def counted_bytes(self, storage) -> int:
         """The bytes this timeline counts for ``storage`` (0 where not counted or not seen)."""
         return self._storages.get(storage, 0)
@@ -218,7 +223,7 @@ def watch_arguments(i: int, call, timeline: Timeline, taken: dict, arg_bytes: li
             continue
         taken[key] = i
         arg_bytes[i][key] = (place == 0, timeline.counted_bytes(storage))
-        weakref.finalize(storage, lambda k=key: died_at.setdefault(k, len(timeline.trace)))
+        timeline.when_freed(storage, lambda at, k=key: died_at.setdefault(k, at))
 
 
 def freed_between(rec: Recorder, arg_bytes: dict, died_at: dict[int, int], start: str, end: str,

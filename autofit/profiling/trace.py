@@ -19,7 +19,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import weakref
 
 import torch
 from torch import nn
@@ -28,7 +27,7 @@ from torch.utils._pytree import tree_leaves
 
 from autofit.core.errors import WorkloadError
 from autofit.profiling.flops import flop_counter, flop_formulas
-from autofit.profiling.raw import RawRegion
+from autofit.profiling.raw import EMPTY_REGION, RawRegion
 from autofit.profiling.timeline import (
     Recorder,
     Timeline,
@@ -173,11 +172,10 @@ class StepTrace:
 
     def _watch_death(self, t: torch.Tensor, death: list) -> None:
         """Record in ``death`` the bytes the timeline counts for ``t``'s storage and, once it is freed, the
-        timeline index at which it died (a free between two operators lands before the next one's point).
-        No reference to the tensor is kept."""
-        storage, timeline = t.untyped_storage(), self.timeline
-        death[0], death[1] = timeline.counted_bytes(storage), None
-        weakref.finalize(storage, lambda: death.__setitem__(1, len(timeline.trace)))
+        timeline index at which it died. No reference to the tensor is kept."""
+        storage = t.untyped_storage()
+        death[0], death[1] = self.timeline.counted_bytes(storage), None
+        self.timeline.when_freed(storage, lambda at: death.__setitem__(1, at))
 
     def _outer_module_starts(self, module, args) -> None:
         self.module_phase.setdefault(id(module), self.phase)
@@ -410,10 +408,10 @@ class StepTrace:
         schedule's forward cache the output until the micro-batch's backward returns, where this profile's
         backward freed them as it went: each counts from where it died here to the region's end, so the
         peak is the one the stage reaches, wherever in the backward it falls."""
-        start, end = self.rec.find(f"b{i}").at, self.rec.find(f"B{i}").at
         base = self.region(f"b{i}", f"B{i}")
-        if end <= start:
+        if base is EMPTY_REGION:  # marked at once: nothing ran in it
             return base
+        start = self.rec.find(f"b{i}").at
         held = [self.grad_death[i]] + ([self.output_death[i]] if output_too else [])
         extra = [sum(nbytes for nbytes, died in held if died is not None and start < died <= k)
                  for k in range(start, start + len(base.points))]
