@@ -9,8 +9,9 @@ bytes of every distinct storage alive (rounded to the CUDA block size on a CUDA 
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -39,6 +40,7 @@ class Timeline(TorchDispatchMode):
         # Called with (id(storage), counted bytes) as a storage is first seen and as it dies, where set.
         self.on_new: Callable[[int, int], None] | None = None
         self.on_free: Callable[[int, int], None] | None = None
+        self._quiet = False
 
     def _nbytes(self, storage) -> int:
         n = storage.nbytes()
@@ -99,12 +101,24 @@ class Timeline(TorchDispatchMode):
         self.peak = self.live
         self.peak_nongrad = self.live - self.grad_live
 
+    @contextlib.contextmanager
+    def quiet(self) -> Iterator[None]:
+        """Operators run here pass through uncounted: work done aside of the step (a FLOP counter's
+        decomposition of an operator the step then runs whole)."""
+        was, self._quiet = self._quiet, True
+        try:
+            yield
+        finally:
+            self._quiet = was
+
     def _observe(self) -> None:
         self.trace.append((self.live, self.live - self.grad_live))
         self.peak = max(self.peak, self.live)
         self.peak_nongrad = max(self.peak_nongrad, self.live - self.grad_live)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self._quiet:
+            return func(*args, **(kwargs or {}))
         if self.before_next_op is not None:  # what died since the last operator is gone by now
             call, self.before_next_op = self.before_next_op, None
             call()

@@ -83,7 +83,7 @@ class StepTrace:
         self.output_death: list[list] = [[0, None] for _ in range(n)]
         self.grad_death: list[list] = [[0, None] for _ in range(n)]
         # FLOPs for the time model: one counter over the forward, another over the backward.
-        self.fwd_counter, self.bwd_counter = flop_counter(), flop_counter()
+        self.fwd_counter, self.bwd_counter = flop_counter(self.timeline.quiet), flop_counter(self.timeline.quiet)
         if not count_flops:  # counting costs time; FLOPs are counted at one batch size only
             self.fwd_counter = self.bwd_counter = contextlib.nullcontext()
         self._handles: list = []
