@@ -17,7 +17,7 @@ __all__ = ["OUTPUT_REGIONS", "PROFILE_BATCHES", "PROFILE_VERSION", "LayerProfile
            "with_optimizer"]
 
 # The profile's format: a cache entry of another version is never read (autofit.profiling.cache).
-PROFILE_VERSION = 23
+PROFILE_VERSION = 24
 # Micro-batch sizes profiled; every per-sample quantity is fitted as a line through them.
 PROFILE_BATCHES = (2, 4)
 
@@ -49,14 +49,16 @@ class Region:
     peak_nongrad: Line
     steep: Line = (0.0, 0.0)
     steep_nongrad: Line = (0.0, 0.0)
+    bends: tuple[Line, ...] = ()
+    bends_nongrad: tuple[Line, ...] = ()
 
     @property
-    def peaks(self) -> tuple[Line, Line]:
-        return (self.peak, self.steep)
+    def peaks(self) -> tuple[Line, ...]:
+        return (self.peak, self.steep, *self.bends)
 
     @property
-    def peaks_nongrad(self) -> tuple[Line, Line]:
-        return (self.peak_nongrad, self.steep_nongrad)
+    def peaks_nongrad(self) -> tuple[Line, ...]:
+        return (self.peak_nongrad, self.steep_nongrad, *self.bends_nongrad)
 
 
 @dataclass(frozen=True)
@@ -311,7 +313,7 @@ def rows_from_json(rows) -> tuple[tuple[int, int], ...]:
 
 
 def region_from_dict(d: dict) -> Region:
-    return Region(**{k: tuple(v) for k, v in d.items()})
+    return Region(**{k: tuple(map(tuple, v)) if k.startswith("bends") else tuple(v) for k, v in d.items()})
 
 
 def precision_from_dict(pp: dict) -> PrecisionProfile:
