@@ -17,6 +17,7 @@ from autofit.profiling.data import (
     Line,
     PrecisionProfile,
     Region,
+    upper_envelope,
 )
 from autofit.profiling.raw import RawLayer, RawRegion, RawRun
 
@@ -44,10 +45,10 @@ def _steepest(points1: list[int], points2: list[int]) -> Line:
 
 
 def _envelope(points1: list[int], points2: list[int]) -> tuple[Line, ...]:
-    """The lines of the operators that are the region's highest at some micro-batch of 1 or more, in order
-    of slope (the upper envelope of every operator's line). A region's highest point is the max of its
-    operators' lines, which bends upwards: where a batch-independent point (gradients being accumulated)
-    is highest at small b, a per-sample one at large b, and a third in between, the line through the two
+    """The lines of the operators that are the region's highest at some micro-batch of 1 or more
+    (:func:`~autofit.profiling.data.upper_envelope` of every operator's line). A region's highest point
+    bends upwards with the micro-batch: where a batch-independent point (gradients being accumulated) is
+    highest at small b, a per-sample one at large b, and a third in between, the line through the two
     profiled peaks and the steepest line both pass below the third (a mixture-of-experts backward,
     2.5% under at micro-batch 8). Empty where the runs' operators do not pair up (:func:`_steepest`)."""
     if len(points1) != len(points2) or not points1:
@@ -55,19 +56,7 @@ def _envelope(points1: list[int], points2: list[int]) -> tuple[Line, ...]:
     b1, b2 = PROFILE_BATCHES
     p1, p2 = np.asarray(points1, dtype=np.float64), np.asarray(points2, dtype=np.float64)
     slope = (p2 - p1) / (b2 - b1)
-    icept = p1 - slope * b1
-    at_one = icept + slope
-    i = int(np.lexsort((slope, at_one))[-1])  # highest at b = 1, the steeper of ties
-    out = [i]
-    while True:
-        steeper = slope > slope[i]
-        if not steeper.any():
-            break
-        cross = np.where(steeper, (icept[i] - icept) / np.where(steeper, slope - slope[i], 1.0), np.inf)
-        first = cross.min()
-        i = int(np.flatnonzero(cross == first)[np.argmax(slope[cross == first])])  # the steepest crossing there
-        out.append(i)
-    return tuple((float(icept[j]), float(slope[j])) for j in out)
+    return upper_envelope(p1 - slope * b1, slope)
 
 
 def _bends(envelope: tuple[Line, ...], *known: Line) -> tuple[Line, ...]:

@@ -9,12 +9,14 @@ import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
 from autofit.core.config import Precision
 
 __all__ = ["OUTPUT_REGIONS", "PROFILE_BATCHES", "PROFILE_VERSION", "LayerProfile", "Line", "OptimizerProfile",
            "PrecisionProfile", "Profile", "Region", "precision_from_dict", "region_from_dict", "retained_caveat",
            "segment_freed_late",
-           "with_optimizer"]
+           "upper_envelope", "with_optimizer"]
 
 # The profile's format: a cache entry of another version is never read (autofit.profiling.cache).
 PROFILE_VERSION = 24
@@ -25,6 +27,23 @@ Line = tuple[float, float]  # (bytes at b=0, bytes per sample): value(b) = c0 + 
 
 
 OUTPUT_REGIONS = ("head_forward", "loss_forward", "loss_backward", "head_backward")
+
+
+def upper_envelope(intercepts, slopes, from_batch: float = 1.0) -> tuple[Line, ...]:
+    """The lines ``intercepts[i] + slopes[i]·b`` that are the highest at some ``b >= from_batch``, in order
+    of slope: their max is everyone's max there. Few lines for many (a region's operators)."""
+    icept, slope = np.asarray(intercepts, dtype=np.float64), np.asarray(slopes, dtype=np.float64)
+    if not icept.size:
+        return ()
+    i = int(np.lexsort((slope, icept + slope * from_batch))[-1])  # the highest there, the steeper of ties
+    out = [i]
+    while (steeper := slope > slope[i]).any():
+        cross = np.full(icept.shape, np.inf)
+        cross[steeper] = (icept[i] - icept[steeper]) / (slope[steeper] - slope[i])  # where each overtakes
+        first = cross.min()
+        i = int(np.flatnonzero(cross == first)[np.argmax(slope[cross == first])])
+        out.append(i)
+    return tuple((float(icept[j]), float(slope[j])) for j in out)
 
 
 @dataclass(frozen=True)

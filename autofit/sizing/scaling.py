@@ -38,7 +38,7 @@ import numpy as np
 from autofit.core.config import Precision
 from autofit.core.errors import AutofitError, WorkloadError
 from autofit.estimator.time_model import OpCounts, op_counts
-from autofit.profiling.data import PrecisionProfile, Profile
+from autofit.profiling.data import PrecisionProfile, Profile, upper_envelope
 from autofit.profiling.profile import profile_workload
 from autofit.sizing.family import Family, SizeError
 from autofit.workloads.base import Workload
@@ -85,6 +85,43 @@ def _without_notes(obj):
     if isinstance(obj, (list, tuple)):
         return [_without_notes(v) for v in obj]
     return obj
+
+
+# Micro-batches at which each anchor's peak lines are read for interpolation (:func:`_bends_on_grid`).
+_BEND_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def _regions(obj):
+    """Every region dict (one with ``bends``) in a profile's ``asdict`` form."""
+    if isinstance(obj, dict):
+        if "bends" in obj:
+            yield obj
+        for v in obj.values():
+            yield from _regions(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _regions(v)
+
+
+def _bends_on_grid(pp: dict) -> None:
+    """Replace each region's bends (as many as its peak has: the shape decides) by one line per
+    :data:`_BEND_GRID` micro-batch, the highest of its peak lines there. Every anchor then has as many,
+    and the k-th of each is its highest line at the same micro-batch: interpolated, it gives the
+    interpolated peak there."""
+    grid = np.asarray(_BEND_GRID, dtype=np.float64)
+    for region in _regions(pp):
+        for suffix in ("", "_nongrad"):
+            lines = np.array([region["peak" + suffix], region["steep" + suffix], *region["bends" + suffix]])
+            top = np.argmax(lines[:, 0][:, None] + lines[:, 1][:, None] * grid, axis=0)
+            region["bends" + suffix] = [list(lines[i]) for i in top]
+
+
+def _bends_pruned(pp: dict) -> None:
+    """Keep of an interpolated region's grid lines those on their upper envelope."""
+    for region in _regions(pp):
+        for suffix in ("", "_nongrad"):
+            lines = np.array(region["bends" + suffix]).reshape(-1, 2)
+            region["bends" + suffix] = [list(line) for line in upper_envelope(lines[:, 0], lines[:, 1])]
 
 
 def lagrange_weights(anchors: list[float], x: float) -> np.ndarray:
@@ -188,11 +225,14 @@ def _interpolate(bases: list[_Base], weights: np.ndarray, exact: _Base) -> _Base
     out = {}
     for name, template in bases[0].precisions.items():
         dicts = [_without_notes(dataclasses.asdict(b.precisions[name])) for b in bases]
+        for d in dicts:
+            _bends_on_grid(d)
         shape = _non_numeric(dicts[0])
         if any(_non_numeric(d) != shape for d in dicts):
             raise SizeError(f"{name}: the anchors' profiles differ in structure; profile shapes directly")
         values = weights @ np.array([_leaves(d) for d in dicts])
         filled = _fill(dicts[0], list(values), [0])
+        _bends_pruned(filled)
         pp = Profile.from_json(json.dumps({"workload": "", "device_type": "", "param_count": 0, "n_layers": 1,
                                            "tokens_per_sample": None, "optimizer": "", "key": "", "profile_s": 0.0,
                                            "precisions": {name: filled}})).for_precision(name)
