@@ -9,10 +9,11 @@ from autofit.core.errors import ConfigError
 
 MAIN_WORKLOADS = ("gpt-tiny", "convnet-bn")
 EXTRA_WORKLOADS = ("lstm-lm",)
-# Tiny configs of six Hugging Face families (five decoders, one vision encoder), built from their
+# Tiny configs of seven Hugging Face families (six decoders, one vision encoder), built from their
 # transformers config classes; the hf extra must be installed. Beside GPT-2, Llama and Qwen3: Phi
-# (attention and MLP in parallel off one LayerNorm, rotary on half of each head, biased GELU MLP)
-# and Gemma (GeGLU, one key-value head, an embedding that scales itself, tied to the head).
+# (attention and MLP in parallel off one LayerNorm, rotary on half of each head, biased GELU MLP),
+# Gemma (GeGLU, one key-value head, an embedding that scales itself, tied to the head) and Mixtral
+# (a mixture of experts: top-2 of 4 SwiGLU experts per token, grouped-query attention).
 HF_WORKLOADS = (
     "hf:gpt2?n_layer=4&n_embd=128&n_head=4&vocab_size=2048#seq_len=64",
     "hf:llama?num_hidden_layers=4&hidden_size=128&intermediate_size=344&num_attention_heads=4&num_key_value_heads=2"
@@ -23,6 +24,8 @@ HF_WORKLOADS = (
     "#seq_len=64",
     "hf:gemma?num_hidden_layers=4&hidden_size=128&intermediate_size=344&num_attention_heads=4&num_key_value_heads=1"
     "&head_dim=32&vocab_size=2048#seq_len=64",
+    "hf:mixtral?num_hidden_layers=4&hidden_size=128&intermediate_size=256&num_attention_heads=4"
+    "&num_key_value_heads=2&num_local_experts=4&num_experts_per_tok=2&vocab_size=2048#seq_len=64",
     "hf:vit?num_hidden_layers=4&hidden_size=128&num_attention_heads=4&intermediate_size=512&image_size=64&patch_size=8",
 )
 # Models written as a user would write them in a file (not built-ins), loaded by
