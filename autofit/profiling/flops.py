@@ -87,6 +87,10 @@ def _makes_tensors(func) -> bool:
     return any(str(r.type).startswith("Tensor") for r in func._schema.returns)
 
 
+# Whether each operator seen has a decomposition: most have none, and trying costs a mode switch per call.
+_DECOMPOSES: dict = {}
+
+
 class _AsideMode(getattr(_torch_flops, "_FlopCounterMode", object)):
     """torch's dispatch mode of the counter, but an operator it would decompose is decomposed under
     ``aside()`` (its FLOPs counted, its tensors unseen below) and then run whole, as the real step runs it."""
@@ -97,10 +101,11 @@ class _AsideMode(getattr(_torch_flops, "_FlopCounterMode", object)):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func not in self.counter.flop_registry and _makes_tensors(func):
+        if _DECOMPOSES.get(func, True) and func not in self.counter.flop_registry and _makes_tensors(func):
             # As torch's counter does (``func.decompose`` under this mode), but aside.
             with self.aside(), self:
                 parts = func.decompose(*args, **kwargs)
+            _DECOMPOSES[func] = parts is not NotImplemented
             if parts is not NotImplemented:
                 return func(*args, **kwargs)
         return super().__torch_dispatch__(func, types, args, kwargs)
