@@ -2,7 +2,8 @@
 
 Every quantity that grows with the micro-batch ``b`` becomes a line ``c0 + c1·b`` through its
 values at the two :data:`~autofit.profiling.data.PROFILE_BATCHES`; a region's four values each
-become one, and its steepest operator another (:class:`~autofit.profiling.data.Region`).
+become one, and the lines of the operators highest at some micro-batch (their upper envelope, the
+steepest among them) more (:class:`~autofit.profiling.data.Region`).
 """
 
 from __future__ import annotations
@@ -35,22 +36,14 @@ def _flops_line(flops: float) -> Line:
     return (0.0, flops / PROFILE_BATCHES[-1])
 
 
-def _steepest(points1: list[int], points2: list[int]) -> Line:
-    """The line of the op whose live bytes grow fastest with the micro-batch (ties: the higher).
-    The two runs execute the same ops in the same order, so points pair up one to one;
-    if they do not, the fitted peak is all that can be said."""
-    if len(points1) != len(points2) or not points1:
-        return _line(max(points1, default=0), max(points2, default=0))
-    return max((_line(a, b) for a, b in zip(points1, points2)), key=lambda line: (line[1], line[0]))
-
-
 def _envelope(points1: list[int], points2: list[int]) -> tuple[Line, ...]:
-    """The lines of the operators that are the region's highest at some micro-batch of 1 or more
-    (:func:`~autofit.profiling.data.upper_envelope` of every operator's line). A region's highest point
-    bends upwards with the micro-batch: where a batch-independent point (gradients being accumulated) is
-    highest at small b, a per-sample one at large b, and a third in between, the line through the two
-    profiled peaks and the steepest line both pass below the third (a mixture-of-experts backward,
-    2.5% under at micro-batch 8). Empty where the runs' operators do not pair up (:func:`_steepest`)."""
+    """The lines of the operators that are the region's highest at some micro-batch of 1 or more, the
+    steepest last (:func:`~autofit.profiling.data.upper_envelope` of every operator's line). A region's
+    highest point bends upwards with the micro-batch: where a batch-independent point (gradients being
+    accumulated) is highest at small b, a per-sample one at large b, and a third in between, the line
+    through the two profiled peaks and the steepest line both pass below the third (a mixture-of-experts
+    backward, 2.5% under at micro-batch 8). The two runs execute the same ops in the same order, so points
+    pair up one to one; empty where they do not."""
     if len(points1) != len(points2) or not points1:
         return ()
     b1, b2 = PROFILE_BATCHES
@@ -59,17 +52,23 @@ def _envelope(points1: list[int], points2: list[int]) -> tuple[Line, ...]:
     return upper_envelope(p1 - slope * b1, slope)
 
 
-def _bends(envelope: tuple[Line, ...], *known: Line) -> tuple[Line, ...]:
-    """The envelope's lines that no line in ``known`` (the fitted peak, the steepest) already is."""
-    return tuple(line for line in envelope if not any(np.allclose(line, k, rtol=0, atol=0.5) for k in known))
+def _peak_lines(points1: list[int], points2: list[int], peak: Line) -> tuple[Line, tuple[Line, ...]]:
+    """The line of the op whose live bytes grow fastest with the micro-batch (ties: the higher: the
+    envelope's last), and the envelope's other lines beside it and ``peak`` (the line through the two
+    profiled peaks). Where the runs' ops do not pair up, the fitted peak is all that can be said."""
+    envelope = _envelope(points1, points2)
+    if not envelope:
+        return _line(max(points1, default=0), max(points2, default=0)), ()
+    steep = envelope[-1]
+    return steep, tuple(line for line in envelope
+                        if not any(np.allclose(line, known, rtol=0, atol=0.5) for known in (peak, steep)))
 
 
 def _region_lines(r1: RawRegion, r2: RawRegion) -> Region:
     lines = [_line(a, b) for a, b in zip(r1[:4], r2[:4])]
-    steep, steep_ng = _steepest(r1.points, r2.points), _steepest(r1.points_nongrad, r2.points_nongrad)
-    return Region(*lines, steep=steep, steep_nongrad=steep_ng,
-                  bends=_bends(_envelope(r1.points, r2.points), lines[1], steep),
-                  bends_nongrad=_bends(_envelope(r1.points_nongrad, r2.points_nongrad), lines[3], steep_ng))
+    steep, bends = _peak_lines(r1.points, r2.points, lines[1])
+    steep_ng, bends_ng = _peak_lines(r1.points_nongrad, r2.points_nongrad, lines[3])
+    return Region(*lines, steep=steep, steep_nongrad=steep_ng, bends=bends, bends_nongrad=bends_ng)
 
 
 def _both(r1: RawRegion | None, r2: RawRegion | None) -> Region | None:
