@@ -32,19 +32,22 @@ from autofit.estimator.reserved_model import FITTED as RESERVED
 from autofit.estimator.stage_walk import stage_lines
 from autofit.probes.cuda_overhead import CudaOverhead, fallback_overhead
 from autofit.profiling.data import PrecisionProfile, Profile, with_optimizer
+from autofit.profiling.step import CUDA_BLOCK_BYTES
 from autofit.runtime.optimizers import missing_library, refusal
 
 BREAKDOWN = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "temporary_bytes", "overhead_bytes")
 
 
 def _pipeline_buffers(pp: PrecisionProfile, start: int, end: int, stage: int, split: int,
-                      k: np.ndarray, b: np.ndarray, schedule: PipelineSchedule) -> tuple[np.ndarray, np.ndarray]:
+                      k: np.ndarray, b: np.ndarray, schedule: PipelineSchedule,
+                      loss_bytes: int = 4) -> tuple[np.ndarray, np.ndarray]:
     """Bytes torch.distributed.pipelining keeps on a stage: ``(kept, pending)``. ``kept``: one
     receive buffer per micro-batch for the input activation (later stages) and for the output's
     gradient (earlier stages), allocated once and alive through the optimizer step too;
     ``pending``: sends keep one more boundary tensor alive during the micro-steps (measured
     on torch 2.13's 1F1B: an earlier stage's first output once it runs ahead, a later
-    stage's last input gradient)."""
+    stage's last input gradient), and the last stage keeps each micro-batch's loss (``loss_bytes``:
+    a scalar) until the step returns them."""
     kept, pending = np.zeros_like(b), np.zeros_like(b)
     if split == 1:
         return kept, pending
@@ -53,6 +56,8 @@ def _pipeline_buffers(pp: PrecisionProfile, start: int, end: int, stage: int, sp
         c0, c1 = pp.layers[start - 1].output
         boundary = c0 + c1 * b
         kept = kept + kf * boundary
+        if stage == split - 1:
+            pending = pending + (kf - 1) * loss_bytes
         # the input gradient sent back stays referenced by its send until the next micro-batch's
         pending = pending + np.where(k > 1, boundary, 0.0)
     if stage < split - 1:
@@ -291,7 +296,8 @@ def _score_group(profile: Profile, pp: PrecisionProfile, cuda_overhead: CudaOver
     for s, (start, end) in enumerate(stage_bounds(profile.n_layers, split)):
         st = stage_lines(ends, start, end, s == 0, s == split - 1, every, selective)
         one = st.held[0] + st.held[1] * b                             # one micro-batch's activations
-        kept, pending = _pipeline_buffers(ends, start, end, s, split, k, b, schedule)
+        kept, pending = _pipeline_buffers(ends, start, end, s, split, k, b, schedule,
+                                          loss_bytes=CUDA_BLOCK_BYTES if cuda else 4)
         buffers = kept + pending
         # other micro-batches in flight: during the first micro-step, and during later ones
         held = one * (in_flight(s, split, k, schedule) - 1) + buffers

@@ -161,8 +161,20 @@ class _StageWalk(_Walk):
         late = [segment_freed_late(layers, s, e) for s, e in self.segments]
         late_total = (sum(l[0] for l in late), sum(l[1] for l in late))
         if self.last_stage:  # post_forward: alive through it, freed before its peak or not
-            self.region(self.pp.post_forward.peaks, self.pp.post_forward.delta, "forward", held=late_total)
+            # The unsplit profile also saw the first layer's input die there, as the model's forward
+            # returned (where no backward keeps it: the embeddings under a norm that copies them to
+            # fp32). A later stage never had it, and its checkpoints keep the arguments it makes for
+            # its layers (``layer_args``) until their backward: count both back, through the region
+            # (an upper bound where the peak comes before the return) and after it.
+            elsewhere = ((0.0, 0.0) if self.first_stage else segment_freed_late(layers, 0, start) if self.every
+                         else layers[0].input_freed_late)
+            self.region(self.pp.post_forward.peaks, _add(self.pp.post_forward.delta, elsewhere), "forward",
+                        held=_add(late_total, elsewhere))
             self.live = _add(self.live, late_total)
+        elif self.first_stage and not self.every:
+            # A first stage's graph (torch.export's) lets its input and its layers' other arguments go
+            # at their last use, not as the model returns: by the end of its forward they are gone.
+            self.live = _add(self.live, segment_freed_late(layers, start, end), -1.0)
         self.live = _add(self.live, (-sum(self.saved[start:end]), 0.0))  # autocast exits: its cache is freed
         return self.live
 
@@ -250,7 +262,7 @@ class _StageWalk(_Walk):
         # in ``after``): free it now. A later stage's input stays in its receive buffer.
         if self.first_stage or s > self.start:
             self.live = _add(self.live, layers[s].after)
-        if self.last_stage:
+        if self.last_stage or self.first_stage:  # the checkpoint lets its input and arguments go
             self.live = _add(self.live, segment_freed_late(layers, s, e), -1.0)
 
 
@@ -278,6 +290,8 @@ def stage_lines(pp: PrecisionProfile, start: int, end: int, first_stage: bool, l
     else:
         if first_stage:
             params, grads = params + pp.pre_param_bytes, grads + pp.pre_grad_bytes
+        elif pp.layer_args != (0.0, 0.0):  # it makes its layers' arguments with a copy of the buffers they need
+            params += pp.pre_buffer_bytes
         if last_stage:
             params, grads = params + pp.post_param_bytes, grads + pp.post_grad_bytes
     # Optimizer state scales with the gradients the stage owns. Its step's temporaries do too

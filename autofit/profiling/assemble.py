@@ -119,7 +119,7 @@ def assemble(precision: Precision, runs: dict[int, RawRun], real_check: str = ""
         precision=precision.value,
         static_param_bytes=r1.static_param_bytes, grad_bytes=r1.grad_bytes,
         optimizer_bytes=r2.optimizer_bytes, optimizer_peak_bytes=max(0, r2.opt_region.peak), grad_rows=r1.grad_rows,
-        pre_param_bytes=r1.pre_param_bytes, post_param_bytes=r1.post_param_bytes,
+        pre_param_bytes=r1.pre_param_bytes, post_param_bytes=r1.post_param_bytes, pre_buffer_bytes=r1.pre_buffer_bytes,
         pre_grad_bytes=r1.pre_grad_bytes, post_grad_bytes=r1.post_grad_bytes,
         pre_max_grad_tensor_bytes=r1.pre_max_grad_tensor_bytes,
         post_max_grad_tensor_bytes=r1.post_max_grad_tensor_bytes,

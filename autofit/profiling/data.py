@@ -19,7 +19,7 @@ __all__ = ["OUTPUT_REGIONS", "PROFILE_BATCHES", "PROFILE_VERSION", "LayerProfile
            "upper_envelope", "with_optimizer"]
 
 # The profile's format: a cache entry of another version is never read (autofit.profiling.cache).
-PROFILE_VERSION = 24
+PROFILE_VERSION = 25
 # Micro-batch sizes profiled; every per-sample quantity is fitted as a line through them.
 PROFILE_BATCHES = (2, 4)
 
@@ -257,6 +257,9 @@ class PrecisionProfile:
     # micro-batch (Hugging Face stages do, autofit.workloads.hf.stages) and keeps them through that
     # micro-batch's backward, as the unsplit model keeps them in ``pre_forward``'s bytes.
     layer_args: Line = (0.0, 0.0)
+    # The buffers among ``pre_param_bytes`` (rotary frequencies): a later pipeline stage that makes its
+    # layers' arguments holds a copy of them (an upper bound where they make none of those arguments).
+    pre_buffer_bytes: int = 0
 
     def optimizer_option(self, choice: str) -> OptimizerProfile | None:
         """The profile of lever choice ``choice`` (an OptimizerChoice value), None when not profiled."""

@@ -82,6 +82,7 @@ class RawRun:
     grad_rows: tuple[tuple[int, int], ...]
     pre_param_bytes: int
     tied_bytes: int  # weights used before and after the layers (a tied embedding and head)
+    pre_buffer_bytes: int  # buffers used before the layers (rotary frequencies)
     post_param_bytes: int
     pre_grad_bytes: int
     post_grad_bytes: int

@@ -216,6 +216,7 @@ def _read(step: _Step, trace: StepTrace, checkpointed: list[tuple[tuple, tuple, 
         # weights used before and after the layers (a tied embedding and head): a split copies them
         tied_bytes=tensor_bytes([t for t in weights.pre if any(t is u for u in weights.post)], rb),
         post_param_bytes=tensor_bytes(weights.post, rb),
+        pre_buffer_bytes=tensor_bytes([t for t in weights.pre if any(t is b for b in step.buffers)], rb),
         pre_grad_bytes=tensor_bytes(pre_grads, rb),
         post_grad_bytes=tensor_bytes(post_grads, rb),
         pre_max_grad_tensor_bytes=max_tensor_bytes(pre_grads, rb),

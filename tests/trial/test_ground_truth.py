@@ -95,7 +95,7 @@ def _run(pre_forward: RawRegion, forward: RawRegion, backward: RawRegion) -> Raw
                      forward=forward, recompute=zero, checkpointed_forward=zero, after=0, backward=backward,
                      input_freed_late=0, args_freed_late=0, forward_flops=0.0, selective_forward=zero,
                      selective_kept=0, selective_output_kept=False, selective_saved_flops=0.0)
-    return RawRun(static_param_bytes=0, grad_bytes=0, grad_rows=(), pre_param_bytes=0, tied_bytes=0, post_param_bytes=0,
+    return RawRun(static_param_bytes=0, grad_bytes=0, grad_rows=(), pre_param_bytes=0, tied_bytes=0, pre_buffer_bytes=0, post_param_bytes=0,
                   pre_grad_bytes=0, post_grad_bytes=0, pre_max_grad_tensor_bytes=0, post_max_grad_tensor_bytes=0,
                   pre_forward=pre_forward, post_forward=zero, post_backward=zero, pre_backward=zero, forward_flops=0.0,
                   backward_flops=0.0, input_bytes=0, step_peak_bytes=0, layers=(layer,))
