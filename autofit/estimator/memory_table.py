@@ -39,15 +39,13 @@ BREAKDOWN = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_byte
 
 
 def _pipeline_buffers(pp: PrecisionProfile, start: int, end: int, stage: int, split: int,
-                      k: np.ndarray, b: np.ndarray, schedule: PipelineSchedule,
-                      loss_bytes: int = 4) -> tuple[np.ndarray, np.ndarray]:
+                      k: np.ndarray, b: np.ndarray, schedule: PipelineSchedule) -> tuple[np.ndarray, np.ndarray]:
     """Bytes torch.distributed.pipelining keeps on a stage: ``(kept, pending)``. ``kept``: one
     receive buffer per micro-batch for the input activation (later stages) and for the output's
     gradient (earlier stages), allocated once and alive through the optimizer step too;
     ``pending``: sends keep one more boundary tensor alive during the micro-steps (measured
     on torch 2.13's 1F1B: an earlier stage's first output once it runs ahead, a later
-    stage's last input gradient), and the last stage keeps each micro-batch's loss (``loss_bytes``:
-    a scalar) until the step returns them."""
+    stage's last input gradient)."""
     kept, pending = np.zeros_like(b), np.zeros_like(b)
     if split == 1:
         return kept, pending
@@ -56,8 +54,6 @@ def _pipeline_buffers(pp: PrecisionProfile, start: int, end: int, stage: int, sp
         c0, c1 = pp.layers[start - 1].output
         boundary = c0 + c1 * b
         kept = kept + kf * boundary
-        if stage == split - 1:
-            pending = pending + (kf - 1) * loss_bytes
         # the input gradient sent back stays referenced by its send until the next micro-batch's
         pending = pending + np.where(k > 1, boundary, 0.0)
     if stage < split - 1:
@@ -67,6 +63,24 @@ def _pipeline_buffers(pp: PrecisionProfile, start: int, end: int, stage: int, sp
         if PipelineSchedule(schedule) is PipelineSchedule.ONE_F_ONE_B:
             pending = pending + np.where(k > split - stage, boundary, 0.0)
     return kept, pending
+
+
+# A scalar tensor: an fp32 value on the CPU, one allocator block on CUDA.
+_SCALAR_BYTES = {False: 4, True: CUDA_BLOCK_BYTES}
+
+
+def _step_scalars(pp: PrecisionProfile, k: np.ndarray, last_stage: bool,
+                  cuda: bool) -> tuple[np.ndarray, np.ndarray, int]:
+    """Scalars a step keeps beside the profiled micro-step: ``(earlier, losses, scaler)``. The last
+    stage keeps each micro-batch's loss until the step returns their mean (the training loop, and the
+    pipeline schedule): ``earlier``, those of the micro-steps before the last (a micro-step's own is in
+    its regions), and ``losses``, all ``k`` through the optimizer step. amp-fp16's GradScaler keeps its
+    scale and growth tracker on every stage from the first step on (``scaler``)."""
+    scalar = _SCALAR_BYTES[cuda]
+    losses = k.astype(np.float64) * scalar if last_stage else np.zeros(len(k))
+    earlier = np.maximum(losses - scalar, 0.0)
+    scaler = 2 * scalar if Precision(pp.precision) is Precision.AMP_FP16 else 0
+    return earlier, losses, scaler
 
 
 def in_flight(stage: int, device_split: int, grad_accum: np.ndarray,
@@ -296,8 +310,7 @@ def _score_group(profile: Profile, pp: PrecisionProfile, cuda_overhead: CudaOver
     for s, (start, end) in enumerate(stage_bounds(profile.n_layers, split)):
         st = stage_lines(ends, start, end, s == 0, s == split - 1, every, selective)
         one = st.held[0] + st.held[1] * b                             # one micro-batch's activations
-        kept, pending = _pipeline_buffers(ends, start, end, s, split, k, b, schedule,
-                                          loss_bytes=CUDA_BLOCK_BYTES if cuda else 4)
+        kept, pending = _pipeline_buffers(ends, start, end, s, split, k, b, schedule)
         buffers = kept + pending
         # other micro-batches in flight: during the first micro-step, and during later ones
         held = one * (in_flight(s, split, k, schedule) - 1) + buffers
@@ -305,8 +318,9 @@ def _score_group(profile: Profile, pp: PrecisionProfile, cuda_overhead: CudaOver
         # What a step leaves for the next (a hook's stash, a replaced buffer) is alive through all of it,
         # the optimizer step too. Which stage's layers made it is not profiled: every stage counts it all.
         carried = pp.kept_bytes[0] + pp.kept_bytes[1] * b
-        kept = kept + carried
-        held, held_later = held + carried, held_later + carried
+        earlier, losses, scaler = _step_scalars(pp, k, last_stage=s == split - 1, cuda=cuda)
+        kept = kept + carried + losses + scaler
+        held, held_later = held + carried + scaler, held_later + carried + earlier + scaler
         base = st.params_bytes + st.optimizer_bytes
         v1 = st.first[:, 0][None, :] + st.first[:, 1][None, :] * b[:, None]        # (n, E)
         a1 = np.argmax(v1, axis=1)
