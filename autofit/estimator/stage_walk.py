@@ -6,6 +6,7 @@ The rules (gradients, checkpointing, device split) are described in :mod:`autofi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -310,7 +311,7 @@ def stage_lines(pp: PrecisionProfile, start: int, end: int, first_stage: bool, l
         later=np.array(wn.peaks, dtype=np.float64), later_acts=np.array(wn.acts_at, dtype=np.float64),
         later_phase=tuple(f"later {p}" for p in wn.phases),
         held=held, params_bytes=int(params), grads_bytes=int(grads),
-        optimizer_bytes=int(round(pp.optimizer_bytes * share)),
+        optimizer_bytes=math.ceil(pp.optimizer_bytes * share),  # never under by the rounding
         optimizer_peak_bytes=int(round(pp.optimizer_peak_bytes * opt_share)),
     )
 
