@@ -92,7 +92,7 @@ from autofit.core.config import (
 )
 from autofit.core.errors import ConfigError
 from autofit.estimator.fsdp_memory import FSDP_EXTRA_COLUMNS
-from autofit.estimator.memory_table import BREAKDOWN, estimate_table, profile_for
+from autofit.estimator.memory_table import BREAKDOWN, estimate_table, profile_for, whole_bytes
 from autofit.estimator.offload_memory import host_need
 from autofit.estimator.stage_walk import stage_lines
 from autofit.probes.cuda_overhead import (
@@ -207,7 +207,7 @@ def estimate(profile: Profile, config: TrainConfig, budget_bytes: int | None = N
         workload=profile.workload, device_type=profile.device_type, config=config,
         param_count=profile.param_count,
         **{name: int(round(row[name])) for name in BREAKDOWN},
-        model_state_bytes=int(row["model_state_bytes"]), peak_bytes=int(round(row["peak_bytes"])),
+        model_state_bytes=int(row["model_state_bytes"]), peak_bytes=int(whole_bytes(row["peak_bytes"])),
         per_device_peak_bytes=tuple(row["per_device_peak_bytes"]), peak_phase=str(row["peak_phase"]),
         budget_bytes=budget_bytes, fits=None if budget_bytes is None else bool(row["fits"]), notes=tuple(notes),
         **{name: None if pd.isna(row[name]) else int(round(row[name])) for name in FSDP_EXTRA_COLUMNS},

@@ -65,6 +65,12 @@ def _pipeline_buffers(pp: PrecisionProfile, start: int, end: int, stage: int, sp
     return kept, pending
 
 
+def whole_bytes(peak: np.ndarray | float) -> np.ndarray:
+    """A peak in whole bytes, rounded up: lines fitted through two micro-batches can land on a half byte
+    between them, which rounding to the nearest could put under the peak. A float's last bits are not a byte."""
+    return np.ceil(np.asarray(peak, dtype=np.float64) - 1e-6).astype(np.int64)
+
+
 # A scalar tensor: an fp32 value on the CPU, one allocator block on CUDA.
 _SCALAR_BYTES = {False: 4, True: CUDA_BLOCK_BYTES}
 
@@ -282,7 +288,7 @@ def _score_fsdp_group(profile: Profile, pp: PrecisionProfile, cuda_overhead: Cud
         out[name][idx] = scored[name]
     for name in FSDP_EXTRA_COLUMNS:
         extra[name][idx] = scored[name]
-    per_device[idx] = [(int(round(p)),) * ranks for p in scored["peak_bytes"]]
+    per_device[idx] = [(int(whole_bytes(p)),) * ranks for p in scored["peak_bytes"]]
     phase[idx] = scored["phase"]
 
 
@@ -365,6 +371,6 @@ def _score_group(profile: Profile, pp: PrecisionProfile, cuda_overhead: CudaOver
     out["peak_bytes"][idx] = best
     for name in BREAKDOWN:
         out[name][idx] = best_parts[name]
-    stacked = np.stack(stage_peaks, axis=1).round().astype(np.int64)
+    stacked = whole_bytes(np.stack(stage_peaks, axis=1))
     per_device[idx] = [tuple(int(x) for x in row) for row in stacked]
     phase[idx] = best_phase
