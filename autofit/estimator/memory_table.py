@@ -75,19 +75,22 @@ def whole_bytes(peak: np.ndarray | float) -> np.ndarray:
 _SCALAR_BYTES = {False: 4, True: CUDA_BLOCK_BYTES}
 
 
-def _step_scalars(pp: PrecisionProfile, k: np.ndarray, last_stage: bool,
+def _step_scalars(pp: PrecisionProfile, k: np.ndarray, last_stage: bool, split: int,
                   cuda: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Scalars a step keeps beside the profiled micro-step, during its first micro-step, during later
     ones and through the optimizer step. The last stage keeps each micro-batch's loss until the step
     returns their mean (the training loop, and the pipeline schedule): a micro-step's own is in its
     regions, the earlier ones are not, and all ``k`` are alive through the optimizer step. amp-fp16's
     GradScaler keeps its scale and growth tracker on every stage from the first step on, and through
-    the optimizer step the inf check its unscale made."""
+    the optimizer step the inf check its unscale made; a pipeline's schedule keeps the scaled loss,
+    beside the loss itself."""
     scalar = _SCALAR_BYTES[cuda]
-    losses = k.astype(np.float64) * scalar if last_stage else np.zeros(len(k))
-    scaler = 2 * scalar if Precision(pp.precision) is Precision.AMP_FP16 else 0
+    fp16 = Precision(pp.precision) is Precision.AMP_FP16
+    per_loss = 2 * scalar if fp16 and split > 1 else scalar
+    losses = k.astype(np.float64) * per_loss if last_stage else np.zeros(len(k))
+    scaler = 2 * scalar if fp16 else 0
     found_inf = scalar if scaler else 0
-    return np.full(len(k), float(scaler)), np.maximum(losses - scalar, 0.0) + scaler, losses + scaler + found_inf
+    return np.full(len(k), float(scaler)), np.maximum(losses - per_loss, 0.0) + scaler, losses + scaler + found_inf
 
 
 def in_flight(stage: int, device_split: int, grad_accum: np.ndarray,
@@ -325,7 +328,7 @@ def _score_group(profile: Profile, pp: PrecisionProfile, cuda_overhead: CudaOver
         # What a step leaves for the next (a hook's stash, a replaced buffer) is alive through all of it,
         # the optimizer step too. Which stage's layers made it is not profiled: every stage counts it all.
         carried = pp.kept_bytes[0] + pp.kept_bytes[1] * b
-        first_scalars, later_scalars, step_scalars = _step_scalars(pp, k, last_stage=s == split - 1, cuda=cuda)
+        first_scalars, later_scalars, step_scalars = _step_scalars(pp, k, last_stage=s == split - 1, split=split, cuda=cuda)
         kept = kept + carried + step_scalars
         held, held_later = held + carried + first_scalars, held_later + carried + later_scalars
         base = st.params_bytes + st.optimizer_bytes

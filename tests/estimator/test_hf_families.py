@@ -71,14 +71,16 @@ def test_what_a_later_stage_makes_for_its_layers_is_the_rotary_tables_and_positi
 
 
 @pytest.mark.slow
-def test_both_stages_of_a_pure_bf16_split_are_estimated_to_the_byte():
+@pytest.mark.parametrize("precision", ["bf16", "amp-fp16"])
+def test_both_stages_of_a_split_are_estimated_to_the_byte(precision):
     # In pure bf16 the first norm copies the embeddings to fp32 and nothing saves them: the unsplit
     # profile sees them die as the model returns, just before the loss. The last stage never had
     # them (counted as freed there, it was 16 KiB under here) and the first stage's graph frees them
     # at their last use (counted as alive, it was 32 KiB over: one per micro-batch in flight). The
-    # last stage also holds the rotary frequencies' buffers and each micro-batch's loss.
+    # last stage also holds the rotary frequencies' buffers and each micro-batch's loss (under amp-fp16,
+    # the scaled loss the schedule keeps beside it).
     workload = _workload("gemma")
-    config = TrainConfig.parse("precision=bf16,micro_batch=4,grad_accum=3,device_split=2")
+    config = TrainConfig.parse(f"precision={precision},micro_batch=4,grad_accum=3,device_split=2")
     predicted = estimate(profile_workload(workload, [config.precision], use_cache=False), config)
     measured = measure_split(workload, config, device_type="cpu", budget_bytes=None, measure_steps=1)
     assert measured["status"] == "ok", measured["error"]
