@@ -89,7 +89,7 @@ def _step_scalars(pp: PrecisionProfile, k: np.ndarray, last_stage: bool, split: 
     per_loss = 2 * scalar if fp16 and split > 1 else scalar
     losses = k.astype(np.float64) * per_loss if last_stage else np.zeros(len(k))
     scaler = 2 * scalar if fp16 else 0
-    found_inf = scalar if scaler else 0
+    found_inf = scalar if fp16 else 0
     return np.full(len(k), float(scaler)), np.maximum(losses - per_loss, 0.0) + scaler, losses + scaler + found_inf
 
 

@@ -167,8 +167,12 @@ class _StageWalk(_Walk):
             # fp32). A later stage never had it, and its checkpoints keep the arguments it makes for
             # its layers (``layer_args``) until their backward: count both back, through the region
             # (an upper bound where the peak comes before the return) and after it.
-            elsewhere = ((0.0, 0.0) if self.first_stage else segment_freed_late(layers, 0, start) if self.every
-                         else layers[0].input_freed_late)
+            if self.first_stage:
+                elsewhere = (0.0, 0.0)
+            elif self.every:
+                elsewhere = segment_freed_late(layers, 0, start)
+            else:
+                elsewhere = layers[0].input_freed_late
             self.region(self.pp.post_forward.peaks, _add(self.pp.post_forward.delta, elsewhere), "forward",
                         held=_add(late_total, elsewhere))
             self.live = _add(self.live, late_total)
