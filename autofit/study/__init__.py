@@ -38,7 +38,10 @@ One planning step (every worker, before every trial, from what the storage holds
    :func:`~autofit.study.leaders.sample_noise`), reaches the best's are measured again, up to
    REMEASURE_TOP of them. Leaders of one build are timed head to head in one process
    (:mod:`autofit.trial.head_to_head`) and ranked by that head-to-head; any other leader gets
-   a second trial of its own; the best is the config with the highest best sample
+   a second trial of its own; a config measured once whose calibrated prediction, raised by the
+   noise, reaches the best is a leader too; then the top two get a third sample each while their
+   own samples leave their order open (:func:`~autofit.study.leaders.undecided`); the best is the
+   config with the highest best sample
    (:func:`autofit.core.records.best_of`). A re-measurement is a real trial of the same config with
    a higher ``sample`` number: it counts towards the trial limit (exploration leaves up to a
    quarter of the limit for them), not towards patience; one that fails or goes over the budget
@@ -97,7 +100,8 @@ _HOMES = {
                               "record_of", "snapshot"),
     "autofit.study.planner": ("BOUND", "TIE", "SLOW_FACTOR", "TRIAL_STARTUP_S", "Planner", "Prune", "Step",
                               "StopReason"),
-    "autofit.study.leaders": ("HEAD_TO_HEAD_MAX", "NOISE_MIN", "REMEASURE_SAMPLES", "REMEASURE_TOP", "sample_noise"),
+    "autofit.study.leaders": ("HEAD_TO_HEAD_MAX", "NOISE_MIN", "REMEASURE_SAMPLES", "REMEASURE_TOP", "TIED_SAMPLES",
+                              "sample_noise", "undecided"),
     "autofit.study.progress": ("ProgressCallback", "ProgressPrinter", "SearchProgress", "progress_of"),
     "autofit.study.worker": ("HEARTBEAT_S", "ORPHAN_S", "STALE_S", "TrialRunner", "fail_stale_trials", "is_stale",
                              "process_start", "run_trial_isolated", "run_worker", "worker_identity",

@@ -1,14 +1,15 @@
 """Which leaders are measured again before the best is crowned, and how: the planner's re-measurement rules.
 
 One throughput sample is noisy, so before the best is crowned the configs whose noise bands overlap
-the best's are measured again. Leaders that share a build are timed head to head in one process
+the best's are measured again, and the top two once more while their own samples leave their order open. Leaders that share a build are timed head to head in one process
 (:mod:`autofit.trial.head_to_head`), where a slow spell of the machine falls on them more alike; any
 other leader gets a second trial of its own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 
 from autofit.core.config import TrainConfig
 from autofit.core.records import (
@@ -33,6 +34,7 @@ NOISE_MIN = 0.14           # a leader is re-measured if its best sample, raised 
 #                            least this (the quiet day's 90th percentile). On a noisier day the study's
 #                            own spreads raise it; replayed on both days' grids, a floor of 0.25 answered
 #                            no better and re-measured more (docs/facts.md#throughput-noise)
+TIED_SAMPLES = 3           # the top two leaders, while their samples leave their order open (undecided)
 REMEASURE_MAX = 2 * REMEASURE_TOP * (REMEASURE_SAMPLES - 1)  # re-measurements in a study at most
 # Leaders of one build are timed together in one process (autofit.trial.head_to_head), at most
 # this many times per study: a second head-to-head only when the first changed who leads.
@@ -48,7 +50,8 @@ def sample_noise(by_config: dict) -> float:
     return max([NOISE_MIN] + spreads)
 
 
-def remeasurements(records: Sequence[TrialRecord], by_config: dict, index: dict) -> list[list[tuple[int, int]]]:
+def remeasurements(records: Sequence[TrialRecord], by_config: dict, index: dict,
+                   predicted: Mapping[TrainConfig, float] | None = None) -> list[list[tuple[int, int]]]:
     """The re-measurements still due before the best is crowned, in the order they run: each a list of
     (config index in ``index``, sample number), one member for a trial of its own, more for a
     head-to-head; only where the leaders' noise bands overlap. The leaders are the configs whose best
@@ -58,7 +61,13 @@ def remeasurements(records: Sequence[TrialRecord], by_config: dict, index: dict)
     overtake it. Leaders that share a build (:attr:`TrainConfig.build`) are timed head to head, in
     one process (:func:`_head_to_head`, first in the list); any other leader is brought to
     REMEASURE_SAMPLES samples of its own, so a slow first sample gets its second chance. Running
-    ones count (another worker has them)."""
+    ones count (another worker has them).
+
+    ``predicted``: each config's calibrated predicted figure now. A config measured once is a leader
+    also when its prediction, raised by the noise, reaches the best: the model and its one sample
+    disagree, and a second sample settles which was wrong (the prediction never ranks it). Once every
+    leader has its samples, the top two are brought to TIED_SAMPLES each while they are
+    :func:`undecided`."""
     claimed = [r for r in records if r.claimed and r.config in index]
     if sum(r.sample > 1 for r in claimed) >= REMEASURE_MAX or not by_config:
         return []
@@ -68,7 +77,13 @@ def remeasurements(records: Sequence[TrialRecord], by_config: dict, index: dict)
     ranked = sorted(((c, done) for c, done in by_config.items() if c not in lost),
                     key=lambda kv: (-best_sample(kv[1]).value, kv[1][0].number))
     best, noise = best_sample(ranked[0][1]).value, sample_noise(by_config)
-    leaders = [c for c, done in ranked if reach(best_sample(done)) * (1 + noise) >= best][:REMEASURE_TOP]
+    predicted = predicted or {}
+
+    def figure(config: TrainConfig, done: Sequence[TrialRecord]) -> float:
+        measured = reach(best_sample(done))
+        return max(measured, predicted.get(config, 0.0)) if len(done) == 1 else measured
+
+    leaders = [c for c, done in ranked if figure(c, done) * (1 + noise) >= best][:REMEASURE_TOP]
     if len(leaders) < 2:
         return []
     builds = by_build(leaders)
@@ -80,7 +95,33 @@ def remeasurements(records: Sequence[TrialRecord], by_config: dict, index: dict)
         running = sum(r.status is TrialStatus.RUNNING for r in mine)
         if config not in together and len(by_config[config]) + running < REMEASURE_SAMPLES:
             due.append([(index[config], 1 + max(r.sample for r in mine))])
-    return due
+    if due or any(r.status is TrialStatus.RUNNING for r in claimed):
+        return due
+    return _settle(claimed, [(c, by_config[c]) for c, _ in ranked[:2] if c in leaders], index)
+
+
+def undecided(first: Sequence[TrialRecord], second: Sequence[TrialRecord]) -> bool:
+    """Whether two configs' samples leave their order open: the gap between their best samples is
+    smaller than the spread between either one's own samples (that config's noise, as measured here)."""
+    def spread(samples: Sequence[TrialRecord]) -> float:
+        values = [reach(r) for r in samples]
+        return max(values) / min(values) - 1.0 if min(values) > 0 else math.inf
+
+    a, b = reach(best_sample(first)), reach(best_sample(second))
+    if min(len(first), len(second)) < 2 or min(a, b) <= 0:
+        return False
+    return max(a, b) / min(a, b) - 1.0 < max(spread(first), spread(second))
+
+
+def _settle(claimed: list[TrialRecord], top: list[tuple[TrainConfig, Sequence[TrialRecord]]],
+            index: dict) -> list[list[tuple[int, int]]]:
+    """One more sample of each of the top two leaders (``top``, best first), up to TIED_SAMPLES each,
+    while :func:`undecided`. Replayed on the committed CPU grids, two samples each left a config 2.5-2.7%
+    below the best as the answer in 2 of 14 cells; a third settled both (docs/search.md)."""
+    if len(top) < 2 or not undecided(top[0][1], top[1][1]):
+        return []
+    return [[(index[c], 1 + max(r.sample for r in claimed if r.config == c))]
+            for c, done in top if len(done) < TIED_SAMPLES]
 
 
 def by_build(configs) -> dict[tuple, list[TrainConfig]]:

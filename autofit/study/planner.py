@@ -317,7 +317,8 @@ class Planner:
         prunes = [Prune(i, reasons[i][0], reasons[i][1], self.prediction(i, calibration, float(ratio[i])))
                   for i in range(n) if reasons[i] is not None and not claimed[i] and not pruned_before[i]]
         candidates = [i for i in range(n) if reasons[i] is None and not claimed[i]]
-        remeasure = remeasurements(records, by_config, self.index)
+        predicted = {c: float(sps[self.index[c]]) for c in by_config if math.isfinite(sps[self.index[c]])}
+        remeasure = remeasurements(records, by_config, self.index, predicted)
         reserve = 0 if settings.trials is None else min(sum(map(len, remeasure)), settings.trials // REMEASURE_RESERVE)
         # The bound rules out what is left on the prediction alone: not a kind no trial vouches for
         # before the model's error across kinds is measured (then _slow_precisions judges it).

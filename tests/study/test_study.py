@@ -412,7 +412,9 @@ def test_leaders_of_other_builds_are_measured_on_their_own(tiny_profile, rates):
             order.append(planner.configs[step.run])
             trials.append(ran_trial(planner, order[-1], len(trials), samples_per_s=90.0, sample=step.sample))
         step = planner.step(trials)
-    assert order == [a, b]
+    # each leader's second sample, each a trial of its own; then, since a's 100 and b's 95 are closer
+    # than a's own two samples (100 and 90), a third of each (leaders.undecided)
+    assert order == [a, b, a, b]
 
 
 def test_a_head_to_head_takes_only_the_trials_left_under_the_limit(tiny_profile, rates):
@@ -1087,3 +1089,23 @@ def test_a_checkpointed_trial_does_not_vouch_for_its_precision_without_checkpoin
     best_plain = TrainConfig("amp-bf16", 4, 1)
     assert planner.prediction(planner.index[best_plain], step.calibration)["samples_per_s"] == top
     assert best_plain not in slow and planner.configs[step.run] == best_plain
+
+
+def test_the_planner_gives_the_leaders_rule_its_calibrated_predictions(tiny_profile, rates, monkeypatch):
+    """A config measured once is a leader also where its calibrated prediction reaches the best
+    (autofit.study.leaders): the planner passes the prediction of every config that ran, as it ranks them."""
+    import autofit.study.planner as planner_module
+
+    planner = make_planner(tiny_profile, rates, precision=["fp32"], micro_batch=[4, 8], global_batch=8)
+    a, b = TrainConfig("fp32", 8, 1), TrainConfig("fp32", 4, 2)
+    trials = [ran_trial(planner, a, 0, samples_per_s=100.0), ran_trial(planner, b, 1, samples_per_s=60.0)]
+    seen = {}
+    real = planner_module.remeasurements
+    monkeypatch.setattr(planner_module, "remeasurements",
+                        lambda records, by_config, index, predicted: seen.update(predicted) or real(
+                            records, by_config, index, predicted))
+    step = planner.step(trials)
+    calibration = step.calibration
+    assert set(seen) == {a, b}
+    for config in (a, b):
+        assert seen[config] == pytest.approx(planner.prediction(planner.index[config], calibration)["objective"])
