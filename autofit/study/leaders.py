@@ -116,8 +116,8 @@ def undecided(first: Sequence[TrialRecord], second: Sequence[TrialRecord]) -> bo
 def _settle(claimed: list[TrialRecord], top: list[tuple[TrainConfig, Sequence[TrialRecord]]],
             index: dict) -> list[list[tuple[int, int]]]:
     """One more sample of each of the top two leaders (``top``, best first), up to TIED_SAMPLES each,
-    while :func:`undecided`. Replayed on the committed CPU grids, two samples each left a config 2.5-2.7%
-    below the best as the answer in 2 of 14 cells; a third settled both (docs/search.md)."""
+    while :func:`undecided`. Replayed on the CPU grid of the bench at 90d8b79, two samples each left a
+    config 2.5-2.7% below the best as the answer in 2 of 14 cells; a third settled both (docs/search.md)."""
     if len(top) < 2 or not undecided(top[0][1], top[1][1]):
         return []
     return [[(index[c], 1 + max(r.sample for r in claimed if r.config == c))]
