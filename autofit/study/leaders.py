@@ -1,7 +1,8 @@
 """Which leaders are measured again before the best is crowned, and how: the planner's re-measurement rules.
 
 One throughput sample is noisy, so before the best is crowned the configs whose noise bands overlap
-the best's are measured again, and the top two once more while their own samples leave their order open. Leaders that share a build are timed head to head in one process
+the best's are measured again, and the top two once more while their own samples leave their order
+open. Leaders that share a build are timed head to head in one process
 (:mod:`autofit.trial.head_to_head`), where a slow spell of the machine falls on them more alike; any
 other leader gets a second trial of its own.
 """
