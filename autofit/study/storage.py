@@ -350,6 +350,27 @@ def read_records(study: optuna.Study) -> list[TrialRecord]:
     return [r for r in map(record_of, study.get_trials(deepcopy=False)) if r is not None]
 
 
+# A claim is written in steps (Optuna's trial, then each param, then the worker's signature), and another
+# machine can read the study between them: an earlier claim not yet a config is not yet a record. Reading
+# waits this long at most for the claims before a trial to be complete (one is left half-written only by a
+# worker that died in between, and fail_stale_trials closes it later).
+CLAIM_SETTLE_S = 5.0
+
+
+def settled_records(study: optuna.Study, before: int, wait_s: float = CLAIM_SETTLE_S) -> list[TrialRecord]:
+    """:func:`read_records`, once every trial numbered below ``before`` that is still running carries its
+    claim's signature (:func:`sign_claim`'s last attribute), or after ``wait_s``: a worker that checks
+    whether another machine took the same measurement first must see that machine's earlier claim whole."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        trials = study.get_trials(deepcopy=False)
+        pending = [t for t in trials if t.number < before and t.state == TrialState.RUNNING
+                   and "status" not in t.user_attrs]
+        if not pending or time.monotonic() > deadline:
+            return [r for r in map(record_of, trials) if r is not None]
+        time.sleep(0.02)
+
+
 def snapshot(study: optuna.Study) -> StudySnapshot:
     """The study as the report reads it (records, settings, runs, stop reason, versions, rates)."""
     attrs = study.user_attrs
@@ -378,7 +399,8 @@ def add_pruned(study: optuna.Study, config: TrainConfig, dists: dict, reason: Pr
 
 def sign_claim(trial: optuna.Trial, worker: dict, prediction: dict, sample: int = 1) -> None:
     """Mark a freshly asked trial as this worker's, with what it is predicted to do and which
-    measurement of its config it is (``sample``: 1 the first, more a re-measurement)."""
+    measurement of its config it is (``sample``: 1 the first, more a re-measurement). ``status`` is
+    written last: :func:`settled_records` reads a claim as whole once it is there."""
     trial.set_user_attr("worker", worker)
     trial.set_user_attr("predicted", prediction)
     trial.set_user_attr("sample", sample)

@@ -270,7 +270,7 @@ def _run_trials(worker: _Worker, workload: Workload, runner: TrialRunner,
         if trial is None:  # the caller says why it stopped, once (SearchProgress.stop_reason)
             return step.stop
         config = storage.config_of(trial.params)  # the planned config, or one someone enqueued by hand
-        records = storage.read_records(worker.study)
+        records = storage.settled_records(worker.study, trial.number)
         duplicate = _claimed_elsewhere(records, trial.number, config, step.sample)
         if duplicate is not None:
             why = f"claimed at the same time by trial {trial_number(records, duplicate)} (another machine)"
