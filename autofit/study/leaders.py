@@ -46,9 +46,13 @@ def sample_noise(by_config: dict) -> float:
     """The measured sample-to-sample noise of throughput: the largest relative spread (max / min - 1)
     between the samples of one config (``by_config``: :func:`autofit.core.records.config_samples`), at
     least NOISE_MIN (before any config has two samples, it is NOISE_MIN)."""
-    spreads = [max(r.value for r in s) / min(r.value for r in s) - 1.0 for s in by_config.values()
-               if len(s) > 1 and min(r.value for r in s) > 0]
-    return max([NOISE_MIN] + spreads)
+    spreads = [_spread([r.value for r in s]) for s in by_config.values() if len(s) > 1]
+    return max([NOISE_MIN] + [x for x in spreads if x is not None])
+
+
+def _spread(values: Sequence[float]) -> float | None:
+    """The relative spread of one config's samples, max / min - 1 (None when one is not positive)."""
+    return max(values) / min(values) - 1.0 if min(values) > 0 else None
 
 
 def remeasurements(records: Sequence[TrialRecord], by_config: dict, index: dict,
@@ -104,14 +108,11 @@ def remeasurements(records: Sequence[TrialRecord], by_config: dict, index: dict,
 def undecided(first: Sequence[TrialRecord], second: Sequence[TrialRecord]) -> bool:
     """Whether two configs' samples leave their order open: the gap between their best samples is
     smaller than the spread between either one's own samples (that config's noise, as measured here)."""
-    def spread(samples: Sequence[TrialRecord]) -> float:
-        values = [reach(r) for r in samples]
-        return max(values) / min(values) - 1.0 if min(values) > 0 else math.inf
-
     a, b = reach(best_sample(first)), reach(best_sample(second))
     if min(len(first), len(second)) < 2 or min(a, b) <= 0:
         return False
-    return max(a, b) / min(a, b) - 1.0 < max(spread(first), spread(second))
+    spreads = [_spread([reach(r) for r in samples]) for samples in (first, second)]
+    return max(a, b) / min(a, b) - 1.0 < max(math.inf if x is None else x for x in spreads)
 
 
 def _settle(claimed: list[TrialRecord], top: list[tuple[TrainConfig, Sequence[TrialRecord]]],

@@ -347,7 +347,11 @@ def record_of(trial: FrozenTrial) -> TrialRecord | None:
 
 def read_records(study: optuna.Study) -> list[TrialRecord]:
     """Every trial of ``study`` whose params are a config, as records, in trial order."""
-    return [r for r in map(record_of, study.get_trials(deepcopy=False)) if r is not None]
+    return _records_of(study.get_trials(deepcopy=False))
+
+
+def _records_of(trials: list[FrozenTrial]) -> list[TrialRecord]:
+    return [r for r in map(record_of, trials) if r is not None]
 
 
 # A claim is written in steps (Optuna's trial, then each param, then the worker's signature), and another
@@ -367,7 +371,7 @@ def settled_records(study: optuna.Study, before: int, wait_s: float = CLAIM_SETT
         pending = [t for t in trials if t.number < before and t.state == TrialState.RUNNING
                    and "status" not in t.user_attrs]
         if not pending or time.monotonic() > deadline:
-            return [r for r in map(record_of, trials) if r is not None]
+            return _records_of(trials)
         time.sleep(0.02)
 
 
