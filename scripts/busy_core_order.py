@@ -4,9 +4,11 @@
 Runs the steady suite's busy-core search (``autofit search`` of its model at its budget, beside a busy
 loop holding one core: :mod:`autofit.bench.steady`) ``--runs`` times and reads every sample whose timed
 steps all waited for a CPU. Prints, for each config with two or more such samples, the spread of their
-longest waits (``max_wait_share``: largest less smallest), its quantiles over all runs, and each
-head-to-head's members (timed in one process, steps interleaved): their waits, readings and reaches
-(reading / (1 - wait), :func:`autofit.core.records.reach`). docs/facts.md#run-queue-wait reads it.
+longest waits (``max_wait_share``: largest less smallest), its quantiles over all runs, and, where the
+search timed leaders head to head (one process, steps interleaved: versions before the search measured
+each leader in trials of its own, as results/benchmarks/busy_core_order.txt was made), each head-to-head's
+members: their waits, readings and reaches (reading / (1 - wait), :func:`autofit.core.records.reach`).
+docs/facts.md#run-queue-wait reads it.
 
     python scripts/busy_core_order.py [--runs 3] > results/benchmarks/busy_core_order.txt
 

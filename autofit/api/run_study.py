@@ -42,7 +42,7 @@ from autofit.study.settings import (
     redact,
     space_to_dict,
 )
-from autofit.study.worker import HeadToHeadRunner, TrialRunner, run_trial_isolated, run_worker
+from autofit.study.worker import TrialRunner, run_trial_isolated, run_worker
 from autofit.trial import host
 from autofit.workloads.base import Workload
 from autofit.workloads.load import load_workload
@@ -104,7 +104,7 @@ def _check(device: str, workers, trials, workload: Workload, own_runner) -> None
         raise StudyError("workers > 1 needs a workload that other processes can load: pass a --model spec or "
                          "autofit.load_workload('path/to/file.py:function')")
     if workers > 1 and own_runner is not None:
-        raise StudyError("a trial_runner or head_to_head_runner runs in this process only: use workers=1 with it")
+        raise StudyError("a trial_runner runs in this process only: use workers=1 with it")
 
 
 def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | str | Path | dict | None = None,
@@ -113,8 +113,7 @@ def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | 
            out_dir: str | Path | None = None, device: str | None = None, devices: int | None = None, seed: int = 0,
            patience: int = PATIENCE, min_improvement: float = MIN_IMPROVEMENT,
            trial_timeout_s: float = TRIAL_TIMEOUT_S, progress: ProgressCallback | None = None,
-           command: str | None = None, trial_runner: TrialRunner | None = None,
-           head_to_head_runner: HeadToHeadRunner | None = None):
+           command: str | None = None, trial_runner: TrialRunner | None = None):
     """Search ``space`` for the fastest config of ``workload`` whose measured peak fits ``budget``.
 
     - ``workload``: a Workload or a ``--model`` spec; ``budget``: ``"8GB"`` or bytes.
@@ -132,9 +131,8 @@ def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | 
       above it are estimated, never run. On the CPU, ``devices=N`` runs splits up to N as
       pipeline stage processes sharing the CPU.
     - ``progress``: called with a :class:`SearchProgress` after every step (the library never prints).
-    - ``trial_runner``, ``head_to_head_runner`` (workers=1 only): run each real trial, and time leaders of
-      one build together (:class:`autofit.study.worker.TrialRunner`, ``HeadToHeadRunner``; default: isolated
-      children; with a trial_runner alone, each leader by it, one after another).
+    - ``trial_runner`` (workers=1 only): runs each real trial, first measurements and re-measurements alike
+      (:class:`autofit.study.worker.TrialRunner`; default: an isolated child).
 
     Returns a :class:`autofit.report.result.SearchResult`; the tables ``trials.csv``, ``best.json`` and
     ``summary.md`` are written to ``out_dir`` (where temporary files that a killed write of them left are
@@ -150,7 +148,7 @@ def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | 
     loaded = load_workload(workload)
     resolved = resolve_space(space, global_batch)
     device = device or default_device()
-    _check(device, workers, trials, loaded, trial_runner or head_to_head_runner)
+    _check(device, workers, trials, loaded, trial_runner)
     devices, gpu_slices = _devices(device, workers, devices)
     name = check_study_name(study_name) if study_name is not None else default_study_name(loaded.name, budget_bytes)
     backend.check_storage_url(storage)
@@ -184,8 +182,7 @@ def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | 
                                          probed=early.result() if early is not None else None)
             if workers == 1:
                 stop = run_worker(settings, loaded, profile=profile, rates=rates, counts=counts, progress=progress,
-                                  started=started, runner=trial_runner or run_trial_isolated,
-                                  head_to_head_runner=head_to_head_runner)
+                                  started=started, runner=trial_runner or run_trial_isolated)
             else:
                 # Each worker reads the device's rates and the workload's layer timings from the disk cache
                 # filled above once, so no worker starts its trials late (or times its probes against another's);

@@ -30,7 +30,6 @@ class ReplayOracle(Oracle):
         self.budget_bytes = budget_bytes
         self.first_sample = first_sample
         self.runs: dict[TrainConfig, int] = {}
-        self.together_runs: dict[TrainConfig, int] = {}
 
     def sample(self, point: GridPoint) -> float | None:
         """The throughput this run of ``point`` measures (see the class docstring)."""
@@ -50,26 +49,6 @@ class ReplayOracle(Oracle):
         sample = self.sample(point)
         step = config.samples_per_step / sample if sample else point.step_time_s
         return Outcome(config, TrialStatus.OK, sample, point.peak_bytes, point.wall_s, step)
-
-    def _run_together(self, configs: list[TrainConfig]) -> list[Outcome]:
-        """A head-to-head answers each member what the grid's head-to-head of its build measured it at (the
-        members' order there is what a head-to-head of them measures: one process, steps interleaved), in the
-        order taken, then from the first again. It costs each member's own trial, less a process start (the
-        grid's OOM floor) for each after the first. A grid measured before head-to-heads were (no figures):
-        each member runs on its own, one after another."""
-        points = [self.grid.points.get(c) for c in configs]
-        if not all(p is not None and p.together_samples_per_s and p.status is TrialStatus.OK
-                   and p.peak_bytes is not None and p.peak_bytes <= self.budget_bytes for p in points):
-            return super()._run_together(configs)
-        outcomes = []
-        for i, (config, point) in enumerate(zip(configs, points)):
-            k = self.together_runs.get(config, 0)
-            self.together_runs[config] = k + 1
-            sample = point.together_samples_per_s[k % len(point.together_samples_per_s)]
-            cost = point.wall_s if i == 0 else max(point.wall_s - self.grid.oom_floor_s, 0.0)
-            outcomes.append(Outcome(config, TrialStatus.OK, sample, point.peak_bytes, cost,
-                                    config.samples_per_step / sample))
-        return outcomes
 
 
 class LiveOracle(Oracle):
@@ -91,15 +70,3 @@ class LiveOracle(Oracle):
         self.progress(f"live {self.label}: {config.short()} {r.status.value} {seconds(r.samples_per_s)} samples/s "
                       f"({r.wall_s:.1f} s)")
         return Outcome(config, r.status, r.samples_per_s, r.peak_bytes, r.wall_s, r.step_time_s, r)
-
-    def _run_together(self, configs: list[TrainConfig]) -> list[Outcome]:
-        """The search's own head-to-head (:func:`autofit.trial.run.run_head_to_head`), for real."""
-        from autofit.trial.run import run_head_to_head
-
-        results = run_head_to_head(self.workload, configs, device="cpu", timeout_s=TRIAL_TIMEOUT_S * len(configs),
-                                   schedule=SCHEDULE)
-        self.progress(f"live {self.label}: head to head " + ", ".join(
-            f"{c.short()} {r.status.value} {seconds(r.samples_per_s)} samples/s" for c, r in zip(configs, results))
-            + f" ({sum(r.wall_s for r in results):.1f} s)")
-        return [Outcome(c, r.status, r.samples_per_s, r.peak_bytes, r.wall_s, r.step_time_s, r)
-                for c, r in zip(configs, results)]

@@ -16,8 +16,7 @@ class NotAvailable(Exception):
 def autofit_search(problem: Problem, oracle: Oracle, seed: int = 0, first_use_s: float = 0.0) -> TrainConfig | None:
     """autofit's search (:func:`autofit.api.run_study.search`, defaults as shipped) over the problem's grid.
 
-    Its trials go through ``oracle`` (passed to the search as its ``trial_runner``, and its head-to-heads as
-    its ``head_to_head_runner``), so a live oracle runs them for real and a replay oracle answers from the grid; everything else --
+    Its trials go through ``oracle`` (passed to the search as its ``trial_runner``), so a live oracle runs them for real and a replay oracle answers from the grid; everything else --
     estimate, time model, calibration, Optuna storage, reports -- runs for real and is timed.
     ``first_use_s`` is charged to the clock: profiling the workload on fake tensors and probing
     the device with cold caches, measured once per workload (the runs themselves find both cached).
@@ -41,9 +40,6 @@ def autofit_search(problem: Problem, oracle: Oracle, seed: int = 0, first_use_s:
     def run_trial(workload, config, *, device, budget_bytes, timeout_s):
         return result_of(oracle.run(config), device, budget_bytes)
 
-    def run_head_to_head(workload, configs, *, device, timeout_s):
-        return [result_of(o, device, problem.budget_bytes) for o in oracle.run_together(list(configs))]
-
     if first_use_s:
         oracle.charge(first_use_s, "cold profile and device probe")
     space = SearchSpace(precision=problem.precisions, micro_batch=problem.micro_batches,
@@ -53,8 +49,7 @@ def autofit_search(problem: Problem, oracle: Oracle, seed: int = 0, first_use_s:
     with tempfile.TemporaryDirectory(prefix="autofit-bench-study-") as out:
         # devices: the grid's largest split (its stages or ranks are processes sharing this CPU)
         result = search(problem.workload, problem.budget_bytes, space=space, out_dir=out, device=problem.device,
-                        seed=seed, devices=max(problem.device_splits), trial_runner=run_trial,
-                        head_to_head_runner=run_head_to_head)
+                        seed=seed, devices=max(problem.device_splits), trial_runner=run_trial)
         oracle.answers = answers_after_each_trial(out, len(oracle.history))
     stop = getattr(result, "stop_reason", None)
     if stop:

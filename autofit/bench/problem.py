@@ -153,20 +153,6 @@ class Oracle(ABC):
         self.history.append(OracleRecord(outcome, self.clock_s))
         return outcome
 
-    def run_together(self, configs: list[TrainConfig]) -> list[Outcome]:
-        """Time ``configs`` (one build) head to head, as autofit's search times its leaders; one record each."""
-        start = time.perf_counter()
-        outcomes = self._run_together(configs)
-        self._in_trials_s += time.perf_counter() - start
-        for outcome in outcomes:
-            self._charged_s += outcome.cost_s
-            self.history.append(OracleRecord(outcome, self.clock_s))
-        return outcomes
-
-    def _run_together(self, configs: list[TrainConfig]) -> list[Outcome]:
-        """Where the oracle cannot time configs together: each on its own, one after another."""
-        return [self._run(c) for c in configs]
-
     def charge(self, seconds: float, why: str) -> None:
         """Add ``seconds`` of work done elsewhere (e.g. a cold profile measured once) to the clock."""
         self._charged_s += seconds

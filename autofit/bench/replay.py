@@ -51,7 +51,7 @@ def _number(value) -> float | None:
 
 
 def _more_samples(value) -> tuple[float, ...]:
-    """A ``;``-joined samples column (``more_samples_per_s``, ``together_samples_per_s``; empty, or absent in
+    """A ``;``-joined samples column (``more_samples_per_s``; empty, or absent in
     grids written before it: none)."""
     if not isinstance(value, str) or not value.strip():
         return ()
@@ -85,7 +85,7 @@ def _param_count(workload_spec: str) -> int:
 def load_grids(csv_path: Path, markdown: Path | None = None) -> list[Grid]:
     """The grids of a ``search_grid.csv`` (and the costs its ``search.md`` states; 0 s when absent)."""
     # one sample alone would read as a float
-    frame = pd.read_csv(csv_path, dtype={"more_samples_per_s": str, "together_samples_per_s": str})
+    frame = pd.read_csv(csv_path, dtype={"more_samples_per_s": str})
     costs = grid_costs(markdown if markdown is not None else csv_path.with_name("search.md"))
     grids = []
     # the config columns it has (split_mode, optimizer, checkpoint_policy: absent from grids written before them)
@@ -105,8 +105,7 @@ def load_grids(csv_path: Path, markdown: Path | None = None) -> list[Grid]:
                                        _number(row["step_time_s"]), float(row["trial_wall_s"]),
                                        _number(row["predicted_peak_bytes"]), row.get("error") if isinstance(row.get("error"), str) and row["error"] else None,
                                        _number(row["trial_samples_per_s"]), _number(row["second_samples_per_s"]),
-                                       _more_samples(row.get("more_samples_per_s")),
-                                       _more_samples(row.get("together_samples_per_s")))
+                                       _more_samples(row.get("more_samples_per_s")))
         configs = list(points)
         budgets = tuple(int(c[len("fits_"):-len("MiB")]) for c in rows.columns
                         if c.startswith("fits_") and rows[c].notna().any())

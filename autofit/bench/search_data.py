@@ -75,14 +75,10 @@ class GridPoint:
     trial_samples_per_s: float | None = None
     second_samples_per_s: float | None = None
     more_samples_per_s: tuple[float, ...] = ()   # samples after the second, in the order taken
-    # Timed head to head with the other configs of its build that fit (autofit.trial.head_to_head), in the
-    # order taken: a replayed head-to-head answers these, not the config's samples taken apart.
-    together_samples_per_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "status", TrialStatus(self.status))
         object.__setattr__(self, "more_samples_per_s", tuple(self.more_samples_per_s))
-        object.__setattr__(self, "together_samples_per_s", tuple(self.together_samples_per_s))
 
     def samples(self) -> list[float]:
         """Every throughput sample of this config, in the order taken (the trial's first)."""

@@ -12,7 +12,6 @@ from autofit.bench.search_cells import problem_for
 from autofit.bench.search_data import Cell, Grid, GridPoint, MiB, top_two_gap
 from autofit.core.config import TrainConfig
 from autofit.runtime.schedule import DEFAULT_SCHEDULE
-from autofit.study.leaders import by_build
 
 # Trial settings shared by the grid, the live runs and (through the grid) the replays.
 SCHEDULE = DEFAULT_SCHEDULE  # the steps of a study's trial (autofit.runtime.schedule), so grid and search measure alike
@@ -23,9 +22,6 @@ TRIAL_TIMEOUT_S = 240.0
 TRUTH_SAMPLES_MIN = 3
 TRUTH_SAMPLES_MAX = 6
 TRUTH_GAP = 0.02
-# Head-to-heads of each build's configs that fit, for the replays (a study times at most two; a replay's
-# second head-to-head of the same configs answers the first's figures again).
-HEAD_TO_HEAD_ROUNDS = 1
 
 
 def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None,
@@ -76,15 +72,13 @@ def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None,
                if r.ok and r.judged_peak_bytes is not None and r.judged_peak_bytes <= largest]
     first = {c: r.samples_per_s for c, r in zip(configs, trials)}
     extra = _truth_samples(cell.workload, sampled, first, progress, cell.device, samples_until)
-    together = _head_to_heads(cell.workload, sampled, progress, cell.device, samples_until)
     points = {}
     for config, r, pred in zip(configs, trials, predicted):
         more = extra.get(config, [])
         best = max([x for x in (r.samples_per_s, *more) if x], default=None)
         step = config.samples_per_step / best if best else r.step_time_s
         points[config] = GridPoint(config, r.status, r.judged_peak_bytes, best, step, r.wall_s, pred, r.error,
-                                   r.samples_per_s, more[0] if more else None, tuple(more[1:]),
-                                   tuple(together.get(config, ())))
+                                   r.samples_per_s, more[0] if more else None, tuple(more[1:]))
     floor = run_trial(cell.workload, configs[0], device=cell.device, budget_bytes=1, schedule=SCHEDULE,
                       timeout_s=TRIAL_TIMEOUT_S)
     progress(f"grid {cell.workload}: a trial over its budget at the first operator took {floor.wall_s:.1f} s "
@@ -169,35 +163,6 @@ def _truth_samples(workload: str, configs: list[TrainConfig], first: dict[TrainC
                 done.add(c)
         progress(f"grid {workload}: throughput sample {round_no} of {len(todo)} configs done")
     return extra
-
-
-def head_to_head_groups(configs: list[TrainConfig]) -> list[list[TrainConfig]]:
-    """The configs a search may time head to head, by build (:attr:`TrainConfig.build`): two or more of one."""
-    return [g for g in by_build(configs).values() if len(g) > 1]
-
-
-def _head_to_heads(workload: str, configs: list[TrainConfig], progress: Callable[[str], None], device: str = "cpu",
-                   until: float | None = None) -> dict[TrainConfig, list[float]]:
-    """Each build's configs (:func:`head_to_head_groups`) timed head to head, as a search times its leaders
-    (:func:`autofit.trial.run.run_head_to_head`), HEAD_TO_HEAD_ROUNDS times: what a replayed head-to-head
-    answers. A search's leaders are a subset of a build's configs; their order within the whole build's
-    interleaved rounds is what their own head-to-head measures."""
-    from autofit.trial.run import run_head_to_head
-
-    out: dict[TrainConfig, list[float]] = {}
-    for round_no in range(1, HEAD_TO_HEAD_ROUNDS + 1):
-        for group in head_to_head_groups(configs):
-            if until is not None and time.monotonic() > until:
-                progress(f"grid {workload}: head-to-heads stopped (time box)")
-                return out
-            results = run_head_to_head(workload, group, device=device, timeout_s=TRIAL_TIMEOUT_S * len(group),
-                                       schedule=SCHEDULE)
-            for c, r in zip(group, results):
-                if r.ok and r.samples_per_s:
-                    out.setdefault(c, []).append(r.samples_per_s)
-            progress(f"grid {workload}: head-to-head {round_no} of {', '.join(c.short() for c in group)}: "
-                     + ", ".join(seconds(r.samples_per_s) for r in results) + " samples/s")
-    return out
 
 
 def _sample_round(workload: str, configs: list[TrainConfig], device: str) -> list[dict]:

@@ -236,7 +236,6 @@ def _grid_rows(grids: list[Grid]) -> list[dict]:
                    "samples_per_s": p.samples_per_s, "trial_samples_per_s": p.trial_samples_per_s,
                    "second_samples_per_s": p.second_samples_per_s,
                    "more_samples_per_s": ";".join(repr(x) for x in p.more_samples_per_s),
-                   "together_samples_per_s": ";".join(repr(x) for x in p.together_samples_per_s),
                    "step_time_s": p.step_time_s, "trial_wall_s": p.wall_s,
                    "error": p.error or "", "param_count": grid.param_count, "device": grid.cell.device}
             for b in grid.cell.budgets_mib:
@@ -249,8 +248,8 @@ def _method_sections(res: SearchResults, strategies: tuple[Strategy, ...]) -> li
     """How the suite measured, charged and scored, how the finders are run, and one line per strategy."""
     out = [f"Suite wall time: {res.wall_s / 60:.1f} min. Grids measured with `run_trial` "
            f"(warm-up {SCHEDULE.warmup_steps}, measured {SCHEDULE.measured_steps} step(s), timed steps "
-           f"{SCHEDULE.timed_steps}), one config at a time; then, per build (precision, checkpointing, optimizer, "
-           "offload), its configs that fit timed head to head in one process, as autofit's search times its leaders. "
+           f"{SCHEDULE.timed_steps}), one config at a time; then more samples of each config that fits, in trials of "
+           "their own. "
            f"Replayed figures: {res.seeds} seeds per strategy and cell (median [min–max]); deterministic "
            "strategies give the same figures for every seed. Live figures: one real run (seed 0) per strategy "
            "and cell: " + (_live_plan(res.runs) or "none") + ".",
@@ -258,9 +257,7 @@ def _method_sections(res: SearchResults, strategies: tuple[Strategy, ...]) -> li
            "over the budget costs the wall time of a trial that went over at its first operator plus one step of "
            "that config. A replayed trial shows the strategy the throughput that config's grid trial measured "
            "(noise included); running the same config again (autofit's re-measurements) shows the grid's second "
-           "sample; a head-to-head shows each member the grid's head-to-head figure of it and costs each member's "
-           "trial, less a process start for all but the first (a grid without those figures: each member's next "
-           "sample, as separate trials). Answers are scored by the grid's throughput of the answered config over the grid's best "
+           "sample, and further runs its further samples. Answers are scored by the grid's throughput of the answered config over the grid's best "
            "config that fits (0 when the answer does not fit or there is none). *Time to 98%*, the headline: the "
            "strategy's clock when the config it would answer at that point first reached 98% of the optimum "
            "(medians over the seeds that reach it, with how many did when not all).",

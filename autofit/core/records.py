@@ -158,30 +158,11 @@ def median_value(samples: Sequence[TrialRecord]) -> float:
 
 
 def head_to_head_of(record: TrialRecord) -> int | None:
-    """The head-to-head a re-measurement was timed in (its first trial's number), or None: a trial of
-    its own (:mod:`autofit.trial.head_to_head`)."""
+    """The head-to-head a re-measurement was timed in (its first trial's number; studies of earlier
+    versions timed leaders of one build together, :mod:`autofit.trial.head_to_head`), or None: a trial of
+    its own."""
     value = record.measurement.get("head_to_head")
     return None if value is None else int(value)
-
-
-def outranked(by_config: Mapping[TrainConfig, Sequence[TrialRecord]]) -> dict[TrainConfig, TrainConfig]:
-    """The configs that lost the latest head-to-head they were timed in (``by_config``:
-    :func:`config_samples`), each with the config that won it: another config of that head-to-head,
-    still ranked, read a higher :func:`reach`.
-
-    Timed beside each other in one process, the members of a head-to-head saw the machine alike; their
-    own trials saw it at their own moments, whose speed drifts by as much as close leaders differ
-    (docs/facts.md#throughput-noise). So a head-to-head decides the order of its members, and only that:
-    each config still ranks against the rest by its best sample (:func:`best_sample`), as they do."""
-    rounds: dict[int, dict[TrainConfig, float]] = {}
-    latest: dict[TrainConfig, int] = {}
-    for config, samples in by_config.items():
-        for r in samples:
-            if (h := head_to_head_of(r)) is not None:
-                rounds.setdefault(h, {})[config] = reach(r)
-                latest[config] = max(h, latest.get(config, h))
-    winners = {h: max(members, key=members.__getitem__) for h, members in rounds.items()}
-    return {c: winners[h] for c, h in latest.items() if rounds[h][winners[h]] > rounds[h][c]}
 
 
 # A sample whose every timed step waited for a CPU is a floor, not a figure: it is raised by its longest
@@ -217,20 +198,11 @@ def best_sample(samples: Sequence[TrialRecord]) -> TrialRecord:
 
 def ranked_bests(records: Sequence[TrialRecord]) -> list[TrialRecord]:
     """The best sample (:func:`best_sample`) of each config that ran ok under the budget
-    (:func:`config_samples`), best first: by :func:`reach`, except that a config a head-to-head outranked
-    (:func:`outranked`) ranks no higher than the config that won it, just after it (the lowest trial
-    number first among equals)."""
-    by_config = config_samples(records)
-    bests = {c: best_sample(samples) for c, samples in by_config.items()}
-    lost = outranked(by_config)
-
-    def key(config: TrainConfig) -> tuple:
-        own = reach(bests[config])
-        if config in lost:
-            return (-min(own, reach(bests[lost[config]])), 1, bests[config].number)
-        return (-own, 0, bests[config].number)
-
-    return [bests[c] for c in sorted(bests, key=key)]
+    (:func:`config_samples`), best first by :func:`reach` (the lowest trial number first among equals).
+    A sample timed head to head (recorded by an earlier version) ranks as any other: timed beside another
+    config in one process, it does not say which of them trains faster (docs/facts.md#throughput-noise)."""
+    bests = [best_sample(samples) for samples in config_samples(records).values()]
+    return sorted(bests, key=lambda r: (-reach(r), r.number))
 
 
 def best_of(records: Sequence[TrialRecord]) -> TrialRecord | None:

@@ -34,8 +34,6 @@ from autofit.report.tables import (
 )
 
 _BEST_SAMPLE_WHY = "a config is ranked by its best sample: another process only ever slows a trial down"
-_HEAD_TO_HEAD_WHY = ("; leaders of one build are also timed in turn in one process, where each saw the machine as "
-                     "the others did, and that head-to-head orders them")
 
 
 def _md_table(frame: pd.DataFrame) -> str:
@@ -173,8 +171,7 @@ def _best_lines(study: StudySnapshot) -> list[str]:
         out.append(f"- measured {len(best['samples'])} times: "
                    + ", ".join(f"{x['samples_per_s']:.2f}" for x in best["samples"]) + " samples/s; the figure "
                    "above is " + figure_basis(len(best["samples"]), best["median_samples_per_s"]) + " ("
-                   + _BEST_SAMPLE_WHY
-                   + (_HEAD_TO_HEAD_WHY if any(x.get("head_to_head") for x in best["samples"]) else "") + ")")
+                   + _BEST_SAMPLE_WHY + ")")
     if (loaded := load_warning(m)) is not None:
         out.append(f"- **measured under load**: {loaded}")
     elif m.get("starved_steps"):

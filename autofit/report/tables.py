@@ -10,8 +10,7 @@
   steps whose threads waited for a CPU, taken again; ``step_spread``, ``cpu_share``, ``threads``,
   ``cpus``, ``max_wait_share``), and ``wait_s``, how long it waited for its device (another trial held it);
 - ``best.json``: the best config among configs that ran ok under the budget, each ranked by its best
-  sample (load only ever slows a trial down) or, if it was timed head to head, by that sample
-  (:func:`figure_basis`); that sample's measurements, every sample, their median and spread, and the
+  sample (load only ever slows a trial down; :func:`figure_basis`); that sample's measurements, every sample, their median and spread, and the
   command that measures it again;
 - ``summary.md`` (written by :mod:`autofit.report.summary` from these tables);
 - ``calibration.json``: the calibration the next planning step would use.
@@ -247,8 +246,7 @@ def figure_basis(n_samples: int, median_samples_per_s: float) -> str:
     """Which of the best config's samples its figure is, in words: every output that shows the best's
     figure (the headline, ``autofit report``, ``summary.md``) says it the same way. "" for one sample.
 
-    A config's figure is its best sample, timed on its own or head to head with the other leaders
-    (:func:`autofit.core.records.best_sample`)."""
+    A config's figure is its best sample (:func:`autofit.core.records.best_sample`)."""
     if n_samples <= 1:
         return ""
     return f"best of {n_samples} samples; their median {median_samples_per_s:,.2f}"

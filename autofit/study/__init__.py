@@ -36,9 +36,8 @@ One planning step (every worker, before every trial, from what the storage holds
    is noisy, so the configs whose best sample, raised by the measured noise (the largest spread
    between two samples of one config so far, at least NOISE_MIN,
    :func:`~autofit.study.leaders.sample_noise`), reaches the best's are measured again, up to
-   REMEASURE_TOP of them. Leaders of one build are timed head to head in one process
-   (:mod:`autofit.trial.head_to_head`) and ranked by that head-to-head; any other leader gets
-   a second trial of its own; a config measured once whose calibrated prediction, raised by the
+   REMEASURE_TOP of them, each to a second trial of its own (never head to head in one process,
+   which reads configs of one build closer than they train); a config measured once whose calibrated prediction, raised by the
    noise, reaches the best is a leader too; then the top two get a third sample each while their
    own samples leave their order open (:func:`~autofit.study.leaders.undecided`); the best is the
    config with the highest best sample
@@ -100,12 +99,11 @@ _HOMES = {
                               "record_of", "snapshot"),
     "autofit.study.planner": ("BOUND", "TIE", "SLOW_FACTOR", "TRIAL_STARTUP_S", "Planner", "Prune", "Step",
                               "StopReason"),
-    "autofit.study.leaders": ("HEAD_TO_HEAD_MAX", "NOISE_MIN", "REMEASURE_SAMPLES", "REMEASURE_TOP", "TIED_SAMPLES",
+    "autofit.study.leaders": ("NOISE_MIN", "REMEASURE_SAMPLES", "REMEASURE_TOP", "TIED_SAMPLES",
                               "sample_noise", "undecided"),
     "autofit.study.progress": ("ProgressCallback", "ProgressPrinter", "SearchProgress", "progress_of"),
     "autofit.study.worker": ("HEARTBEAT_S", "ORPHAN_S", "STALE_S", "TrialRunner", "fail_stale_trials", "is_stale",
-                             "process_start", "run_trial_isolated", "run_worker", "worker_identity",
-                             "HeadToHeadRunner", "run_head_to_head_isolated"),
+                             "process_start", "run_trial_isolated", "run_worker", "worker_identity"),
     "autofit.study.launcher": ("run_workers",),
 }
 _LAZY = {name: module for module, names in _HOMES.items() for name in names}

@@ -1,10 +1,14 @@
 """Which leaders are measured again before the best is crowned, and how: the planner's re-measurement rules.
 
 One throughput sample is noisy, so before the best is crowned the configs whose noise bands overlap
-the best's are measured again, and the top two once more while their own samples leave their order
-open. Leaders that share a build are timed head to head in one process
-(:mod:`autofit.trial.head_to_head`), where a slow spell of the machine falls on them more alike; any
-other leader gets a second trial of its own.
+the best's are measured again, each in a trial of its own, and the top two once more while their own
+samples leave their order open.
+
+Every sample is a trial of its own, as the user's training runs one config in a process. Timed head to
+head in one process, two configs of one build read closer than they train: on gpt-tiny, bf16
+micro-batch 32 x 2 over 64 x 1 had a median ratio of 0.930 in separate trials and 0.992 head to head
+(``scripts/head_to_head_spread.py``, 14 rounds), and a search that timed its leaders head to head then
+answered the slower one (docs/facts.md#throughput-noise).
 """
 
 from __future__ import annotations
@@ -17,8 +21,6 @@ from autofit.core.records import (
     TrialRecord,
     TrialStatus,
     best_sample,
-    head_to_head_of,
-    outranked,
     reach,
 )
 
@@ -37,9 +39,6 @@ NOISE_MIN = 0.14           # a leader is re-measured if its best sample, raised 
 #                            no better and re-measured more (docs/facts.md#throughput-noise)
 TIED_SAMPLES = 3           # the top two leaders, while their samples leave their order open (undecided)
 REMEASURE_MAX = 2 * REMEASURE_TOP * (REMEASURE_SAMPLES - 1)  # re-measurements in a study at most
-# Leaders of one build are timed together in one process (autofit.trial.head_to_head), at most
-# this many times per study: a second head-to-head only when the first changed who leads.
-HEAD_TO_HEAD_MAX = 2
 
 
 def sample_noise(by_config: dict) -> float:
@@ -56,17 +55,14 @@ def _spread(values: Sequence[float]) -> float | None:
 
 
 def remeasurements(records: Sequence[TrialRecord], by_config: dict, index: dict,
-                   predicted: Mapping[TrainConfig, float] | None = None) -> list[list[tuple[int, int]]]:
-    """The re-measurements still due before the best is crowned, in the order they run: each a list of
-    (config index in ``index``, sample number), one member for a trial of its own, more for a
-    head-to-head; only where the leaders' noise bands overlap. The leaders are the configs whose best
-    sample's :func:`reach`, raised by :func:`sample_noise`, reaches the best config's figure (up to
-    REMEASURE_TOP of them, highest figure first); a
-    leader alone is not measured again: nothing within the noise could
-    overtake it. Leaders that share a build (:attr:`TrainConfig.build`) are timed head to head, in
-    one process (:func:`_head_to_head`, first in the list); any other leader is brought to
-    REMEASURE_SAMPLES samples of its own, so a slow first sample gets its second chance. Running
-    ones count (another worker has them).
+                   predicted: Mapping[TrainConfig, float] | None = None) -> list[tuple[int, int]]:
+    """The re-measurements still due before the best is crowned, in the order they run: each a trial of
+    its own, as (config index in ``index``, sample number); only where the leaders' noise
+    bands overlap. The leaders are the configs whose best sample's :func:`reach`, raised by
+    :func:`sample_noise`, reaches the best config's figure (up to REMEASURE_TOP of them, highest figure
+    first); a leader alone is not measured again: nothing within the noise could overtake it. Each
+    leader is brought to REMEASURE_SAMPLES samples, so a slow first sample gets its second chance.
+    Running ones count (another worker has them).
 
     ``predicted``: each config's calibrated predicted figure now. A config measured once is a leader
     also when its prediction, raised by the noise, reaches the best: the model and its one sample
@@ -76,11 +72,8 @@ def remeasurements(records: Sequence[TrialRecord], by_config: dict, index: dict,
     claimed = [r for r in records if r.claimed and r.config in index]
     if sum(r.sample > 1 for r in claimed) >= REMEASURE_MAX or not by_config:
         return []
-    # the bar is the best measured figure; a starved sample's reach only raises challengers to it. A config
-    # a head-to-head outranked is not a leader: the config that won it was timed beside it and stands for it
-    lost = outranked(by_config)
-    ranked = sorted(((c, done) for c, done in by_config.items() if c not in lost),
-                    key=lambda kv: (-best_sample(kv[1]).value, kv[1][0].number))
+    # the bar is the best measured figure; a starved sample's reach only raises challengers to it
+    ranked = sorted(by_config.items(), key=lambda kv: (-best_sample(kv[1]).value, kv[1][0].number))
     best, noise = best_sample(ranked[0][1]).value, sample_noise(by_config)
     predicted = predicted or {}
 
@@ -91,15 +84,12 @@ def remeasurements(records: Sequence[TrialRecord], by_config: dict, index: dict,
     leaders = [c for c, done in ranked if figure(c, done) * (1 + noise) >= best][:REMEASURE_TOP]
     if len(leaders) < 2:
         return []
-    builds = by_build(leaders)
-    together = {c for group in builds.values() if len(group) > 1 for c in group}
-    head_to_head = _head_to_head(claimed, builds, index)
-    due = [head_to_head] if head_to_head else []
+    due = []
     for config in leaders:
         mine = [r for r in claimed if r.config == config]
         running = sum(r.status is TrialStatus.RUNNING for r in mine)
-        if config not in together and len(by_config[config]) + running < REMEASURE_SAMPLES:
-            due.append([(index[config], 1 + max(r.sample for r in mine))])
+        if len(by_config[config]) + running < REMEASURE_SAMPLES:
+            due.append((index[config], 1 + max(r.sample for r in mine)))
     if due or any(r.status is TrialStatus.RUNNING for r in claimed):
         return due
     return _settle(claimed, [(c, by_config[c]) for c, _ in ranked[:2] if c in leaders], index)
@@ -116,42 +106,11 @@ def undecided(first: Sequence[TrialRecord], second: Sequence[TrialRecord]) -> bo
 
 
 def _settle(claimed: list[TrialRecord], top: list[tuple[TrainConfig, Sequence[TrialRecord]]],
-            index: dict) -> list[list[tuple[int, int]]]:
+            index: dict) -> list[tuple[int, int]]:
     """One more sample of each of the top two leaders (``top``, best first), up to TIED_SAMPLES each,
     while :func:`undecided`. Replayed on the CPU grid of the bench at 90d8b79, two samples each left a
     config 2.5-2.7% below the best as the answer in 2 of 14 cells; a third settled both (docs/search.md)."""
     if len(top) < 2 or not undecided(top[0][1], top[1][1]):
         return []
-    return [[(index[c], 1 + max(r.sample for r in claimed if r.config == c))]
+    return [(index[c], 1 + max(r.sample for r in claimed if r.config == c))
             for c, done in top if len(done) < TIED_SAMPLES]
-
-
-def by_build(configs) -> dict[tuple, list[TrainConfig]]:
-    """``configs`` by the build they share (:attr:`TrainConfig.build`), in their order; a config without
-    one (it shares no build: a device split) is left out."""
-    builds: dict[tuple, list[TrainConfig]] = {}
-    for config in configs:
-        if config.build is not None:
-            builds.setdefault(config.build, []).append(config)
-    return builds
-
-
-def _head_to_head(claimed: list[TrialRecord], builds: dict[tuple, list[TrainConfig]],
-                  index: dict) -> list[tuple[int, int]]:
-    """The next head-to-head, as (config index, sample number) of each member (empty: none due): the
-    leaders of one build (the top leader's first), unless a head-to-head already timed them all
-    together, or one of them is running. At most HEAD_TO_HEAD_MAX per study."""
-    rounds: dict[int, set] = {}
-    for r in claimed:
-        if (h := head_to_head_of(r)) is not None:
-            rounds.setdefault(h, set()).add(r.config)
-    if len(rounds) >= HEAD_TO_HEAD_MAX:
-        return []
-    for group in builds.values():
-        if len(group) < 2 or any(set(group) <= members for members in rounds.values()):
-            continue
-        mine = {c: [r for r in claimed if r.config == c] for c in group}
-        if any(r.status is TrialStatus.RUNNING for rs in mine.values() for r in rs):
-            continue
-        return [(index[c], 1 + max(r.sample for r in mine[c])) for c in group]
-    return []

@@ -96,10 +96,6 @@ class Step:
     calibration: Calibration
     sample: int = 1            # 1: the config's first trial; more: a re-measurement of a top config
     stop_reason: StopReason | None = None
-    # Timed head to head with ``run`` in one process (autofit.trial.head_to_head): each member's
-    # (config index, sample number) and prediction; empty for a trial of its own.
-    together: tuple[tuple[int, int], ...] = ()
-    together_predictions: tuple[dict, ...] = ()
 
 
 def _remeasured_text(records: Sequence[TrialRecord], reason: StopReason) -> str:
@@ -292,8 +288,7 @@ class Planner:
                     measured_step[i] = r.measurement["step_time_s"]
         ours = [r for r in records if r.config in self.index]
         by_config = config_samples(ours)
-        # The bar is the answer's figure (a config's best sample, since load only ever slows a trial down;
-        # a config a head-to-head outranked is not the answer, whatever its own best sample read).
+        # The bar is the answer's figure (a config's best sample, since load only ever slows a trial down).
         answer = best_of(ours)
         best_median = None if answer is None else answer.value
         # Calibrated predictions.
@@ -319,7 +314,7 @@ class Planner:
         candidates = [i for i in range(n) if reasons[i] is None and not claimed[i]]
         predicted = {c: float(sps[self.index[c]]) for c in by_config if math.isfinite(sps[self.index[c]])}
         remeasure = remeasurements(records, by_config, self.index, predicted)
-        reserve = 0 if settings.trials is None else min(sum(map(len, remeasure)), settings.trials // REMEASURE_RESERVE)
+        reserve = 0 if settings.trials is None else min(len(remeasure), settings.trials // REMEASURE_RESERVE)
         # The bound rules out what is left on the prediction alone: not a kind no trial vouches for
         # before the model's error across kinds is measured (then _slow_precisions judges it).
         unmeasured = cross is None and any(self._keys[i] not in vouched for i in candidates)
@@ -330,13 +325,8 @@ class Planner:
         under_limit = settings.trials is None or len(finished) + running < settings.trials
         stop_reason, stop = stopped
         if remeasure and under_limit and stop_reason is not StopReason.TIMEOUT:
-            # within a trial limit, a head-to-head takes only the slots left (its leaders in rank order)
-            left = None if settings.trials is None else settings.trials - len(finished) - running
-            (i, sample), *rest = remeasure[0][:left]
-            together = tuple(rest)
-            return Step(prunes, i, self.prediction(i, calibration, float(ratio[i])), None, calibration, sample,
-                        together=together,
-                        together_predictions=tuple(self.prediction(j, calibration, float(ratio[j])) for j, _ in together))
+            i, sample = remeasure[0]
+            return Step(prunes, i, self.prediction(i, calibration, float(ratio[i])), None, calibration, sample)
         return Step(prunes, None, None, stop + _remeasured_text(records, stop_reason), calibration,
                     stop_reason=stop_reason)
 

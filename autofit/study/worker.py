@@ -7,8 +7,6 @@ Several workers (processes, machines) may run on one study. The trial itself is 
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import os
 import socket
 import threading
@@ -27,7 +25,6 @@ from autofit.core.records import (
     PruneReason,
     TrialRecord,
     TrialStatus,
-    config_samples,
     trial_number,
 )
 from autofit.estimator.calibration import relative_error
@@ -44,7 +41,7 @@ from autofit.study.planner import Planner
 from autofit.study.progress import ProgressCallback, progress_of
 from autofit.study.settings import StudySettings
 from autofit.trial import host
-from autofit.trial.run import TrialResult, run_head_to_head, run_trial
+from autofit.trial.run import TrialResult, run_trial
 from autofit.workloads.base import Workload
 
 HEARTBEAT_S = 30.0         # a running trial's worker writes a heartbeat this often
@@ -73,20 +70,6 @@ def run_trial_isolated(workload: Workload | str, config: TrainConfig, *, device:
     time limits from (:data:`autofit.runtime.schedule.DEFAULT_SCHEDULE`)."""
     return run_trial(workload, config, device=device, budget_bytes=budget_bytes, timeout_s=timeout_s,
                      schedule=DEFAULT_SCHEDULE)
-
-
-class HeadToHeadRunner(Protocol):
-    """Times ``configs`` (one build) together and returns one :class:`TrialResult` per config, in order (never
-    raises for the trials' sake)."""
-
-    def __call__(self, workload: Workload | str, configs: list[TrainConfig], *, device: str,
-                 timeout_s: float) -> list[TrialResult]: ...
-
-
-def run_head_to_head_isolated(workload: Workload | str, configs: list[TrainConfig], *, device: str,
-                              timeout_s: float) -> list[TrialResult]:
-    """The default :class:`HeadToHeadRunner`: :func:`autofit.trial.run.run_head_to_head` of the trials' schedule."""
-    return run_head_to_head(workload, configs, device=device, timeout_s=timeout_s, schedule=DEFAULT_SCHEDULE)
 
 
 class PlannedSampler(BaseSampler):
@@ -187,22 +170,6 @@ def _errors(prediction: dict, result: TrialResult) -> dict:
     }
 
 
-def _with_own_peak(result: TrialResult, own: TrialRecord | None, head_to_head: int) -> tuple[TrialResult, dict]:
-    """A head-to-head result with the memory its config's own first trial measured (a head-to-head shares one
-    model among its configs and measures time only), and its measured keys, tagged with the head-to-head."""
-    if result.peak_bytes is None and own is not None:
-        m = own.measurement
-        result = dataclasses.replace(
-            result, peak_bytes=m.get("peak_bytes"), per_device_peak_bytes=list(m.get("per_device_peak_bytes") or []),
-            peak_reserved_bytes=m.get("peak_reserved_bytes"), context_bytes=m.get("context_bytes"),
-            peak_card_bytes=m.get("peak_card_bytes"), breakdown=dict(m.get("breakdown") or result.breakdown))
-    data = result.to_dict()
-    measured = {k: data.get(k) for k in MEASURED_KEYS}
-    measured["head_to_head"] = head_to_head
-    measured["peak_from_trial"] = None if own is None else own.number
-    return result, measured
-
-
 def _describe(number: int, config: TrainConfig, result: TrialResult) -> str:
     if result.ok:
         return (f"trial {number} {config.short()}: {result.samples_per_s:.2f} samples/s, peak "
@@ -231,14 +198,12 @@ def _prune_summary(prunes) -> str:
 def run_worker(settings: StudySettings, workload: Workload, *, profile: Profile | None = None,
                rates: DeviceRates | None = None, counts: OpCounts | None = None,
                progress: ProgressCallback | None = None, started: float | None = None,
-               runner: TrialRunner = run_trial_isolated, head_to_head_runner: HeadToHeadRunner | None = None) -> str:
+               runner: TrialRunner = run_trial_isolated) -> str:
     """Plan, prune and run trials of one study until a stop rule holds. Returns the stop reason.
 
     ``profile``, ``rates``, ``counts``: the workload's profile, the device's rates and the time
     model's prior (:func:`autofit.estimator.layer_prior.workload_prior`), computed (or read from the disk
-    cache) when not given. ``runner`` runs each trial (default: an isolated child process);
-    ``head_to_head_runner`` times leaders of one build together (default: in one isolated child
-    with the default ``runner``, else each by ``runner``, one after another).
+    cache) when not given. ``runner`` runs each trial (default: an isolated child process).
     Several workers (processes, machines) may run on one study at once. Raises StudyError when
     the study cannot be opened; KeyboardInterrupt marks the running trial interrupted and propagates.
     """
@@ -258,15 +223,14 @@ def run_worker(settings: StudySettings, workload: Workload, *, profile: Profile 
     if "device_rates" not in worker.study.user_attrs:
         worker.study.set_user_attr("device_rates", rates.to_dict())
     try:
-        return _run_trials(worker, workload, runner, head_to_head_runner)
+        return _run_trials(worker, workload, runner)
     finally:
         host.release()  # an idle trial host holds its device (a CUDA context): not past the search
 
 
-def _run_trials(worker: _Worker, workload: Workload, runner: TrialRunner,
-                head_to_head_runner: HeadToHeadRunner | None) -> str:
+def _run_trials(worker: _Worker, workload: Workload, runner: TrialRunner) -> str:
     while True:
-        step, trial, together = worker.plan_and_claim()
+        step, trial = worker.plan_and_claim()
         if trial is None:  # the caller says why it stopped, once (SearchProgress.stop_reason)
             return step.stop
         config = storage.config_of(trial.params)  # the planned config, or one someone enqueued by hand
@@ -275,14 +239,8 @@ def _run_trials(worker: _Worker, workload: Workload, runner: TrialRunner,
         if duplicate is not None:
             why = f"claimed at the same time by trial {trial_number(records, duplicate)} (another machine)"
             storage.prune_claimed(worker.study, trial, PruneReason.DUPLICATE, why)
-            for member in together:  # its head-to-head goes with it: none is left running
-                storage.prune_claimed(worker.study, member, PruneReason.DUPLICATE, f"its head-to-head's first config {why}")
             continue
         source = workload if workload.source is None else workload.source
-        if step.together:
-            worker.run_head_to_head([trial, *together], [step.prediction, *step.together_predictions], source,
-                                    runner, head_to_head_runner)
-            continue
         worker.run(trial, config, step.prediction, source, runner, step.sample)
 
 
@@ -309,8 +267,7 @@ class _Worker:
 
     def plan_and_claim(self):
         """Under the claim lock: fail dead workers' trials, plan, record the prunes, then claim the
-        planned config, and any leaders timed head to head with it. Returns the step, the claimed trial
-        (None: stop) and the trials claimed with it (empty but for a head-to-head)."""
+        planned config. Returns the step and the claimed trial (None: stop)."""
         with self.lock:
             records = storage.read_records(self.study)
             if fail_stale_trials(self.study, records):
@@ -326,11 +283,8 @@ class _Worker:
                 self.emit(_prune_summary(step.prunes))
             if step.run is None:
                 self.study.set_user_attr("stop_reason", step.stop)
-                return step, None, []
-            trial = self._claim(step.run, step.prediction, step.sample)
-            together = [self._claim(i, prediction, sample)
-                        for (i, sample), prediction in zip(step.together, step.together_predictions)]
-            return step, trial, together
+                return step, None
+            return step, self._claim(step.run, step.prediction, step.sample)
 
     def _claim(self, index: int, prediction: dict, sample: int) -> optuna.Trial:
         self.sampler.pending = self.planner.configs[index].to_dict()
@@ -338,51 +292,6 @@ class _Worker:
         self.sampler.pending = None
         storage.sign_claim(trial, worker_identity(), prediction, sample)
         return trial
-
-    def run_head_to_head(self, trials: list[optuna.Trial], predictions: list[dict], workload: Workload | str,
-                         runner: TrialRunner, head_to_head_runner: HeadToHeadRunner | None) -> None:
-        """Time the claimed leaders of one build together and record each (see :mod:`autofit.trial.head_to_head`);
-        where that fails, each runs a trial of its own. An interrupt marks them all interrupted."""
-        records = storage.read_records(self.study)
-        configs = [storage.config_of(t.params) for t in trials]
-        shown = ", ".join(str(trial_number(records, t.number)) for t in trials)
-        self.emit(f"trials {shown}: timing {', '.join(c.short() for c in configs)} head to head, one process, "
-                  "steps interleaved (before the best is crowned)")
-        timeout_s = sum(p["trial_timeout_s"] for p in predictions)
-        try:
-            with contextlib.ExitStack() as beats:
-                for t in trials:
-                    beats.enter_context(_Heartbeat(t))
-                results = self._time_together(workload, configs, timeout_s, runner, head_to_head_runner)
-        except BaseException:
-            try:
-                for t in trials:
-                    storage.mark_interrupted(self.study, t)
-            finally:
-                raise
-        if not all(r.ok for r in results):
-            failed = next(r for r in results if not r.ok)
-            self.emit(f"the head-to-head failed ({failed.status.value}: {failed.error}); each leader runs a trial "
-                      "of its own")
-            for t, c, p in zip(trials, configs, predictions):
-                self.run(t, c, p, workload, runner, sample=2)
-            return
-        first = {c: samples[0] for c, samples in config_samples(records).items()}
-        for t, c, p, result in zip(trials, configs, predictions, results):
-            result, measured = _with_own_peak(result, first.get(c), trials[0].number)
-            storage.tell_result(self.study, t, result, p, measured, _errors(p, result), self.settings.budget_bytes,
-                                self.settings.devices)
-            self.emit(_describe(trial_number(storage.read_records(self.study), t.number), c, result))
-
-    def _time_together(self, workload, configs, timeout_s, runner, head_to_head_runner) -> list[TrialResult]:
-        if head_to_head_runner is None and runner is run_trial_isolated:
-            head_to_head_runner = run_head_to_head_isolated
-        if head_to_head_runner is not None:
-            return head_to_head_runner(workload, configs, device=self.settings.device_type, timeout_s=timeout_s)
-        # Another trial runner and no head-to-head runner (a test's): its trials one after another.
-        share = timeout_s / len(configs)
-        return [runner(workload, c, device=self.settings.device_type, budget_bytes=self.settings.budget_bytes,
-                       timeout_s=share) for c in configs]
 
     def run(self, trial: optuna.Trial, config: TrainConfig, prediction: dict, workload: Workload | str,
             runner: TrialRunner, sample: int = 1) -> None:

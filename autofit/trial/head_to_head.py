@@ -1,18 +1,18 @@
 """Time several configs that share one build in one process, their timed steps interleaved.
 
-Separate trials of two configs run seconds or minutes apart, and the machine's own speed drifts
-over that time by as much as close leaders differ (docs/facts.md#throughput-noise): which of them
-reads faster then follows the moment each ran. Configs with the same
-:attr:`autofit.core.config.TrainConfig.build` (precision, checkpointing, optimizer, offload) train
-the same model with the same optimizer and differ only in micro-batch and accumulation, so one
-model and optimizer serve them all: each config's steps run in turn (A B C, then C B A, ...), a
-fraction of a second apart, so a slow spell of the machine falls on them more alike (measured: the
-spread of two leaders' ratio 9.9% against 13.6% in separate trials), and one process start serves
-them all.
+Configs with the same :attr:`autofit.core.config.TrainConfig.build` (precision, checkpointing,
+optimizer, offload) train the same model with the same optimizer and differ only in micro-batch and
+accumulation, so one model and optimizer serve them all: each config's steps run in turn (A B C, then
+C B A, ...), a fraction of a second apart, so a slow spell of the machine falls on them more alike
+(measured: the spread of two configs' ratio 9.9% against 13.6% in separate trials).
 
-Memory is not measured here: each config ran its own isolated trial first, which measured its
-peak under the budget. The model and optimizer state are shared, so the process holds one copy;
-the activations of one config's step are freed before the next config's step starts.
+The search does not rank by it: timed this way, configs of one build read closer than each trains in a
+process of its own (gpt-tiny, bf16 micro-batch 32 x 2 against 64 x 1: alike head to head, 6% apart
+in trials of their own and over 15 steps each; docs/facts.md#throughput-noise). It stays as the
+instrument that measures that (``scripts/head_to_head_spread.py``).
+
+Memory is not measured here: the model and optimizer state are shared, so the process holds one
+copy; the activations of one config's step are freed before the next config's step starts.
 """
 
 from __future__ import annotations

@@ -298,57 +298,27 @@ def test_replay_answers_the_trial_sample_then_the_second_and_loads_back_from_csv
     assert load_grids(tmp_path / "search_grid.csv")[0].param_count == 123_456
 
 
-def test_a_replayed_head_to_head_answers_the_grids_head_to_head_of_the_build(tmp_path):
+def test_a_replayed_re_measurement_answers_the_grids_next_sample_and_old_head_to_heads_are_ignored(tmp_path):
+    import pandas as pd
+
     from autofit.bench.replay import load_grids
-    from autofit.bench.search_grid import head_to_head_groups
 
     grid = _grid()
-    one, two = TrainConfig(Precision.BF16, 2, 4), TrainConfig(Precision.BF16, 4, 2)
-    # apart, the second samples say 2 is faster; timed together (one process, steps interleaved), 4 is
+    one = TrainConfig(Precision.BF16, 2, 4)
     grid.points[one] = dataclasses.replace(grid.points[one], trial_samples_per_s=10.0, second_samples_per_s=9.0,
-                                           together_samples_per_s=(8.0,))
-    grid.points[two] = dataclasses.replace(grid.points[two], trial_samples_per_s=11.0, second_samples_per_s=7.0,
-                                           together_samples_per_s=(8.8,), wall_s=4.0)
+                                           more_samples_per_s=(11.0,))
     oracle = ReplayOracle(grid, 10**12)
-    out = oracle.run_together([two, one])
-    assert [o.samples_per_s for o in out] == [8.8, 8.0] and [r.outcome.config for r in oracle.history] == [two, one]
-    # one process: a process start (the grid's OOM floor) is paid once
-    assert [o.cost_s for o in out] == [4.0, pytest.approx(3.0 - 1.5)]
-    assert [oracle.run(c).samples_per_s for c in (one, two)] == [10.0, 11.0]  # solo samples keep their own order
-    # a grid measured before head-to-heads were: each member on its own, its next sample
-    bare = ReplayOracle(_grid(), 10**12)
-    assert [o.cost_s for o in bare.run_together([one, two])] == [3.0, 3.0]
-    # the figures load back from search_grid.csv; grouped by build, only builds with two or more configs
+    assert [oracle.run(one).samples_per_s for _ in range(4)] == [10.0, 9.0, 11.0, 10.0]
+    # a grid committed by an earlier version carries its head-to-head figures in a column of their own
     runs = [run_strategy(HALVING, grid, 50 * MiB, 0, ReplayOracle(grid, 50 * MiB), BenchMode.REPLAY)]
     write_search(tmp_path, environment("test"), SearchResults([grid], runs, ("synthetic", 50 * MiB), 1, 0.0), (HALVING,))
-    (loaded,) = load_grids(tmp_path / "search_grid.csv")
-    assert loaded.points[two].together_samples_per_s == (8.8,) and loaded.points[one].together_samples_per_s == (8.0,)
-    assert loaded.points[TrainConfig(Precision.FP32, 2, 4)].together_samples_per_s == ()
-    groups = head_to_head_groups([one, two, TrainConfig(Precision.FP32, 2, 4),
-                                  TrainConfig(Precision.BF16, 2, 4, device_split=2)])
-    assert groups == [[one, two]]
-
-
-def test_a_live_head_to_head_is_the_searchs_own_one_process_run(monkeypatch):
-    from autofit.bench.oracles import LiveOracle
-    from autofit.trial import run as trial_run
-    from autofit.trial.run import TrialResult, TrialStatus
-
-    asked = []
-
-    def fake(workload, configs, *, device, timeout_s, schedule):
-        asked.append((workload, list(configs), device))
-        return [TrialResult(workload, c, device, TrialStatus.OK, samples_per_s=10.0 * c.micro_batch, step_time_s=0.1,
-                            wall_s=2.0) for c in configs]
-
-    monkeypatch.setattr(trial_run, "run_head_to_head", fake)
-    lines = []
-    oracle = LiveOracle("gpt-tiny", 50 * MiB, lines.append, "cell")
-    configs = [TrainConfig(Precision.BF16, 2, 4), TrainConfig(Precision.BF16, 4, 2)]
-    out = oracle.run_together(configs)
-    assert asked == [("gpt-tiny", configs, "cpu")] and [o.samples_per_s for o in out] == [20.0, 40.0]
-    assert [r.outcome.config for r in oracle.history] == configs and all(o.result is not None for o in out)
-    assert "head to head" in lines[0]
+    path = tmp_path / "search_grid.csv"
+    frame = pd.read_csv(path)
+    assert "together_samples_per_s" not in frame.columns
+    frame["together_samples_per_s"] = "8.0;8.5"
+    frame.to_csv(path, index=False)
+    (loaded,) = load_grids(path)
+    assert loaded.points[one].samples() == [10.0, 9.0, 11.0]
 
 
 def test_run_strategy_scores_peers_and_reports_unavailable_autofit():

@@ -6,7 +6,6 @@ from autofit.core.config import TrainConfig
 from autofit.core.records import TrialRecord, TrialStatus, config_samples
 from autofit.study.leaders import NOISE_MIN, TIED_SAMPLES, remeasurements, undecided
 
-# Two builds (precisions) so that no two of them are timed head to head: each leader is measured on its own.
 A, B, C = TrainConfig("fp32", 8, 1), TrainConfig("amp-bf16", 8, 1), TrainConfig("bf16", 8, 1)
 INDEX = {A: 0, B: 1, C: 2}
 
@@ -23,7 +22,7 @@ def _trials(*samples: tuple[TrainConfig, float]) -> list[TrialRecord]:
     return out
 
 
-def _due(trials, predicted=None) -> list[list[tuple[int, int]]]:
+def _due(trials, predicted=None) -> list[tuple[int, int]]:
     return remeasurements(trials, config_samples(trials), INDEX, predicted)
 
 
@@ -34,7 +33,7 @@ def test_a_config_read_low_once_where_the_model_ranks_it_first_is_measured_again
     trials = _trials((A, 100.0), (B, low))
     assert _due(trials) == []                                  # a leader alone
     assert _due(trials, {A: 100.0, B: low}) == []              # the model agrees with the sample: A alone
-    assert _due(trials, {A: 100.0, B: 105.0}) == [[(0, 2)], [(1, 2)]]
+    assert _due(trials, {A: 100.0, B: 105.0}) == [(0, 2), (1, 2)]
     # measured twice, B stands on its samples: the prediction no longer makes it a leader
     assert _due(_trials((A, 100.0), (B, low), (B, low)), {A: 100.0, B: 105.0}) == []
 
@@ -43,7 +42,7 @@ def test_the_top_two_get_a_third_sample_while_their_own_noise_leaves_the_order_o
     # A's samples differ by 8.7%, more than the 3.1% between A's best and B's: a third sample of each
     open_ = _trials((A, 100.0), (B, 97.0), (A, 92.0), (B, 96.0))
     assert undecided(config_samples(open_)[A], config_samples(open_)[B])
-    assert _due(open_) == [[(0, 3)], [(1, 3)]]
+    assert _due(open_) == [(0, 3), (1, 3)]
     # at TIED_SAMPLES each the order stands, open or not
     third = open_ + [TrialRecord(4 + k, c, TrialStatus.OK, value=v, sample=TIED_SAMPLES,
                                  measurement={"samples_per_s": v},
@@ -61,3 +60,12 @@ def test_a_third_config_within_the_noise_does_not_hold_the_top_two_open():
     trials = _trials((A, 100.0), (B, 99.0), (C, 98.0), (A, 99.5), (B, 98.8), (C, 90.0))
     assert not undecided(config_samples(trials)[A], config_samples(trials)[B])
     assert _due(trials) == []
+
+
+def test_leaders_of_one_build_are_each_measured_in_a_trial_of_their_own():
+    """Two micro-batches of one build (precision, checkpointing, optimizer, offload) within the noise: each
+    gets a second trial of its own, as a training run has its process to itself, never one head-to-head."""
+    small, large = TrainConfig("bf16", 32, 2), TrainConfig("bf16", 64, 1)
+    assert small.build == large.build
+    trials = _trials((large, 126.0), (small, 128.0))
+    assert remeasurements(trials, config_samples(trials), {small: 0, large: 1}) == [(0, 2), (1, 2)]

@@ -94,12 +94,9 @@ def settle(planner: Planner, trials: list[TrialRecord]):
     trials = list(trials)
     step = planner.step(trials)
     while step.run is not None and step.sample > 1:
-        members = [(step.run, step.sample), *step.together]
-        head_to_head = len(trials) if step.together else None
-        for i, sample in members:
-            first = next(r for r in trials if r.config == planner.configs[i] and r.status.ran)
-            trials.append(ran_trial(planner, planner.configs[i], len(trials), samples_per_s=first.value, sample=sample,
-                                    head_to_head=head_to_head))
+        config = planner.configs[step.run]
+        first = next(r for r in trials if r.config == config and r.status.ran)
+        trials.append(ran_trial(planner, config, len(trials), samples_per_s=first.value, sample=step.sample))
         step = planner.step(trials)
     return step
 
@@ -264,7 +261,10 @@ def test_bound_does_not_rule_out_a_kind_before_the_error_across_kinds_is_measure
     assert settle(planner, trials).run is None
 
 
-def test_leaders_of_one_build_are_timed_head_to_head_and_ranked_by_it(tiny_profile, rates):
+def test_leaders_of_one_build_are_measured_again_each_in_a_trial_of_its_own(tiny_profile, rates):
+    """Micro-batches 8 and 4 of one build within the noise: each gets trials of its own, one at a time, as
+    a training run has its process to itself (timed head to head in one process, two such configs read
+    closer than they train: docs/facts.md#throughput-noise)."""
     from autofit.core.records import best_of
 
     planner = make_planner(tiny_profile, rates, precision=["fp32"], micro_batch=[1, 2, 4, 8], global_batch=8)
@@ -272,94 +272,73 @@ def test_leaders_of_one_build_are_timed_head_to_head_and_ranked_by_it(tiny_profi
     trials = [ran_trial(planner, a, 0, samples_per_s=100.0), ran_trial(planner, b, 1, samples_per_s=95.0),
               ran_trial(planner, c, 2, samples_per_s=60.0), ran_trial(planner, d, 3, samples_per_s=40.0)]
     assert best_of(trials).config == a
-    # b is within the noise floor of a and shares its build: the two are timed together, in one process
     step = planner.step(trials)
-    assert planner.configs[step.run] == a and step.sample == 2
-    assert [(planner.configs[i], k) for i, k in step.together] == [(b, 2)] and len(step.together_predictions) == 1
-    # another worker is timing them: this one has nothing left to measure
+    assert (planner.configs[step.run], step.sample) == (a, 2)
+    # another worker is measuring a again: this one measures b
     running = dataclasses.replace(ran_trial(planner, a, 4, sample=2), status=TrialStatus.RUNNING, value=None)
-    assert planner.step(trials + [running]).run is None
-    # a's first sample was a fast moment of the machine: beside b, a reads slower, and the head-to-head ranks
-    # the two; b's figure is still its best sample
-    trials += [ran_trial(planner, a, 4, samples_per_s=70.0, sample=2, head_to_head=4),
-               ran_trial(planner, b, 5, samples_per_s=90.0, sample=2, head_to_head=4)]
-    assert best_of(trials).config == b and best_of(trials).value == 95.0
+    step = planner.step(trials + [running])
+    assert (planner.configs[step.run], step.sample) == (b, 2)
+    # a's first sample was a fast moment of the machine; each config keeps its best sample
+    trials += [ran_trial(planner, a, 4, samples_per_s=70.0, sample=2),
+               ran_trial(planner, b, 5, samples_per_s=94.0, sample=2)]
+    assert best_of(trials).config == a and best_of(trials).value == 100.0
+    # their best samples are closer than a's own two: a third of each, then the order stands
+    order = []
     step = planner.step(trials)
-    assert step.run is None and step.stop.endswith("; then 2 re-measurements of the leaders")
+    while step.run is not None:
+        order.append((planner.configs[step.run], step.sample))
+        trials.append(ran_trial(planner, order[-1][0], len(trials), samples_per_s=97.0, sample=step.sample))
+        step = planner.step(trials)
+    assert order == [(a, 3), (b, 3)] and step.stop.endswith("; then 4 re-measurements of the leaders")
     # a re-measurement that goes over the budget rules its config out
-    trials.append(ran_trial(planner, b, len(trials), status="oom", sample=3))
-    assert best_of(trials).config == a
+    trials.append(ran_trial(planner, a, len(trials), status="oom", sample=4))
+    assert best_of(trials).config == b
 
 
-def _head_to_head_at_94mib(profile, rates):
-    """The first trials of a search on gpt-tiny at 94 MiB: micro-batch 6 read 109.0 alone, then 98.3 head to
-    head with micro-batch 4 (96.8 alone, 79.1 there); micro-batch 12 with checkpointing read 81.8."""
-    planner = make_planner(profile, rates, precision=["fp32"], micro_batch=[4, 6, 12], checkpoint_every=[0, 1],
+def test_a_sample_an_earlier_version_timed_head_to_head_ranks_as_any_other(tiny_profile, rates):
+    """A study recorded by an earlier version, which timed leaders of one build in one process (gpt-tiny at
+    94 MiB: micro-batches 6 and 4 head to head, 12 with checkpointing twice on its own): every config
+    ranks by its best sample, head to head or not, and the answer's figure is the bar a config must beat."""
+    from autofit.core.records import ranked_bests
+
+    planner = make_planner(tiny_profile, rates, precision=["fp32"], micro_batch=[4, 6, 12], checkpoint_every=[0, 1],
                            global_batch=12)
     six, four, twelve = TrainConfig("fp32", 6, 2), TrainConfig("fp32", 4, 3), TrainConfig("fp32", 12, 1, 1)
     trials = [ran_trial(planner, six, 0, samples_per_s=109.0), ran_trial(planner, twelve, 1, samples_per_s=81.8),
               ran_trial(planner, four, 2, samples_per_s=96.8),
               ran_trial(planner, six, 3, samples_per_s=98.3, sample=2, head_to_head=3),
-              ran_trial(planner, four, 4, samples_per_s=79.1, sample=2, head_to_head=3)]
-    return planner, (six, four, twelve), trials
-
-
-def test_a_head_to_head_orders_its_members_only_and_each_config_keeps_its_best_sample(tiny_profile, rates):
-    """As a search on gpt-tiny at 94 MiB ran it: micro-batches 6 and 4 (one build) timed head to head,
-    micro-batch 12 with checkpointing (another build) measured twice on its own. Ranked by its head-to-head
-    sample alone (98.3), micro-batch 6 lost to 12's best of two (102.1), though its own first trial read
-    109.0; quietly (five runs of 20 timed steps each) 6 measured a median 105.8 samples/s, 12 101.0."""
-    from autofit.core.records import best_of, ranked_bests
-
-    planner, (six, four, twelve), trials = _head_to_head_at_94mib(tiny_profile, rates)
-    trials.append(ran_trial(planner, twelve, 5, samples_per_s=102.1, sample=2))
-    assert best_of(trials).config == six and best_of(trials).value == 109.0
-    assert [r.config for r in ranked_bests(trials)] == [six, twelve, four]
-    # a member the head-to-head outranked never ranks above the member that won it, whatever its own best
+              ran_trial(planner, four, 4, samples_per_s=79.1, sample=2, head_to_head=3),
+              ran_trial(planner, twelve, 5, samples_per_s=102.1, sample=2)]
+    assert [(r.config, r.value) for r in ranked_bests(trials)] == [(six, 109.0), (twelve, 102.1), (four, 96.8)]
     trials.append(ran_trial(planner, four, 6, samples_per_s=120.0, sample=3))
-    assert [(r.config, r.value) for r in ranked_bests(trials)] == [(six, 109.0), (four, 120.0), (twelve, 102.1)]
+    assert [(r.config, r.value) for r in ranked_bests(trials)] == [(four, 120.0), (six, 109.0), (twelve, 102.1)]
 
 
-def test_the_bar_a_config_must_beat_is_the_answer_not_a_sample_a_head_to_head_overruled(tiny_profile, rates,
-                                                                                        monkeypatch):
-    """Pruning a config as unable to beat the best measured compares it with the answer's figure: a config
-    a head-to-head outranked is not the answer, so its own higher sample raises no bar."""
-    planner, (_, four, _), trials = _head_to_head_at_94mib(tiny_profile, rates)
-    trials.append(ran_trial(planner, four, 5, samples_per_s=120.0, sample=3))
-    bars = []
-    slow_precisions = planner._slow_precisions
-    monkeypatch.setattr(planner, "_slow_precisions", lambda *a: bars.append(a[4]) or slow_precisions(*a))
-    planner.step(trials)
-    assert bars == [109.0]
-
-
-def test_a_config_a_head_to_head_outranked_is_not_a_leader_and_leaves_its_place_to_another(tiny_profile, rates):
-    """Up to four leaders are measured again; the loser of a head-to-head, whatever its own trial read, is
-    represented by its winner, and the fifth config within the noise takes its place."""
+def test_up_to_four_leaders_are_measured_again(tiny_profile, rates):
+    """Five configs within the noise of the best: the four with the highest best samples are measured again."""
     from autofit.core.records import config_samples
-    from autofit.study.leaders import remeasurements
+    from autofit.study.leaders import REMEASURE_TOP, remeasurements
 
     planner = make_planner(tiny_profile, rates, precision=["fp32", "amp-bf16"], micro_batch=[4, 8],
                            checkpoint_every=[0, 1], global_batch=8)
     a, b = TrainConfig("fp32", 8, 1), TrainConfig("fp32", 4, 2)
     c, d, e = TrainConfig("fp32", 8, 1, 1), TrainConfig("amp-bf16", 8, 1), TrainConfig("amp-bf16", 8, 1, 1)
-    trials = [ran_trial(planner, a, 0, samples_per_s=100.0), ran_trial(planner, b, 1, samples_per_s=99.0),
-              ran_trial(planner, a, 2, samples_per_s=95.0, sample=2, head_to_head=2),
-              ran_trial(planner, b, 3, samples_per_s=80.0, sample=2, head_to_head=2),
-              ran_trial(planner, c, 4, samples_per_s=90.0), ran_trial(planner, d, 5, samples_per_s=88.0),
-              ran_trial(planner, e, 6, samples_per_s=86.0)]
+    trials = [ran_trial(planner, x, k, samples_per_s=v) for k, (x, v) in
+              enumerate([(a, 100.0), (b, 99.0), (c, 90.0), (d, 88.0), (e, 86.0)])]
     due = remeasurements(trials, config_samples(trials), planner.index)
-    assert {planner.configs[i] for (i, _), in due} == {c, d, e}
+    assert REMEASURE_TOP == 4 and [(planner.configs[i], k) for i, k in due] == [(a, 2), (b, 2), (c, 2), (d, 2)]
 
 
-@pytest.mark.parametrize("starved_steps, timed_steps, share, head_to_head", [
-    (3, 3, 0.6, True),     # every step waited: 40 could have been 100, so b and a are timed together
+@pytest.mark.parametrize("starved_steps, timed_steps, share, again", [
+    (3, 3, 0.6, True),     # every step waited: 40 could have been 100, so b and a are measured again
     (2, 5, 0.6, False),    # three clean steps: 40 is the config's figure, far below a's
     (3, 3, 0.05, False),   # starved, but the wait explains little of the gap
 ])
-def test_a_starved_figure_is_a_floor_and_its_config_is_timed_beside_the_leader(tiny_profile, rates, starved_steps,
-                                                                              timed_steps, share, head_to_head):
-    from autofit.core.records import reach
+def test_a_starved_figure_is_a_floor_and_its_config_is_measured_again_with_the_leader(tiny_profile, rates,
+                                                                                     starved_steps, timed_steps,
+                                                                                     share, again):
+    from autofit.core.records import config_samples, reach
+    from autofit.study.leaders import remeasurements
 
     planner = make_planner(tiny_profile, rates, precision=["fp32"], micro_batch=[1, 16], global_batch=16)
     a, b = TrainConfig("fp32", 1, 16), TrainConfig("fp32", 16, 1)
@@ -369,8 +348,9 @@ def test_a_starved_figure_is_a_floor_and_its_config_is_timed_beside_the_leader(t
                                  max_wait_share=0.01)]
     assert reach(starved) == pytest.approx(40.0 / (1 - share) if starved_steps == timed_steps else 40.0)
     step = planner.step(trials)
-    if head_to_head:
-        assert step.sample == 2 and {planner.configs[step.run], *(planner.configs[i] for i, _ in step.together)} == {a, b}
+    if again:
+        assert step.sample == 2
+        assert {planner.configs[i] for i, _ in remeasurements(trials, config_samples(trials), planner.index)} == {a, b}
     else:
         assert step.run is None
 
@@ -408,7 +388,6 @@ def test_leaders_of_other_builds_are_measured_on_their_own(tiny_profile, rates):
         if step.sample == 1:  # exploration goes on: give the other configs far slower results
             trials.append(ran_trial(planner, planner.configs[step.run], len(trials), samples_per_s=10.0))
         else:
-            assert step.together == ()
             order.append(planner.configs[step.run])
             trials.append(ran_trial(planner, order[-1], len(trials), samples_per_s=90.0, sample=step.sample))
         step = planner.step(trials)
@@ -417,13 +396,18 @@ def test_leaders_of_other_builds_are_measured_on_their_own(tiny_profile, rates):
     assert order == [a, b, a, b]
 
 
-def test_a_head_to_head_takes_only_the_trials_left_under_the_limit(tiny_profile, rates):
+def test_re_measurements_take_only_the_trials_left_under_the_limit(tiny_profile, rates):
     planner = make_planner(tiny_profile, rates, precision=["fp32"], micro_batch=[1, 2, 4, 8], global_batch=8)
     limited = Planner(dataclasses.replace(planner.settings, trials=5), tiny_profile, rates)
     configs = [TrainConfig("fp32", m, 8 // m) for m in (8, 4, 2)]
     trials = [ran_trial(limited, c, k, samples_per_s=100.0 - k) for k, c in enumerate(configs)]
-    step = limited.step(trials)  # 3 of 5 ran: two slots left, for the top two leaders
-    assert limited.configs[step.run] == configs[0] and [limited.configs[i] for i, _ in step.together] == [configs[1]]
+    order = []
+    step = limited.step(trials)  # 3 of 5 ran: two slots left, for the top two of the three leaders
+    while step.run is not None:
+        order.append((limited.configs[step.run], step.sample))
+        trials.append(ran_trial(limited, order[-1][0], len(trials), samples_per_s=99.0, sample=step.sample))
+        step = limited.step(trials)
+    assert order == [(configs[0], 2), (configs[1], 2)] and len(trials) == 5 and step.run is None
 
 
 def test_a_leader_alone_is_not_measured_again(tiny_profile, rates):
@@ -440,12 +424,11 @@ def test_a_leader_alone_is_not_measured_again(tiny_profile, rates):
     # nothing within the noise could overtake a
     step = planner.step(first)
     assert step.run is None and "re-measurement" not in step.stop
-    # a's samples differ by more than the floor: b is within that noise of a's best, so the two are timed together
+    # a's samples differ by more than the floor: b is within that noise of a's best, so b is measured again
     noisy = first + [ran_trial(planner, a, 4, samples_per_s=100.0 / (1 + 2 * NOISE_MIN), sample=2)]
     assert sample_noise(config_samples(noisy)) == pytest.approx(2 * NOISE_MIN)
     step = planner.step(noisy)
-    assert (planner.configs[step.run], step.sample) == (a, 3)
-    assert [(planner.configs[i], k) for i, k in step.together] == [(b, 2)]
+    assert (planner.configs[step.run], step.sample) == (b, 2)
 
 
 def test_re_measurements_count_towards_the_trial_limit(tiny_profile, rates):
@@ -756,34 +739,6 @@ def test_a_search_runs_its_trials_through_the_injected_runner(tmp_path):
     assert (tmp_path / "s" / "trials.csv").is_file()
 
 
-def test_a_search_times_its_leaders_through_the_injected_head_to_head_runner(tmp_path, monkeypatch):
-    from autofit.api import run_study
-    from autofit.study import worker
-
-    seen = {}
-
-    def recording_worker(*args, **kwargs):
-        seen.update(kwargs)
-        return "exhausted: recorded"
-
-    def head_to_head(workload, configs, *, device, timeout_s):
-        return [FakeRunner()(workload, c, device=device, budget_bytes=64_000_000, timeout_s=timeout_s) for c in configs]
-
-    monkeypatch.setattr(run_study, "run_worker", recording_worker)
-    run_study.search(TINY, "64MB", space=SMALL_SPACE, out_dir=tmp_path / "s", device="cpu",
-                     trial_runner=FakeRunner(), head_to_head_runner=head_to_head)
-    assert seen["head_to_head_runner"] is head_to_head and isinstance(seen["runner"], FakeRunner)
-    # the worker times a head-to-head by the runner it was given, not each leader one after another
-    calls = []
-    stub = type("W", (), {"settings": type("S", (), {"device_type": "cpu", "budget_bytes": 1})()})()
-    configs = [TrainConfig("bf16", 2, 2), TrainConfig("bf16", 4, 1)]
-    timed = worker._Worker._time_together(stub, TINY, configs, 10.0, FakeRunner(),
-                                          lambda w, c, **kw: calls.append(c) or ["together"])
-    assert timed == ["together"] and calls == [configs]
-    runner = FakeRunner()
-    assert len(worker._Worker._time_together(stub, TINY, configs, 10.0, runner, None)) == 2 and len(runner.calls) == 2
-
-
 def test_start_up_progress_says_what_was_computed_then_what_came_from_the_cache(tmp_path, monkeypatch):
     from autofit.api.run_study import search
     from autofit.probes import device_rates as time_model
@@ -834,7 +789,7 @@ def test_an_interrupted_trial_is_recorded_interrupted_and_the_interrupt_propagat
         search(TINY, "64MB", space=SMALL_SPACE, out_dir=tmp_path / "s", device="cpu", trial_runner=FakeRunner(2))
     statuses = [r.status.value for r in load_snapshot(tmp_path / "s").records if r.status.value != "pruned"]
     assert len(statuses) == 2 and statuses[0] in ("ok", "oom") and statuses[1] == "interrupted"
-    with pytest.raises(StudyError, match="trial_runner or head_to_head_runner runs in this process only"):
+    with pytest.raises(StudyError, match="a trial_runner runs in this process only"):
         search(TINY, "64MB", space=SMALL_SPACE, out_dir=tmp_path / "t", workers=2, trial_runner=FakeRunner())
     with pytest.raises(StudyError, match="device 'tpu': expected cpu or cuda"):
         search(TINY, "64MB", space=SMALL_SPACE, out_dir=tmp_path / "t", device="tpu")
