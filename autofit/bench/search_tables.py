@@ -248,8 +248,8 @@ def _method_sections(res: SearchResults, strategies: tuple[Strategy, ...]) -> li
     """How the suite measured, charged and scored, how the finders are run, and one line per strategy."""
     out = [f"Suite wall time: {res.wall_s / 60:.1f} min. Grids measured with `run_trial` "
            f"(warm-up {SCHEDULE.warmup_steps}, measured {SCHEDULE.measured_steps} step(s), timed steps "
-           f"{SCHEDULE.timed_steps}), one config at a time; then more samples of each config that fits, in trials of "
-           "their own. "
+           f"{SCHEDULE.timed_steps}), one config at a time; then rounds of more samples of each config that fits, taken by "
+           "a warm worker process one config after another. "
            f"Replayed figures: {res.seeds} seeds per strategy and cell (median [min–max]); deterministic "
            "strategies give the same figures for every seed. Live figures: one real run (seed 0) per strategy "
            "and cell: " + (_live_plan(res.runs) or "none") + ".",
