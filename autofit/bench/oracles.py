@@ -3,6 +3,7 @@ measured grid, :class:`LiveOracle` runs them for real (see :mod:`autofit.bench.s
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from autofit.bench.common import seconds
@@ -38,7 +39,7 @@ class ReplayOracle(Oracle):
         self.runs[point.config] = k + 1
         return samples[(k + self.first_sample) % len(samples)]
 
-    def _run(self, config: TrainConfig) -> Outcome:
+    def _run(self, config: TrainConfig, memory: bool = True) -> Outcome:
         point = self.grid.points.get(config)
         if point is None:
             raise KeyError(f"{config.short()} is not in the measured grid")
@@ -48,7 +49,18 @@ class ReplayOracle(Oracle):
             return Outcome(config, TrialStatus.OOM, None, None, self.grid.oom_floor_s + (point.step_time_s or 0.0))
         sample = self.sample(point)
         step = config.samples_per_step / sample if sample else point.step_time_s
-        return Outcome(config, TrialStatus.OK, sample, point.peak_bytes, point.wall_s, step)
+        cost_s = point.wall_s if memory else throughput_sample_s(point)
+        return Outcome(config, TrialStatus.OK, sample, None if not memory else point.peak_bytes, cost_s, step)
+
+
+def throughput_sample_s(point: GridPoint) -> float:
+    """What a throughput sample of ``point`` (a re-measurement: no tracked steps) costs: its grid trial's wall
+    time less the seconds it spent under the CPU memory tracker, plus the warm-up steps run bare instead
+    (each charged a whole step of the config, at least what the trial's steps ran). A grid that did not
+    record ``tracked_s`` (written before it, or measured on CUDA, which has no tracker) charges the whole trial."""
+    if point.tracked_s is None or point.step_time_s is None:
+        return point.wall_s
+    return point.wall_s - point.tracked_s + SCHEDULE.warmup_steps * point.step_time_s
 
 
 class LiveOracle(Oracle):
@@ -62,10 +74,11 @@ class LiveOracle(Oracle):
         self.progress = progress
         self.label = label
 
-    def _run(self, config: TrainConfig) -> Outcome:
+    def _run(self, config: TrainConfig, memory: bool = True) -> Outcome:
         from autofit.trial.run import run_trial
 
-        r = run_trial(self.workload, config, device="cpu", budget_bytes=self.budget_bytes, schedule=SCHEDULE,
+        schedule = SCHEDULE if memory else dataclasses.replace(SCHEDULE, memory=False)
+        r = run_trial(self.workload, config, device="cpu", budget_bytes=self.budget_bytes, schedule=schedule,
                       timeout_s=TRIAL_TIMEOUT_S)
         self.progress(f"live {self.label}: {config.short()} {r.status.value} {seconds(r.samples_per_s)} samples/s "
                       f"({r.wall_s:.1f} s)")

@@ -37,8 +37,8 @@ def autofit_search(problem: Problem, oracle: Oracle, seed: int = 0, first_use_s:
                            wall_s=outcome.cost_s, budget_bytes=budget_bytes,
                            error=None if outcome.ok else f"{outcome.status} (replayed from the measured grid)")
 
-    def run_trial(workload, config, *, device, budget_bytes, timeout_s):
-        return result_of(oracle.run(config), device, budget_bytes)
+    def run_trial(workload, config, *, device, budget_bytes, timeout_s, memory=True):
+        return result_of(oracle.run(config, memory), device, budget_bytes)
 
     if first_use_s:
         oracle.charge(first_use_s, "cold profile and device probe")

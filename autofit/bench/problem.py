@@ -145,9 +145,10 @@ class Oracle(ABC):
         # then); None: the scoring reads it from what the strategy saw, by its criterion.
         self.answers: list[TrainConfig | None] | None = None
 
-    def run(self, config: TrainConfig) -> Outcome:
+    def run(self, config: TrainConfig, memory: bool = True) -> Outcome:
+        """One trial of ``config``; ``memory=False``: a throughput sample (a re-measurement) that reads no peak."""
         start = time.perf_counter()
-        outcome = self._run(config)
+        outcome = self._run(config, memory)
         self._in_trials_s += time.perf_counter() - start
         self._charged_s += outcome.cost_s
         self.history.append(OracleRecord(outcome, self.clock_s))
@@ -164,7 +165,7 @@ class Oracle(ABC):
         return time.perf_counter() - self._started - self._in_trials_s + self._charged_s
 
     @abstractmethod
-    def _run(self, config: TrainConfig) -> Outcome:
+    def _run(self, config: TrainConfig, memory: bool = True) -> Outcome:
         ...
 
 

@@ -105,7 +105,8 @@ def load_grids(csv_path: Path, markdown: Path | None = None) -> list[Grid]:
                                        _number(row["step_time_s"]), float(row["trial_wall_s"]),
                                        _number(row["predicted_peak_bytes"]), row.get("error") if isinstance(row.get("error"), str) and row["error"] else None,
                                        _number(row["trial_samples_per_s"]), _number(row["second_samples_per_s"]),
-                                       _more_samples(row.get("more_samples_per_s")))
+                                       _more_samples(row.get("more_samples_per_s")),
+                                       _number(row.get("tracked_s", math.nan)))
         configs = list(points)
         budgets = tuple(int(c[len("fits_"):-len("MiB")]) for c in rows.columns
                         if c.startswith("fits_") and rows[c].notna().any())

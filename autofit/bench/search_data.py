@@ -75,6 +75,7 @@ class GridPoint:
     trial_samples_per_s: float | None = None
     second_samples_per_s: float | None = None
     more_samples_per_s: tuple[float, ...] = ()   # samples after the second, in the order taken
+    tracked_s: float | None = None  # the trial's seconds under the CPU memory tracker (None: not recorded)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "status", TrialStatus(self.status))

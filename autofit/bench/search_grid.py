@@ -78,7 +78,7 @@ def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None,
         best = max([x for x in (r.samples_per_s, *more) if x], default=None)
         step = config.samples_per_step / best if best else r.step_time_s
         points[config] = GridPoint(config, r.status, r.judged_peak_bytes, best, step, r.wall_s, pred, r.error,
-                                   r.samples_per_s, more[0] if more else None, tuple(more[1:]))
+                                   r.samples_per_s, more[0] if more else None, tuple(more[1:]), r.tracked_s)
     floor = run_trial(cell.workload, configs[0], device=cell.device, budget_bytes=1, schedule=SCHEDULE,
                       timeout_s=TRIAL_TIMEOUT_S)
     progress(f"grid {cell.workload}: a trial over its budget at the first operator took {floor.wall_s:.1f} s "

@@ -236,7 +236,7 @@ def _grid_rows(grids: list[Grid]) -> list[dict]:
                    "samples_per_s": p.samples_per_s, "trial_samples_per_s": p.trial_samples_per_s,
                    "second_samples_per_s": p.second_samples_per_s,
                    "more_samples_per_s": ";".join(repr(x) for x in p.more_samples_per_s),
-                   "step_time_s": p.step_time_s, "trial_wall_s": p.wall_s,
+                   "step_time_s": p.step_time_s, "trial_wall_s": p.wall_s, "tracked_s": p.tracked_s,
                    "error": p.error or "", "param_count": grid.param_count, "device": grid.cell.device}
             for b in grid.cell.budgets_mib:
                 row[f"fits_{b}MiB"] = p.status is TrialStatus.OK and p.peak_bytes is not None and p.peak_bytes <= b * MiB
@@ -253,7 +253,9 @@ def _method_sections(res: SearchResults, strategies: tuple[Strategy, ...]) -> li
            f"Replayed figures: {res.seeds} seeds per strategy and cell (median [min–max]); deterministic "
            "strategies give the same figures for every seed. Live figures: one real run (seed 0) per strategy "
            "and cell: " + (_live_plan(res.runs) or "none") + ".",
-           "How a replayed trial is charged: a config that fits costs the grid's measured trial wall time; one "
+           "How a replayed trial is charged: a config that fits costs the grid's measured trial wall time (a "
+           "re-measurement, which times throughput only: that time less the trial's seconds under the CPU "
+           "memory tracker, plus its two warm-up steps run bare, where the grid recorded them as `tracked_s`); one "
            "over the budget costs the wall time of a trial that went over at its first operator plus one step of "
            "that config. A replayed trial shows the strategy the throughput that config's grid trial measured "
            "(noise included); running the same config again (autofit's re-measurements) shows the grid's second "

@@ -233,7 +233,8 @@ def observations(records: list[TrialRecord], budget_bytes: int) -> list[Observat
         out.append(Observation(
             config=r.config, status=r.status, predicted_peak_bytes=float(r.prediction["peak_bytes"]),
             predicted_step_time_s=float(r.prediction.get("prior_step_time_s") or math.nan),
-            # a head-to-head times its configs only: the peak it carries is its config's own trial's, counted there
+            # a re-measurement (and an earlier version's head-to-head) times throughput only: the peak it
+            # carries is its config's own trial's, counted there
             measured_peak_bytes=None if r.measurement.get("peak_from_trial") is not None else measured_peak(r.measurement),
             measured_step_time_s=r.measurement.get("step_time_s"),
             budget_bytes=budget_bytes))

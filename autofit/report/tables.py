@@ -62,7 +62,7 @@ WAITED_S = 0.5             # a device lock taken within this is not a wait worth
 RAN = tuple(s.value for s in TrialStatus if s.ran)  # real trials that finished
 COLUMNS = (
     "trial", "number", "status", "sample", "head_to_head", "reason_kind", "reason", *FIELDS,
-    "predicted_peak_bytes", "calibrated_peak_bytes", "measured_peak_bytes", "peak_error",
+    "predicted_peak_bytes", "calibrated_peak_bytes", "measured_peak_bytes", "peak_from_trial", "peak_error",
     "predicted_step_time_s", "step_time_s", "step_time_error", "prior_step_time_error",
     "predicted_samples_per_s", "samples_per_s", "objective", "basis", "tokens_per_s",
     "timed_steps", "starved_steps", "step_spread", "cpu_share", "threads", "cpus", "max_wait_share",
@@ -112,6 +112,8 @@ def trials_table(study: StudySnapshot) -> pd.DataFrame:
             "predicted_peak_bytes": predicted.get("peak_bytes"),
             "calibrated_peak_bytes": predicted.get("calibrated_peak_bytes"),
             "measured_peak_bytes": measured_peak(measured),  # on CUDA reserved + context, as predicted
+            # a re-measurement reads throughput only: its peak is that trial's
+            "peak_from_trial": shown.get(measured.get("peak_from_trial")),
             "peak_error": errors.get("peak"),
             "predicted_step_time_s": predicted.get("step_time_s"),
             "step_time_s": measured.get("step_time_s"),
@@ -133,7 +135,8 @@ def trials_table(study: StudySnapshot) -> pd.DataFrame:
             "started": _when(r.started), "finished": _when(r.finished),
         })
     table = pd.DataFrame(rows, columns=list(COLUMNS))
-    for name in ("trial", "head_to_head", "predicted_peak_bytes", "calibrated_peak_bytes", "measured_peak_bytes"):
+    for name in ("trial", "head_to_head", "predicted_peak_bytes", "calibrated_peak_bytes", "measured_peak_bytes",
+                 "peak_from_trial"):
         table[name] = table[name].astype("Int64")
     return table
 

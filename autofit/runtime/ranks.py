@@ -185,7 +185,8 @@ def measure_rank(result: dict, schedule: MeasureSchedule, device: torch.device, 
     ``step()`` runs one optimizer step and returns its loss. CPU: warm-up and measured steps
     under ``make_tracker()`` (after ``untracked_steps`` bare ones); CUDA: bare, the allocator's
     peak read over the timed steps. Timed steps: every rank starts each one together (a
-    barrier), so a rank's time is not its wait for the others; the median is kept.
+    barrier), so a rank's time is not its wait for the others; the median is kept. A schedule
+    without ``memory`` on the CPU runs bare and leaves ``peak_bytes`` None.
     """
     losses = result["losses"]
     tracker = run_steps(schedule, lambda: losses.append(step()),
@@ -193,9 +194,11 @@ def measure_rank(result: dict, schedule: MeasureSchedule, device: torch.device, 
     if tracker is not None:
         result["peak_bytes"] = tracker.peak_bytes
         result["breakdown"] = tracker.peak_breakdown()
-    else:
+    elif device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+    else:
+        result["peak_bytes"], result["breakdown"] = None, None
     times = []
     for _ in range(schedule.timed_steps):
         dist.barrier()
@@ -217,7 +220,7 @@ def _sync(device: torch.device) -> None:
 
 def check_budget(result: dict, budget_bytes: int | None, label: str) -> None:
     """``ok``, or ``oom`` when the rank's peak passed the budget."""
-    if budget_bytes is not None and result["peak_bytes"] > budget_bytes:
+    if budget_bytes is not None and result["peak_bytes"] is not None and result["peak_bytes"] > budget_bytes:
         result["status"] = TrialStatus.OOM.value
         result["error"] = (f"{label} {result['rank']} peaked at {result['peak_bytes']} bytes, over the budget "
                            f"of {budget_bytes} bytes")
@@ -296,11 +299,13 @@ def combine_results(results: list[dict], world_size: int, label: str) -> tuple[d
         combined["error"] = failed[0]["error"] if failed else f"{label}(s) {missing} returned no result"
         return combined, None
     ordered = [by_rank[r] for r in range(world_size)]
+    combined["step_time_s"] = max(r["step_time_s"] for r in ordered)
+    if any(r.get("peak_bytes") is None for r in ordered):  # a throughput sample: no rank read its peak
+        return combined, ordered
     combined["per_device_peak_bytes"] = [int(r["peak_bytes"]) for r in ordered]
     combined["peak_bytes"] = max(combined["per_device_peak_bytes"])
     combined["per_device_breakdown"] = [r["breakdown"] for r in ordered]
     combined["breakdown"] = max(ordered, key=lambda r: r["peak_bytes"])["breakdown"]
-    combined["step_time_s"] = max(r["step_time_s"] for r in ordered)
     return combined, ordered
 
 

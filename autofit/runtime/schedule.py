@@ -9,6 +9,10 @@ A trial (:func:`autofit.trial.measure.measure_trial`, each pipeline stage of
    tracker, which also watches the warm-up);
 3. ``timed_steps`` steps run without any tracker and timed (a median needs a few samples).
 
+A re-measurement (``memory=False``) runs only 1 and 3: the config's first trial measured its memory,
+and on the CPU the tracked steps cost several untracked ones each (about 1.3 s of a 1.7 s gpt-tiny
+trial at bf16 micro-batch 12), so a throughput sample without them costs about half a trial.
+
 On one device each of these steps runs ``min(grad_accum, micro_steps_per_step)`` micro-batches:
 after the second micro-step gradients accumulate in place, so further micro-steps repeat the
 same memory pattern and the same work (the step time is composed from their medians). A
@@ -51,13 +55,16 @@ class MeasureSchedule:
     - ``measured_steps``: steps the peak memory is read over (>= 1);
     - ``timed_steps``: untracked steps whose median time is the throughput (>= 1);
     - ``micro_steps_per_step``: micro-batches run per step on one device (>= 2, so gradient
-      accumulation is seen); a config runs ``min(grad_accum, micro_steps_per_step)``.
+      accumulation is seen); a config runs ``min(grad_accum, micro_steps_per_step)``;
+    - ``memory``: read the peak memory (False: a throughput sample only, no measured steps and no
+      tracker; the trial reports no peak).
     """
 
     warmup_steps: int = MIN_WARMUP_STEPS
     measured_steps: int = 1
     timed_steps: int = MIN_TIMED_STEPS
     micro_steps_per_step: int = 3
+    memory: bool = True
 
     def __post_init__(self) -> None:
         minimums = {"warmup_steps": MIN_WARMUP_STEPS, "measured_steps": 1, "timed_steps": 1,
@@ -66,6 +73,8 @@ class MeasureSchedule:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"MeasureSchedule.{name} must be an integer >= {least}, got {value!r}")
+        if not isinstance(self.memory, bool):
+            raise ValueError(f"MeasureSchedule.memory must be True or False, got {self.memory!r}")
 
     @classmethod
     def from_steps(cls, warmup_steps: int = MIN_WARMUP_STEPS, measure_steps: int = 3) -> "MeasureSchedule":
@@ -82,7 +91,7 @@ class MeasureSchedule:
     @property
     def total_steps(self) -> int:
         """Optimizer steps a trial runs in all."""
-        return self.warmup_steps + self.measured_steps + self.timed_steps
+        return self.warmup_steps + self.measured_steps * self.memory + self.timed_steps
 
     def micro_steps(self, grad_accum: int) -> int:
         """Micro-batches one single-device step of a config with ``grad_accum`` runs."""
@@ -90,15 +99,19 @@ class MeasureSchedule:
 
     def step_equivalents(self, tracked_slowdown: float = TRACKED_STEP_SLOWDOWN) -> float:
         """What a trial costs, in untracked optimizer steps: tracked steps count ``tracked_slowdown`` each."""
+        if not self.memory:
+            return self.warmup_steps + self.timed_steps
         return (self.warmup_steps + self.measured_steps) * tracked_slowdown + self.timed_steps
 
     def to_dict(self) -> dict:
         return {"warmup_steps": self.warmup_steps, "measured_steps": self.measured_steps,
-                "timed_steps": self.timed_steps, "micro_steps_per_step": self.micro_steps_per_step}
+                "timed_steps": self.timed_steps, "micro_steps_per_step": self.micro_steps_per_step,
+                "memory": self.memory}
 
     @classmethod
     def from_dict(cls, data: dict) -> "MeasureSchedule":
-        return cls(**{k: data[k] for k in ("warmup_steps", "measured_steps", "timed_steps", "micro_steps_per_step")
+        return cls(**{k: data[k] for k in ("warmup_steps", "measured_steps", "timed_steps", "micro_steps_per_step",
+                                                   "memory")
                       if k in data})
 
 
@@ -115,12 +128,13 @@ def run_steps(schedule: MeasureSchedule, step: Callable[[], Any], *, tracker: Ca
     manager with ``reset_peak()`` -- :class:`autofit.runtime.tracker.MemoryTracker` -- that watches the
     rest of the warm-up, has its peak reset, and then watches the measured steps. Without a
     tracker (CUDA, whose allocator keeps its own peak) the measured steps are left to the timed
-    ones, which nothing slows down. Returns the tracker (None without one); the caller times
+    ones, which nothing slows down. A schedule without ``memory`` runs its warm-up bare, as
+    without a tracker. Returns the tracker (None without one); the caller times
     ``schedule.timed_steps`` steps next, its own way.
     """
     for _ in range(untracked_steps):
         step()
-    if tracker is None:
+    if tracker is None or not schedule.memory:
         for _ in range(schedule.warmup_steps - untracked_steps):
             step()
         return None

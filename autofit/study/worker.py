@@ -7,6 +7,7 @@ Several workers (processes, machines) may run on one study. The trial itself is 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import threading
@@ -58,18 +59,22 @@ MEASURED_KEYS = ("peak_bytes", "per_device_peak_bytes", "peak_reserved_bytes", "
 
 class TrialRunner(Protocol):
     """Runs one trial of ``config`` and returns its :class:`autofit.trial.run.TrialResult` (never raises for
-    the trial's sake). ``workload`` is a Workload or its ``--model`` spec."""
+    the trial's sake). ``workload`` is a Workload or its ``--model`` spec. ``memory=False``: a
+    re-measurement, whose config's first trial measured its memory: throughput is enough (a result
+    without a peak gets the first trial's)."""
 
     def __call__(self, workload: Workload | str, config: TrainConfig, *, device: str, budget_bytes: int,
-                 timeout_s: float) -> TrialResult: ...
+                 timeout_s: float, memory: bool = True) -> TrialResult: ...
 
 
 def run_trial_isolated(workload: Workload | str, config: TrainConfig, *, device: str, budget_bytes: int,
-                       timeout_s: float) -> TrialResult:
+                       timeout_s: float, memory: bool = True) -> TrialResult:
     """The default :class:`TrialRunner`: :func:`autofit.trial.run.run_trial` of the schedule the planner sizes
-    time limits from (:data:`autofit.runtime.schedule.DEFAULT_SCHEDULE`)."""
+    time limits from (:data:`autofit.runtime.schedule.DEFAULT_SCHEDULE`; without ``memory``, its steps
+    but the tracked ones)."""
+    schedule = DEFAULT_SCHEDULE if memory else dataclasses.replace(DEFAULT_SCHEDULE, memory=False)
     return run_trial(workload, config, device=device, budget_bytes=budget_bytes, timeout_s=timeout_s,
-                     schedule=DEFAULT_SCHEDULE)
+                     schedule=schedule)
 
 
 class PlannedSampler(BaseSampler):
@@ -168,6 +173,31 @@ def _errors(prediction: dict, result: TrialResult) -> dict:
         "step_time": relative_error(prediction.get("step_time_s"), result.step_time_s),
         "prior_step_time": relative_error(prediction.get("prior_step_time_s"), result.step_time_s),
     }
+
+
+def _first_sample(records: list[TrialRecord], config: TrainConfig) -> TrialRecord | None:
+    """The config's first trial that ran ok and read its peak, or None (then a re-measurement reads it)."""
+    return next((r for r in sorted(records, key=lambda r: r.number) if r.config == config
+                 and r.status is TrialStatus.OK and r.measurement.get("peak_bytes") is not None
+                 and r.measurement.get("peak_from_trial") is None), None)
+
+
+def _with_first_peak(result: TrialResult, first: TrialRecord | None) -> tuple[TrialResult, dict]:
+    """``result`` and its measured keys; a throughput sample (no peak) gets the memory its config's first
+    trial measured (``first``: a peak is deterministic for a config on one device), tagged
+    ``peak_from_trial`` with that trial's number so calibration counts it once."""
+    carried = first is not None and result.ok and result.peak_bytes is None
+    if carried:
+        m = first.measurement
+        result = dataclasses.replace(
+            result, peak_bytes=m.get("peak_bytes"), per_device_peak_bytes=list(m.get("per_device_peak_bytes") or []),
+            peak_reserved_bytes=m.get("peak_reserved_bytes"), context_bytes=m.get("context_bytes"),
+            peak_card_bytes=m.get("peak_card_bytes"), breakdown=dict(m.get("breakdown") or result.breakdown))
+    data = result.to_dict()
+    measured = {k: data.get(k) for k in MEASURED_KEYS}
+    if carried:
+        measured["peak_from_trial"] = first.number
+    return result, measured
 
 
 def _describe(number: int, config: TrainConfig, result: TrialResult) -> str:
@@ -296,20 +326,24 @@ class _Worker:
     def run(self, trial: optuna.Trial, config: TrainConfig, prediction: dict, workload: Workload | str,
             runner: TrialRunner, sample: int = 1) -> None:
         """Run the claimed trial (with a heartbeat) and record its result; an interrupt marks it interrupted."""
-        shown = trial_number(storage.read_records(self.study), trial.number)  # real trials from 1, not Optuna's
+        records = storage.read_records(self.study)
+        shown = trial_number(records, trial.number)  # real trials from 1, not Optuna's
+        first = _first_sample(records, config) if sample > 1 else None
         what = "running" if sample == 1 else f"measuring again (sample {sample}, before the best is crowned)"
         self.emit(f"trial {shown} {config.short()}: {what} (predicted {prediction['samples_per_s']:.3g} "
                   f"samples/s, limit {prediction['trial_timeout_s']:.0f} s)")
         try:
             with _Heartbeat(trial):
                 result = runner(workload, config, device=self.settings.device_type,
-                                budget_bytes=self.settings.budget_bytes, timeout_s=prediction["trial_timeout_s"])
+                                budget_bytes=self.settings.budget_bytes, timeout_s=prediction["trial_timeout_s"],
+                                memory=first is None)
         except BaseException:
             try:
                 storage.mark_interrupted(self.study, trial)
             finally:
                 raise
-        data = result.to_dict()
-        storage.tell_result(self.study, trial, result, prediction, {k: data.get(k) for k in MEASURED_KEYS},
-                            _errors(prediction, result), self.settings.budget_bytes, self.settings.devices)
+        errors = _errors(prediction, result)  # before a carried peak: a prediction is judged on its own trial
+        result, measured = _with_first_peak(result, first)
+        storage.tell_result(self.study, trial, result, prediction, measured, errors, self.settings.budget_bytes,
+                            self.settings.devices)
         self.emit(_describe(shown, config, result))

@@ -22,6 +22,10 @@ What is measured, in order (the steps of a :class:`autofit.runtime.schedule.Meas
    throughput is the fastest step that was not starved: load only ever slows a step, so the fastest
    is the figure it inflates least.
 
+A schedule without ``memory`` (a re-measurement: the config's first trial measured its memory) runs
+only 1 and 3 and reports no peak. On the CPU a trial that reads the peak also reports ``tracked_s``,
+the seconds of its tracked steps (what a re-measurement saves).
+
 Each measured step runs ``min(grad_accum, 3)`` micro-batches (the schedule's
 ``micro_steps_per_step``): after the second micro-step
 the gradients are accumulated in place, so further micro-steps repeat the same memory
@@ -107,8 +111,13 @@ def measure_trial(workload: Workload, config: TrainConfig, *, device: str = "cpu
 def _measure_cpu(workload: Workload, config: TrainConfig, budget_bytes: int | None, schedule: MeasureSchedule) -> dict:
     trainee = build_trainee(workload, config, "cpu")
     batches = trial_micro_batches(workload, config, trainee.device, schedule)
+    if not schedule.memory:  # a throughput sample: no tracker, no peak
+        run_steps(schedule, lambda: train_step(trainee, batches))
+        times, t_micro, t_optimizer = time_steps(trainee, batches, config, schedule.timed_steps)
+        return _result(workload, config, None, None, None, t_micro, t_optimizer, times)
     tracker = MemoryTracker(trainee.model, trainee.optimizer, inputs=batches, budget_bytes=budget_bytes)
     boundary = lambda _index: tracker.step_boundary()  # noqa: E731
+    started = time.perf_counter()
     try:
         run_steps(schedule, lambda: train_step(trainee, batches, on_micro_step=boundary), tracker=lambda: tracker)
     except Exception:
@@ -119,8 +128,10 @@ def _measure_cpu(workload: Workload, config: TrainConfig, budget_bytes: int | No
         raise
     peak_bytes = tracker.peak_bytes
     breakdown = tracker.peak_breakdown()
+    tracked_s = time.perf_counter() - started
     times, t_micro, t_optimizer = time_steps(trainee, batches, config, schedule.timed_steps)
-    return _result(workload, config, peak_bytes, None, breakdown, t_micro, t_optimizer, times)
+    return {**_result(workload, config, peak_bytes, None, breakdown, t_micro, t_optimizer, times),
+            "tracked_s": tracked_s}
 
 
 def _measure_cuda(workload: Workload, config: TrainConfig, device: str, budget_bytes: int | None,
@@ -294,15 +305,17 @@ def trial_micro_batches(workload: Workload, config: TrainConfig, device: torch.d
     return make_micro_batches(workload, dataclasses.replace(config, grad_accum=count), device)
 
 
-def _result(workload: Workload, config: TrainConfig, peak_bytes: int, reserved_bytes: int | None,
-            breakdown: dict, t_micro: float, t_optimizer: float, times: StepTimes | None = None) -> dict:
+def _result(workload: Workload, config: TrainConfig, peak_bytes: int | None, reserved_bytes: int | None,
+            breakdown: dict | None, t_micro: float, t_optimizer: float, times: StepTimes | None = None) -> dict:
+    """An ok trial's result; ``peak_bytes`` and ``breakdown`` None for a throughput sample."""
     step_time_s = compose_step_time(config, t_micro, t_optimizer)
     samples_per_s = config.samples_per_step / step_time_s
     return {**(times.to_dict() if times is not None else {}),
         "status": "ok", "error": None,
-        "peak_bytes": int(peak_bytes), "per_device_peak_bytes": [int(peak_bytes)],
+        "peak_bytes": None if peak_bytes is None else int(peak_bytes),
+        "per_device_peak_bytes": [] if peak_bytes is None else [int(peak_bytes)],
         "peak_reserved_bytes": None if reserved_bytes is None else int(reserved_bytes),
-        "breakdown": {k: int(breakdown[k]) for k in BREAKDOWN_KEYS},
+        "breakdown": {k: None if breakdown is None else int(breakdown[k]) for k in BREAKDOWN_KEYS},
         "samples_per_s": samples_per_s,
         "tokens_per_s": samples_per_s * workload.tokens_per_sample if workload.tokens_per_sample else None,
         "step_time_s": step_time_s, "micro_step_time_s": t_micro, "optimizer_step_time_s": t_optimizer,

@@ -83,6 +83,8 @@ class TrialResult:
       ``threads`` (intra-op threads asked for), ``cpus`` (CPUs the process could run on),
       ``max_wait_share`` (the largest run-queue wait of a step over its wall time), and on CUDA
       ``device_step_s`` (event time of the fastest step as run). The throughput is the best step's.
+    - ``tracked_s``: on the CPU, the seconds of the steps run under the memory tracker (None on CUDA,
+      for a device split, and for a throughput sample, whose schedule reads no memory).
     """
 
     workload: str
@@ -114,6 +116,7 @@ class TrialResult:
     cpus: int | None = None
     max_wait_share: float | None = None
     device_step_s: float | None = None
+    tracked_s: float | None = None
 
     @property
     def judged_peak_bytes(self) -> int | None:

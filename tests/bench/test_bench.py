@@ -56,7 +56,7 @@ class Synthetic(Oracle):
         speed = 2.0 if c.precision is Precision.BF16 else 1.0
         return speed * 100 * c.micro_batch / (c.micro_batch + 4) / (1.33 if c.checkpoint_every else 1.0)
 
-    def _run(self, c: TrainConfig) -> Outcome:
+    def _run(self, c: TrainConfig, memory: bool = True) -> Outcome:
         peak = self.peak(c)
         if peak > self.budget_bytes:
             return Outcome(c, "oom", None, None, 1.0)
@@ -262,6 +262,28 @@ def test_replay_charges_grid_costs_and_scores_against_optimum():
     assert grid.fraction(best.config, budget) == 1.0
     assert grid.fraction(big, budget) == 0.0
     assert grid.fraction(None, budget) == 0.0
+
+
+def test_a_replayed_remeasurement_is_charged_its_trial_without_the_tracked_steps(tmp_path):
+    """A throughput sample (autofit's re-measurement) costs the grid trial's wall time less its tracked
+    seconds, plus its bare warm-up steps; a grid that did not record them charges the whole trial."""
+    from autofit.bench.oracles import throughput_sample_s
+    from autofit.bench.replay import load_grids
+
+    grid = _grid()
+    c = next(iter(grid.points))
+    grid.points[c] = dataclasses.replace(grid.points[c], tracked_s=2.0)  # wall 3.0 s, step 0.1 s
+    oracle = ReplayOracle(grid, 10**12)
+    first, again = oracle.run(c), oracle.run(c, memory=False)
+    assert (first.cost_s, first.peak_bytes) == (3.0, grid.points[c].peak_bytes)
+    assert again.cost_s == pytest.approx(3.0 - 2.0 + 2 * 0.1) and again.peak_bytes is None and again.ok
+    other = next(p for p in grid.points.values() if p.config != c)
+    assert other.tracked_s is None and throughput_sample_s(other) == other.wall_s
+    runs = [run_strategy(HALVING, grid, 50 * MiB, 0, ReplayOracle(grid, 50 * MiB), BenchMode.REPLAY)]
+    write_search(tmp_path, environment("test"), SearchResults([grid], runs, ("synthetic", 50 * MiB), 1, 0.0),
+                 (HALVING,))
+    loaded = load_grids(tmp_path / "search_grid.csv")[0].points
+    assert loaded[c].tracked_s == 2.0 and loaded[other.config].tracked_s is None
 
 
 def test_replay_answers_the_trial_sample_then_the_second_and_loads_back_from_csv(tmp_path):

@@ -91,7 +91,7 @@ class _Synthetic(Oracle):
         super().__init__()
         self.budget_bytes = budget_bytes
 
-    def _run(self, c: TrainConfig) -> Outcome:
+    def _run(self, c: TrainConfig, memory: bool = True) -> Outcome:
         peak = _peak_mib(c) * MiB
         if peak > self.budget_bytes:
             return Outcome(c, "oom", None, None, 1.0)

@@ -81,7 +81,7 @@ def test_usage_errors_are_one_line(tmp_path, capsys):
 class _FakeRunner:
     """Answers trials without running them: amp-bf16 three times as fast as fp32, everything at 1 MB."""
 
-    def __call__(self, workload, config, *, device, budget_bytes, timeout_s):
+    def __call__(self, workload, config, *, device, budget_bytes, timeout_s, memory=True):
         from autofit.trial.run import TrialResult, TrialStatus
 
         rate = (30.0 if config.precision.value == "amp-bf16" else 10.0) * config.micro_batch

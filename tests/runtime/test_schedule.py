@@ -40,3 +40,24 @@ def test_out_of_range_counts_are_refused(field, value):
 def test_round_trips_through_a_dict():
     schedule = MeasureSchedule(3, 2, 4, 2)
     assert MeasureSchedule.from_dict(schedule.to_dict()) == schedule
+
+
+def test_a_throughput_sample_runs_no_measured_steps_and_round_trips():
+    sample = MeasureSchedule(memory=False)
+    assert sample.total_steps == 5 and sample.step_equivalents() == 5.0
+    assert MeasureSchedule.from_dict(sample.to_dict()) == sample
+    assert MeasureSchedule.from_dict({"warmup_steps": 2}).memory  # a schedule written before the field reads memory
+    with pytest.raises(ValueError, match="MeasureSchedule.memory must be True or False, got 1"):
+        MeasureSchedule(memory=1)
+
+
+def test_a_throughput_sample_never_makes_a_tracker():
+    from autofit.runtime.schedule import run_steps
+
+    steps = []
+
+    def tracker():
+        raise AssertionError("a throughput sample made a tracker")
+
+    assert run_steps(MeasureSchedule(memory=False), lambda: steps.append(1), tracker=tracker) is None
+    assert len(steps) == 2  # the warm-up only: the caller times the timed steps

@@ -44,7 +44,7 @@ class Replay:
         self.calls: list[TrainConfig] = []
         self.kill_at = kill_at
 
-    def __call__(self, workload, config, *, device, budget_bytes, timeout_s):
+    def __call__(self, workload, config, *, device, budget_bytes, timeout_s, memory=True):
         self.calls.append(config)
         if len(self.calls) == self.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -247,7 +247,7 @@ def test_trials_that_crash_hang_run_out_of_memory_or_flood_are_recorded_and_the_
     limit = _vm_bytes() + (4 << 30)  # a trial may map 4 GiB more than this process holds; the hog asks for 12
     assert HOG_BYTES > 4 << 30
 
-    def limited(workload, config, *, device, budget_bytes, timeout_s):
+    def limited(workload, config, *, device, budget_bytes, timeout_s, memory=True):
         return run_trial(workload, config, device=device, budget_bytes=budget_bytes, timeout_s=timeout_s,
                          schedule=DEFAULT_SCHEDULE, memory_limit_bytes=limit)
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import optuna
+import pandas as pd
 import pytest
 from optuna.trial import TrialState
 from trial_workloads import SLOW_TINY_LM
@@ -690,7 +691,7 @@ class FakeRunner:
         self.calls = []
         self.interrupt_at = interrupt_at
 
-    def __call__(self, workload, config, *, device, budget_bytes, timeout_s):
+    def __call__(self, workload, config, *, device, budget_bytes, timeout_s, memory=True):
         from autofit.trial.run import TrialResult
         from autofit.trial.run import TrialStatus as Status
 
@@ -737,6 +738,54 @@ def test_a_search_runs_its_trials_through_the_injected_runner(tmp_path):
     assert result.best.precision.value == "amp-bf16" and result.best_measured["samples_per_s"] == max(
         r.value for r in records.values() if r.feasible)
     assert (tmp_path / "s" / "trials.csv").is_file()
+
+
+class ThroughputOnlyRunner:
+    """Every config fits at 1 MB (2 MB with checkpointing) and runs 100 samples/s, so every leader's
+    noise band overlaps the best's and they are measured again; a trial asked for throughput only
+    (``memory=False``) reads no peak, as a real one does."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[TrainConfig, bool]] = []
+
+    def __call__(self, workload, config, *, device, budget_bytes, timeout_s, memory=True):
+        from autofit.trial.run import TrialResult, TrialStatus
+
+        self.calls.append((config, memory))
+        peak = (2 if config.checkpoint_every else 1) * 10**6 if memory else None
+        return TrialResult("tiny-lm", config, device, TrialStatus.OK, peak_bytes=peak,
+                           per_device_peak_bytes=[peak] if peak else [], samples_per_s=100.0 + len(self.calls) / 100,
+                           step_time_s=0.04, wall_s=1.0, budget_bytes=budget_bytes)
+
+
+def test_a_remeasurement_times_throughput_only_and_keeps_its_first_trials_peak(tmp_path):
+    """A config's first trial reads its memory; a re-measurement asks for throughput only, and its record
+    carries the first trial's peak, marked so that calibration counts that peak once."""
+    from autofit.api.run_study import search
+    from autofit.estimator.calibration import observations
+    from autofit.study import load_snapshot
+
+    runner = ThroughputOnlyRunner()
+    search(TINY, "64MB", space=SMALL_SPACE, out_dir=tmp_path / "s", device="cpu", patience=10, trial_runner=runner)
+    firsts = [c for c, memory in runner.calls if memory]
+    again = [c for c, memory in runner.calls if not memory]
+    assert again and len(firsts) == len(set(firsts)) and set(again) <= set(firsts)
+    assert all(runner.calls.index((c, True)) < runner.calls.index((c, False)) for c in again)
+    records = [r for r in load_snapshot(tmp_path / "s").records if r.status.ran]
+    first_of = {r.config: r for r in records if r.sample == 1}
+    for r in (r for r in records if r.sample > 1):
+        first = first_of[r.config]
+        assert r.measurement["peak_bytes"] == first.measurement["peak_bytes"] > 0
+        assert r.measurement["peak_from_trial"] == first.number and r.errors["peak"] is None and r.feasible
+    counted = [o for o in observations(records, 64_000_000) if o.measured_peak_bytes is not None]
+    assert len(counted) == len(first_of)
+    table = pd.read_csv(tmp_path / "s" / "trials.csv")
+    shown = dict(zip(table["number"], table["trial"]))
+    remeasured = table[table["sample"] > 1]
+    assert list(remeasured["peak_from_trial"]) == [shown[first_of[TrainConfig.from_dict(
+        {k: row[k] for k in ("precision", "micro_batch", "grad_accum", "checkpoint_every")})].number]
+        for row in remeasured.to_dict("records")]
+    assert table.loc[table["sample"] == 1, "peak_from_trial"].isna().all()
 
 
 def test_start_up_progress_says_what_was_computed_then_what_came_from_the_cache(tmp_path, monkeypatch):

@@ -12,6 +12,7 @@ from trial_workloads import mlp_workload
 
 from autofit.core.config import TrainConfig
 from autofit.runtime import forkserver
+from autofit.runtime.schedule import MeasureSchedule
 from autofit.runtime.tracker import CATEGORIES
 from autofit.runtime.training import build_trainee
 from autofit.trial.measure import (
@@ -214,3 +215,29 @@ def test_starved_steps_are_taken_again_and_never_the_figure(monkeypatch):
     assert times.starved_steps == 2 and len(times.samples) == 5
     assert [s.starved for s in times.samples] == [True, True, False, False, False]
     assert times.best_s == compose_step_time(config, t_micro, t_optimizer) == 2 * 1.0 + 1.0
+
+
+def test_a_throughput_sample_reads_no_memory_and_runs_no_tracker(monkeypatch):
+    import autofit.trial.measure as measure
+
+    workload = mlp_workload()
+    full = measure_trial(workload, TrainConfig(micro_batch=4, grad_accum=2))
+    assert full["status"] == "ok" and full["peak_bytes"] > 0 and full["tracked_s"] > 0
+
+    def no_tracker(*args, **kwargs):
+        raise AssertionError("a throughput sample built a memory tracker")
+
+    monkeypatch.setattr(measure, "MemoryTracker", no_tracker)
+    sample = measure_trial(workload, TrainConfig(micro_batch=4, grad_accum=2), schedule=MeasureSchedule(memory=False))
+    assert sample["status"] == "ok" and sample["samples_per_s"] > 0 and "tracked_s" not in sample
+    assert sample["peak_bytes"] is None and sample["per_device_peak_bytes"] == []
+    assert set(sample["breakdown"]) == set(CATEGORIES) and not any(sample["breakdown"].values())
+
+
+def test_a_throughput_sample_of_a_pipeline_split_reads_no_memory():
+    from trial_workloads import TINY_LM
+
+    result = run_trial(TINY_LM, TrainConfig(micro_batch=1, grad_accum=2, device_split=2),
+                       schedule=MeasureSchedule(memory=False), timeout_s=120)
+    assert result.ok and result.samples_per_s > 0, result.error
+    assert result.peak_bytes is None and result.per_device_peak_bytes == [] and result.tracked_s is None
