@@ -189,9 +189,11 @@ def measure_rank(result: dict, schedule: MeasureSchedule, device: torch.device, 
     without ``memory`` on the CPU runs bare and leaves ``peak_bytes`` None.
     """
     losses = result["losses"]
+    started = time.perf_counter()
     tracker = run_steps(schedule, lambda: losses.append(step()),
                         tracker=make_tracker if device.type == "cpu" else None, untracked_steps=untracked_steps)
     if tracker is not None:
+        result["tracked_s"] = time.perf_counter() - started  # what a throughput sample of the split saves
         result["peak_bytes"] = tracker.peak_bytes
         result["breakdown"] = tracker.peak_breakdown()
     elif device.type == "cuda":
@@ -300,6 +302,8 @@ def combine_results(results: list[dict], world_size: int, label: str) -> tuple[d
         return combined, None
     ordered = [by_rank[r] for r in range(world_size)]
     combined["step_time_s"] = max(r["step_time_s"] for r in ordered)
+    tracked = [r["tracked_s"] for r in ordered if r.get("tracked_s") is not None]
+    combined["tracked_s"] = max(tracked) if len(tracked) == len(ordered) else None  # the ranks run in step
     if any(r.get("peak_bytes") is None for r in ordered):  # a throughput sample: no rank read its peak
         return combined, ordered
     combined["per_device_peak_bytes"] = [int(r["peak_bytes"]) for r in ordered]

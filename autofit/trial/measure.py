@@ -362,4 +362,5 @@ def _measure_split(workload: Workload, config: TrainConfig, *, device_type: str,
         "samples_per_s": samples_per_s,
         "tokens_per_s": samples_per_s * workload.tokens_per_sample if workload.tokens_per_sample else None,
         "step_time_s": step_time_s, "micro_step_time_s": None, "optimizer_step_time_s": None,
+        "tracked_s": out.get("tracked_s"),
     }

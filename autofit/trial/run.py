@@ -83,8 +83,10 @@ class TrialResult:
       ``threads`` (intra-op threads asked for), ``cpus`` (CPUs the process could run on),
       ``max_wait_share`` (the largest run-queue wait of a step over its wall time), and on CUDA
       ``device_step_s`` (event time of the fastest step as run). The throughput is the best step's.
-    - ``tracked_s``: on the CPU, the seconds of the steps run under the memory tracker (None on CUDA,
-      for a device split, and for a throughput sample, whose schedule reads no memory).
+    - ``tracked_s``: on the CPU, the seconds of the warm-up and measured steps, which run under the
+      memory tracker (but a pipeline stage's first, run bare); a device split's is its slowest rank's,
+      the ranks stepping together. None on CUDA and for a throughput sample, whose schedule reads no
+      memory.
     """
 
     workload: str

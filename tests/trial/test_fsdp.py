@@ -103,3 +103,14 @@ def test_a_training_plan_says_how_to_run_fsdp():
     plan = TrainingPlan(TrainConfig(device_split=2, split_mode="fsdp"))
     with pytest.raises(ConfigError, match="autofit.trial.fsdp.shard_model"):
         plan.prepare(nn.Sequential(nn.ModuleList([nn.Linear(2, 2)])))
+
+
+def test_a_throughput_sample_of_fsdp_ranks_reads_no_memory():
+    from autofit.runtime.schedule import MeasureSchedule
+
+    config = TrainConfig(micro_batch=2, device_split=2, split_mode="fsdp")
+    full = measure_fsdp(SPEC, config, device_type="cpu", timeout_s=120, **STEPS)
+    sample = measure_fsdp(SPEC, config, device_type="cpu", timeout_s=120, steps=MeasureSchedule(memory=False))
+    assert full["status"] == "ok" and full["peak_bytes"] > 0 and full["tracked_s"] > 0, full["error"]
+    assert sample["status"] == "ok" and sample["step_time_s"] > 0, sample["error"]
+    assert sample["peak_bytes"] is None and sample["per_device_peak_bytes"] == [] and sample["tracked_s"] is None

@@ -237,6 +237,8 @@ def test_a_throughput_sample_reads_no_memory_and_runs_no_tracker(monkeypatch):
 def test_a_throughput_sample_of_a_pipeline_split_reads_no_memory():
     from trial_workloads import TINY_LM
 
+    full = run_trial(TINY_LM, TrainConfig(micro_batch=1, grad_accum=2, device_split=2), timeout_s=120)
+    assert full.ok and full.peak_bytes > 0 and full.tracked_s > 0, full.error
     result = run_trial(TINY_LM, TrainConfig(micro_batch=1, grad_accum=2, device_split=2),
                        schedule=MeasureSchedule(memory=False), timeout_s=120)
     assert result.ok and result.samples_per_s > 0, result.error
