@@ -50,7 +50,7 @@ class ReplayOracle(Oracle):
         sample = self.sample(point)
         step = config.samples_per_step / sample if sample else point.step_time_s
         cost_s = point.wall_s if memory else throughput_sample_s(point)
-        return Outcome(config, TrialStatus.OK, sample, None if not memory else point.peak_bytes, cost_s, step)
+        return Outcome(config, TrialStatus.OK, sample, point.peak_bytes if memory else None, cost_s, step)
 
 
 def throughput_sample_s(point: GridPoint) -> float:

@@ -110,9 +110,8 @@ class MeasureSchedule:
 
     @classmethod
     def from_dict(cls, data: dict) -> "MeasureSchedule":
-        return cls(**{k: data[k] for k in ("warmup_steps", "measured_steps", "timed_steps", "micro_steps_per_step",
-                                                   "memory")
-                      if k in data})
+        keys = ("warmup_steps", "measured_steps", "timed_steps", "micro_steps_per_step", "memory")
+        return cls(**{k: data[k] for k in keys if k in data})
 
 
 # What a study's trial runs: 2 warm-up steps, 1 measured, 3 timed, at most 3 micro-steps each.
