@@ -40,7 +40,10 @@ PROBE_ATTEMPTS = 3
 ALL_DTYPES = ("float32", "bfloat16", "float16")
 _SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 _PROBE_TARGET_S = 0.01
-_PROBE_SIZES = (128, 256, 512, 1024, 2048)
+# Past 1024 the size grows by sqrt(2) (each matmul about 2.8x the last one's time, not 8x): the largest
+# size's four runs are most of the probe, and a CPU whose 1024 matmul just misses the target (7 ms at fp32
+# on the bench's machine) stops at 1448 (~20 ms) instead of 2048 (~55 ms), at the same rate within 3%.
+_PROBE_SIZES = (128, 256, 512, 1024, 1448, 2048)
 _PROBE_REPEATS = 3
 _PROBE_OPS = 10  # operators in the latency probe's forward + backward, accumulation included
 
@@ -136,8 +139,10 @@ def measure_rates(device_type: str = "cpu", dtypes: tuple[str, ...] = ALL_DTYPES
         dtype = getattr(torch, name)
         rate = 0.0
         for n in _PROBE_SIZES:
-            a = torch.randn(n, n, device=device).to(dtype)
-            b = torch.randn(n, n, device=device).to(dtype)
+            # uniform, drawn in the dtype: half the time of normal draws cast after (a GEMM's speed does not
+            # depend on its values, save denormals, which [0, 1) in these dtypes does not produce)
+            a = torch.rand(n, n, device=device, dtype=dtype)
+            b = torch.rand(n, n, device=device, dtype=dtype)
             torch.mm(a, b)  # warm-up: kernel selection, thread pool start
             seconds = _time_min(lambda a=a, b=b: torch.mm(a, b), sync, _PROBE_REPEATS)
             rate = max(rate, 2 * n**3 / max(seconds, 1e-9))
