@@ -42,7 +42,8 @@ _SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 _PROBE_TARGET_S = 0.01
 # Past 1024 the size grows by sqrt(2) (each matmul about 2.8x the last one's time, not 8x): the largest
 # size's four runs are most of the probe, and a CPU whose 1024 matmul just misses the target (7 ms at fp32
-# on the bench's machine) stops at 1448 (~20 ms) instead of 2048 (~55 ms), at the same rate within 3%.
+# on the bench's machine) stops at 1448 (~20 ms) instead of 2048 (~55 ms), at a rate a few percent lower
+# (there 288-297 GFLOP/s at 1448 against 302-307 at 2048).
 _PROBE_SIZES = (128, 256, 512, 1024, 1448, 2048)
 _PROBE_REPEATS = 3
 _PROBE_OPS = 10  # operators in the latency probe's forward + backward, accumulation included
