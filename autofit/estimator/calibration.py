@@ -2,7 +2,8 @@
 
 After each real trial the study compares what was measured with what was predicted before it ran:
 
-- **memory**: ``peak_ratio`` is the median of measured / predicted peak over ok trials; the
+- **memory**: ``peak_ratio`` is the median of measured / predicted peak over ok trials (but an
+  FSDP rank's, whose estimate is an upper bound by design); the
   ``peak_margin`` is the largest under-prediction left after that correction (an ``oom`` trial
   counts as an under-prediction of at least budget / predicted), plus a small slack. Until a few
   trials have run the margin cannot fall below a prior that shrinks with each trial. A config
@@ -27,22 +28,26 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import pandas as pd
 
-from autofit.core.config import TrainConfig
+from autofit.core.config import SplitMode, TrainConfig
 from autofit.core.records import TrialRecord, TrialStatus
 
+# Added to the largest observed under-prediction: measurement noise between runs.
+MARGIN_SLACK = 0.02
 # Before any trial a config must fit with this margin on top of the estimate; it shrinks as
 # PRIOR_WEIGHT / (PRIOR_WEIGHT + trials) once trials run. The estimator is built from a profile
 # of the model in hand, not a formula (the formulas are 20-32% low,
-# docs/facts.md#formula-estimates-run-low); CUDA adds the allocator's fragmentation (5-30%,
-# docs/facts.md#allocator-fragmentation), which the estimate models from small steps of one GPU.
-PRIOR_MARGIN = {"cpu": 0.05, "cuda": 0.10}
+# docs/facts.md#formula-estimates-run-low). On the CPU the profile's own real steps have already
+# checked its bytes on this device (autofit.profiling.real_check), so the prior is the slack that
+# calibration keeps anyway: a larger one kept the predicted best at 97.5% of the budget from being
+# the first trial, on an estimate exact to the byte (docs/estimate.md#calibration). CUDA adds
+# the allocator's fragmentation (5-30%, docs/facts.md#allocator-fragmentation), which the
+# estimate models from small steps of one GPU.
+PRIOR_MARGIN = {"cpu": MARGIN_SLACK, "cuda": 0.10}
 # The prior counts as one trial's evidence: on the CPU, once two trials have measured the model's error on this
 # workload, that error (plus MARGIN_SLACK) governs. With three, a best config within 3% of the
 # budget stayed pruned on an estimate exact to the byte until a third trial had run, and the
 # search could end before it (gpt-tiny at 64 MiB in results/benchmarks/search_grid.csv).
 PRIOR_WEIGHT = 1.0
-# Added to the largest observed under-prediction: measurement noise between runs.
-MARGIN_SLACK = 0.02
 # Penalties of the step-time model (in log space): RIDGE shrinks effects towards none (weak: a
 # few trials should move them); SMOOTHNESS ties neighbouring micro-batches together (strong: an
 # unmeasured micro-batch takes after its measured neighbours).
@@ -249,7 +254,11 @@ def calibrate(observations: list[Observation], device_type: str = "cpu") -> Cali
     prior = Calibration.prior(device_type)
     ok = [o for o in observations if o.status is TrialStatus.OK and o.measured_peak_bytes and o.predicted_peak_bytes > 0]
     ratios = [o.measured_peak_bytes / o.predicted_peak_bytes for o in ok]
-    peak_ratio = float(np.median(ratios)) if ratios else 1.0
+    # An FSDP rank's estimate is an upper bound by design (one gathered buffer more: estimator.fsdp_memory),
+    # so its ratio under 1 says nothing of other configs' estimates, which it would lower: it only counts
+    # towards the margin.
+    exact = [r for r, o in zip(ratios, ok) if o.config.split_mode is not SplitMode.FSDP or o.config.device_split == 1]
+    peak_ratio = float(np.median(exact)) if exact else 1.0
     # Under-predictions after the central correction; an oom is at least budget / prediction.
     residuals = [r / peak_ratio - 1.0 for r in ratios]
     for o in observations:

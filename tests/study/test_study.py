@@ -25,6 +25,7 @@ from trial_workloads import TINY_LM as TINY
 
 from autofit.core.config import TrainConfig
 from autofit.estimator.calibration import (
+    MARGIN_SLACK,
     PRIOR_MARGIN,
     Calibration,
     Observation,
@@ -577,10 +578,33 @@ def test_calibration_prior_and_peak_margin():
     cal = calibrate([_obs(pred=100, meas=110), _obs(pred=100, meas=100), _obs(pred=100, meas=120)])
     assert cal.peak_ratio == pytest.approx(1.10)  # the median ratio
     # by hand: after the median correction the worst under-prediction is 120 / 110 - 1 = 0.0909;
-    # plus 0.02 of slack is 0.1109, above the prior's 0.05 * 3 / (3 + 3) = 0.025
+    # plus 0.02 of slack is 0.1109, above the prior shrunk by three trials
     assert cal.peak_margin == pytest.approx(0.110909, abs=1e-6)
     assert cal.fits(100, 1000) and not cal.fits(1000, 1000)
     assert cal.peak_errors == pytest.approx((100 / 110 - 1, 0.0, 100 / 120 - 1))
+
+
+def test_the_cpu_prior_margin_is_the_slack_and_keeps_a_best_guess_near_the_budget():
+    # the profile's real steps have checked its bytes on the CPU: a config predicted at 97.5% of the
+    # budget is the first trial's to take, one at 98.5% is not; CUDA keeps room for the allocator
+    prior = calibrate([])
+    assert prior.peak_margin == pytest.approx(MARGIN_SLACK)
+    assert prior.fits(975, 1000) and not prior.fits(985, 1000)
+    assert not Calibration.prior("cuda").fits(975, 1000)
+
+
+def test_an_fsdp_rank_under_its_bound_does_not_lower_other_configs_estimates():
+    # the bench's gpt-tiny at 24 MiB: an FSDP rank measured 0.933 of its (upper-bound) estimate; a pipeline
+    # config predicted 0.75% over the budget must stay over it, not be scaled under it and run out of memory
+    fsdp = TrainConfig(precision="bf16", micro_batch=2, device_split=2, split_mode="fsdp")
+    pipeline = TrainConfig(precision="bf16", micro_batch=2, grad_accum=2, device_split=2)
+    cal = calibrate([_obs(pred=24_298_734, meas=22_676_058, budget=25_165_824, config=fsdp)])
+    assert cal.peak_ratio == 1.0
+    assert cal.peak_margin >= MARGIN_SLACK / 2  # the FSDP trial still counts as evidence towards the margin
+    assert not cal.fits(25_353_332, 25_165_824)
+    # a pipeline's own trial does move the ratio, FSDP's beside it does not
+    both = calibrate([_obs(pred=24_298_734, meas=22_676_058, config=fsdp), _obs(pred=100, meas=101, config=pipeline)])
+    assert both.peak_ratio == pytest.approx(1.01)
 
 
 def test_an_oom_widens_the_margin_to_what_it_proves():
