@@ -12,8 +12,9 @@ One planning step (every worker, before every trial, from what the storage holds
    the best predicted; or not above the best measured median by ``min_improvement`` even raised
    by the time model's measured error, see ``slow_precision``; or a trial predicted to
    outlast the trial time limit), ``dominated``
-   (the same precision, micro-batch, accumulation and split with less recomputation fits and
-   is predicted faster: checkpointing only trades time for memory), ``slow_precision`` (every
+   (the same precision, micro-batch, accumulation and split with less recomputation -- none, or
+   the same checkpoint policy -- fits and is predicted faster: checkpointing only trades time for
+   memory; full and selective are left to the time rules), ``slow_precision`` (every
    config left of a calibration group -- a precision on one layout: one device, or a split of
    that many devices in that mode, :func:`~autofit.study.planner.calibration_group` -- is
    predicted, calibrated, so low that even raised by the time model's measured error it would

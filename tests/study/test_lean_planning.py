@@ -49,6 +49,22 @@ def test_dominance_compares_checkpointing_within_one_optimizer(rates):
     assert {c.optimizer.value for c in kept if c.checkpoint_every == 0} == runnable
 
 
+def test_full_and_selective_checkpointing_do_not_dominate_each_other(rates):
+    # 180,000 bytes: no config without checkpointing fits, both policies at interval 1 do. Their predicted
+    # times are within 0.1% (full "as fast with less memory"), but selective's per-operator cost is not in the
+    # time model, so which is faster is for trials and the time margins to say, not for dominance.
+    planner = _planner(rates, budget_bytes=180_000)
+    step = planner.step([])
+    dominated = {planner.configs[p.index] for p in step.prunes if p.reason is PruneReason.DOMINATED}
+    both = [c for c in planner.configs if c.optimizer.value == "as-given" and c.checkpoint_every == 1]
+    assert {c.checkpoint_policy.value for c in both} == {"full", "selective"}
+    assert not dominated & set(both)
+    # without checkpointing, a config still dominates both policies where it fits
+    roomy = _planner(rates)
+    dominated = {roomy.configs[p.index] for p in roomy.step([]).prunes if p.reason is PruneReason.DOMINATED}
+    assert set(both) <= dominated
+
+
 def test_a_missing_library_prunes_its_configs_saying_how_to_install_it(rates, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(optimizers.importlib.util, "find_spec",
