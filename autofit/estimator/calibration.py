@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import pandas as pd
 
-from autofit.core.config import SplitMode, TrainConfig
+from autofit.core.config import TrainConfig
 from autofit.core.records import TrialRecord, TrialStatus
 
 # Added to the largest observed under-prediction: measurement noise between runs.
@@ -257,7 +257,7 @@ def calibrate(observations: list[Observation], device_type: str = "cpu") -> Cali
     # An FSDP rank's estimate is an upper bound by design (one gathered buffer more: estimator.fsdp_memory),
     # so its ratio under 1 says nothing of other configs' estimates, which it would lower: it only counts
     # towards the margin.
-    exact = [r for r, o in zip(ratios, ok) if o.config.split_mode is not SplitMode.FSDP or o.config.device_split == 1]
+    exact = [r for r, o in zip(ratios, ok) if o.config.data_parallel == 1]
     peak_ratio = float(np.median(exact)) if exact else 1.0
     # Under-predictions after the central correction; an oom is at least budget / prediction.
     residuals = [r / peak_ratio - 1.0 for r in ratios]
