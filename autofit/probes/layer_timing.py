@@ -7,7 +7,7 @@ grids). So before a search, a child process builds the model on the meta device 
 captures what its first repeated layer receives at two small micro-batches, materialises that
 one layer and those inputs with random values, and times a forward and backward of it in each
 precision (``autocast`` for the amp modes, the layer cast for bf16), the repeats in rounds over every
-precision and micro-batch (:func:`_timed_interleaved`). Against the time model's
+precision and micro-batch, three to five rounds as their time allows (:func:`_timed_interleaved`). Against the time model's
 own prediction for that layer (:func:`autofit.estimator.time_model.layer_time_line`) this gives two
 factors per precision -- one for the per-sample part (FLOPs, activation traffic), one for the
 fixed part (operators, weight traffic) -- which :func:`autofit.estimator.time_model.predict_table`
@@ -45,6 +45,11 @@ MAX_LAYER_S = 0.5      # predicted seconds of one layer's forward + backward at 
 SCALE_RANGE = (0.2, 20.0)  # factors outside it are taken as a failed measurement, not a layer
 PROBE_TIMEOUT_S = 180.0
 _REPEATS = 5
+# Rounds always taken, and the timed seconds after which no further round starts: a small model's layer
+# gets all _REPEATS rounds in well under a second, while a long-sequence or wide one (gpt-mini at 512 tokens:
+# 0.3 s a round) stops after the third, 0.6 s sooner, which a search's first use waits for.
+_MIN_REPEATS = 3
+_ROUNDS_BUDGET_S = 0.5
 LAYER_PROBE_VERSION = 3  # 2: untouched floats drawn, not left uninitialised; a real model where meta cannot run;
                          # 3: repeats interleaved over precisions and micro-batches
 
@@ -177,26 +182,32 @@ def _layer_step(layer, args, kwargs, precision) -> Callable[[], None]:
 
 
 def _timed_interleaved(steps: dict[tuple[str, int], Callable[[], None]], repeats: int = _REPEATS,
-                       failed: Callable[[str, Exception], None] = lambda name, exc: None
-                       ) -> dict[tuple[str, int], list[float]]:
-    """Each step's ``repeats`` timed calls (seconds, fastest first), taken in rounds (every step once per
-    round), so a slowdown that lasts a while (another process, a frequency change) spreads over all the
-    steps instead of inflating every repeat of one: the fixed part of a line is the small difference of two
-    timings, which one slowed point turns by several times. A step that raises is dropped with
-    ``failed(its precision, error)``, and the rest of its precision with it."""
+                       failed: Callable[[str, Exception], None] = lambda name, exc: None,
+                       min_repeats: int = _MIN_REPEATS, budget_s: float = _ROUNDS_BUDGET_S,
+                       clock: Callable[[], float] = time.perf_counter) -> dict[tuple[str, int], list[float]]:
+    """Each step's timed calls (seconds, fastest first), taken in rounds (every step once per round), so a
+    slowdown that lasts a while (another process, a frequency change) spreads over all the steps instead of
+    inflating every repeat of one: the fixed part of a line is the small difference of two timings, which
+    one slowed point turns by several times. ``repeats`` rounds at most; after ``min_repeats`` of them, none
+    starts once the rounds have taken ``budget_s`` (the spread the caller reports, next best less best,
+    tends to be wider over fewer repeats, so a layer timed less is trusted less). A step that raises is dropped with ``failed(its precision, error)``,
+    and the rest of its precision with it."""
     times: dict[tuple[str, int], list[float]] = {key: [] for key in steps}
-    for _ in range(repeats):
+    started = clock()
+    for round_no in range(repeats):
+        if round_no >= min_repeats and clock() - started >= budget_s:
+            break
         for key in list(times):
             if key not in times:
                 continue  # its precision failed earlier in this round
-            start = time.perf_counter()
+            start = clock()
             try:
                 steps[key]()
             except Exception as exc:  # noqa: BLE001 -- reported per precision by the caller
                 failed(key[0], exc)
                 times = {k: v for k, v in times.items() if k[0] != key[0]}
                 continue
-            times[key].append(time.perf_counter() - start)
+            times[key].append(clock() - start)
     return {key: sorted(v) for key, v in times.items()}
 
 

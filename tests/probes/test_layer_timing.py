@@ -87,3 +87,21 @@ def test_the_child_reports_how_well_each_best_time_is_known(trial_workload_spec,
     out = layer_probe_child({"source": trial_workload_spec("tiny_lm"), "precisions": ["fp32"], "batches": [1, 2]})
     assert len(out["seconds"]["fp32"]) == 2 and len(out["spread_s"]["fp32"]) == 2
     assert all(s >= 0 for s in out["spread_s"]["fp32"])
+
+
+def test_rounds_stop_after_the_minimum_once_their_time_budget_is_spent():
+    def rounds_taken(step_s: float) -> int:
+        now = [0.0]  # a clock that only the steps move: each takes step_s
+
+        def step():
+            now[0] += step_s
+
+        steps = {("fp32", 2): step, ("fp32", 8): step}
+        times = _timed_interleaved(steps, repeats=5, min_repeats=3, budget_s=0.5, clock=lambda: now[0])
+        assert len(set(map(len, times.values()))) == 1  # every step the same number of repeats
+        assert all(t == pytest.approx(step_s) for v in times.values() for t in v)
+        return len(times[("fp32", 2)])
+
+    assert rounds_taken(0.01) == 5   # a quick layer gets every round (0.1 s in all)
+    assert rounds_taken(0.2) == 3    # a slow one stops at the minimum, never fewer
+    assert rounds_taken(0.07) == 4   # in between: a round starts while the budget lasts (0.42 s after three)
