@@ -7,11 +7,12 @@ grids). So before a search, a child process builds the model on the meta device 
 captures what its first repeated layer receives at two small micro-batches, materialises that
 one layer and those inputs with random values, and times a forward and backward of it in each
 precision (``autocast`` for the amp modes, the layer cast for bf16), the repeats in rounds over every
-precision and micro-batch, three to five rounds as their time allows (:func:`_timed_interleaved`). Against the time model's
-own prediction for that layer (:func:`autofit.estimator.time_model.layer_time_line`) this gives two
-factors per precision -- one for the per-sample part (FLOPs, activation traffic), one for the
-fixed part (operators, weight traffic) -- which :func:`autofit.estimator.time_model.predict_table`
-applies to the whole model (:attr:`autofit.estimator.time_model.OpCounts.layer_scales`).
+precision and micro-batch, three to five rounds as their time allows (:func:`_timed_interleaved`).
+Against the time model's own prediction for that layer
+(:func:`autofit.estimator.time_model.layer_time_line`) this gives two factors per precision -- one
+for the per-sample part (FLOPs, activation traffic), one for the fixed part (operators, weight
+traffic) -- which :func:`autofit.estimator.time_model.predict_table` applies to the whole model
+(:attr:`autofit.estimator.time_model.OpCounts.layer_scales`).
 
 A model whose forward cannot run on the meta device before its first layer -- one that reads a
 value there, as ``transformers``' mask code does (``Tensor.item() cannot be called on meta
@@ -189,9 +190,9 @@ def _timed_interleaved(steps: dict[tuple[str, int], Callable[[], None]], repeats
     slowdown that lasts a while (another process, a frequency change) spreads over all the steps instead of
     inflating every repeat of one: the fixed part of a line is the small difference of two timings, which
     one slowed point turns by several times. ``repeats`` rounds at most; after ``min_repeats`` of them, none
-    starts once the rounds have taken ``budget_s`` (the spread the caller reports, next best less best,
-    tends to be wider over fewer repeats, so a layer timed less is trusted less). A step that raises is dropped with ``failed(its precision, error)``,
-    and the rest of its precision with it."""
+    starts once the rounds have taken ``budget_s``. The spread the caller reports (next best less best)
+    tends to be wider over fewer repeats, so a layer timed less is trusted less. A step that raises is
+    dropped with ``failed(its precision, error)``, and the rest of its precision with it."""
     times: dict[tuple[str, int], list[float]] = {key: [] for key in steps}
     started = clock()
     for round_no in range(repeats):
