@@ -171,12 +171,12 @@ def cross_margin(records: Sequence[TrialRecord]) -> float | None:
     return max([CROSS_MARGIN_MIN] + across) if across else None
 
 
-def _recomputes_less(a: TrainConfig, b: TrainConfig) -> bool:
-    """Whether ``a`` can dominate ``b`` on time alone: it does not checkpoint, or checkpoints by the same
-    policy. Selective against full is not a matter of recomputing less: selective's saved-tensor policy
-    costs a dispatch per operator, which the time model does not price, and at 1024 tokens on the bench's
-    CPU full checkpointing measured as fast or faster (docs/benchmarks.md); the time rules, with their
-    margins, judge that pair instead."""
+def _may_dominate(a: TrainConfig, b: TrainConfig) -> bool:
+    """Whether ``a`` may dominate ``b`` on its predicted time: ``a`` does not checkpoint, or checkpoints by
+    the same policy (then fewer recomputed layers are never slower). Selective against full is not a matter
+    of recomputing less: selective's saved-tensor policy costs a dispatch per operator, which the time model
+    does not price, and at 1024 tokens on the bench's CPU full checkpointing measured as fast or faster
+    (docs/benchmarks.md); the time rules, with their margins, judge that pair instead."""
     return a.checkpoint_every == 0 or a.checkpoint_policy is b.checkpoint_policy
 
 
@@ -412,7 +412,7 @@ class Planner:
             alive = [i for i in members if reasons[i] is None and not failed_run[i]]
             for b in alive:
                 for a in alive:
-                    if a == b or not _recomputes_less(self.configs[a], self.configs[b]):
+                    if a == b or not _may_dominate(self.configs[a], self.configs[b]):
                         continue
                     faster = step_s[a] < step_s[b] * (1 - 1e-3)
                     same_time_less_memory = abs(step_s[a] - step_s[b]) <= 1e-3 * step_s[b] and (
