@@ -148,6 +148,14 @@ def start_soon(source: str, device: str, memory_limit_bytes: int | None = None) 
             _hosts[key] = TrialHost(source, device, memory_limit_bytes)
 
 
+def ready_within(timeout_s: float) -> bool:
+    """Whether the host :func:`start_soon` started is ready within ``timeout_s`` (False: none was started,
+    or it died or took longer); what a caller that times a search's start waits on."""
+    with _lock:
+        started = list(_hosts.values())
+    return len(started) == 1 and started[0].ready(timeout_s)
+
+
 def run(request: dict, timeout_s: float) -> dict:
     """Run one trial request (:func:`autofit.trial.run.child_entry`'s) in the host for its source,
     device, memory limit, directory and environment, starting one when there is none; the host ends

@@ -127,3 +127,11 @@ def test_workers_sharing_a_gpu_start_a_process_per_trial(monkeypatch):
     monkeypatch.delenv("AUTOFIT_TRIAL_HOST", raising=False)
     assert worker_env(settings, 3, ["0"], shared=True)["AUTOFIT_TRIAL_HOST"] == "0"
     assert "AUTOFIT_TRIAL_HOST" not in worker_env(settings, 2, ["0"], shared=False)
+
+
+def test_ready_within_waits_for_the_host_start_soon_started(trial_workload_spec, hosted):
+    assert not host.ready_within(0.1), "no host was started"
+    host.start_soon(trial_workload_spec("tiny"), "cpu")
+    assert host.ready_within(120)
+    host.release()
+    assert not host.ready_within(0.1)
