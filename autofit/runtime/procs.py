@@ -301,6 +301,19 @@ def pump(children: Iterable[Child], timeout_s: float) -> None:
             child._drain()
 
 
+_BOOT = "from autofit.runtime.messages import child_main; child_main()"
+
+
+def _boot_code() -> str:
+    """The child's ``-c`` program. ``python -c`` puts the working directory first on the child's path, ahead of
+    PYTHONPATH; unless it is on ours too (``python -m``), it is taken off first, so that a directory
+    holding another ``autofit`` (or a module named as one of ours) cannot change what the child imports."""
+    here = os.path.realpath(os.getcwd())
+    if any(os.path.realpath(entry or os.curdir) == here for entry in sys.path):
+        return _BOOT
+    return "import sys\nif sys.path[:1] == ['']:\n    del sys.path[0]\n" + _BOOT
+
+
 def spawn(entry: str, request: dict, *, timeout_s: float | None = None, new_group: bool = True,
           env: dict[str, str] | None = None, echo_stderr: bool = False, log_path: Path | None = None,
           pass_fds: tuple[int, ...] = ()) -> Child:
@@ -320,8 +333,7 @@ def spawn(entry: str, request: dict, *, timeout_s: float | None = None, new_grou
     out = log.fileno() if log is not None else stderr_w
     try:
         popen = subprocess.Popen(
-            [sys.executable, "-c", "from autofit.runtime.messages import child_main; child_main()", entry, str(message_w),
-             str(os.getpid())],
+            [sys.executable, "-c", _boot_code(), entry, str(message_w), str(os.getpid())],
             pass_fds=(message_w, *pass_fds), stdin=subprocess.PIPE, stdout=out, stderr=out,
             env=env if env is not None else child_env(),
             start_new_session=new_group)  # its own session and group, set before exec: no race

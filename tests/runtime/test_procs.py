@@ -142,3 +142,14 @@ def test_log_path_receives_the_childs_output(tmp_path):
         child.kill()
     assert "the last line of the message" in log.read_text()
     assert child.failure() == "exited with status 1: the last line of the message"
+
+
+def test_a_child_imports_our_autofit_not_one_in_the_working_directory(tmp_path, monkeypatch):
+    decoy = tmp_path / "autofit"
+    decoy.mkdir()
+    (decoy / "__init__.py").write_text('raise ImportError("the working directory\'s autofit was imported")\n')
+    monkeypatch.chdir(tmp_path)  # on no entry of our path, as under the installed `autofit` command
+    child, finished = _run("procs_entries:echo", {"value": 3})
+    assert finished and (child.last_message() or {}).get("echo") == 3, child.failure()
+    monkeypatch.syspath_prepend(str(tmp_path))  # as under `python -m`: ours too, so the child keeps it
+    assert procs._boot_code() == procs._BOOT
