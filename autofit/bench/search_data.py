@@ -134,8 +134,9 @@ class Grid:
     param_count: int
     wall_s: float = 0.0
     first_use_s: float = 0.0    # autofit's cold start: profiling on fake tensors, the device (and link) probes, no caches
-    warm_use_s: float | None = None  # the same with every cache filled (None: not measured)
+    warm_use_s: float | None = None  # the same with every cache filled, in a new process (None: not measured)
     first_use_parts_s: dict[str, float] = field(default_factory=dict)  # the cold first use's parts, by name
+    warm_server_ready_s: float | None = None  # that process's trial fork server, ready (None: not measured)
 
     def feasible(self, budget_bytes: int) -> list[GridPoint]:
         return [p for p in self.points.values()

@@ -52,9 +52,10 @@ def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None,
     # where a lean space asks for them.
     profile_kw = {"split_ends": needs_split_ends(configs), "optimizers": optimizer_choices(configs),
                   "selective": needs_selective(configs)}
-    first_use_s, warm_use_s, first_use_parts = _first_use_s(cell, workload, configs, profile_kw)
+    first_use_s, warm, first_use_parts = _first_use_s(cell, workload, configs, profile_kw)
+    warm_use_s = warm.get("use_s")
     progress(f"grid {cell.workload}: cold profile and device probe took {first_use_s:.1f} s "
-             f"({warm_use_s:.2f} s read back from the caches)")
+             f"({seconds(warm_use_s)} s read back from the caches in a new process)")
     profile = profile_workload(workload, list(cell.precisions), device_type=_device_type(cell), **profile_kw)
     predicted = estimate_table(profile, configs)["peak_bytes"].tolist()
     trials = []
@@ -84,23 +85,73 @@ def measure_grid(cell: Cell, progress: Callable[[str], None] = lambda _m: None,
     progress(f"grid {cell.workload}: a trial over its budget at the first operator took {floor.wall_s:.1f} s "
              f"({floor.status.value})")
     return Grid(cell, points, floor.wall_s, problem.param_count, time.perf_counter() - started, first_use_s, warm_use_s,
-                first_use_parts)
+                first_use_parts, warm.get("server_ready_s"))
 
 
-def _first_use_s(cell: Cell, workload, configs: list[TrainConfig], profile_kw: dict) -> tuple[float, float, dict]:
+def _first_use_s(cell: Cell, workload, configs: list[TrainConfig], profile_kw: dict) -> tuple[float, dict, dict]:
     """Seconds autofit's first use of ``workload`` takes with cold caches (profiling on fake tensors, the
-    device probe, the splits' collectives and the workload's own layer), and then with those caches warm
-    (each read back, as a later search of this workload reads them); and the cold one's parts."""
+    device probe, the splits' collectives and the workload's own layer), the cold one's parts, and what a
+    new process pays with those caches warm, as a user's next search reads them (:func:`_warm_use`)."""
     from autofit.runtime import forkserver
     from autofit.runtime.devicelock import DeviceLock
 
-    # Held for the whole measurement (the probes take it again without waiting): its clocks start after any
+    # Held for the cold measurement (the probes take it again without waiting): its clocks start after any
     # wait for another process's trial, which is no part of autofit's first use.
     with DeviceLock([cell.device], "first-use measurement"):
         forkserver.stop_server()
         cold = _use_s(cell, workload, configs, profile_kw, use_cache=False)
         _use_s(cell, workload, configs, profile_kw, use_cache=True)  # untimed: fills the caches for the runs
-        return sum(cold.values()), sum(_use_s(cell, workload, configs, profile_kw, use_cache=True).values()), cold
+    return sum(cold.values()), _warm_use(cell, configs, profile_kw), cold
+
+
+def _warm_use(cell: Cell, configs: list[TrainConfig], profile_kw: dict) -> dict:
+    """A new interpreter's first use of the cell's workload with the caches warm (:func:`warm_use_child`):
+    ``{"use_s", "server_ready_s"}``, or ``{}`` when the child failed. Read back in the process that profiled,
+    the same first use takes a twentieth of the time: torch imports ``torch._dynamo`` (about a second
+    here) the first time a process builds an optimizer or a fake tensor mode, which a new search pays."""
+    from autofit.runtime import procs
+
+    request = {"workload": cell.workload, "precisions": [p.value for p in cell.precisions], "device": cell.device,
+               "device_splits": list(cell.device_splits), "configs": [c.to_dict() for c in configs],
+               "profile_kw": {**profile_kw, "optimizers": [o.value for o in profile_kw["optimizers"]]}}
+    child = procs.spawn("autofit.bench.search_grid:warm_use_child", request, timeout_s=300, env=procs.child_env())
+    try:
+        child.wait()
+    finally:
+        child.kill()
+    out = child.last_message() or {}
+    return {k: out[k] for k in ("use_s", "server_ready_s") if k in out}
+
+
+def warm_use_child(request: dict, send=None) -> dict:
+    """In a new interpreter, as ``autofit search`` starts with warm caches: its trials' fork server started
+    (on the CPU), then what it does before planning (:func:`_use_s`, ``use_s``), then the wait until that
+    server could fork its first trial (``server_ready_s``, from the same start; None off the CPU)."""
+    import dataclasses
+
+    from autofit.core.config import OptimizerChoice, Precision
+    from autofit.runtime import forkserver
+    from autofit.workloads.load import load_workload
+
+    cell = dataclasses.replace(_PLAIN_CELL, workload=request["workload"], device=request["device"],
+                               precisions=tuple(Precision(p) for p in request["precisions"]),
+                               device_splits=tuple(request["device_splits"]))
+    configs = [TrainConfig.from_dict(c) for c in request["configs"]]
+    profile_kw = {**request["profile_kw"],
+                  "optimizers": [OptimizerChoice(o) for o in request["profile_kw"]["optimizers"]]}
+    workload = load_workload(cell.workload)
+    on_cpu = cell.device == "cpu" and forkserver.enabled()
+    started = time.perf_counter()
+    if on_cpu:
+        forkserver.start_server_soon()  # as a CPU search does first (autofit.api.run_study)
+    use_s = sum(_use_s(cell, workload, configs, profile_kw, use_cache=True).values())
+    if on_cpu:
+        forkserver.ensure_server()
+    return {"use_s": use_s, "server_ready_s": time.perf_counter() - started if on_cpu else None}
+
+
+# What warm_use_child replaces of a cell to run _use_s (the rest of a Cell plays no part there).
+_PLAIN_CELL = Cell("", 1, (1,), (), (1,))
 
 
 def _use_s(cell: Cell, workload, configs: list[TrainConfig], profile_kw: dict, use_cache: bool) -> dict[str, float]:

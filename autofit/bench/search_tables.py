@@ -297,8 +297,10 @@ def _grid_section(grid: Grid) -> str:
                 f"a trial that dies at its first operator: {grid.oom_floor_s:.1f} s). autofit's clock is charged "
                 f"{grid.first_use_s:.1f} s per run for its first use on this workload: profiling on fake tensors "
                 "and probing the device (and, where a split runs, its collectives), with cold caches"
-                + (f" ({grid.warm_use_s:.2f} s with them warm: each read back in a process that has profiled)."
-                   if grid.warm_use_s is not None else ".")
+                + (f" ({grid.warm_use_s:.2f} s with them warm: each read back in a new process, as a user's next "
+                   "search reads them" + (f"; the trials' fork server it starts first was ready after "
+                                          f"{grid.warm_server_ready_s:.1f} s" if grid.warm_server_ready_s else "")
+                   + ")." if grid.warm_use_s is not None else ".")
                 + (" Its parts, cold: " + ", ".join(f"{name} {t:.1f} s" for name, t in grid.first_use_parts_s.items())
                    + "." if grid.first_use_parts_s else ""))
     lines = [title, "", measured]

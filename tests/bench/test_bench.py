@@ -862,3 +862,21 @@ def test_sample_spread_reports_one_samples_noise_beside_the_remeasurement_floor(
     assert "over the search grids' 3 configs" in text and "10.0% median" in text and "50.0% at most" in text
     assert f"at least {100 * NOISE_MIN:.0f}%" in text
     assert spread_text([]) == ""
+
+
+def test_the_warm_first_use_is_timed_in_a_new_process_as_a_users_next_search(tmp_path, monkeypatch):
+    """Read back in the process that profiled, a warm first use skips what a new search pays (torch's import of
+    torch._dynamo at its first optimizer or fake mode); the bench times it in a new interpreter, with the
+    trials' fork server it starts first."""
+    from autofit.bench import search_grid
+    from autofit.bench.search_data import Cell
+    from autofit.workloads.load import load_workload
+
+    monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path))
+    cell = Cell("tests/trial_workloads.py:tiny_lm", 4, (2, 4), (Precision.FP32,), (1,), checkpoints=(0,))
+    configs = [TrainConfig(Precision.FP32, 2, 2), TrainConfig(Precision.FP32, 4, 1)]
+    kw = {"split_ends": False, "optimizers": [], "selective": False}
+    workload = load_workload(cell.workload)
+    search_grid._use_s(cell, workload, configs, kw, use_cache=True)  # fills the caches
+    warm = search_grid._warm_use(cell, configs, kw)
+    assert set(warm) == {"use_s", "server_ready_s"} and 0 < warm["use_s"] <= warm["server_ready_s"] < 120
