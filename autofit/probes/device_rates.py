@@ -22,7 +22,6 @@ from autofit.probes.cuda_overhead import CudaOverhead, fallback_overhead
 from autofit.profiling.cache import cache_dir
 from autofit.runtime import forkserver, procs
 from autofit.runtime.devicelock import DeviceLock, device_names
-from autofit.runtime.timing import StepClock
 
 if TYPE_CHECKING:
     pass
@@ -234,14 +233,12 @@ def start_probe_child(entry: str, request: dict, device_type: str, timeout_s: fl
 
 
 def _probe_once(device_type: str, dtypes: tuple[str, ...] = ALL_DTYPES) -> list[DeviceRates]:
-    """One probe child: its measurements of ``dtypes``' matmuls, two back to back, or on the CPU one alone
-    where no thread of it waited for a CPU (:func:`probe_child`). Raises RuntimeError when it fails, saying
-    why in one line (the child's traceback logged at DEBUG: :mod:`autofit.probes.failures`)."""
+    """One probe child: its measurements of ``dtypes``' matmuls (two, back to back). Raises RuntimeError when
+    it fails, saying why in one line (the child's traceback logged at DEBUG: :mod:`autofit.probes.failures`)."""
     from autofit.probes.failures import child_failure
 
     child = start_probe_child("autofit.probes.device_rates:probe_child",
-                              {"device_type": device_type, "repeats": 2, "dtypes": list(dtypes),
-                               "until_unstarved": device_type == "cpu"},
+                              {"device_type": device_type, "repeats": 2, "dtypes": list(dtypes)},
                               device_type, PROBE_TIMEOUT_S)
     try:
         finished = child.wait()
@@ -251,19 +248,12 @@ def _probe_once(device_type: str, dtypes: tuple[str, ...] = ALL_DTYPES) -> list[
     if not messages or len(messages) < len(child.messages):
         raise RuntimeError(f"the {device_type} rate probe failed: "
                            f"{child_failure(child, finished, f'the {device_type} rate probe')}")
-    return [rates_from_message(m) for m in messages]
-
-
-def rates_from_message(message: dict) -> DeviceRates:
-    """The rates in a :func:`probe_child` message (without what it says of its measurement)."""
-    return DeviceRates.from_dict({k: v for k, v in message.items() if k != "starved"})
+    return [DeviceRates.from_dict(m) for m in messages]
 
 
 def measure_checked(device_type: str, attempts: int = PROBE_ATTEMPTS,
                     dtypes: tuple[str, ...] = ALL_DTYPES) -> tuple[DeviceRates, str | None]:
-    """Probe in children until two measurements in a row are plausible and agree, or one plausible
-    measurement stands alone: the child took no second because its first was not starved (no thread of it
-    waited for a CPU, :func:`probe_child`).
+    """Probe in children until two measurements in a row are plausible and agree.
 
     Returns the rates and None, or -- when no attempt agreed -- the best plausible measurement and
     why it is doubtful (the caller warns and does not cache it). Raises RuntimeError when a probe
@@ -273,8 +263,6 @@ def measure_checked(device_type: str, attempts: int = PROBE_ATTEMPTS,
     for _ in range(attempts):
         measured = _probe_once(device_type, dtypes)
         plausible = [r for r in measured if implausible(r) is None]
-        if len(measured) == 1 and plausible:
-            return plausible[0], None
         if len(plausible) < len(measured):
             doubt = f"implausible rates ({implausible(next(r for r in measured if implausible(r)))})"
         for a, b in zip(plausible, plausible[1:]):
@@ -362,12 +350,7 @@ def probe_child(request: dict, send=None) -> dict:
 
     With ``request["repeats"]`` > 1 it measures that many times back to back, sending each
     measurement but the last as a message and returning the last (so a caller can check them
-    against each other). With ``request["until_unstarved"]`` it stops after a measurement whose threads
-    never waited for a CPU beyond :data:`autofit.runtime.timing.STARVED_WAIT_SHARE` of it (read from the
-    kernel's run-queue counts, as a trial's timed steps are; where the kernel reports none, every repeat is
-    taken): a second measurement back to back exists to catch a disturbed first one, and the wait says
-    whether it was disturbed, at no cost (0.3-0.4 s a measurement on the bench's 2-core CPU, before the
-    first trial). Each message says whether its measurement was ``starved`` (None: not known). On CUDA the context and the cuBLAS workspace are measured first, before
+    against each other). On CUDA the context and the cuBLAS workspace are measured first, before
     any probe tensor exists (:func:`autofit.probes.cuda_overhead.measure_overhead`). A failure is
     returned as :func:`autofit.probes.failures.error_reply`'s message."""
     from autofit.probes.failures import error_reply
@@ -381,13 +364,8 @@ def probe_child(request: dict, send=None) -> dict:
         repeats = max(int(request.get("repeats", 1)), 1)
         dtypes = tuple(request.get("dtypes") or ALL_DTYPES)
         for i in range(repeats):
-            clock = StepClock()
-            clock.start()
             rates = measure_rates(request["device_type"], dtypes).to_dict()
-            starved = clock.step_sample(clock.stop()).starved_or_unknown
-            rates.update(cuda_overhead=overhead, starved=starved)
-            if request.get("until_unstarved") and starved is False:
-                return rates
+            rates["cuda_overhead"] = overhead
             if i < repeats - 1 and send is not None:
                 send(rates)
         return rates

@@ -76,11 +76,6 @@ class StepSample:
     def starved(self) -> bool:
         return self.wait_s is not None and self.wait_s > STARVED_WAIT_SHARE * self.wall_s
 
-    @property
-    def starved_or_unknown(self) -> bool | None:
-        """:attr:`starved`, or None where the kernel reported no waits (then nothing says it was not)."""
-        return None if self.wait_s is None else self.starved
-
 
 class StepClock:
     """Reads wall time, CPU time and run-queue waits around the parts of one step.

@@ -11,7 +11,7 @@ from trial_workloads import TINY_LM as TINY
 
 from autofit.core.config import TrainConfig
 from autofit.estimator.time_model import op_counts, predict_table
-from autofit.probes.device_rates import DeviceRates, probe_rates, rates_from_message
+from autofit.probes.device_rates import DeviceRates, probe_rates
 from autofit.runtime import forkserver, procs
 from autofit.workloads.load import load_workload
 
@@ -56,7 +56,7 @@ def test_the_probe_runs_in_a_child_and_its_rates_come_back_as_json():
         assert child.wait()
     finally:
         child.kill()
-    rates = rates_from_message(child.last_message())
+    rates = DeviceRates.from_dict(child.last_message())
     assert rates.device_type == "cpu" and set(rates.matmul_flops_per_s) == {"float32", "bfloat16", "float16"}
 
 
@@ -306,58 +306,3 @@ def test_the_fixed_factor_moves_only_by_what_the_timing_resolves(profile):
     # below the prediction the same way, down to it and no further
     assert _fixed_seconds((0.010, 0.040), (0.0, 0.0), 0.002) == pytest.approx(0.0)
     assert _fixed_seconds((0.010, 0.040), (0.003, 0.0), 0.002) == pytest.approx(0.002)
-
-
-class _Clock:
-    """Stands in for autofit.runtime.timing.StepClock: each measurement's run-queue wait, in turn."""
-
-    def __init__(self, waits):
-        self.waits = waits
-
-    def __call__(self):
-        from autofit.runtime.timing import StepSample
-
-        wait = self.waits.pop(0)
-
-        class Clock:
-            def start(self):
-                pass
-
-            def stop(self):
-                return 1.0
-
-            def step_sample(self, wall_s):
-                return StepSample(wall_s, wall_s, wait)
-
-        return Clock()
-
-
-@pytest.mark.parametrize("waits, measured", [([0.0], 1), ([0.5, 0.0], 2), ([None, None], 2)])
-def test_the_cpu_probe_measures_twice_only_where_its_first_measurement_was_starved(monkeypatch, waits, measured):
-    """A second measurement back to back is there to catch a disturbed first one; the kernel's run-queue wait
-    says whether it was (a starved one, or one where the wait is unknown, is measured again)."""
-    from autofit.probes import device_rates
-
-    monkeypatch.setattr(device_rates, "StepClock", _Clock(list(waits)))
-    monkeypatch.setattr(device_rates, "measure_rates", lambda device_type, dtypes=None: _rates())
-    sent = []
-    last = device_rates.probe_child({"device_type": "cpu", "repeats": 2, "until_unstarved": True}, sent.append)
-    assert len(sent) + 1 == measured and last["starved"] is (None if waits[-1] is None else False)
-    # without until_unstarved (CUDA), always both
-    monkeypatch.setattr(device_rates, "StepClock", _Clock([0.0, 0.0]))
-    sent.clear()
-    device_rates.probe_child({"device_type": "cpu", "repeats": 2}, sent.append)
-    assert len(sent) == 1
-
-
-def test_one_unstarved_measurement_is_the_rates_and_is_cached(monkeypatch, tmp_path):
-    from autofit.probes import device_rates as time_model
-
-    monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(time_model, "_probe_once", lambda device_type, dtypes=None: [_rates(fp32=3e11)])
-    assert probe_rates("cpu").matmul_flops_per_s["float32"] == 3e11
-    assert len(list(tmp_path.glob("rates-cpu-*.json"))) == 1
-    # an implausible one alone is probed again
-    runs = iter([[_rates(fp32=0.0)], [_rates(fp32=2e11)]])
-    monkeypatch.setattr(time_model, "_probe_once", lambda device_type, dtypes=None: next(runs))
-    assert probe_rates("cpu", use_cache=False).matmul_flops_per_s["float32"] == 2e11
