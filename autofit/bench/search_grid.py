@@ -113,7 +113,7 @@ def _warm_use(cell: Cell, configs: list[TrainConfig], profile_kw: dict) -> dict:
 
     request = {"workload": cell.workload, "precisions": [p.value for p in cell.precisions], "device": cell.device,
                "device_splits": list(cell.device_splits), "configs": [c.to_dict() for c in configs],
-               "profile_kw": {**profile_kw, "optimizers": [o.value for o in profile_kw["optimizers"]]}}
+               "profile_kw": {**profile_kw, "optimizers": [getattr(o, "value", o) for o in profile_kw["optimizers"]]}}
     child = procs.spawn("autofit.bench.search_grid:warm_use_child", request, timeout_s=300, env=procs.child_env())
     try:
         child.wait()
@@ -129,7 +129,7 @@ def warm_use_child(request: dict, send=None) -> dict:
     server could fork its first trial (``server_ready_s``, from the same start; None off the CPU)."""
     import dataclasses
 
-    from autofit.core.config import OptimizerChoice, Precision
+    from autofit.core.config import Precision
     from autofit.runtime import forkserver
     from autofit.workloads.load import load_workload
 
@@ -137,8 +137,7 @@ def warm_use_child(request: dict, send=None) -> dict:
                                precisions=tuple(Precision(p) for p in request["precisions"]),
                                device_splits=tuple(request["device_splits"]))
     configs = [TrainConfig.from_dict(c) for c in request["configs"]]
-    profile_kw = {**request["profile_kw"],
-                  "optimizers": [OptimizerChoice(o) for o in request["profile_kw"]["optimizers"]]}
+    profile_kw = request["profile_kw"]  # optimizers by name, as profile_workload takes them too
     workload = load_workload(cell.workload)
     on_cpu = cell.device == "cpu" and forkserver.enabled()
     started = time.perf_counter()

@@ -864,18 +864,23 @@ def test_sample_spread_reports_one_samples_noise_beside_the_remeasurement_floor(
     assert spread_text([]) == ""
 
 
-def test_the_warm_first_use_is_timed_in_a_new_process_as_a_users_next_search(tmp_path, monkeypatch):
+@pytest.mark.parametrize("optimizers", [[], ["adafactor"]])
+def test_the_warm_first_use_is_timed_in_a_new_process_as_a_users_next_search(tmp_path, monkeypatch, optimizers):
     """Read back in the process that profiled, a warm first use skips what a new search pays (torch's import of
     torch._dynamo at its first optimizer or fake mode); the bench times it in a new interpreter, with the
     trials' fork server it starts first."""
     from autofit.bench import search_grid
     from autofit.bench.search_data import Cell
+    from autofit.estimator.memory_model import optimizer_choices
     from autofit.workloads.load import load_workload
 
     monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path))
     cell = Cell("tests/trial_workloads.py:tiny_lm", 4, (2, 4), (Precision.FP32,), (1,), checkpoints=(0,))
     configs = [TrainConfig(Precision.FP32, 2, 2), TrainConfig(Precision.FP32, 4, 1)]
-    kw = {"split_ends": False, "optimizers": [], "selective": False}
+    configs += [TrainConfig(Precision.FP32, 2, 2, optimizer=o) for o in optimizers]
+    # as the bench's grid profiles it (a lean cell names the optimizer lever's choices)
+    kw = {"split_ends": False, "optimizers": optimizer_choices(configs), "selective": False}
+    assert kw["optimizers"] == optimizers
     workload = load_workload(cell.workload)
     search_grid._use_s(cell, workload, configs, kw, use_cache=True)  # fills the caches
     warm = search_grid._warm_use(cell, configs, kw)
