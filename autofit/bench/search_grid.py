@@ -113,7 +113,7 @@ def _warm_use(cell: Cell, configs: list[TrainConfig], profile_kw: dict) -> dict:
 
     request = {"workload": cell.workload, "precisions": [p.value for p in cell.precisions], "device": cell.device,
                "device_splits": list(cell.device_splits), "configs": [c.to_dict() for c in configs],
-               "profile_kw": {**profile_kw, "optimizers": [getattr(o, "value", o) for o in profile_kw["optimizers"]]}}
+               "profile_kw": profile_kw}  # the optimizer lever's choices by name (optimizer_choices)
     child = procs.spawn("autofit.bench.search_grid:warm_use_child", request, timeout_s=300, env=procs.child_env())
     try:
         child.wait()
@@ -127,17 +127,15 @@ def warm_use_child(request: dict, send=None) -> dict:
     """In a new interpreter, as ``autofit search`` starts with warm caches: its trials' fork server started
     (on the CPU), then what it does before planning (:func:`_use_s`, ``use_s``), then the wait until that
     server could fork its first trial (``server_ready_s``, from the same start; None off the CPU)."""
-    import dataclasses
-
     from autofit.core.config import Precision
     from autofit.runtime import forkserver
     from autofit.workloads.load import load_workload
 
-    cell = dataclasses.replace(_PLAIN_CELL, workload=request["workload"], device=request["device"],
-                               precisions=tuple(Precision(p) for p in request["precisions"]),
-                               device_splits=tuple(request["device_splits"]))
+    # only what _use_s reads of a cell: its workload, precisions, device and splits
+    cell = Cell(request["workload"], 1, (1,), tuple(Precision(p) for p in request["precisions"]), (1,),
+                device_splits=tuple(request["device_splits"]), device=request["device"])
     configs = [TrainConfig.from_dict(c) for c in request["configs"]]
-    profile_kw = request["profile_kw"]  # optimizers by name, as profile_workload takes them too
+    profile_kw = request["profile_kw"]
     workload = load_workload(cell.workload)
     on_cpu = cell.device == "cpu" and forkserver.enabled()
     started = time.perf_counter()
@@ -147,10 +145,6 @@ def warm_use_child(request: dict, send=None) -> dict:
     if on_cpu:
         forkserver.ensure_server()
     return {"use_s": use_s, "server_ready_s": time.perf_counter() - started if on_cpu else None}
-
-
-# What warm_use_child replaces of a cell to run _use_s (the rest of a Cell plays no part there).
-_PLAIN_CELL = Cell("", 1, (1,), (), (1,))
 
 
 def _use_s(cell: Cell, workload, configs: list[TrainConfig], profile_kw: dict, use_cache: bool) -> dict[str, float]:
