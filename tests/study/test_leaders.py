@@ -69,3 +69,16 @@ def test_leaders_of_one_build_are_each_measured_in_a_trial_of_their_own():
     assert small.build == large.build
     trials = _trials((large, 126.0), (small, 128.0))
     assert remeasurements(trials, config_samples(trials), {small: 0, large: 1}) == [(0, 2), (1, 2)]
+
+
+def test_a_challenger_read_once_is_judged_against_the_leaders_first_sample_not_its_best_of_two():
+    """The live bench's gpt-tiny at 64 MiB: B (the true best) read 92.2 once, A 99.2 and then 115.8. Against
+    A's best of two B is outside the noise band, but the best of two reads higher by its count alone: against
+    A's first sample B is within it, so B gets its second sample before the best is crowned."""
+    trials = _trials((B, 92.2), (A, 99.2))
+    assert _due(trials) == [(0, 2), (1, 2)]
+    after = _trials((B, 92.2), (A, 99.2), (A, 115.8))
+    assert 92.2 * (1 + NOISE_MIN) < 115.8  # the old bar: B dropped
+    assert _due(after) == [(1, 2)]
+    # with its second sample, B is judged against A's best of two
+    assert _due(_trials((B, 92.2), (A, 99.2), (A, 115.8), (B, 93.0))) == []
