@@ -61,7 +61,7 @@ def run_bench(suites: Sequence[str] = SUITES, *, out_dir: Path = DEFAULT_OUT, qu
 
         selected = select_workloads(tuple(workloads), quick)
     apply_bench_env()
-    env = environment(command)
+    env = environment(command, probe_host=True)
     out_dir = Path(out_dir)
     results = BenchResults()
     for name in suites:

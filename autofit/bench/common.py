@@ -68,8 +68,9 @@ def _git_commit() -> str:
         return "unknown"
 
 
-def environment(command: str = "autofit bench") -> dict[str, str]:
-    """Machine, device, versions and date: the header of every table."""
+def environment(command: str = "autofit bench", probe_host: bool = False) -> dict[str, str]:
+    """Machine, device, versions and date: the header of every table. ``probe_host``: also the CPU's
+    matmul rates now (:func:`host_speed`, about a second and a half)."""
     import optuna
     import pandas
     import torch
@@ -87,12 +88,29 @@ def environment(command: str = "autofit bench") -> dict[str, str]:
                    + (f", {memory:.0f} GiB RAM" if memory else "") + f", {platform.system()} {platform.release()}",
         "device": device,
         "load average at start (1, 5, 15 min)": load,
+        **({HOST_SPEED: host_speed()} if probe_host else {}),
         "versions": f"autofit {__version__} (git {_git_commit()}), torch {torch.__version__}, "
                     f"optuna {optuna.__version__}, numpy {np.__version__}, pandas {pandas.__version__}, "
                     f"Python {platform.python_version()}",
         "environment": ", ".join(f"{k}={os.environ.get(k, '')}" for k in BENCH_ENV),
         "command": f"`{command}`",
     }
+
+
+HOST_SPEED = "CPU speed at start"
+
+
+def host_speed(probes: int = 3) -> str:
+    """The CPU's matmul rates now, the best of ``probes`` runs of autofit's device probe. Two runs of the
+    bench on one machine compare only at like speeds, and neither the load average nor the kernel's
+    steal time shows a slower host: the 2-core machine this repository's bench runs on, under the same name and at like
+    load, has read fp32 188-248 GFLOP/s on one day against 354-391 the day before, its trials then
+    twice as long and their noise twice as wide."""
+    from autofit.probes.device_rates import measure_rates
+
+    runs = [measure_rates("cpu", ("float32", "bfloat16")) for _ in range(max(1, probes))]
+    fp32, bf16 = (max(r.matmul_flops_per_s[name] for r in runs) / 1e9 for name in ("float32", "bfloat16"))
+    return f"matmul fp32 {fp32:.0f}, bf16 {bf16:.0f} GFLOP/s (best of {len(runs)} probe{'s' * (len(runs) > 1)})"
 
 
 # --------------------------------------------------------------------------------------

@@ -885,3 +885,17 @@ def test_the_warm_first_use_is_timed_in_a_new_process_as_a_users_next_search(tmp
     search_grid._use_s(cell, workload, configs, kw, use_cache=True)  # fills the caches
     warm = search_grid._warm_use(cell, configs, kw)
     assert set(warm) == {"use_s", "server_ready_s"} and 0 < warm["use_s"] <= warm["server_ready_s"] < 120
+
+
+def test_a_benchs_header_gives_the_hosts_matmul_rates_when_asked_and_a_replay_does_not_probe():
+    """A complete run's tables say how fast the CPU was at its start (the same machine name has read half its
+    usual rates on some days); a replay's header, written in seconds from a committed grid, has no probe."""
+    import re
+
+    from autofit.bench.common import HOST_SPEED, environment, host_speed
+
+    assert HOST_SPEED not in environment("replay")
+    text = environment("autofit bench", probe_host=True)[HOST_SPEED]
+    rates = re.fullmatch(r"matmul fp32 (\d+), bf16 (\d+) GFLOP/s \(best of 3 probes\)", text)
+    assert rates and all(int(r) > 0 for r in rates.groups()), text
+    assert host_speed(probes=0).endswith("(best of 1 probe)")
