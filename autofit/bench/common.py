@@ -70,7 +70,7 @@ def _git_commit() -> str:
 
 def environment(command: str = "autofit bench", probe_host: bool = False) -> dict[str, str]:
     """Machine, device, versions and date: the header of every table. ``probe_host``: also the CPU's
-    matmul rates now (:func:`host_speed`, about a second and a half)."""
+    matmul rates now (:func:`host_speed`, a second or two)."""
     import optuna
     import pandas
     import torch
@@ -101,11 +101,12 @@ HOST_SPEED = "CPU speed at start"
 
 
 def host_speed(probes: int = 3) -> str:
-    """The CPU's matmul rates now, the best of ``probes`` runs of autofit's device probe. Two runs of the
-    bench on one machine compare only at like speeds, and neither the load average nor the kernel's
-    steal time shows a slower host: the 2-core machine this repository's bench runs on, under the same name and at like
-    load, has read fp32 188-248 GFLOP/s on one day against 354-391 the day before, its trials then
-    twice as long and their noise twice as wide."""
+    """The CPU's matmul rates now, the best of ``probes`` runs of autofit's device probe (on a GPU machine
+    too: the trials' Python and data work run there). Two runs of the bench on one machine compare only
+    at like speeds, and neither the load average nor the kernel's steal time shows a slower host: the
+    2-core machine this repository's bench runs on, under the same name and at no higher load, has read
+    fp32 188-248 GFLOP/s on one day against 354-391 the day before, its trials then twice as long and
+    their noise twice as wide."""
     from autofit.probes.device_rates import measure_rates
 
     runs = [measure_rates("cpu", ("float32", "bfloat16")) for _ in range(max(1, probes))]
