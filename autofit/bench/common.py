@@ -107,11 +107,14 @@ def host_speed(probes: int = 3) -> str:
     2-core machine this repository's bench runs on, under the same name and at no higher load, has read
     fp32 188-248 GFLOP/s on one day against 354-391 the day before, its trials then twice as long and
     their noise twice as wide."""
-    from autofit.probes.device_rates import measure_rates
+    from functools import reduce
+
+    from autofit.probes.device_rates import best_of, measure_rates
 
     runs = [measure_rates("cpu", ("float32", "bfloat16")) for _ in range(max(1, probes))]
-    fp32, bf16 = (max(r.matmul_flops_per_s[name] for r in runs) / 1e9 for name in ("float32", "bfloat16"))
-    return f"matmul fp32 {fp32:.0f}, bf16 {bf16:.0f} GFLOP/s (best of {len(runs)} probe{'s' * (len(runs) > 1)})"
+    flops = reduce(best_of, runs).matmul_flops_per_s
+    return (f"matmul fp32 {flops['float32'] / 1e9:.0f}, bf16 {flops['bfloat16'] / 1e9:.0f} GFLOP/s "
+            f"(best of {len(runs)} probe{'s' * (len(runs) > 1)})")
 
 
 # --------------------------------------------------------------------------------------
