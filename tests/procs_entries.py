@@ -49,3 +49,8 @@ def torch_threads(request: dict, send) -> dict:
     torch.mm(x, x)
     return {"threads": torch.get_num_threads(), "cwd": os.getcwd(), "marker": os.environ.get("AUTOFIT_TEST_MARKER"),
             "pgid_is_pid": os.getpgid(0) == os.getpid(), "tasks": len(os.listdir("/proc/self/task"))}
+
+
+def loaded(request: dict, send) -> dict:
+    """Which of ``request["modules"]`` this process has imported (a forked trial: its zygote's)."""
+    return {"loaded": [m for m in request["modules"] if m in sys.modules]}

@@ -206,7 +206,7 @@ def _start_trial_processes(loaded: Workload, device: str) -> None:
     and the probes instead of delaying the first trial: on the CPU the fork server they fork from
     (profiling starts it too, but only when it profiles), on CUDA the trial host with its context."""
     if device == "cpu" and forkserver.enabled():
-        forkserver.start_server_soon()
+        forkserver.start_server_soon(loaded.preload)
     if loaded.source is not None and host.enabled(device):
         host.start_soon(loaded.source, device)
 

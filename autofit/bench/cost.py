@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import statistics
 import subprocess
@@ -177,19 +178,50 @@ def _trial_overhead(quick: bool, progress) -> list[dict]:
     cases = [("gpt-tiny", TrainConfig(Precision.AMP_BF16, 4, 3))]
     if not quick:
         cases.append(("convnet-bn", TrainConfig(Precision.FP32, 8, 3)))
+        if importlib.util.find_spec("transformers") is not None:  # the hf extra
+            cases.append((HF_CASE, TrainConfig(Precision.BF16, 4, 3)))
     previous = os.environ.get("AUTOFIT_TRIAL_SERVER")
     try:
         for name, config in cases:
-            for runner, flag in (("fresh interpreter", "0"), ("fork server", "1")):
+            for runner, flag in _runners(name):
                 os.environ["AUTOFIT_TRIAL_SERVER"] = flag
+                _zygote_for(name, runner)
                 rows += _one_trial_overhead(name, config, runner, schedule, run_trial, progress)
             rows += _hosted_trial_overhead(name, config, schedule, run_trial, progress)
     finally:
+        forkserver.use_preload(())  # later suites' zygotes import no workload's modules
+        forkserver.stop_server()
         if previous is None:
             os.environ.pop("AUTOFIT_TRIAL_SERVER", None)
         else:
             os.environ["AUTOFIT_TRIAL_SERVER"] = previous
     return rows
+
+
+# A Hugging Face model (the hf extra), whose trials import transformers unless the fork server has.
+HF_CASE = "hf:gpt2?n_layer=2&n_embd=64&n_head=2#seq_len=64#task=causal-lm"
+_LABELS = {HF_CASE: "hf:gpt2 (2 layers of width 64, 64 tokens)"}
+_UNLOADED = "fork server, without the workload's preload"
+
+
+def _runners(name: str) -> list[tuple[str, str]]:
+    """(runner, AUTOFIT_TRIAL_SERVER) for a case: a workload with modules to preload (``Workload.preload``)
+    is also forked from a zygote that lacks them, as every search's was before it preloaded them."""
+    from autofit.workloads.load import load_workload
+
+    unloaded = [(_UNLOADED, "1")] if load_workload(name).preload else []
+    return [("fresh interpreter", "0"), *unloaded, ("fork server", "1")]
+
+
+def _zygote_for(name: str, runner: str) -> None:
+    """A zygote as a search on ``name`` starts it (its workload's modules preloaded), or without them."""
+    from autofit.runtime import forkserver
+    from autofit.workloads.load import load_workload
+
+    if runner in ("fork server", _UNLOADED):
+        forkserver.use_preload(load_workload(name).preload if runner == "fork server" else ())
+        forkserver.stop_server()
+        forkserver.ensure_server()
 
 
 def _hosted_trial_overhead(name: str, config: TrainConfig, schedule, run_trial, progress) -> list[dict]:
@@ -225,16 +257,18 @@ def _one_trial_overhead(name: str, config: TrainConfig, runner: str, schedule, r
     if floor_last:
         floor = run_trial(name, config, budget_bytes=1, schedule=schedule, timeout_s=240)
     timed = schedule.timed_steps * (full.step_time_s or 0.0)   # the untracked optimizer steps
-    progress(f"cost: trial {name} {config.short()} ({runner}): {full.wall_s:.1f} s in all, {floor.wall_s:.1f} s to "
+    label = _LABELS.get(name, name)
+    progress(f"cost: trial {label} {config.short()} ({runner}): {full.wall_s:.1f} s in all, {floor.wall_s:.1f} s to "
              f"die at the first operator, {timed:.2f} s of timed steps")
-    item = f"{name} `{config.short()}`, {runner}"
+    item = f"{label} `{config.short()}`, {runner}"
     return [
         {"kind": "trial", "item": item, "metric": "trial_wall_s", "value": full.wall_s, "unit": "s",
          "note": f"run_trial: {schedule.warmup_steps} warm-up + {schedule.measured_steps} tracked step, "
                  f"then {schedule.timed_steps} timed steps"},
         {"kind": "trial", "item": item, "metric": "start_and_build_s", "value": floor.wall_s, "unit": "s",
          "note": f"the same trial with a 1-byte budget (status {floor.status.value}): "
-                 + {"fresh interpreter": "process start, imports, ", "fork server": "process start (a fork), "}.get(runner, "")
+                 + {"fresh interpreter": "process start, imports, ", "fork server": "process start (a fork), ",
+                    _UNLOADED: "process start (a fork), the workload's imports, "}.get(runner, "")
                  + "model and optimizer build, batches"},
         {"kind": "trial", "item": item, "metric": "timed_steps_s", "value": timed, "unit": "s",
          "note": f"3 x measured step time {full.step_time_s:.3f} s" if full.step_time_s else full.error or ""},

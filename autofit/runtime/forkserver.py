@@ -55,13 +55,14 @@ def enabled() -> bool:
 class TrialServer:
     """Our side of one zygote: forks trials there and learns how they exited. Thread-safe."""
 
-    def __init__(self, env: dict[str, str], preload: tuple[str, ...] = PRELOAD) -> None:
+    def __init__(self, env: dict[str, str], preload: tuple[str, ...] = PRELOAD, extra: tuple[str, ...] = ()) -> None:
         self.env = env
         self.import_env: dict[str, str] = {}  # what the zygote's imports set in its environment
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.zygote = procs.spawn("autofit.runtime.forkserver:zygote_main", {"socket_fd": theirs.fileno(),
-                                                                         "preload": list(preload)},
+                                                                         "preload": list(preload),
+                                                                         "extra": list(extra)},
                                       env=env, pass_fds=(theirs.fileno(),), timeout_s=READY_TIMEOUT_S)
         finally:
             theirs.close()
@@ -171,6 +172,7 @@ def _running(pid: int) -> bool:
 
 _SERVER: TrialServer | None = None
 _SERVER_LOCK = threading.Lock()
+_EXTRA: tuple[str, ...] = ()  # the workload's own modules (Workload.preload) a zygote started now imports too
 
 
 def ensure_server() -> TrialServer:
@@ -185,7 +187,7 @@ def ensure_server() -> TrialServer:
             _SERVER.close()
             _SERVER = None
         if _SERVER is None:
-            _SERVER = TrialServer(env)
+            _SERVER = TrialServer(env, extra=_EXTRA)
         return _SERVER
 
 
@@ -219,14 +221,26 @@ def start_trial(entry: str, request: dict, *, timeout_s: float | None, echo_stde
     return ensure_server().start(entry, request, timeout_s=timeout_s, echo_stderr=echo_stderr, env=env)
 
 
-def start_server_soon() -> None:
+def start_server_soon(extra: tuple[str, ...] | None = None) -> None:
     """Start this process's zygote in the background (a thread), so that it is ready, or nearly,
-    when a trial or profiling worker is first forked; a failure is left for that call to meet."""
+    when a trial or profiling worker is first forked; a failure is left for that call to meet.
+    ``extra``: modules every trial of the workload imports (``Workload.preload``), imported by this
+    zygote and any started after it (None: those asked for before)."""
+    if extra is not None:
+        use_preload(extra)
+
     def start() -> None:
         with contextlib.suppress(OSError):
             ensure_server()
 
     threading.Thread(target=start, name="autofit-zygote-start", daemon=True).start()
+
+
+def use_preload(modules: tuple[str, ...]) -> None:
+    """The workload's own modules (``Workload.preload``) that every zygote started from now on imports
+    too, so that its trials do not; one already running keeps what it imported."""
+    global _EXTRA
+    _EXTRA = tuple(modules)
 
 
 def stop_server() -> None:
@@ -265,6 +279,11 @@ def zygote_main(request: dict, send: procs.Send) -> None:
     started_env = dict(os.environ)
     for name in request["preload"]:
         importlib.import_module(name)
+    for name in request.get("extra", ()):
+        # The workload's own modules: one that fails to import here is left for each trial to import
+        # and to report its way (a WorkloadError with the reason), not a zygote that never starts.
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
     # Our parent sets these too when it imports the same modules; it must not read that as a changed
     # environment and start another zygote (two seconds of imports, at every search's first use).
     send({"ready": True, "import_env": {k: v for k, v in os.environ.items() if started_env.get(k) != v}})

@@ -25,7 +25,7 @@ import optuna
 
 from autofit.core.errors import AutofitError, RunFailure, StudyError
 from autofit.core.records import trial_number
-from autofit.runtime import procs
+from autofit.runtime import forkserver, procs
 from autofit.study import storage
 from autofit.study.progress import ProgressCallback, progress_of
 from autofit.study.settings import StudySettings
@@ -167,6 +167,8 @@ def worker_entry(request: dict, send: procs.Send) -> dict:
     # reaches us (our own session), only the search's signal does.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        return {"stop_reason": run_worker(settings, load_workload(settings.workload_source))}
+        workload = load_workload(settings.workload_source)
+        forkserver.use_preload(workload.preload)  # a zygote this worker starts imports them for its trials
+        return {"stop_reason": run_worker(settings, workload)}
     except AutofitError as exc:
         return {"error": str(exc), "exit_status": exc.exit_status}

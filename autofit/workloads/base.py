@@ -44,6 +44,9 @@ class Workload:
       device split act on (default: the largest ModuleList). The model must call them in
       order, each taking the previous one's output as its first argument.
     - ``tokens_per_sample``: optional, to report tokens/s.
+    - ``preload``: optional, modules every trial imports that are slow to import (the library the
+      model comes from, e.g. ``("timm",)``): on the CPU the trials' fork server imports them once,
+      so that no trial does.
 
     Example::
 
@@ -69,6 +72,7 @@ class Workload:
     # have a ``refusal(model) -> str | None`` attribute: why the model cannot be cut, checked when
     # profiling so that splits are pruned with that reason before any trial.
     split: Callable | None = None
+    preload: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -83,6 +87,10 @@ class Workload:
         for attr in ("model", "batch", "loss", "optimizer", "layers"):
             if not callable(getattr(self, attr)):
                 raise WorkloadError(f"Workload.{attr} must be callable, got {type(getattr(self, attr)).__name__}")
+        if not isinstance(self.preload, (tuple, list)) or not all(isinstance(m, str) and m for m in self.preload):
+            raise WorkloadError(f"Workload.preload must be a tuple of module names (e.g. preload=('timm',)), "
+                                f"got {self.preload!r}")
+        object.__setattr__(self, "preload", tuple(self.preload))  # frozen: a list given is kept as a tuple
         if self.tokens_per_sample is not None and (not isinstance(self.tokens_per_sample, int) or self.tokens_per_sample < 1):
             raise WorkloadError(f"Workload.tokens_per_sample must be a positive integer, got {self.tokens_per_sample!r}")
 

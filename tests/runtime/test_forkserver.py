@@ -126,3 +126,19 @@ def test_a_start_that_waited_for_the_lock_starts_the_zygote_for_the_environment_
         if thread.name == "autofit-zygote-start":
             thread.join(timeout=300)
     assert forkserver.ready(), "the background start left a zygote for the old environment"
+
+
+def test_a_zygote_imports_the_workloads_preload_for_its_trials_and_skips_one_that_fails(server_env):
+    # modules that neither torch nor autofit imports; one that does not exist must not keep the zygote down
+    modules = ["wave", "xml.dom.minidom", "no_such_module_here"]
+    forkserver.use_preload(tuple(modules))
+    try:
+        forkserver.stop_server()
+        out = _finish(forkserver.start_trial("procs_entries:loaded", {"modules": modules}, timeout_s=120, echo_stderr=False))
+        assert out["loaded"] == ["wave", "xml.dom.minidom"]
+        forkserver.use_preload(())
+        forkserver.stop_server()
+        out = _finish(forkserver.start_trial("procs_entries:loaded", {"modules": modules}, timeout_s=120, echo_stderr=False))
+        assert out["loaded"] == []
+    finally:
+        forkserver.use_preload(())

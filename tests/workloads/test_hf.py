@@ -297,3 +297,15 @@ def test_a_model_type_resolves_where_transformers_exports_no_top_level_config_ma
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
     assert resolve_config(str(path)).n_layer == 2
+
+
+def test_a_trial_of_an_hf_model_imports_its_modelling_module_which_the_fork_server_preloads():
+    import importlib.util
+    import sys
+
+    w = hf_workload(TINY_LLAMA, seq_len=12, lora="r=4")
+    assert w.preload == ("transformers", "transformers.modeling_utils", "transformers.models.llama.modeling_llama", "peft")
+    assert all(importlib.util.find_spec(m) is not None for m in w.preload)
+    w.model()
+    assert all(m in sys.modules for m in w.preload)  # what building the model imports: nothing preloaded in vain
+    assert "peft" not in hf_workload(TINY_LLAMA, seq_len=12).preload

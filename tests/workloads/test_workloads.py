@@ -231,3 +231,11 @@ def test_a_module_of_this_directory_that_cannot_be_imported_is_named_by_path(tmp
     monkeypatch.chdir(tmp_path)
     with pytest.raises(WorkloadError, match=r"give its path: my_model_not_on_path\.py:workload"):
         load_workload("my_model_not_on_path:workload")
+
+
+def test_a_workloads_preload_is_a_tuple_of_module_names_or_a_one_line_error():
+    base = dataclasses.replace(load_workload("gpt-tiny"), preload=["timm"])
+    assert base.preload == ("timm",) and load_workload("gpt-tiny").preload == ()
+    for bad in ("timm", ("timm", 3), ("",), 5):
+        with pytest.raises(WorkloadError, match=r"^Workload\.preload must be a tuple of module names"):
+            dataclasses.replace(base, preload=bad)

@@ -243,6 +243,15 @@ def trainable_adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW([p for p in params if p.requires_grad])
 
 
+def trial_modules(config, lora: bool) -> tuple[str, ...]:
+    """What a trial of this model imports, slowest first: transformers' model machinery (seconds: it
+    brings in its quantizer integrations, torchao's among them when installed), the model type's
+    own modelling module (named after its configuration module, transformers' layout) and peft."""
+    modeling = type(config).__module__.replace(".configuration_", ".modeling_")
+    return ("transformers", "transformers.modeling_utils",
+            *((modeling,) if modeling.startswith("transformers.models.") else ()), *(("peft",) if lora else ()))
+
+
 def _prepare_config(config, task: str):
     config = copy.deepcopy(config)
     config.use_cache = False  # training: no KV cache kept alongside the activations
@@ -295,6 +304,7 @@ def hf_workload(spec: str, *, seq_len: int | None = None, task: str | None = Non
               "seq_len": seq_len, "lora": lora_text},
         source=PREFIX + spec + "".join(f"#{k}={v}" for k, v in options.items()),
         split=cut_stage,  # refuses, with the reason, what it cannot cut (encoders, adapters, other layouts)
+        preload=trial_modules(config, bool(lora_kwargs)),
     )
 
 
