@@ -62,7 +62,7 @@ def profile_workload(workload: Workload, precisions: Iterable[Precision | str] =
     note = note or (lambda line: None)
     note(f"profiling {workload.name} on fake tensors ({', '.join(p.value for p in precisions)})...")
     if surely_forks(workload, precisions, device_type, use_cache):
-        forkserver.start_server_soon()  # its imports overlap the key's fake build below
+        forkserver.start_server_soon(workload.preload)  # its imports overlap the key's fake build below
     try:
         key, param_count, n_layers = profile_key(workload, device_type)
     except WorkloadError:
