@@ -171,7 +171,7 @@ def test_a_cpu_search_starts_its_trials_fork_server_before_profiling(tmp_path, m
     from autofit.runtime import forkserver
 
     calls = []
-    monkeypatch.setattr(forkserver, "start_server_soon", lambda: calls.append("fork server"))
+    monkeypatch.setattr(forkserver, "start_server_soon", lambda extra=None: calls.append("fork server"))
 
     def profiled(*args, **kwargs):
         calls.append("profile")

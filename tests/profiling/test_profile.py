@@ -231,7 +231,7 @@ def test_workers_forked_from_the_fork_server_profile_as_this_process(tmp_path, m
     forked = []
     start = forkserver.start_trial
     monkeypatch.setattr(forkserver, "start_trial", lambda entry, *a, **k: forked.append(entry) or start(entry, *a, **k))
-    monkeypatch.setattr(forkserver, "start_server_soon", lambda: None)  # each case says when the server is up
+    monkeypatch.setattr(forkserver, "start_server_soon", lambda extra=None: None)  # each case says when the server is up
     workload = load_workload(trial_workload_spec("tiny_tied_lm"))
     precisions = [Precision.FP32, Precision.AMP_BF16, Precision.BF16]
 
