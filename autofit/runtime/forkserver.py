@@ -26,6 +26,7 @@ import atexit
 import contextlib
 import importlib
 import json
+import logging
 import os
 import random
 import select
@@ -52,6 +53,10 @@ def enabled() -> bool:
     return os.environ.get("AUTOFIT_TRIAL_SERVER", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+class UnsafePreload(OSError):
+    """A module of the workload's preload started threads in the zygote (e.g. it ran an operator)."""
+
+
 class TrialServer:
     """Our side of one zygote: forks trials there and learns how they exited. Thread-safe."""
 
@@ -73,6 +78,11 @@ class TrialServer:
             ready = self.zygote.next_message()
         except TimeoutError:
             ready = None
+        if ready and ready.get("unsafe"):
+            self.close()
+            raise UnsafePreload(f"importing {ready['unsafe']} (Workload.preload) started a thread in the trials' fork "
+                                "server, where forking is then unsafe: the preload is skipped and each trial imports "
+                                "those modules itself")
         if not ready or not ready.get("ready"):
             failure = self.zygote.failure(not self.zygote.timed_out)
             self.close()
@@ -187,7 +197,12 @@ def ensure_server() -> TrialServer:
             _SERVER.close()
             _SERVER = None
         if _SERVER is None:
-            _SERVER = TrialServer(env, extra=_EXTRA)
+            try:
+                _SERVER = TrialServer(env, extra=_EXTRA)
+            except UnsafePreload as exc:
+                logging.getLogger(__name__).warning(str(exc))
+                use_preload(())
+                _SERVER = TrialServer(env)
         return _SERVER
 
 
@@ -279,11 +294,15 @@ def zygote_main(request: dict, send: procs.Send) -> None:
     started_env = dict(os.environ)
     for name in request["preload"]:
         importlib.import_module(name)
+    threads = _thread_count()
     for name in request.get("extra", ()):
         # The workload's own modules: one that fails to import here is left for each trial to import
         # and to report its way (a WorkloadError with the reason), not a zygote that never starts.
         with contextlib.suppress(Exception):
             importlib.import_module(name)
+        if _thread_count() > threads:  # it ran an op (OpenMP's pool) or started a thread: no fork is safe
+            send({"ready": False, "unsafe": name})
+            return
     # Our parent sets these too when it imports the same modules; it must not read that as a changed
     # environment and start another zygote (two seconds of imports, at every search's first use).
     send({"ready": True, "import_env": {k: v for k, v in os.environ.items() if started_env.get(k) != v}})
@@ -300,6 +319,10 @@ def zygote_main(request: dict, send: procs.Send) -> None:
             continue
         pid = _fork_trial(json.loads(data), fds, (sock.fileno(), own_message_fd))
         sock.send(json.dumps({"pid": pid}).encode())
+
+
+def _thread_count() -> int:
+    return len(os.listdir("/proc/self/task"))
 
 
 def _report_exits(sock: socket.socket) -> None:

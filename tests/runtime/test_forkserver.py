@@ -142,3 +142,20 @@ def test_a_zygote_imports_the_workloads_preload_for_its_trials_and_skips_one_tha
         assert out["loaded"] == []
     finally:
         forkserver.use_preload(())
+
+
+def test_a_preload_that_starts_a_thread_is_skipped_with_a_warning_not_forked_from(server_env, caplog):
+    modules = ["wave", "starts_thread_on_import"]
+    forkserver.use_preload(tuple(modules))
+    try:
+        forkserver.stop_server()
+        with caplog.at_level("WARNING", logger="autofit.runtime.forkserver"):
+            out = _finish(forkserver.start_trial("procs_entries:loaded", {"modules": modules}, timeout_s=120,
+                                                 echo_stderr=False))
+        assert out["loaded"] == []
+        assert forkserver._EXTRA == ()
+        assert [r.getMessage() for r in caplog.records] == [
+            "importing starts_thread_on_import (Workload.preload) started a thread in the trials' fork server, where "
+            "forking is then unsafe: the preload is skipped and each trial imports those modules itself"]
+    finally:
+        forkserver.use_preload(())
