@@ -160,6 +160,7 @@ def _trial_overhead(quick: bool, progress) -> list[dict]:
     from autofit.runtime import forkserver
     from autofit.runtime.schedule import DEFAULT_SCHEDULE as schedule
     from autofit.trial.run import run_trial
+    from autofit.workloads.load import load_workload
 
     rows = []
     start = time.perf_counter()
@@ -183,9 +184,10 @@ def _trial_overhead(quick: bool, progress) -> list[dict]:
     previous = os.environ.get("AUTOFIT_TRIAL_SERVER")
     try:
         for name, config in cases:
-            for runner, flag in _runners(name):
+            preload = load_workload(name).preload
+            for runner, flag in _runners(preload):
                 os.environ["AUTOFIT_TRIAL_SERVER"] = flag
-                _zygote_for(name, runner)
+                _zygote_for(preload, runner)
                 rows += _one_trial_overhead(name, config, runner, schedule, run_trial, progress)
             rows += _hosted_trial_overhead(name, config, schedule, run_trial, progress)
     finally:
@@ -204,22 +206,19 @@ _LABELS = {HF_CASE: "hf:gpt2 (2 layers of width 64, 64 tokens)"}
 _UNLOADED = "fork server, without the workload's preload"
 
 
-def _runners(name: str) -> list[tuple[str, str]]:
+def _runners(preload: tuple[str, ...]) -> list[tuple[str, str]]:
     """(runner, AUTOFIT_TRIAL_SERVER) for a case: a workload with modules to preload (``Workload.preload``)
     is also forked from a zygote that lacks them, as every search's was before it preloaded them."""
-    from autofit.workloads.load import load_workload
-
-    unloaded = [(_UNLOADED, "1")] if load_workload(name).preload else []
+    unloaded = [(_UNLOADED, "1")] if preload else []
     return [("fresh interpreter", "0"), *unloaded, ("fork server", "1")]
 
 
-def _zygote_for(name: str, runner: str) -> None:
-    """A zygote as a search on ``name`` starts it (its workload's modules preloaded), or without them."""
+def _zygote_for(preload: tuple[str, ...], runner: str) -> None:
+    """A zygote as a search starts it (the workload's ``preload`` imported), or one without them."""
     from autofit.runtime import forkserver
-    from autofit.workloads.load import load_workload
 
     if runner in ("fork server", _UNLOADED):
-        forkserver.use_preload(load_workload(name).preload if runner == "fork server" else ())
+        forkserver.use_preload(preload if runner == "fork server" else ())
         forkserver.stop_server()
         forkserver.ensure_server()
 
