@@ -128,7 +128,8 @@ def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | 
       ``<workload>-<budget>``). Running the same search again resumes it.
     - ``device``: ``"cpu"`` or ``"cuda"`` (default: cuda when available); ``devices``: devices a
       worker has (default: 1 on the CPU, its share of the visible GPUs on CUDA); device splits
-      above it are estimated, never run. On the CPU, ``devices=N`` runs splits up to N as
+      above it are never run (estimated, except pipeline splits of a model with tied weights, whose
+      ends would cost profiling). On the CPU, ``devices=N`` runs splits up to N as
       pipeline stage processes sharing the CPU.
     - ``progress``: called with a :class:`SearchProgress` after every step (the library never prints).
     - ``trial_runner`` (workers=1 only): runs each real trial, first measurements and re-measurements alike
@@ -171,7 +172,7 @@ def search(workload: Workload | str, budget: str | int, *, space: SearchSpace | 
             _start_trial_processes(loaded, device)
         starting = None if progress is None else lambda line: emit(starting_progress(line, started))
         early = probe_beside_profiling(device, resolved.precision, starting)
-        profile = _profile(loaded, resolved, device, starting)
+        profile = _profile(loaded, resolved, device, devices, starting)
         study = backend.create_or_load(settings)
         backend.record_profile(study, profile.key)
         note = None if progress is None else lambda line: emit(progress_of(backend.read_records(study), line, started))
@@ -211,12 +212,14 @@ def _start_trial_processes(loaded: Workload, device: str) -> None:
         host.start_soon(loaded.source, device)
 
 
-def _profile(loaded: Workload, space: SearchSpace, device: str, note: Callable[[str], None] | None):
-    """The workload's profile for ``space`` (:func:`autofit.profiling.profile.profile_workload`), where a user's
-    errors in the model surface; the trial host started for this search goes if it fails."""
+def _profile(loaded: Workload, space: SearchSpace, device: str, devices: int, note: Callable[[str], None] | None):
+    """The workload's profile for ``space`` (:func:`autofit.profiling.profile.profile_workload`) as a worker with
+    ``devices`` devices runs it, where a user's errors in the model surface; the trial host started for this
+    search goes if it fails."""
     configs = space.configs()
     try:
-        return profile_workload(loaded, list(space.precision), device_type=device, split_ends=needs_split_ends(configs),
+        return profile_workload(loaded, list(space.precision), device_type=device,
+                                split_ends=needs_split_ends(configs, devices),
                                 optimizers=optimizer_choices(configs), selective=needs_selective(configs), note=note)
     except BaseException:
         host.release()

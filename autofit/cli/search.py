@@ -51,7 +51,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--out", help="output directory for the study and its tables (default: results/<study>)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if available, else cpu")
     p.add_argument("--devices", type=positive(int),
-                   help="devices per worker; larger device splits are estimated, never run (default: 1 on the CPU, "
+                   help="devices per worker; larger device splits are never run (default: 1 on the CPU, "
                         "a worker's share of the GPUs on CUDA). On the CPU, N > 1 runs splits as processes sharing it")
     p.add_argument("--seed", type=int, default=0, help="seed of the planner's tie-breaking (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of a summary")

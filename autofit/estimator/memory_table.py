@@ -123,9 +123,16 @@ def in_flight_later(stage: int, device_split: int, grad_accum: np.ndarray,
     return np.maximum(np.minimum(k - 1, device_split - stage), 1)
 
 
+# Why a pipeline split of a model with weights tied across its ends has no estimate where its profile was
+# made without the ends (estimate_table's unprofiled_ends_invalid).
+ENDS_NOT_PROFILED = ("not estimated: its end stages' own copies of the weights tied across the model's ends "
+                     "were not profiled (a search profiles them only for the splits its workers run)")
+
+
 def estimate_table(profile: Profile, configs: list[TrainConfig], budget_bytes: int | None = None,
                    schedule: PipelineSchedule | str = PipelineSchedule.ONE_F_ONE_B,
-                   overhead: CudaOverhead | None = None, host_bytes: int | None = None) -> pd.DataFrame:
+                   overhead: CudaOverhead | None = None, host_bytes: int | None = None,
+                   unprofiled_ends_invalid: bool = False) -> pd.DataFrame:
     """Score many configs at once. One row per config, in the given order.
 
     ``overhead``: the CUDA device's measured context and workspace (``DeviceRates.memory_overhead()``);
@@ -143,7 +150,9 @@ def estimate_table(profile: Profile, configs: list[TrainConfig], budget_bytes: i
     Raises KeyError if the profile lacks a precision in ``configs``, ProfileError if it lacks the
     split ends a pipeline split of a model with tied weights needs
     (:func:`autofit.estimator.memory_model.needs_split_ends`) or an ``optimizer`` choice a config asks
-    for (:func:`autofit.estimator.memory_model.optimizer_choices`).
+    for (:func:`autofit.estimator.memory_model.optimizer_choices`). ``unprofiled_ends_invalid``: such a
+    pipeline split is invalid with the reason :data:`ENDS_NOT_PROFILED` instead (a search's splits over more
+    devices than a worker has, which it estimates but never runs).
     """
     n = len(configs)
     cols = {f: np.array([getattr(getattr(c, f), "value", getattr(c, f)) for c in configs]) for f in FIELDS}
@@ -192,6 +201,10 @@ def estimate_table(profile: Profile, configs: list[TrainConfig], budget_bytes: i
                               idx, out, extra, per_device, phase)
             continue
         if split > 1 and pp.split_ends_skipped and not profile.split_refusal:
+            if unprofiled_ends_invalid:
+                valid[idx], reason[idx], out["peak_bytes"][idx] = False, ENDS_NOT_PROFILED, np.nan
+                per_device[idx] = [()] * len(idx)
+                continue
             raise ProfileError(
                 f"{profile.workload} {precision.value}: device_split {split} (pipeline) needs the profile's split ends "
                 "(each end stage holds its own copy of the weights tied across the model's ends), but it was made "

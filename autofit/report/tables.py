@@ -73,8 +73,8 @@ COLUMNS = (
 # What each prune reason means, for the summary.
 REASONS = {
     PruneReason.INVALID: "cannot run at all (e.g. more stages than layers)",
-    PruneReason.DEVICES: "a device split over the devices a worker has: estimated, never run (more with --devices "
-                         "or GPUs)",
+    PruneReason.DEVICES: "a device split over the devices a worker has: never run (more with --devices or GPUs); "
+                         "estimated, except a pipeline split of a model with weights tied across its ends",
     PruneReason.DUPLICATE: "a checkpoint interval of at least a stage's layers: the same run as a smaller interval",
     PruneReason.OVER_BUDGET: "the calibrated peak, with its safety margin, is over the budget",
     PruneReason.TOO_SLOW: f"predicted under 1/{SLOW_FACTOR:g} of the best predicted throughput, under the best "

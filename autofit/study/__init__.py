@@ -5,7 +5,8 @@ One planning step (every worker, before every trial, from what the storage holds
 1. **calibrate** from the real trials so far (:mod:`autofit.estimator.calibration`);
 2. **prune**, with a reason, every config that should not run (recorded as a ``PRUNED`` trial
    whose user attrs hold the predicted breakdown): ``invalid`` (more stages than layers),
-   ``devices`` (a device split larger than the devices a worker has: estimated, never run),
+   ``devices`` (a device split larger than the devices a worker has: never run; estimated unless it
+   is a pipeline split whose tied weights' ends were not profiled),
    ``duplicate`` (a checkpoint interval at least a stage's length is one segment per stage,
    the same config as the smallest such interval), ``over_budget`` (calibrated peak with its
    safety margin over the budget), ``too_slow`` (predicted throughput under 1/SLOW_FACTOR of

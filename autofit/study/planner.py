@@ -32,7 +32,7 @@ from autofit.core.records import (
     config_samples,
 )
 from autofit.estimator.calibration import Calibration, calibrate, observations
-from autofit.estimator.memory_table import BREAKDOWN, estimate_table
+from autofit.estimator.memory_table import BREAKDOWN, ENDS_NOT_PROFILED, estimate_table
 from autofit.estimator.time_model import OpCounts, predict_table
 from autofit.probes.device_rates import DeviceRates
 from autofit.profiling.data import Profile
@@ -199,7 +199,10 @@ class Planner:
         self.configs = space.configs()
         self.index = {c: i for i, c in enumerate(self.configs)}
         # On CUDA the probe child measured the card's context and cuBLAS workspace (None: the fallbacks).
-        mem = estimate_table(profile, self.configs, settings.budget_bytes, overhead=rates.memory_overhead())
+        # A pipeline split over more devices than a worker has is estimated from split ends only where the
+        # search profiled them (autofit.estimator.memory_model.needs_split_ends): else it is left unestimated.
+        mem = estimate_table(profile, self.configs, settings.budget_bytes, overhead=rates.memory_overhead(),
+                             unprofiled_ends_invalid=True)
         times = predict_table(profile, self.configs, rates, counts)
         self.table = mem.join(times.drop(columns=list(FIELDS)))
         # trial_seconds runs for every config at every step: columns as arrays, not a row lookup each
@@ -218,11 +221,13 @@ class Planner:
         devices = self.settings.devices
         ckpts = sorted({c.checkpoint_every for c in self.configs})
         for i, (c, row) in enumerate(zip(self.configs, self.table.itertuples())):
-            if not row.valid:
+            unprofiled = not row.valid and row.reason == ENDS_NOT_PROFILED
+            if not row.valid and not (unprofiled and c.device_split > devices):
                 out[i] = (PruneReason.INVALID, f"cannot run: {row.reason}")
             elif c.device_split > devices:
                 out[i] = (PruneReason.DEVICES, f"device_split {c.device_split} needs {c.device_split} devices; a "
-                                               f"worker has {devices} ({self.settings.device_type}); estimated only")
+                                               f"worker has {devices} ({self.settings.device_type}); "
+                                               + (row.reason if unprofiled else "estimated only"))
             else:
                 longest = (self.n_layers if c.data_parallel > 1  # FSDP ranks each run every layer
                            else max(e - s for s, e in stage_bounds(self.n_layers, c.device_split)))

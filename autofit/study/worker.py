@@ -239,7 +239,7 @@ def run_worker(settings: StudySettings, workload: Workload, *, profile: Profile 
     """
     space = settings.search_space()
     profile = profile or profile_workload(workload, list(space.precision), device_type=settings.device_type,
-                                          split_ends=needs_split_ends(space.configs()),
+                                          split_ends=needs_split_ends(space.configs(), settings.devices),
                                           optimizers=optimizer_choices(space.configs()),
                                           selective=needs_selective(space.configs()))
     rates = rates or probe_rates(settings.device_type, precisions=space.precision)

@@ -5,12 +5,14 @@ estimates a pipeline split from such a profile, and the cache completes it when 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
 from autofit.core.config import TrainConfig
 from autofit.core.errors import ProfileError, WorkloadError
 from autofit.estimator.memory_model import estimate_table, needs_split_ends
+from autofit.estimator.memory_table import ENDS_NOT_PROFILED
 from autofit.profiling import precision as profile_module
 from autofit.profiling.profile import profile_workload
 from autofit.runtime import forkserver
@@ -104,6 +106,55 @@ def test_needs_split_ends_only_for_a_pipeline_split():
     assert not needs_split_ends([ONE, FSDP])
     assert needs_split_ends([ONE, PIPELINE])
     assert not needs_split_ends([])
+
+
+def test_needs_split_ends_only_for_a_pipeline_split_a_worker_runs():
+    assert not needs_split_ends([ONE, PIPELINE], devices=1)
+    assert needs_split_ends([ONE, PIPELINE], devices=2)
+    assert needs_split_ends([ONE, PIPELINE], devices=None)
+
+
+def test_a_pipeline_split_without_its_ends_can_be_left_unestimated_instead(counted, trial_workload_spec):
+    workload = load_workload(trial_workload_spec("tiny_tied_lm"))
+    lazy = profile_workload(workload, ["fp32"], use_cache=False, split_ends=False)
+    table = estimate_table(lazy, [ONE, PIPELINE, FSDP], unprofiled_ends_invalid=True)
+    assert table["valid"].tolist() == [True, False, True]
+    assert table["reason"].tolist()[1] == ENDS_NOT_PROFILED and math.isnan(table["peak_bytes"][1])
+    assert (estimate_table(lazy, [ONE, FSDP])["peak_bytes"].tolist()
+            == table["peak_bytes"][[0, 2]].tolist())
+
+
+def test_a_one_device_search_leaves_a_pipeline_split_of_a_tied_model_unestimated(monkeypatch, tmp_path,
+                                                                                 trial_workload_spec):
+    """Its ends are not profiled for a split no worker runs; the split is pruned for its devices, saying so."""
+    from autofit.api import run_study as study_run
+    import pandas as pd
+
+    from autofit.core.records import PruneReason
+
+    counted_ends = []
+    ends = profile_module.profile_split_ends
+    monkeypatch.setattr(profile_module, "profile_split_ends", lambda *a, **k: counted_ends.append(1) or ends(*a, **k))
+    monkeypatch.setenv("AUTOFIT_PROFILE_WORKERS", "1")
+    monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path / "cache"))
+    space = {"precision": ["fp32"], "micro_batch": [2], "global_batch": 4, "device_split": [1, 2],
+             "split_mode": ["pipeline", "fsdp"], "checkpoint_every": [0]}
+    out = tmp_path / "s"
+    study_run.search(trial_workload_spec("tiny_tied_lm"), "64MB", space=space, out_dir=out, device="cpu", devices=1,
+                     trials=1, trial_runner=_one_mb_trial)
+    assert counted_ends == []
+    trials = pd.read_csv(out / "trials.csv")
+    split = trials[trials.device_split == 2].set_index("split_mode")
+    assert set(split.reason_kind) == {PruneReason.DEVICES.value}
+    assert split.reason["pipeline"].endswith(ENDS_NOT_PROFILED) and pd.isna(split.predicted_peak_bytes["pipeline"])
+    assert split.reason["fsdp"].endswith("estimated only") and split.predicted_peak_bytes["fsdp"] > 0
+
+
+def _one_mb_trial(workload, config, *, device, budget_bytes, timeout_s, memory=True):
+    from autofit.trial.run import TrialResult, TrialStatus
+
+    return TrialResult("tiny-tied-lm", config, device, TrialStatus.OK, peak_bytes=10**6, per_device_peak_bytes=[10**6],
+                       samples_per_s=10.0, step_time_s=0.4, wall_s=1.0, budget_bytes=budget_bytes)
 
 
 class _Stop(Exception):
