@@ -151,8 +151,8 @@ def estimate_table(profile: Profile, configs: list[TrainConfig], budget_bytes: i
     split ends a pipeline split of a model with tied weights needs
     (:func:`autofit.estimator.memory_model.needs_split_ends`) or an ``optimizer`` choice a config asks
     for (:func:`autofit.estimator.memory_model.optimizer_choices`). ``unprofiled_ends_invalid``: such a
-    pipeline split is invalid with the reason :data:`ENDS_NOT_PROFILED` instead (a search's splits over more
-    devices than a worker has, which it estimates but never runs).
+    pipeline split is invalid with the reason :data:`ENDS_NOT_PROFILED` instead (for a search's splits over more
+    devices than a worker has: it never runs them, and does not profile their ends to estimate them).
     """
     n = len(configs)
     cols = {f: np.array([getattr(getattr(c, f), "value", getattr(c, f)) for c in configs]) for f in FIELDS}
