@@ -139,9 +139,10 @@ def checkpoint_layers(layers: nn.ModuleList, every: int, policy: CheckpointPolic
                 out = forward(_first_tensor(out), *args, **kwargs)
             return out
 
-        def head_forward(x, *args, _run=run_segment, _state=state, **kwargs):
+        def head_forward(x, *args, _run=run_segment, _state=state, _passes=len(segment) - 1, **kwargs):
             out = checkpoint(_run, x, *args, use_reentrant=False, **extra, **kwargs)
-            _state["tail"] = tuple(out[1:]) if isinstance(out, tuple) else None
+            if _passes:  # the segment's other outputs (an RNN's final state), for its pass-throughs to hand on
+                _state["tail"], _state["passes"] = (tuple(out[1:]) if isinstance(out, tuple) else None), _passes
             first = _first_tensor(out)
             # a weak reference: holding the output itself would keep it alive past its use
             _state["out"] = weakref.ref(first) if isinstance(first, torch.Tensor) else None
@@ -156,7 +157,10 @@ def checkpoint_layers(layers: nn.ModuleList, every: int, policy: CheckpointPolic
                     "checkpoint_every > 1 needs layers that chain (x = layer(x)); this model changes "
                     "the hidden state between layers, so use checkpoint_every 0 or 1"
                 )
-            tail = _state.get("tail")
+            # the segment's last pass-through lets the tail go: kept here, it would outlive the model's own
+            # use of it (to the next forward), memory the user's training does not hold
+            _state["passes"] = _state.get("passes", 1) - 1
+            tail = _state.get("tail") if _state["passes"] > 0 else _state.pop("tail", None)
             return x if tail is None else (x, *tail)
 
         roles[start] = head_forward
