@@ -197,18 +197,26 @@ def _meta_counts(workload: Workload) -> tuple[int, int]:
 
 
 def _profile_base(family: Family, values: dict, precisions: list[Precision], device_type: str,
-                  optimizers: tuple[str, ...] = ()) -> _Base:
+                  optimizers: tuple[str, ...] = (), split_ends: bool = True) -> _Base:
     one = {**values, family.roles.depth: 1}
     workload = load_workload(family.spec(one))
     # In this process (no source): one warm-up for all anchors instead of worker processes per anchor.
     profile = profile_workload(dataclasses.replace(workload, source=None), precisions, device_type=device_type,
-                               optimizers=optimizers)
+                               optimizers=optimizers, split_ends=split_ends)
     total, per_layer = _meta_counts(workload)
-    # Only the optimizer choices asked for: a cached profile may hold more (profiled by another
-    # command), and every anchor must have the same structure to be interpolated.
+    # Only the optimizer choices (and split ends) asked for: a cached profile may hold more (profiled by
+    # another command), and every anchor must have the same structure to be interpolated.
     kept = {p.value: _only_options(profile.for_precision(p), optimizers) for p in precisions}
+    if not split_ends:
+        kept = {name: _without_ends(pp) for name, pp in kept.items()}
     return _Base(precisions=kept, param_count=total,
                  layer_param_count=per_layer, counts=op_counts(workload), optimizer=profile.optimizer)
+
+
+def _without_ends(pp: PrecisionProfile) -> PrecisionProfile:
+    """``pp`` as profiled without split ends (a model with tied weights marked so), whatever the cache held."""
+    tied = pp.split_ends is not None or pp.split_ends_skipped
+    return dataclasses.replace(pp, split_ends=None, split_ends_skipped=tied)
 
 
 def _only_options(pp, optimizers: tuple[str, ...]):
@@ -254,12 +262,13 @@ class ShapeProfile:
 
 def shape_profiles(family: Family, shapes: list[dict], axes: list[str], precisions: list[Precision],
                    device_type: str = "cpu", progress: Callable[[str], None] | None = None,
-                   optimizers: tuple[str, ...] = ()) -> tuple[list[ShapeProfile | None], dict]:
+                   optimizers: tuple[str, ...] = (), split_ends: bool = True) -> tuple[list[ShapeProfile | None], dict]:
     """One :class:`ShapeProfile` per shape (None where the model cannot be built), and how they were made.
 
     ``shapes`` are resolved value dicts (:meth:`Family.resolve`); ``axes`` the varied fields
     other than depth (fields that follow the width are not axes). See the module docstring for
-    the method. ``optimizers``: the ``optimizer`` lever's choices to profile too. The dict gives ``profiled`` (one-layer profiles run or read from the cache),
+    the method. ``optimizers``: the ``optimizer`` lever's choices to profile too; ``split_ends``: the untied ends
+    of a model with tied weights, for pipeline splits (:func:`autofit.estimator.memory_model.needs_split_ends`). The dict gives ``profiled`` (one-layer profiles run or read from the cache),
     ``interpolated`` (non-depth shapes interpolated) and ``profile_s``.
     """
     started = time.perf_counter()
@@ -272,7 +281,8 @@ def shape_profiles(family: Family, shapes: list[dict], axes: list[str], precisio
     bases: dict[tuple, _Base | None] = {}
     direct = len(combos) >= len(keys) or not axes or any(c not in by_axes for c in combos)
     if not direct:
-        anchor_bases = [_try_base(family, dict(by_axes[c]), precisions, device_type, progress, optimizers)
+        anchor_bases = [_try_base(family, dict(by_axes[c]), precisions, device_type, progress, optimizers,
+                                  split_ends)
                         for c in combos]
         direct = any(b is None for b in anchor_bases)
         bases.update({by_axes[c]: b for c, b in zip(combos, anchor_bases)})
@@ -281,7 +291,7 @@ def shape_profiles(family: Family, shapes: list[dict], axes: list[str], precisio
         if k in bases:
             continue
         if direct:
-            bases[k] = _try_base(family, dict(k), precisions, device_type, progress, optimizers)
+            bases[k] = _try_base(family, dict(k), precisions, device_type, progress, optimizers, split_ends)
             continue
         values = dict(k)
         try:
@@ -314,11 +324,12 @@ def _anchors(values: list[int]) -> list[int]:
 
 
 def _try_base(family: Family, values: dict, precisions: list[Precision], device_type: str,
-              progress: Callable[[str], None] | None, optimizers: tuple[str, ...] = ()) -> _Base | None:
+              progress: Callable[[str], None] | None, optimizers: tuple[str, ...] = (),
+              split_ends: bool = True) -> _Base | None:
     if progress:
         progress(f"profiling {family.spec({**values, family.roles.depth: 1})} on fake tensors")
     try:
-        return _profile_base(family, values, precisions, device_type, optimizers)
+        return _profile_base(family, values, precisions, device_type, optimizers, split_ends)
     except WorkloadError:  # a shape the model refuses (e.g. heads that do not divide the width)
         return None
 

@@ -35,7 +35,7 @@ import pandas as pd
 from autofit.core.budget import format_budget, parse_budget
 from autofit.core.config import TrainConfig
 from autofit.core.space import SearchSpace, builtin_spaces, load_space
-from autofit.estimator.memory_model import optimizer_choices
+from autofit.estimator.memory_model import needs_split_ends, optimizer_choices
 from autofit.estimator.memory_table import estimate_table
 from autofit.estimator.time_model import predict_table
 from autofit.probes.device_rates import probe_rates
@@ -206,7 +206,7 @@ def size(family: Family | str, budget: str | int = "8GB", *, vary: dict | list[s
         raise SizeError(f"no valid shape in the grid: {invalid[0]['reason']}")
     configs = resolved_space.configs()
     profiles, info = shape_profiles(fam, shapes, list(grid), list(resolved_space.precision), device, progress,
-                                    tuple(optimizer_choices(configs)))
+                                    tuple(optimizer_choices(configs)), split_ends=needs_split_ends(configs, devices))
     try:
         rates = probe_rates(device)
     except RuntimeError as exc:  # e.g. --device cuda on a machine without a GPU: no rates to measure

@@ -271,3 +271,22 @@ def test_anchors_keep_only_the_optimizer_choices_asked_for():
     assert _only_options(cached, ()).optimizer_options == ()
     assert _only_options(cached, ("adamw8bit",)).optimizer_options == (Option("adamw8bit"),)
     assert _only_options(Precision(), ("adafactor",)) == Precision()
+
+
+def test_one_device_profiles_no_split_ends_and_anchors_from_the_cache_drop_theirs(monkeypatch, tmp_path):
+    """On one device no config splits: a tied family's untied ends (a third more profiling per anchor) are
+    not traced, and an anchor whose cached profile holds them drops them, so anchors interpolate alike."""
+    import dataclasses
+
+    from autofit.profiling import precision as profile_module
+    from autofit.sizing.scaling import _without_ends
+
+    monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path))
+    ends = []
+    traced = profile_module.profile_split_ends
+    monkeypatch.setattr(profile_module, "profile_split_ends", lambda *a, **k: ends.append(1) or traced(*a, **k))
+    result = size("gpt-tiny", "90MB", vary={"n_layer": [2, 4], "n_embd": [96, 192]}, space="tiny", devices=1)
+    assert ends == [] and result.top is not None
+    with_ends = profile_workload(load_workload("gpt-tiny+n_layer=1"), ["fp32"]).for_precision("fp32")
+    assert with_ends.split_ends is not None
+    assert _without_ends(with_ends) == dataclasses.replace(with_ends, split_ends=None, split_ends_skipped=True)
