@@ -4,7 +4,8 @@ A change to the search is judged in seconds this way, without measuring the grid
 grid (every config measured, two throughput samples each) is what ``autofit bench --suite search``
 wrote; the replay is the suite's own (:func:`autofit.bench.scoring.run_strategy` with a
 :class:`~autofit.bench.oracles.ReplayOracle`). ``python -m autofit.bench.replay`` prints
-autofit's figures per cell (``--help``); with ``--out DIR`` it replays every strategy and writes
+autofit's figures per cell (``--help``); ``--draws N`` replays on N random orders of each config's samples
+(other draws of the noise) and prints the totals; with ``--out DIR`` it replays every strategy and writes
 ``search_cells.csv`` (time to 98% in the cpu and gpu-cost regimes, :mod:`autofit.bench.search_regimes`)
 and ``search_replay.md`` (the regimes' section, the done-when table and the replay's medians) there.
 """
@@ -12,7 +13,9 @@ and ``search_replay.md`` (the regimes' section, the done-when table and the repl
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
+import random
 import re
 import statistics
 import sys
@@ -143,6 +146,36 @@ def replay(grids: list[Grid], strategies: tuple[Strategy, ...], seeds: int, firs
     return runs
 
 
+def shuffled(grids: list[Grid], draw: int) -> list[Grid]:
+    """The grids with each config's throughput samples in a random order (seeded by ``draw``): another draw
+    of the noise, where a trial may read any sample the grid took of its config and the ground truth stays."""
+    rng, out = random.Random(draw), []
+    for grid in grids:
+        points = {}
+        for config, point in grid.points.items():
+            samples = point.samples()
+            rng.shuffle(samples)
+            points[config] = point if not samples else dataclasses.replace(
+                point, trial_samples_per_s=samples[0], second_samples_per_s=samples[1] if len(samples) > 1 else None,
+                more_samples_per_s=tuple(samples[2:]))
+        out.append(dataclasses.replace(grid, points=points))
+    return out
+
+
+def draws_table(grids: list[Grid], strategies: tuple[Strategy, ...], draws: int) -> str:
+    """Markdown: each strategy replayed once (seed 0) per cell on ``draws`` random sample orders
+    (:func:`shuffled`): its searches, their real trials and wall time in all, and how many answered under
+    98% of the optimum."""
+    runs = [run for draw in range(draws) for run in replay(shuffled(grids, draw), strategies, 1)]
+    lines = ["| strategy | searches | real trials | wall time (s) | under 98% | lowest |", "|---|---:|---:|---:|---:|---:|"]
+    for strategy in strategies:
+        mine = [r for r in runs if r.strategy == strategy.name]
+        lines.append(f"| {strategy.name} | {len(mine)} | {sum(r.trials for r in mine)} | "
+                     f"{sum(r.wall_s for r in mine):.0f} | {sum(r.fraction < 0.98 for r in mine)} | "
+                     f"{min(r.fraction for r in mine):.1%} |")
+    return "\n".join(lines)
+
+
 def table(runs: list[RunResult]) -> str:
     """Markdown: per strategy and cell, the medians over seeds (fraction of optimum, trials, wall time)."""
     lines = ["| strategy | cell | best found / optimum (median, min) | real trials | wall time (s) | stop |",
@@ -182,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="replay autofit, TPE and the finder sweeps and print the search suite's done-when table")
     parser.add_argument("--swap-samples", action="store_true",
                         help="answer each config's second grid sample first (the other draw of the noise)")
+    parser.add_argument("--draws", type=int, default=0,
+                        help="replay on this many random orders of each config's samples (seed 0 each) and print "
+                             "the totals: trials, wall time and answers under 98%% of the optimum")
     parser.add_argument("--out", type=Path,
                         help="replay every strategy and write search_cells.csv and search_replay.md into this folder")
     args = parser.parse_args(argv)
@@ -192,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         names += [s.name for s in STRATEGIES]
     strategies = tuple(s for s in STRATEGIES if s.name in names)
     grids = load_grids(args.grid)
+    if args.draws:
+        print(draws_table(grids, strategies, args.draws))
+        return 0
     runs = replay(grids, strategies, args.seeds, int(args.swap_samples))
     if args.out:
         command = "python -m autofit.bench.replay " + " ".join(argv if argv is not None else sys.argv[1:])
