@@ -37,7 +37,8 @@ One planning step (every worker, before every trial, from what the storage holds
    time is up) **re-measure the leaders** (:mod:`autofit.study.leaders`): one throughput sample
    is noisy, so the configs whose best sample, raised by the measured noise (the largest spread
    between two samples of one config so far, at least NOISE_MIN,
-   :func:`~autofit.study.leaders.sample_noise`), reaches the best's are measured again, up to
+   :func:`~autofit.study.leaders.sample_noise`), beats the best's by ``min_improvement`` are measured
+   again with it, up to
    REMEASURE_TOP of them, each to a second trial of its own (never head to head in one process,
    which reads configs of one build closer than they train); a config measured once whose calibrated prediction, raised by the
    noise, reaches the best is a leader too; then the top two get a third sample each while their

@@ -55,12 +55,14 @@ def _spread(values: Sequence[float]) -> float | None:
 
 
 def remeasurements(records: Sequence[TrialRecord], by_config: dict, index: dict,
-                   predicted: Mapping[TrainConfig, float] | None = None) -> list[tuple[int, int]]:
+                   predicted: Mapping[TrainConfig, float] | None = None,
+                   min_improvement: float = 0.0) -> list[tuple[int, int]]:
     """The re-measurements still due before the best is crowned, in the order they run: each a trial of
     its own, as (config index in ``index``, sample number); only where the leaders' noise
-    bands overlap. The leaders are the configs whose best sample's :func:`reach`, raised by
-    :func:`sample_noise`, reaches the best config's figure (up to REMEASURE_TOP of them, highest figure
-    first); a leader alone is not measured again: nothing within the noise could overtake it. Each
+    bands overlap. The leaders are the best config and those whose best sample's :func:`reach`, raised by
+    :func:`sample_noise`, beats the best config's figure by ``min_improvement`` (the study's: a smaller
+    gain is noise, and the answer is then within it of the faster; up to REMEASURE_TOP of them, highest
+    figure first); a leader alone is not measured again: nothing within the noise could overtake it. Each
     leader is brought to REMEASURE_SAMPLES samples, so a slow first sample gets its second chance.
     Running ones count (another worker has them).
 
@@ -79,8 +81,9 @@ def remeasurements(records: Sequence[TrialRecord], by_config: dict, index: dict,
         measured = reach(best_sample(done))
         return max(measured, predicted.get(config, 0.0)) if len(done) == 1 else measured
 
+    best, bar = ranked[0][1], 1 + min_improvement
     leaders = [c for c, done in ranked
-               if figure(c, done) * (1 + noise) >= fair_bar(ranked[0][1], len(done))][:REMEASURE_TOP]
+               if done is best or figure(c, done) * (1 + noise) >= fair_bar(best, len(done)) * bar][:REMEASURE_TOP]
     if len(leaders) < 2:
         return []
     due = []

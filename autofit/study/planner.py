@@ -327,7 +327,7 @@ class Planner:
                   for i in range(n) if reasons[i] is not None and not claimed[i] and not pruned_before[i]]
         candidates = [i for i in range(n) if reasons[i] is None and not claimed[i]]
         predicted = {c: float(sps[self.index[c]]) for c in by_config if math.isfinite(sps[self.index[c]])}
-        remeasure = remeasurements(records, by_config, self.index, predicted)
+        remeasure = remeasurements(records, by_config, self.index, predicted, settings.min_improvement)
         reserve = 0 if settings.trials is None else min(len(remeasure), settings.trials // REMEASURE_RESERVE)
         # The bound rules out what is left on the prediction alone: not a kind no trial vouches for
         # before the model's error across kinds is measured (then _slow_precisions judges it).

@@ -82,3 +82,16 @@ def test_a_challenger_read_once_is_judged_against_the_leaders_first_sample_not_i
     assert _due(after) == [(1, 2)]
     # with its second sample, B is judged against A's best of two
     assert _due(_trials((B, 92.2), (A, 99.2), (A, 115.8), (B, 93.0))) == []
+
+
+def test_a_challenger_the_noise_lifts_only_within_min_improvement_of_the_best_is_not_measured_again():
+    """Raised by the noise, B's one sample reaches A's but beats it by less than the study's min_improvement:
+    a gain that small is noise, and answering A is within it of B however B's next sample reads. Lifted
+    past it, B is a leader again."""
+    within = 100.0 * 1.01 / (1 + NOISE_MIN)
+    trials = _trials((A, 100.0), (B, within))
+    assert _due(trials) == [(0, 2), (1, 2)]                    # no min_improvement: within the noise
+    assert remeasurements(trials, config_samples(trials), INDEX, None, 0.02) == []
+    past = 100.0 * 1.03 / (1 + NOISE_MIN)
+    trials = _trials((A, 100.0), (B, past))
+    assert remeasurements(trials, config_samples(trials), INDEX, None, 0.02) == [(0, 2), (1, 2)]

@@ -1130,10 +1130,13 @@ def test_the_planner_gives_the_leaders_rule_its_calibrated_predictions(tiny_prof
     seen = {}
     real = planner_module.remeasurements
     monkeypatch.setattr(planner_module, "remeasurements",
-                        lambda records, by_config, index, predicted: seen.update(predicted) or real(
-                            records, by_config, index, predicted))
+                        lambda records, by_config, index, predicted, min_improvement: seen.update(
+                            predicted, min_improvement=min_improvement) or real(
+                            records, by_config, index, predicted, min_improvement))
     step = planner.step(trials)
     calibration = step.calibration
+    # and the study's min_improvement: a challenger must be able to beat the best by it to be measured again
+    assert seen.pop("min_improvement") == planner.settings.min_improvement
     assert set(seen) == {a, b}
     for config in (a, b):
         assert seen[config] == pytest.approx(planner.prediction(planner.index[config], calibration)["objective"])
