@@ -14,8 +14,6 @@ from autofit.core.errors import (
     StudyError,
     WorkloadError,
 )
-from autofit.workloads.base import Workload
-from autofit.workloads.load import load_workload
 
 __version__ = "0.1.0"
 
@@ -23,7 +21,7 @@ _LAZY = {
     "search": "autofit.api", "estimate": "autofit.api", "measure": "autofit.api", "export": "autofit.report.exports",
     "SearchResult": "autofit.report.result", "SearchProgress": "autofit.study",
     "TrainingPlan": "autofit.trial.apply", "TrainingRun": "autofit.trial.apply",
-    "hf_workload": "autofit.workloads.hf",
+    "hf_workload": "autofit.workloads.hf", "Workload": "autofit.workloads.base", "load_workload": "autofit.workloads.load",
     "size": "autofit.sizing.size", "SizeResult": "autofit.sizing.size",
 }
 

@@ -29,6 +29,8 @@ import traceback
 from autofit.core.errors import AutofitError
 
 _COMMANDS = ("models", "estimate", "measure", "search", "size", "report", "export", "bench")
+# The commands whose work on the CPU forks from the trials' fork server: trials, probes, profiling workers.
+_FORKING_COMMANDS = ("estimate", "measure", "search", "size")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -164,7 +166,46 @@ def _stop_signals(command: str):
         signal.signal(signal.SIGTERM, previous)
 
 
+def start_fork_server_early(argv: list[str]) -> bool:
+    """Start the trials' fork server now, before this process imports torch, for a command that forks from
+    it on the CPU: its imports (torch, torch._dynamo: about two seconds here) then run on another core
+    beside this process's own instead of after them, and a warm search's first trial starts a second or
+    more sooner. Left to the command (which starts it once the device is known) where the device may be
+    a GPU: ``--device cuda``, or a GPU driver's device files present. Returns whether it started one."""
+    from autofit.runtime import forkserver
+
+    words = [w for w in argv if not w.startswith("-")]
+    if not words or words[0] not in _FORKING_COMMANDS or not forkserver.enabled():
+        return False
+    if {"-h", "--help", "--version"} & set(argv):
+        return False
+    device = _option_value(argv, "--device")
+    if device is None and any(os.path.exists(p) for p in _GPU_DEVICE_FILES):
+        return False
+    if device is not None and device != "cpu":
+        return False
+    forkserver.start_server_soon()
+    return True
+
+
+# NVIDIA's and AMD's (ROCm: torch.cuda too) driver device files: where they exist a search may run on a GPU.
+_GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd")
+
+
+def _option_value(argv: list[str], option: str) -> str | None:
+    """The value given to ``option`` in ``argv`` (``--opt VALUE`` or ``--opt=VALUE``; the last one), or None."""
+    value = None
+    for i, word in enumerate(argv):
+        if word == option and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif word.startswith(option + "="):
+            value = word[len(option) + 1:]
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # this process was started for the command (in-process callers start nothing early)
+        start_fork_server_early(sys.argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     _warnings_to_stderr(getattr(args, "debug", False))

@@ -72,6 +72,7 @@ class TrialServer:
         finally:
             theirs.close()
         self.sock = ours
+        self.extra = tuple(extra)  # the workload modules this zygote was asked to import (one that failed included)
         self.lock = threading.Lock()
         self.exits: dict[int, int] = {}
         try:
@@ -80,15 +81,27 @@ class TrialServer:
             ready = None
         if ready and ready.get("unsafe"):
             self.close()
-            raise UnsafePreload(f"importing {ready['unsafe']} (Workload.preload) started a thread in the trials' fork "
-                                "server, where forking is then unsafe: the preload is skipped and each trial imports "
-                                "those modules itself")
+            raise UnsafePreload(_unsafe_text(ready["unsafe"]))
         if not ready or not ready.get("ready"):
             failure = self.zygote.failure(not self.zygote.timed_out)
             self.close()
             raise OSError(f"the trial fork server did not start: {failure}")
         self.import_env = dict(ready.get("import_env") or {})
         self.zygote.extend_deadline(None)
+
+    def import_more(self, modules: tuple[str, ...]) -> None:
+        """Have the running zygote import ``modules`` too (a workload's preload named after it started, as
+        when the command line starts it before the workload is known). Raises UnsafePreload (this zygote
+        closed) when one started a thread there, OSError when the zygote did not answer."""
+        with self.lock:
+            self.sock.send(json.dumps({"preload": list(modules)}).encode())
+            reply = self._next_reply("preloaded", READY_TIMEOUT_S)
+        if reply is None:
+            raise OSError("the trial fork server did not import the workload's preload")
+        if reply.get("unsafe"):
+            self.close()
+            raise UnsafePreload(_unsafe_text(reply["unsafe"]))
+        self.extra = tuple(dict.fromkeys(self.extra + tuple(modules)))
 
     def serves(self, env: dict[str, str]) -> bool:
         """Whether a trial started with ``env`` sees what one forked from this zygote sees: ``env`` is the
@@ -170,6 +183,11 @@ class TrialServer:
         self.zygote.kill()
 
 
+def _unsafe_text(module: str) -> str:
+    return (f"importing {module} (Workload.preload) started a thread in the trials' fork server, where forking is "
+            "then unsafe: the preload is skipped and each trial imports those modules itself")
+
+
 def _running(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -196,6 +214,8 @@ def ensure_server() -> TrialServer:
         if _SERVER is not None and (not _SERVER.serves(env) or not _SERVER.alive()):
             _SERVER.close()
             _SERVER = None
+        if _SERVER is not None and not set(_EXTRA) <= set(_SERVER.extra):
+            _SERVER = _with_preload(_SERVER)
         if _SERVER is None:
             try:
                 _SERVER = TrialServer(env, extra=_EXTRA)
@@ -204,6 +224,20 @@ def ensure_server() -> TrialServer:
                 use_preload(())
                 _SERVER = TrialServer(env)
         return _SERVER
+
+
+def _with_preload(server: TrialServer) -> TrialServer | None:
+    """``server`` once it has imported the workload's preload (:func:`use_preload`) too, or None (it is
+    closed) when it could not: a module that started a thread there is then dropped from the preload."""
+    try:
+        server.import_more(tuple(m for m in _EXTRA if m not in server.extra))
+        return server
+    except UnsafePreload as exc:
+        logging.getLogger(__name__).warning(str(exc))
+        use_preload(())
+    except OSError:
+        server.close()
+    return None
 
 
 def _server_env() -> dict[str, str]:
@@ -252,8 +286,8 @@ def start_server_soon(extra: tuple[str, ...] | None = None) -> None:
 
 
 def use_preload(modules: tuple[str, ...]) -> None:
-    """The workload's own modules (``Workload.preload``) that every zygote started from now on imports
-    too, so that its trials do not; one already running keeps what it imported."""
+    """The workload's own modules (``Workload.preload``) that the zygote imports too, so that its trials
+    do not: one started from now on as it starts, one already running at its next use (:func:`ensure_server`)."""
     global _EXTRA
     _EXTRA = tuple(modules)
 
@@ -295,14 +329,10 @@ def zygote_main(request: dict, send: procs.Send) -> None:
     for name in request["preload"]:
         importlib.import_module(name)
     threads = _thread_count()
-    for name in request.get("extra", ()):
-        # The workload's own modules: one that fails to import here is left for each trial to import
-        # and to report its way (a WorkloadError with the reason), not a zygote that never starts.
-        with contextlib.suppress(Exception):
-            importlib.import_module(name)
-        if _thread_count() > threads:  # it ran an op (OpenMP's pool) or started a thread: no fork is safe
-            send({"ready": False, "unsafe": name})
-            return
+    unsafe = _import_extra(request.get("extra", ()), threads)
+    if unsafe is not None:
+        send({"ready": False, "unsafe": unsafe})
+        return
     # Our parent sets these too when it imports the same modules; it must not read that as a changed
     # environment and start another zygote (two seconds of imports, at every search's first use).
     send({"ready": True, "import_env": {k: v for k, v in os.environ.items() if started_env.get(k) != v}})
@@ -313,12 +343,31 @@ def zygote_main(request: dict, send: procs.Send) -> None:
         data, fds, _flags, _addr = socket.recv_fds(sock, _MAX_REQUEST_BYTES, 2)
         if not data:
             return  # our parent closed its end
+        if not fds:  # not a trial: more modules to import (TrialServer.import_more)
+            unsafe = _import_extra(json.loads(data).get("preload", ()), threads)
+            sock.send(json.dumps({"preloaded": unsafe is None, "unsafe": unsafe}).encode())
+            if unsafe is not None:
+                return  # a thread of ours would be copied half-way into every trial: fork none
+            continue
         if len(fds) != 2:
             for fd in fds:
                 os.close(fd)
             continue
         pid = _fork_trial(json.loads(data), fds, (sock.fileno(), own_message_fd))
         sock.send(json.dumps({"pid": pid}).encode())
+
+
+def _import_extra(modules, threads: int) -> str | None:
+    """Import the workload's own modules (``Workload.preload``) in the zygote; the first that started a
+    thread (``threads``: the zygote's count before), where no fork is safe any more, or None. One that
+    fails to import is left for each trial to import and to report its way (a WorkloadError with the
+    reason), not a zygote that never starts."""
+    for name in modules:
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
+        if _thread_count() > threads:  # it ran an op (OpenMP's pool) or started a thread
+            return name
+    return None
 
 
 def _thread_count() -> int:

@@ -159,3 +159,39 @@ def test_a_preload_that_starts_a_thread_is_skipped_with_a_warning_not_forked_fro
             "forking is then unsafe: the preload is skipped and each trial imports those modules itself"]
     finally:
         forkserver.use_preload(())
+
+
+def test_a_running_zygote_imports_a_preload_named_after_it_started_and_keeps_serving(server_env):
+    # as when the command line starts the zygote before the workload (and its preload) is known
+    forkserver.stop_server()
+    forkserver.use_preload(())
+    first = forkserver.ensure_server()
+    try:
+        forkserver.use_preload(("wave", "no_such_module_here"))
+        assert forkserver.ensure_server() is first  # not restarted: the running one imported them
+        out = _finish(forkserver.start_trial("procs_entries:loaded", {"modules": ["wave"]}, timeout_s=120,
+                                             echo_stderr=False))
+        assert out["loaded"] == ["wave"]
+        assert forkserver.ensure_server() is first
+    finally:
+        forkserver.use_preload(())
+
+
+def test_a_preload_named_later_that_starts_a_thread_replaces_the_zygote_with_one_without_it(server_env, caplog):
+    forkserver.stop_server()
+    forkserver.use_preload(())
+    first = forkserver.ensure_server()
+    try:
+        forkserver.use_preload(("xml.dom.minidom", "starts_thread_on_import"))
+        with caplog.at_level("WARNING", logger="autofit.runtime.forkserver"):
+            second = forkserver.ensure_server()
+        assert second is not first and not first.alive()  # never forked from once a thread ran there
+        assert forkserver._EXTRA == ()
+        out = _finish(forkserver.start_trial("procs_entries:loaded", {"modules": ["starts_thread_on_import"]},
+                                             timeout_s=120, echo_stderr=False))
+        assert out["loaded"] == []
+        assert [r.getMessage() for r in caplog.records] == [
+            "importing starts_thread_on_import (Workload.preload) started a thread in the trials' fork server, where "
+            "forking is then unsafe: the preload is skipped and each trial imports those modules itself"]
+    finally:
+        forkserver.use_preload(())
