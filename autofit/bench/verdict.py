@@ -171,7 +171,7 @@ def cell_verdict(runs, workload: str, budget_bytes: int, sweep_names: tuple[str,
         v.checks = {c: False for c in CHECKS}
         v.notes.append("autofit's search did not run" + (f" ({mine[0].error})" if mine and mine[0].error else ""))
         return v
-    _check_answer(v, mine, live)
+    _check_answer(v, mine, live, grid, budget_bytes)
     _check_ooms(v, mine + live)
     _check_t98(v, mine, replay, sweep_names, grid)
     _check_wall(v, mine, replay, sweep_names)
@@ -180,13 +180,17 @@ def cell_verdict(runs, workload: str, budget_bytes: int, sweep_names: tuple[str,
     return v
 
 
-def _check_answer(v: CellVerdict, mine, live) -> None:
+def _check_answer(v: CellVerdict, mine, live, grid=None, budget_bytes: int = 0) -> None:
     frac = _median([r.fraction for r in mine])
     v.figures[CHECK.answer] = pct(frac)
     v.checks[CHECK.answer] = frac >= REPLAY_TARGET
     if not v.checks[CHECK.answer]:
-        wrong = sorted({r.answer.short() if r.answer else "none" for r in mine if r.fraction < REPLAY_TARGET})
-        v.notes.append(f"replayed answers under 98%: {', '.join(f'`{a}`' for a in wrong)}")
+        wrong = sorted({r.answer for r in mine if r.fraction < REPLAY_TARGET and r.answer is not None},
+                       key=lambda c: c.short())
+        none = any(r.answer is None and r.fraction < REPLAY_TARGET for r in mine)
+        v.notes.append("replayed answers under 98%: "
+                       + ", ".join([f"`{a.short()}`" for a in wrong] + ["`none`"] * none)
+                       + (_truth_cause(grid, budget_bytes, wrong) if grid is not None else ""))
     if not live:
         v.checks[CHECK.live] = None
         v.figures[CHECK.live] = "not run live"
@@ -200,6 +204,32 @@ def _check_answer(v: CellVerdict, mine, live) -> None:
         v.notes.append(f"live answer `{r.answer.short() if r.answer else 'none'}` is {pct(r.fraction)} of the grid "
                        f"optimum" + (f"; live it measured {measured:.1f} samples/s" if measured else "")
                        + "; live " + (_stop_reasons([r]) or "no stop reason recorded"))
+
+
+def _truth_cause(grid, budget_bytes: int, answers) -> str:
+    """What the grid's ground truth says of answers under 98% (``answers``): each one's truth and the
+    optimum's, with how many samples each is the best of and the gap between its two best (the truth's
+    own noise, :meth:`~autofit.bench.search_data.GridPoint.truth_noise`); where the shortfall is within
+    the larger of those gaps, the grid cannot tell the answer from one at 98%, and the note says so."""
+    best = grid.optimum(budget_bytes)
+    if best is None or not best.samples_per_s:
+        return ""
+    parts = []
+    for config in answers:
+        point = grid.points.get(config)
+        if point is None or not point.samples_per_s:
+            continue
+        gaps = [g for g in (point.truth_noise(), best.truth_noise()) if g is not None]
+        within = bool(gaps) and point.samples_per_s / best.samples_per_s >= REPLAY_TARGET - max(gaps)
+        parts.append(f"`{config.short()}` {_truth_text(point)} against the optimum `{best.config.short()}` "
+                     f"{_truth_text(best)}" + ("; a shortfall within the truth's own noise there" if within else ""))
+    return " (ground truth: " + "; ".join(parts) + ")" if parts else ""
+
+
+def _truth_text(point) -> str:
+    samples, gap = point.samples(), point.truth_noise()
+    return (f"{point.samples_per_s:.1f} samples/s, the best of {len(samples)} samples"
+            + (f" (its two best {pct(gap)} apart)" if gap is not None else ""))
 
 
 def _check_ooms(v: CellVerdict, runs) -> None:
