@@ -5,7 +5,9 @@ Runs two configs' trials alternately for ``--seconds``, each between two timings
 prints per config the trials' spread (coefficient of variation), the correlation between a trial's
 throughput and the canary's speed, and the spread left once each trial is scaled by its canary.
 A strong correlation means trials differ because the machine did, not the config: ranking by the
-best sample then favours the config that happened to run in a fast spell.
+best sample then favours the config that happened to run in a fast spell. Last, over all trials, the
+correlation between a trial's own step-to-step spread (``step_spread``) and its throughput over its
+config's best: near zero means a slow trial's steps were evenly slow, and its spread cannot tell it.
 
     python scripts/machine_drift.py [--model gpt-tiny] [--seconds 300]
 
@@ -46,22 +48,31 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=300)
     args = parser.parse_args()
     configs = [TrainConfig.parse(c) for c in CONFIGS]
-    rows: dict[TrainConfig, list[tuple[float, float]]] = {c: [] for c in configs}
+    rows: dict[TrainConfig, list[tuple[float, float, float]]] = {c: [] for c in configs}
     started = time.monotonic()
     while time.monotonic() - started < args.seconds:
         for config in configs:
             before = canary_s()
             result = run_trial(args.model, config, device="cpu", timeout_s=300, schedule=DEFAULT_SCHEDULE)
             canary = (before + canary_s()) / 2
-            rows[config].append((result.samples_per_s or float("nan"), canary))
+            rows[config].append((result.samples_per_s or float("nan"), canary,
+                                 float("nan") if result.step_spread is None else result.step_spread))
             print(f"{config.short()}: {result.samples_per_s or 0:.1f} samples/s, canary {1e3 * canary:.1f} ms",
                   flush=True)
+    shortfall, spreads = [], []
     for config, samples in rows.items():
-        throughput, canary = (np.array(v) for v in zip(*samples))
+        throughput, canary, spread = (np.array(v) for v in zip(*samples))
         cv = lambda v: 100 * v.std() / v.mean()
         print(f"{config.short()}: {len(samples)} trials, spread (cv) {cv(throughput):.1f}%, correlation with the "
               f"canary's speed {np.corrcoef(throughput, 1 / canary)[0, 1]:.2f}, spread scaled by the canary "
               f"{cv(throughput * canary):.1f}%")
+        shortfall += list(throughput / np.nanmax(throughput))
+        spreads += list(spread)
+    shortfall, spreads = np.array(shortfall), np.array(spreads)
+    known = ~np.isnan(shortfall) & ~np.isnan(spreads)
+    print(f"all trials: step spread median {100 * np.median(spreads[known]):.1f}%, max {100 * spreads[known].max():.1f}%; "
+          f"correlation between a trial's step spread and its throughput over its config's best "
+          f"{np.corrcoef(spreads[known], shortfall[known])[0, 1]:.2f} ({known.sum()} trials)")
 
 
 if __name__ == "__main__":
