@@ -29,8 +29,9 @@ import traceback
 from autofit.core.errors import AutofitError
 
 _COMMANDS = ("models", "estimate", "measure", "search", "size", "report", "export", "bench")
-# The commands whose work on the CPU forks from the trials' fork server: trials, probes, profiling workers.
-_FORKING_COMMANDS = ("estimate", "measure", "search", "size")
+# The commands that run trials, which on the CPU fork from the trials' fork server (``estimate`` only forks
+# profiling workers when its cache is cold, and a warm one would have started the server for nothing).
+_FORKING_COMMANDS = ("measure", "search", "size")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -171,13 +172,14 @@ def start_fork_server_early(argv: list[str]) -> bool:
     it on the CPU: its imports (torch, torch._dynamo: about two seconds here) then run on another core
     beside this process's own instead of after them, and a warm search's first trial starts a second or
     more sooner. Left to the command (which starts it once the device is known) where the device may be
-    a GPU: ``--device cuda``, or a GPU driver's device files present. Returns whether it started one."""
+    a GPU (``--device cuda``, or a GPU driver's device files present), and on one CPU, where nothing
+    would overlap. Returns whether it started one."""
     from autofit.runtime import forkserver
 
     words = [w for w in argv if not w.startswith("-")]
     if not words or words[0] not in _FORKING_COMMANDS or not forkserver.enabled():
         return False
-    if {"-h", "--help", "--version"} & set(argv):
+    if {"-h", "--help", "--version"} & set(argv) or _cpus() < 2:
         return False
     device = _option_value(argv, "--device")
     if device is None and any(os.path.exists(p) for p in _GPU_DEVICE_FILES):
@@ -186,6 +188,10 @@ def start_fork_server_early(argv: list[str]) -> bool:
         return False
     forkserver.start_server_soon()
     return True
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 # NVIDIA's and AMD's (ROCm: torch.cuda too) driver device files: where they exist a search may run on a GPU.

@@ -19,6 +19,7 @@ def starts(monkeypatch, tmp_path):
     monkeypatch.setattr(forkserver, "start_server_soon", lambda extra=None: asked.append(extra))
     monkeypatch.setattr(cli, "_GPU_DEVICE_FILES", (str(tmp_path / "no-such-device"),))
     monkeypatch.delenv("AUTOFIT_TRIAL_SERVER", raising=False)
+    monkeypatch.setattr(cli, "_cpus", lambda: 2)
     return asked
 
 
@@ -27,7 +28,6 @@ def starts(monkeypatch, tmp_path):
     ["--debug", "search", "--budget", "8GB", "--device", "cpu"],
     ["size", "--family", "gpt2", "--budget", "8GB", "--device=cpu"],
     ["measure", "--model", "gpt-tiny"],
-    ["estimate", "--model", "gpt-tiny"],
 ])
 def test_a_command_that_forks_on_the_cpu_starts_it(starts, argv):
     assert cli.start_fork_server_early(argv) is True
@@ -39,6 +39,7 @@ def test_a_command_that_forks_on_the_cpu_starts_it(starts, argv):
     ["search", "--device=cpu", "--budget", "8GB", "--device=cuda"],  # the last one given counts, as for argparse
     ["search", "--help"],
     ["report", "results/x"],
+    ["estimate", "--model", "gpt-tiny"],
     ["bench"],
     ["--version"],
     [],
@@ -54,6 +55,12 @@ def test_where_a_gpu_driver_is_present_only_an_explicit_cpu_device_starts_it(sta
     assert cli.start_fork_server_early(["search", "--budget", "8GB"]) is False
     assert cli.start_fork_server_early(["search", "--budget", "8GB", "--device", "cpu"]) is True
     assert starts == [None]
+
+
+def test_on_one_cpu_nothing_is_started_early(starts, monkeypatch):
+    monkeypatch.setattr(cli, "_cpus", lambda: 1)
+    assert cli.start_fork_server_early(["search", "--budget", "8GB", "--device", "cpu"]) is False
+    assert starts == []
 
 
 def test_trials_spawned_without_the_fork_server_start_nothing(starts, monkeypatch):
