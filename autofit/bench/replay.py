@@ -221,6 +221,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path,
                         help="replay every strategy and write search_cells.csv and search_replay.md into this folder")
     args = parser.parse_args(argv)
+    if args.draws and (args.out or args.swap_samples or args.done_when):
+        # a draw is already every order of the samples, and its totals are all it prints
+        given = [f for f, on in (("--out", args.out), ("--swap-samples", args.swap_samples),
+                                 ("--done-when", args.done_when)) if on]
+        parser.error(f"--draws prints its totals only: drop {', '.join(given)}")
+    if args.draws < 0:
+        parser.error("--draws must be 0 or more")
     names = args.strategy or ["autofit"]
     if args.done_when:
         names += ["autofit", "optuna-tpe"] + [s.name for s in sweeps(STRATEGIES)]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from autofit.bench import finders
 from autofit.bench import strategies as st
-from autofit.bench.replay import draws_table, shuffled
+from autofit.bench.replay import draws_table, main, shuffled
 from autofit.bench.search_data import Cell, Grid, GridPoint
 from autofit.core.config import Precision, TrainConfig
 
@@ -37,3 +39,23 @@ def test_the_draws_table_counts_every_search_once_per_draw():
     table = draws_table([_grid()], (HALVING,), 3)
     row = table.splitlines()[-1].split(" | ")
     assert row[0] == "| accelerate-x0.5" and row[1] == "3" and row[4] == "0"  # 3 searches, none under 98%
+
+
+@pytest.mark.parametrize("extra, named", [
+    (["--out", "somewhere"], "--out"),
+    (["--swap-samples"], "--swap-samples"),
+    (["--done-when", "--swap-samples"], "--swap-samples, --done-when"),
+])
+def test_draws_with_an_option_it_would_ignore_is_a_one_line_error(capsys, extra, named):
+    with pytest.raises(SystemExit) as stop:
+        main(["no-such-grid.csv", "--draws", "2", *extra])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith(f"error: --draws prints its totals only: drop {named}")
+
+
+def test_negative_draws_is_a_one_line_error(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["no-such-grid.csv", "--draws", "-1"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip().endswith("error: --draws must be 0 or more")
