@@ -27,6 +27,7 @@ import threading
 import traceback
 
 from autofit.core.errors import AutofitError
+from autofit.runtime.timing import cpus_available
 
 _COMMANDS = ("models", "estimate", "measure", "search", "size", "report", "export", "bench")
 # The commands that run trials, which on the CPU fork from the trials' fork server (``estimate`` only forks
@@ -179,7 +180,7 @@ def start_fork_server_early(argv: list[str]) -> bool:
     words = [w for w in argv if not w.startswith("-")]
     if not words or words[0] not in _FORKING_COMMANDS or not forkserver.enabled():
         return False
-    if {"-h", "--help", "--version"} & set(argv) or _cpus() < 2:
+    if {"-h", "--help", "--version"} & set(argv) or cpus_available() < 2:
         return False
     device = _option_value(argv, "--device")
     if device is None and any(os.path.exists(p) for p in _GPU_DEVICE_FILES):
@@ -188,10 +189,6 @@ def start_fork_server_early(argv: list[str]) -> bool:
         return False
     forkserver.start_server_soon()
     return True
-
-
-def _cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 # NVIDIA's and AMD's (ROCm: torch.cuda too) driver device files: where they exist a search may run on a GPU.

@@ -19,7 +19,7 @@ def starts(monkeypatch, tmp_path):
     monkeypatch.setattr(forkserver, "start_server_soon", lambda extra=None: asked.append(extra))
     monkeypatch.setattr(cli, "_GPU_DEVICE_FILES", (str(tmp_path / "no-such-device"),))
     monkeypatch.delenv("AUTOFIT_TRIAL_SERVER", raising=False)
-    monkeypatch.setattr(cli, "_cpus", lambda: 2)
+    monkeypatch.setattr(cli, "cpus_available", lambda: 2)
     return asked
 
 
@@ -58,7 +58,7 @@ def test_where_a_gpu_driver_is_present_only_an_explicit_cpu_device_starts_it(sta
 
 
 def test_on_one_cpu_nothing_is_started_early(starts, monkeypatch):
-    monkeypatch.setattr(cli, "_cpus", lambda: 1)
+    monkeypatch.setattr(cli, "cpus_available", lambda: 1)
     assert cli.start_fork_server_early(["search", "--budget", "8GB", "--device", "cpu"]) is False
     assert starts == []
 
