@@ -199,11 +199,33 @@ def _check_answer(v: CellVerdict, mine, live, grid=None, budget_bytes: int = 0) 
     v.figures[CHECK.live] = pct(r.fraction)
     v.checks[CHECK.live] = r.fraction >= LIVE_TARGET
     if not v.checks[CHECK.live]:
-        measured = next((x.outcome.samples_per_s for x in r.history
-                         if r.answer is not None and x.outcome.config == r.answer), None)
         v.notes.append(f"live answer `{r.answer.short() if r.answer else 'none'}` is {pct(r.fraction)} of the grid "
-                       f"optimum" + (f"; live it measured {measured:.1f} samples/s" if measured else "")
+                       f"optimum" + _live_samples(r, grid.optimum(budget_bytes) if grid is not None else None)
                        + "; live " + (_stop_reasons([r]) or "no stop reason recorded"))
+
+
+def _live_best(run, config) -> tuple[float, int] | None:
+    """The best of ``run``'s own samples of ``config`` (the figure a search ranks by) and how many it took."""
+    seen = [x.outcome.samples_per_s for x in run.history if x.outcome.config == config and x.outcome.samples_per_s]
+    return (max(seen), len(seen)) if seen else None
+
+
+def _live_samples(run, optimum) -> str:
+    """What the live run itself measured of its answer and of the grid's optimum: the grid's truth ranks
+    them one way, and this says whether the live samples did too, or never took the optimum."""
+    mine = _live_best(run, run.answer) if run.answer is not None else None
+    if mine is None:
+        return ""
+    text = f"; live it read {mine[0]:.1f} samples/s (the best of {mine[1]} sample(s))"
+    if optimum is None or optimum.config == run.answer:
+        return text
+    theirs = _live_best(run, optimum.config)
+    if theirs is None:
+        return text + f", and it never ran the optimum `{optimum.config.short()}`"
+    return (text + f" against the optimum `{optimum.config.short()}`'s {theirs[0]:.1f} (the best of {theirs[1]}): "
+            + (f"live the answer read {pct(mine[0] / theirs[0] - 1)} faster, where the grid's truth has it "
+               f"{pct(1 - run.fraction)} slower" if mine[0] >= theirs[0] else
+               f"live the optimum read {pct(theirs[0] / mine[0] - 1)} faster"))
 
 
 def _truth_cause(grid, budget_bytes: int, answers) -> str:

@@ -45,3 +45,30 @@ def test_a_shortfall_beyond_the_truths_own_noise_is_the_searchs():
                          "apart) against the optimum `bf16 mb=2 ga=4 ckpt=0 split=1` 100.0 samples/s, the best of 3 "
                          "samples (its two best 1.0% apart))")
     assert "within the truth's own noise" not in note
+
+
+def _live_note(grid: Grid, answer: TrainConfig, samples: list[tuple[TrainConfig, float]]) -> str:
+    from autofit.bench.problem import OracleRecord, Outcome
+
+    history = [OracleRecord(Outcome(c, "ok", s, 10 * MiB, 1.0), float(i)) for i, (c, s) in enumerate(samples)]
+    fraction = grid.points[answer].samples_per_s / grid.optimum(50 * MiB).samples_per_s
+    live = RunResult(AUTOFIT_NAME, "synthetic", 50 * MiB, 0, BenchMode.LIVE, answer, fraction, 10.0,
+                     len(history), 0, 0, None, history=history)
+    replayed = RunResult(AUTOFIT_NAME, "synthetic", 50 * MiB, 0, BenchMode.REPLAY, BEST, 1.0, 10.0, 3, 0, 0, None)
+    verdict = cell_verdict([live, replayed], "synthetic", 50 * MiB, (), grid)
+    assert verdict.checks[CHECK.live] is False
+    [note] = [n for n in verdict.notes if n.startswith("live answer")]
+    return note
+
+
+def test_a_live_miss_gives_the_live_samples_of_the_answer_and_the_optimum_by_their_best():
+    # the answer's first sample (70) is not the figure the search ranked it by (96)
+    note = _live_note(_grid((100.0, 99.0, 98.0)), FAR, [(BEST, 94.0), (FAR, 70.0), (BEST, 90.0), (FAR, 96.0)])
+    assert ("; live it read 96.0 samples/s (the best of 2 sample(s)) against the optimum "
+            "`bf16 mb=2 ga=4 ckpt=0 split=1`'s 94.0 (the best of 2): live the answer read 2.1% faster, where "
+            "the grid's truth has it 20.0% slower;") in note
+
+
+def test_a_live_miss_that_never_ran_the_optimum_says_so():
+    note = _live_note(_grid((100.0, 99.0, 98.0)), FAR, [(FAR, 80.0)])
+    assert "live it read 80.0 samples/s (the best of 1 sample(s)), and it never ran the optimum" in note
