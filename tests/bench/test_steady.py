@@ -90,3 +90,40 @@ def test_quiet_trials_are_interleaved_and_scored_by_their_median(monkeypatch):
     assert quiet == {FAST: steady.Quiet(31.0, 30.0, 32.0, 3), SLOW: steady.Quiet(29.0, 26.0, 40.0, 3)}
     row = {"quiet_samples_per_s": 29.0, "quiet_min_per_s": 26.0, "quiet_max_per_s": 40.0, "quiet_trials": 3}
     assert steady._quiet_cell(row) == "29.0 [26.0-40.0] (3)"
+
+
+def test_a_failing_check_says_what_its_search_read_of_the_fastest_answer(tmp_path):
+    rows = [_row("repeats", "8GB", 1, FAST, 1.0), _row("repeats", "8GB", 2, SLOW, 0.9),
+            _row("repeats", "8GB", 3, SLOW, 0.9)]
+    rows[1].update(fastest_in_search_per_s=88.5, fastest_in_search_samples=2)
+    rows[2].update(fastest_in_search_per_s=None, fastest_in_search_samples=0)
+    steady.write_steady(tmp_path, {"date": "today"}, steady.SteadyResults(rows, 60.0), repeats=3)
+    text = (tmp_path / "steady.md").read_text()
+    assert ("FAIL (target ≥ 95%); run 2 answered `bf16 mb=8 ga=8 ckpt=0 split=1` at 90.0 in its search, where the "
+            "fastest read 88.5 (best of 2); run 3 answered `bf16 mb=8 ga=8 ckpt=0 split=1` at 90.0 in its search, "
+            "where it never ran the fastest") in text
+    assert "| its answer |" in text and "| 88.5 (best of 2) |" in text and "| not run |" in text
+    table = pd.read_csv(tmp_path / "steady.csv")
+    assert list(table["fastest_in_search_samples"].fillna(0)) == [0, 2, 0]
+
+
+def test_each_run_records_what_it_read_of_the_fastest_answer(tmp_path, monkeypatch):
+    answers = iter([(FAST, {FAST: (101.0, 2), SLOW: (99.0, 1)}), (SLOW, {FAST: (95.0, 3), SLOW: (98.0, 2)}),
+                    (SLOW, {SLOW: (80.0, 1)})])
+
+    def search_row(check, budget, run, out):
+        config, seen = next(answers)
+        return {**_row(check, budget, run, config, None), "seen": seen}
+
+    monkeypatch.setattr(steady, "_search_row", search_row)
+    monkeypatch.setattr(steady, "_measure_quietly", lambda configs, rounds, progress: {
+        FAST: steady.Quiet(100.0, 90.0, 104.0, 3), SLOW: steady.Quiet(90.0, 80.0, 95.0, 3)})
+    res = steady.run_steady(tmp_path, {}, quick=True)
+    assert [(r["fastest_in_search_per_s"], r["fastest_in_search_samples"]) for r in res.rows] == [
+        (101.0, 2), (95.0, 3), (None, 0)]
+
+
+def test_a_search_ranks_each_config_by_the_best_of_its_samples():
+    table = pd.DataFrame([{**FAST.to_dict(), "samples_per_s": 90.0}, {**SLOW.to_dict(), "samples_per_s": 70.0},
+                          {**FAST.to_dict(), "samples_per_s": 95.0}, {**SLOW.to_dict(), "samples_per_s": None}])
+    assert steady._best_samples(table) == {FAST: (95.0, 2), SLOW: (70.0, 1)}
