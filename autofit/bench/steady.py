@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from autofit.bench.common import Report, markdown_table, pct, write_csv
+from autofit.core.records import best_sample, config_samples
 from autofit.report.tables import RAN
 
 MODEL = "gpt-tiny"
@@ -102,6 +103,7 @@ class BusyCore:
 
 def _search_row(check: str, budget: str, run: int, out: Path) -> dict:
     import autofit
+    from autofit.study.storage import load_snapshot
 
     started = time.perf_counter()
     res = autofit.search(MODEL, budget, out=out, device="cpu", progress=False)
@@ -110,22 +112,17 @@ def _search_row(check: str, budget: str, run: int, out: Path) -> dict:
     waits = real["max_wait_share"].dropna()
     return {"check": check, "budget": budget, "run": run, "answer": res.best.short() if res.best else None,
             "config": res.best, "search_samples_per_s": (res.best_measured or {}).get("samples_per_s"),
-            "seen": _best_samples(real),
+            "seen": _best_samples(load_snapshot(out).records),
             "quiet_samples_per_s": None, "share_of_best": None, "wall_s": time.perf_counter() - started,
             "real_trials": len(real), "starved_steps": int(real["starved_steps"].fillna(0).sum()),
             "max_wait_share": float(waits.max()) if len(waits) else None}
 
 
-def _best_samples(real) -> dict:
-    """Each config a search ran: the best of its samples there (what the search ranks by) and how many."""
-    from autofit.core.config import TrainConfig
-
-    seen: dict = {}
-    for _, row in real.dropna(subset=["samples_per_s"]).iterrows():
-        config = TrainConfig.from_row(row)
-        best, n = seen.get(config, (0.0, 0))
-        seen[config] = (max(best, float(row["samples_per_s"])), n + 1)
-    return seen
+def _best_samples(records) -> dict:
+    """Each config a search ran ok under the budget: the samples/s of the sample it is ranked by
+    (:func:`autofit.core.records.best_sample`) and how many samples it has."""
+    return {config: (best_sample(samples).measurement.get("samples_per_s"), len(samples))
+            for config, samples in config_samples(records).items()}
 
 
 class Quiet(NamedTuple):

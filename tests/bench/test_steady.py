@@ -124,6 +124,10 @@ def test_each_run_records_what_it_read_of_the_fastest_answer(tmp_path, monkeypat
 
 
 def test_a_search_ranks_each_config_by_the_best_of_its_samples():
-    table = pd.DataFrame([{**FAST.to_dict(), "samples_per_s": 90.0}, {**SLOW.to_dict(), "samples_per_s": 70.0},
-                          {**FAST.to_dict(), "samples_per_s": 95.0}, {**SLOW.to_dict(), "samples_per_s": None}])
-    assert steady._best_samples(table) == {FAST: (95.0, 2), SLOW: (70.0, 1)}
+    from autofit.core.records import TrialRecord, TrialStatus
+
+    fits = {"peak_over_budget_bytes": -1.0, "failed": 0.0}
+    records = [TrialRecord(n, c, TrialStatus.OK, value=v, measurement={"samples_per_s": v}, constraints=fits)
+               for n, (c, v) in enumerate([(FAST, 90.0), (SLOW, 70.0), (FAST, 95.0)])]
+    records.append(TrialRecord(3, SLOW, TrialStatus.PRUNED))  # no sample
+    assert steady._best_samples(records) == {FAST: (95.0, 2), SLOW: (70.0, 1)}
